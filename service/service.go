@@ -1,0 +1,219 @@
+// Package service holds the domain types every proxy mode works from: a Snapshot of
+// Service ports and their endpoints, built from Kubernetes Service and EndpointSlice
+// objects whatever their source (API server or manifests on disk).
+package service
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"time"
+)
+
+// PortName names one port of one Service: namespace/name:port. Port is the
+// ServicePort's name and may be empty for single-port Services.
+type PortName struct {
+	Namespace string
+	Name      string
+	Port      string
+}
+
+func (n PortName) String() string {
+	if n.Port == "" {
+		return n.Namespace + "/" + n.Name
+	}
+	return n.Namespace + "/" + n.Name + ":" + n.Port
+}
+
+// Less orders PortNames by namespace, name, then port name.
+func (n PortName) Less(o PortName) bool {
+	if n.Namespace != o.Namespace {
+		return n.Namespace < o.Namespace
+	}
+	if n.Name != o.Name {
+		return n.Name < o.Name
+	}
+	return n.Port < o.Port
+}
+
+// Protocol is a Service port's transport protocol, spelled as in the Kubernetes API.
+type Protocol string
+
+const (
+	TCP  Protocol = "TCP"
+	UDP  Protocol = "UDP"
+	SCTP Protocol = "SCTP"
+)
+
+// DefaultAffinityTimeout is the ClientIP affinity timeout when a Service gives none
+// (Kubernetes' default of 10800 seconds).
+const DefaultAffinityTimeout = 10800 * time.Second
+
+// Endpoint is one backend address of a Service port, with the conditions reported
+// for it by its EndpointSlice.
+type Endpoint struct {
+	Addr        netip.AddrPort
+	Ready       bool
+	Serving     bool
+	Terminating bool
+	NodeName    string
+	Zone        string
+	// ZoneHints and NodeHints are the topology hints of the endpoint (empty when none).
+	ZoneHints []string
+	NodeHints []string
+	// Local is true when the endpoint runs on this node (NodeName equals the node
+	// name the snapshot was built for).
+	Local bool
+}
+
+func (e Endpoint) String() string { return e.Addr.String() }
+
+// Port is one Service port with everything any mode needs to program it.
+type Port struct {
+	Name     PortName
+	Protocol Protocol
+	// Port is the Service's port number (the port clients connect to on the virtual IPs).
+	Port int
+
+	ClusterIPs      []netip.Addr
+	ExternalIPs     []netip.Addr
+	LoadBalancerIPs []netip.Addr
+	// LoadBalancerSourceRanges restricts which clients may reach LoadBalancerIPs
+	// (empty: everyone).
+	LoadBalancerSourceRanges []netip.Prefix
+	NodePort                 int
+	HealthCheckNodePort      int
+
+	// AffinityClientIP is true for sessionAffinity: ClientIP; AffinityTimeout then
+	// holds timeoutSeconds (DefaultAffinityTimeout when unset).
+	AffinityClientIP bool
+	AffinityTimeout  time.Duration
+
+	// ExternalPolicyLocal and InternalPolicyLocal are the traffic policies
+	// externalTrafficPolicy: Local and internalTrafficPolicy: Local.
+	ExternalPolicyLocal bool
+	InternalPolicyLocal bool
+	// TrafficDistribution is spec.trafficDistribution ("" when unset).
+	TrafficDistribution string
+
+	// Endpoints are every endpoint of this port across all the Service's slices,
+	// sorted by address, without duplicates. Use ClusterEndpoints / LocalEndpoints
+	// for the ones that should carry traffic.
+	Endpoints []Endpoint
+
+	// LastChangeTriggerTime is the newest endpoints.kubernetes.io/last-change-trigger-time
+	// of the Service's slices (zero when unknown).
+	LastChangeTriggerTime time.Time
+}
+
+// Snapshot is the complete desired state at one moment: every proxyable Service port,
+// ordered by name. A Snapshot is never modified once built; modes may keep it.
+type Snapshot struct {
+	Ports []*Port
+	// Errors are the objects that could not be used, each naming the object and field.
+	// Their Services are left out (or keep their last good state, at the source's choice);
+	// every other Service is unaffected.
+	Errors []error
+	// Built is when the snapshot was assembled.
+	Built time.Time
+}
+
+// Lookup returns the port with the given name, or nil.
+func (s *Snapshot) Lookup(name PortName) *Port {
+	i := sort.Search(len(s.Ports), func(i int) bool { return !s.Ports[i].Name.Less(name) })
+	if i < len(s.Ports) && s.Ports[i].Name == name {
+		return s.Ports[i]
+	}
+	return nil
+}
+
+// usable returns the endpoints that should carry traffic among eps: the ready ones,
+// or, when none is ready, the serving and terminating ones (as kube-proxy does, so a
+// Service whose pods are all shutting down keeps working until they stop serving).
+func usable(eps []Endpoint, keep func(Endpoint) bool) []Endpoint {
+	var ready, terminating []Endpoint
+	for _, e := range eps {
+		if !keep(e) {
+			continue
+		}
+		switch {
+		case e.Ready:
+			ready = append(ready, e)
+		case e.Serving && e.Terminating:
+			terminating = append(terminating, e)
+		}
+	}
+	if len(ready) > 0 {
+		return ready
+	}
+	return terminating
+}
+
+// ClusterEndpoints returns the endpoints for traffic to the ClusterIPs: with
+// internalTrafficPolicy Local only this node's, otherwise all (narrowed by topology
+// hints when every usable endpoint carries hints for zone; zone "" disables hints).
+func (p *Port) ClusterEndpoints(zone string) []Endpoint {
+	if p.InternalPolicyLocal {
+		return p.LocalEndpoints()
+	}
+	return p.byTopology(zone)
+}
+
+// ExternalEndpoints returns the endpoints for traffic arriving through NodePorts,
+// ExternalIPs and LoadBalancer IPs: with externalTrafficPolicy Local only this node's.
+func (p *Port) ExternalEndpoints(zone string) []Endpoint {
+	if p.ExternalPolicyLocal {
+		return p.LocalEndpoints()
+	}
+	return p.byTopology(zone)
+}
+
+// LocalEndpoints returns the usable endpoints on this node.
+func (p *Port) LocalEndpoints() []Endpoint {
+	return usable(p.Endpoints, func(e Endpoint) bool { return e.Local })
+}
+
+// byTopology applies topology hints the way kube-proxy does: only when every usable
+// endpoint has hints and some hint names this zone; otherwise all usable endpoints.
+func (p *Port) byTopology(zone string) []Endpoint {
+	all := usable(p.Endpoints, func(Endpoint) bool { return true })
+	if zone == "" || len(all) == 0 {
+		return all
+	}
+	var inZone []Endpoint
+	for _, e := range all {
+		if len(e.ZoneHints) == 0 {
+			return all
+		}
+		for _, z := range e.ZoneHints {
+			if z == zone {
+				inZone = append(inZone, e)
+				break
+			}
+		}
+	}
+	if len(inZone) == 0 {
+		return all
+	}
+	return inZone
+}
+
+// IdentityEqual reports whether a and b would be served by the same proxy listener:
+// same name and protocol. Everything else (virtual IPs, ports, endpoints, affinity)
+// can change under a running listener.
+func IdentityEqual(a, b *Port) bool {
+	return a.Name == b.Name && a.Protocol == b.Protocol
+}
+
+// FieldError is an error about one field of one object, as "kind ns/name: field: msg".
+type FieldError struct {
+	Kind      string // "Service" or "EndpointSlice"
+	Namespace string
+	Name      string
+	Field     string // JSON path, e.g. spec.ports[1].port
+	Msg       string
+}
+
+func (e *FieldError) Error() string {
+	return fmt.Sprintf("%s %s/%s: %s: %s", e.Kind, e.Namespace, e.Name, e.Field, e.Msg)
+}
