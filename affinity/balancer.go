@@ -1,0 +1,381 @@
+// Package affinity chooses the backend endpoint for each new connection to a Service
+// port, with IPVS's scheduler semantics and Kubernetes' ClientIP session affinity.
+//
+// One Balancer serves one Service port; the proxier updates it on every sync and the
+// proxy sockets pick through it:
+//
+//	b, err := affinity.NewBalancer("lc")
+//	...
+//	b.Update(endpoints, clusterIP, port.AffinityClientIP, port.AffinityTimeout)
+//	ep, err := b.Pick(client, tried) // tried: endpoints this connection already failed on
+//	...
+//	b.Release(ep) // when the connection ends
+package affinity
+
+import (
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/socket"
+)
+
+var _ socket.Picker = (*Balancer)(nil)
+
+// minSweep is the affinity table size below which Pick never sweeps: sweeping a small
+// table would cost more than the memory it frees.
+const minSweep = 1024
+
+// A Balancer picks endpoints for one Service port. It is safe for concurrent use; the
+// zero value is not usable, call NewBalancer.
+//
+// Expired affinity entries are removed lazily: an entry found expired by Pick is
+// rewritten in place, Update drops every expired entry, and when a Pick is about to
+// add a client to a table that has reached sweepAt entries, it sweeps the whole table
+// first and sets sweepAt to twice the entries that survived (at least minSweep). The
+// sweeps cost amortised O(1) per new client, and the table never holds more than
+// max(minSweep, 2×live) entries, live being the clients seen within one timeout.
+// Sweep is exported for callers that want to free memory on their own schedule.
+type Balancer struct {
+	sched scheduler
+	now   func() time.Time // replaced only by tests, before first use
+
+	mu sync.Mutex
+	// eps are the endpoints in the order Update gave them; index maps each address
+	// to its position. Addresses are unique.
+	eps   []backend
+	index map[netip.AddrPort]int
+	// next is the index after the last endpoint chosen by the scheduler (not by
+	// affinity): where rr resumes and where lc, sed and nq start breaking ties.
+	// 0 <= next < len(eps) whenever eps is not empty.
+	next int
+	// buckets maps hash buckets to eps indexes for sh and dh (nil for the others);
+	// len(buckets) == 1<<bucketBits and every endpoint owns at least one bucket.
+	buckets    []int32
+	bucketBits uint
+	dstHash    uint32
+
+	affinity bool
+	timeout  time.Duration
+	// clients is the ClientIP affinity table, nil while affinity is off. Every
+	// entry names an endpoint in index.
+	clients map[netip.Addr]entry
+	sweepAt int
+
+	counters Counters
+}
+
+type backend struct {
+	addr   netip.AddrPort
+	active int
+	// weight is always 1 today (EndpointSlices carry no weights); sed honours it.
+	weight int
+}
+
+type entry struct {
+	ep       netip.AddrPort
+	lastUsed time.Time
+}
+
+// NewBalancer returns a Balancer with no endpoints using the named scheduler (""
+// means DefaultScheduler).
+func NewBalancer(scheduler string) (*Balancer, error) {
+	s, err := parseScheduler(scheduler)
+	if err != nil {
+		return nil, err
+	}
+	return &Balancer{sched: s, now: time.Now, sweepAt: minSweep}, nil
+}
+
+// Scheduler returns the name of b's scheduler.
+func (b *Balancer) Scheduler() string { return b.sched.String() }
+
+// Update replaces the endpoint set and the affinity settings. dst is the Service's
+// first virtual IP, hashed by dh (it may be the zero Addr). A timeout <= 0 means
+// service.DefaultAffinityTimeout.
+//
+// Endpoints that remain keep their active counts and affinity entries; entries of
+// removed endpoints are dropped, as are expired entries and, when clientIPAffinity is
+// false, all entries. A changed timeout applies to existing entries at once, since
+// expiry is judged against the current timeout. Duplicate and invalid addresses in
+// endpoints are ignored.
+func (b *Balancer) Update(endpoints []netip.AddrPort, dst netip.Addr, clientIPAffinity bool, timeout time.Duration) {
+	if timeout <= 0 {
+		timeout = service.DefaultAffinityTimeout
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+
+	eps := make([]backend, 0, len(endpoints))
+	index := make(map[netip.AddrPort]int, len(endpoints))
+	for _, ep := range endpoints {
+		if !ep.IsValid() {
+			continue
+		}
+		if _, dup := index[ep]; dup {
+			continue
+		}
+		be := backend{addr: ep, weight: 1}
+		if i, ok := b.index[ep]; ok {
+			be.active = b.eps[i].active
+		}
+		index[ep] = len(eps)
+		eps = append(eps, be)
+	}
+	b.eps, b.index = eps, index
+	// Keep the rotation where it was rather than restarting it: with frequent
+	// updates a restart would favour the first endpoints.
+	if b.next >= len(eps) {
+		b.next = 0
+	}
+	b.buckets, b.bucketBits = nil, 0
+	if b.sched.hashed() {
+		b.buckets, b.bucketBits = buildBuckets(eps)
+	}
+	b.dstHash = hashAddr(dst.Unmap())
+
+	b.affinity, b.timeout = clientIPAffinity, timeout
+	if !clientIPAffinity {
+		b.clients = nil
+		b.sweepAt = minSweep
+		return
+	}
+	if b.clients == nil {
+		b.clients = make(map[netip.Addr]entry)
+	}
+	now := b.now()
+	for c, e := range b.clients {
+		if _, ok := index[e.ep]; !ok {
+			delete(b.clients, c)
+		} else if !b.live(e, now) {
+			delete(b.clients, c)
+			b.counters.AffinityExpired++
+		}
+	}
+}
+
+// live reports whether e is still within the timeout at now.
+func (b *Balancer) live(e entry, now time.Time) bool {
+	return now.Sub(e.lastUsed) < b.timeout
+}
+
+// Pick returns the endpoint for a new connection from client, avoiding those in tried
+// unless every endpoint has been tried (then it chooses among all again). With ClientIP
+// affinity, a client whose entry is live, names a current endpoint and is not in
+// tried gets that endpoint again and the entry's LastUsed slides to now; otherwise
+// the scheduler chooses and the entry is rewritten. The endpoint counts as active
+// until Release. Pick returns socket.ErrNoEndpoints when there is no endpoint.
+func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPort, error) {
+	client = client.Unmap()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.eps) == 0 {
+		return netip.AddrPort{}, socket.ErrNoEndpoints
+	}
+	if b.allTried(tried) {
+		tried = nil
+	}
+	var now time.Time
+	if b.affinity {
+		now = b.now()
+		i, found, hit := b.sticky(client, tried, now)
+		if hit {
+			b.eps[i].active++
+			b.clients[client] = entry{ep: b.eps[i].addr, lastUsed: now}
+			b.counters.AffinityHits++
+			return b.eps[i].addr, nil
+		}
+		b.counters.AffinityMisses++
+		if !found && len(b.clients) >= b.sweepAt {
+			b.sweepLocked(now)
+		}
+	}
+	i := b.schedule(client, tried)
+	b.next = i + 1
+	if b.next == len(b.eps) {
+		b.next = 0
+	}
+	b.eps[i].active++
+	if b.affinity {
+		b.clients[client] = entry{ep: b.eps[i].addr, lastUsed: now}
+	}
+	return b.eps[i].addr, nil
+}
+
+// sticky looks client up in the affinity table: found reports an entry exists, hit
+// that it is usable now, and then i is its endpoint's index. An expired entry is
+// counted here; the caller overwrites it.
+func (b *Balancer) sticky(client netip.Addr, tried []netip.AddrPort, now time.Time) (i int, found, hit bool) {
+	e, found := b.clients[client]
+	if !found {
+		return 0, false, false
+	}
+	if !b.live(e, now) {
+		b.counters.AffinityExpired++
+		return 0, true, false
+	}
+	i, ok := b.index[e.ep]
+	if !ok || slices.Contains(tried, e.ep) {
+		return 0, true, false
+	}
+	return i, true, true
+}
+
+// allTried reports whether tried covers every endpoint. It cannot when it is shorter
+// than the set (the common case, answered without a scan).
+func (b *Balancer) allTried(tried []netip.AddrPort) bool {
+	if len(tried) < len(b.eps) {
+		return false
+	}
+	for i := range b.eps {
+		if !slices.Contains(tried, b.eps[i].addr) {
+			return false
+		}
+	}
+	return true
+}
+
+// Release ends one activity begun by Pick on ep. Releasing an endpoint that has since
+// left the set does nothing; an endpoint that left and came back restarted its count
+// at zero, so the count is never taken below zero.
+func (b *Balancer) Release(ep netip.AddrPort) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if i, ok := b.index[ep]; ok && b.eps[i].active > 0 {
+		b.eps[i].active--
+	}
+}
+
+// ResetAffinity forgets client's sticky endpoint; the proxy calls it after a failed
+// dial so that the client's next connection is scheduled afresh.
+func (b *Balancer) ResetAffinity(client netip.Addr) {
+	client = client.Unmap()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if _, ok := b.clients[client]; ok {
+		delete(b.clients, client)
+		b.counters.AffinityResets++
+	}
+}
+
+// Sweep removes the affinity entries expired at now and returns how many it removed.
+func (b *Balancer) Sweep(now time.Time) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.sweepLocked(now)
+}
+
+func (b *Balancer) sweepLocked(now time.Time) int {
+	before := len(b.clients)
+	for c, e := range b.clients {
+		if !b.live(e, now) {
+			delete(b.clients, c)
+		}
+	}
+	removed := before - len(b.clients)
+	b.counters.AffinityExpired += uint64(removed)
+	// Maps keep their buckets after deletes; rebuild one that emptied out so a burst
+	// of clients does not pin its memory for the life of the Service.
+	if b.clients != nil && before > minSweep && len(b.clients) < before/4 {
+		fresh := make(map[netip.Addr]entry, len(b.clients))
+		for c, e := range b.clients {
+			fresh[c] = e
+		}
+		b.clients = fresh
+	}
+	b.sweepAt = max(minSweep, 2*len(b.clients))
+	return removed
+}
+
+// Peek returns the endpoint Pick would return for client with nothing tried, and
+// whether it would come from an affinity entry, without changing any state (no active
+// count, no rotation, no entry, no counter). It is for explaining, not for dialing.
+func (b *Balancer) Peek(client netip.Addr) (ep netip.AddrPort, sticky bool, err error) {
+	client = client.Unmap()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.eps) == 0 {
+		return netip.AddrPort{}, false, socket.ErrNoEndpoints
+	}
+	if b.affinity {
+		if e, ok := b.clients[client]; ok && b.live(e, b.now()) {
+			if i, ok := b.index[e.ep]; ok {
+				return b.eps[i].addr, true, nil
+			}
+		}
+	}
+	return b.eps[b.schedule(client, nil)].addr, false, nil
+}
+
+// Counters are cumulative over a Balancer's life.
+type Counters struct {
+	// AffinityHits counts Picks answered by a live affinity entry.
+	AffinityHits uint64 `json:"affinityHits"`
+	// AffinityMisses counts Picks with affinity on that the scheduler had to answer
+	// (no entry, an expired one, or its endpoint gone or tried).
+	AffinityMisses uint64 `json:"affinityMisses"`
+	// AffinityResets counts entries removed by ResetAffinity.
+	AffinityResets uint64 `json:"affinityResets"`
+	// AffinityExpired counts entries that timed out, whether found by Pick, Update or
+	// a sweep.
+	AffinityExpired uint64 `json:"affinityExpired"`
+}
+
+// State is a copy of a Balancer's state, for /debug/services and explain.
+type State struct {
+	Scheduler string          `json:"scheduler"`
+	Endpoints []EndpointState `json:"endpoints"`
+	// Next is the endpoint where the scheduler's rotation resumes (rr's next choice
+	// when nothing is tried); zero when there are no endpoints.
+	Next                   netip.AddrPort `json:"next"`
+	ClientIPAffinity       bool           `json:"clientIPAffinity"`
+	AffinityTimeoutSeconds float64        `json:"affinityTimeoutSeconds,omitempty"`
+	// Affinity holds the live entries, ordered by client.
+	Affinity []Entry  `json:"affinity,omitempty"`
+	Counters Counters `json:"counters"`
+}
+
+// EndpointState is one endpoint with its active connections (or UDP flows).
+type EndpointState struct {
+	Addr   netip.AddrPort `json:"addr"`
+	Active int            `json:"active"`
+}
+
+// Entry is one ClientIP affinity entry.
+type Entry struct {
+	Client   netip.Addr     `json:"client"`
+	Endpoint netip.AddrPort `json:"endpoint"`
+	LastUsed time.Time      `json:"lastUsed"`
+}
+
+// State returns a snapshot of b. Expired entries that have not been swept yet are
+// left out.
+func (b *Balancer) State() State {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	s := State{
+		Scheduler:        b.sched.String(),
+		Endpoints:        make([]EndpointState, len(b.eps)),
+		ClientIPAffinity: b.affinity,
+		Counters:         b.counters,
+	}
+	for i, e := range b.eps {
+		s.Endpoints[i] = EndpointState{Addr: e.addr, Active: e.active}
+	}
+	if len(b.eps) > 0 {
+		s.Next = b.eps[b.next].addr
+	}
+	if b.affinity {
+		s.AffinityTimeoutSeconds = b.timeout.Seconds()
+		now := b.now()
+		for c, e := range b.clients {
+			if b.live(e, now) {
+				s.Affinity = append(s.Affinity, Entry{Client: c, Endpoint: e.ep, LastUsed: e.lastUsed})
+			}
+		}
+		slices.SortFunc(s.Affinity, func(x, y Entry) int { return x.Client.Compare(y.Client) })
+	}
+	return s
+}
