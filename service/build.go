@@ -1,0 +1,261 @@
+package service
+
+import (
+	"cmp"
+	"net/netip"
+	"slices"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+)
+
+// BuildOptions are the facts about this node that a Snapshot depends on.
+type BuildOptions struct {
+	// NodeName is this node's name; endpoints whose nodeName equals it are Local.
+	// If empty, no endpoint is Local.
+	NodeName string
+}
+
+// objectKey names a namespaced object.
+type objectKey struct{ namespace, name string }
+
+// Build converts Services and EndpointSlices into a Snapshot with one Port per
+// ServicePort, sorted by name.
+//
+// Headless and ExternalName Services are skipped silently, as are FQDN slices. Every
+// object that fails ValidateService or ValidateEndpointSlice is left out and its
+// errors go to Snapshot.Errors; so does every repeated Service or slice (same
+// namespace and name), of which the first one given is used. Build never modifies
+// its arguments, which may come straight from an informer cache, and accepts nil
+// entries.
+func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts BuildOptions) *Snapshot {
+	snap := &Snapshot{Built: time.Now()}
+
+	bySvc := make(map[objectKey][]*discoveryv1.EndpointSlice)
+	seenSlices := make(map[objectKey]bool, len(epSlices))
+	for _, s := range epSlices {
+		if s == nil || s.AddressType == discoveryv1.AddressTypeFQDN {
+			continue
+		}
+		if errs := ValidateEndpointSlice(s); len(errs) > 0 {
+			snap.Errors = append(snap.Errors, errs...)
+			continue
+		}
+		if seenSlices[objectKey{s.Namespace, s.Name}] {
+			snap.Errors = append(snap.Errors, duplicate("EndpointSlice", s.Namespace, s.Name))
+			continue
+		}
+		seenSlices[objectKey{s.Namespace, s.Name}] = true
+		k := objectKey{s.Namespace, s.Labels[discoveryv1.LabelServiceName]}
+		bySvc[k] = append(bySvc[k], s)
+	}
+
+	seenSvcs := make(map[objectKey]bool, len(svcs))
+	for _, svc := range svcs {
+		if svc == nil {
+			continue
+		}
+		if errs := ValidateService(svc); len(errs) > 0 {
+			snap.Errors = append(snap.Errors, errs...)
+			continue
+		}
+		if skipService(svc) {
+			continue
+		}
+		k := objectKey{svc.Namespace, svc.Name}
+		if seenSvcs[k] {
+			snap.Errors = append(snap.Errors, duplicate("Service", svc.Namespace, svc.Name))
+			continue
+		}
+		seenSvcs[k] = true
+		snap.Ports = append(snap.Ports, servicePorts(svc, bySvc[k], opts)...)
+	}
+
+	slices.SortFunc(snap.Ports, func(a, b *Port) int {
+		switch {
+		case a.Name.Less(b.Name):
+			return -1
+		case b.Name.Less(a.Name):
+			return 1
+		}
+		return 0
+	})
+	// Sources hand objects over in no particular order (informer caches are maps);
+	// ordering by object keeps Errors stable between identical Snapshots while each
+	// object's own errors stay in field order.
+	slices.SortStableFunc(snap.Errors, func(a, b error) int {
+		fa, fb := asFieldError(a), asFieldError(b)
+		return cmp.Or(
+			cmp.Compare(fa.Kind, fb.Kind),
+			cmp.Compare(fa.Namespace, fb.Namespace),
+			cmp.Compare(fa.Name, fb.Name),
+		)
+	})
+	return snap
+}
+
+func asFieldError(err error) *FieldError {
+	if fe, ok := err.(*FieldError); ok {
+		return fe
+	}
+	return &FieldError{}
+}
+
+func duplicate(kind, namespace, name string) error {
+	return &FieldError{Kind: kind, Namespace: namespace, Name: name, Field: "metadata.name",
+		Msg: "defined more than once; the first definition is used"}
+}
+
+// servicePorts converts a valid, proxyable Service and its valid slices into one Port
+// per ServicePort. The Ports of one Service share their address slices: a Snapshot is
+// never modified, so sharing is safe and saves copies for many-port Services.
+func servicePorts(svc *v1.Service, eps []*discoveryv1.EndpointSlice, opts BuildOptions) []*Port {
+	spec := &svc.Spec
+	base := Port{
+		InternalPolicyLocal: deref(spec.InternalTrafficPolicy) == v1.ServiceInternalTrafficPolicyLocal,
+		ExternalPolicyLocal: spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
+		TrafficDistribution: deref(spec.TrafficDistribution),
+		HealthCheckNodePort: int(spec.HealthCheckNodePort),
+	}
+
+	// Validation guarantees every address below parses.
+	clusterIPs := spec.ClusterIPs
+	if len(clusterIPs) == 0 && spec.ClusterIP != "" {
+		clusterIPs = []string{spec.ClusterIP}
+	}
+	base.ClusterIPs = parseIPs(clusterIPs)
+	base.ExternalIPs = parseIPs(spec.ExternalIPs)
+	for _, ing := range svc.Status.LoadBalancer.Ingress {
+		if ip, ok := parseIP(ing.IP); ok {
+			base.LoadBalancerIPs = append(base.LoadBalancerIPs, ip)
+		}
+	}
+	for _, s := range spec.LoadBalancerSourceRanges {
+		if p, ok := parseSourceRange(s); ok {
+			base.LoadBalancerSourceRanges = append(base.LoadBalancerSourceRanges, p)
+		}
+	}
+
+	if spec.SessionAffinity == v1.ServiceAffinityClientIP {
+		base.AffinityClientIP = true
+		base.AffinityTimeout = DefaultAffinityTimeout
+		if c := spec.SessionAffinityConfig; c != nil && c.ClientIP != nil && c.ClientIP.TimeoutSeconds != nil {
+			base.AffinityTimeout = time.Duration(*c.ClientIP.TimeoutSeconds) * time.Second
+		}
+	}
+
+	// Merge slices in name order so that which of two equally ready duplicates wins
+	// does not depend on the order the source listed them.
+	eps = slices.Clone(eps)
+	slices.SortFunc(eps, func(a, b *discoveryv1.EndpointSlice) int { return cmp.Compare(a.Name, b.Name) })
+	for _, s := range eps {
+		t, err := time.Parse(time.RFC3339, s.Annotations[v1.EndpointsLastChangeTriggerTime])
+		// An unparsable trigger time only costs a latency measurement; it is ignored
+		// rather than failing an otherwise good slice.
+		if err == nil && t.After(base.LastChangeTriggerTime) {
+			base.LastChangeTriggerTime = t
+		}
+	}
+
+	ports := make([]*Port, 0, len(spec.Ports))
+	for _, sp := range spec.Ports {
+		p := base
+		p.Name = PortName{Namespace: svc.Namespace, Name: svc.Name, Port: sp.Name}
+		p.Protocol = Protocol(protocolOrTCP(sp.Protocol))
+		p.Port = int(sp.Port)
+		p.NodePort = int(sp.NodePort)
+		p.Endpoints = portEndpoints(sp, eps, opts)
+		ports = append(ports, &p)
+	}
+	return ports
+}
+
+// portEndpoints collects the endpoints of one ServicePort from the Service's slices:
+// a slice port serves it when name and protocol match. Each address is one Endpoint;
+// an address seen twice keeps its ready instance.
+func portEndpoints(sp v1.ServicePort, eps []*discoveryv1.EndpointSlice, opts BuildOptions) []Endpoint {
+	var out []Endpoint
+	index := make(map[netip.AddrPort]int)
+	proto := protocolOrTCP(sp.Protocol)
+	for _, s := range eps {
+		num, ok := slicePort(s, sp.Name, proto)
+		if !ok {
+			continue
+		}
+		for _, ep := range s.Endpoints {
+			// Unknown readiness counts as ready (the API's advice to consumers);
+			// unknown serving follows ready; unknown terminating is not terminating.
+			ready := ep.Conditions.Ready == nil || *ep.Conditions.Ready
+			serving := ready
+			if ep.Conditions.Serving != nil {
+				serving = *ep.Conditions.Serving
+			}
+			node := deref(ep.NodeName)
+			e := Endpoint{
+				Ready:       ready,
+				Serving:     serving,
+				Terminating: deref(ep.Conditions.Terminating),
+				NodeName:    node,
+				Zone:        deref(ep.Zone),
+				Local:       opts.NodeName != "" && node == opts.NodeName,
+			}
+			if h := ep.Hints; h != nil {
+				for _, z := range h.ForZones {
+					e.ZoneHints = append(e.ZoneHints, z.Name)
+				}
+				for _, n := range h.ForNodes {
+					e.NodeHints = append(e.NodeHints, n.Name)
+				}
+			}
+			for _, a := range ep.Addresses {
+				ip, ok := parseIP(a)
+				if !ok {
+					continue // unreachable after validation; kept for safety
+				}
+				e.Addr = netip.AddrPortFrom(ip, num)
+				if i, dup := index[e.Addr]; dup {
+					if e.Ready && !out[i].Ready {
+						out[i] = e
+					}
+					continue
+				}
+				index[e.Addr] = len(out)
+				out = append(out, e)
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b Endpoint) int { return a.Addr.Compare(b.Addr) })
+	return out
+}
+
+// slicePort finds the port number that s gives for the ServicePort named name.
+// Ports without a number (the API's "all ports") cannot be programmed and never match.
+func slicePort(s *discoveryv1.EndpointSlice, name string, proto v1.Protocol) (uint16, bool) {
+	for _, p := range s.Ports {
+		if deref(p.Name) != name || p.Port == nil || !validPort(*p.Port) {
+			continue
+		}
+		pp := v1.ProtocolTCP
+		if p.Protocol != nil {
+			pp = *p.Protocol
+		}
+		if pp == proto {
+			return uint16(*p.Port), true
+		}
+	}
+	return 0, false
+}
+
+func parseIPs(ss []string) []netip.Addr {
+	if len(ss) == 0 {
+		return nil
+	}
+	ips := make([]netip.Addr, 0, len(ss))
+	for _, s := range ss {
+		if ip, ok := parseIP(s); ok {
+			ips = append(ips, ip)
+		}
+	}
+	return ips
+}
