@@ -1,0 +1,54 @@
+# uproxy — build, run the demo, test everything.
+GO       ?= go
+BIN      := bin
+UPROXY   := $(BIN)/uproxy
+PKGS     := ./...
+# Integration tests need root, network namespaces, iptables and a kube-apiserver.
+TESTFLAGS ?= -race -count=1 -timeout 30m
+
+.PHONY: all build run demo test unit lint deps kube-bins bench clean
+
+all: build
+
+build:
+	$(GO) build -o $(UPROXY) .
+
+# The proxy on an embedded demo: backends on loopback, no root needed.
+run: build
+	$(UPROXY) demo
+
+demo: run
+
+# Everything, integration included. Installs what the tests need first.
+test: deps kube-bins lint
+	$(GO) test $(TESTFLAGS) $(PKGS)
+
+unit:
+	$(GO) test -count=1 -short $(PKGS)
+
+lint:
+	$(GO) vet $(PKGS)
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+# iptables, iproute2 and conntrack for the integration tests (idempotent; root only).
+deps:
+	@missing=""; \
+	for c in iptables:iptables ip:iproute2 conntrack:conntrack; do \
+		command -v $${c%%:*} >/dev/null 2>&1 || missing="$$missing $${c#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then echo "need root to install:$$missing"; exit 1; fi; \
+		echo "installing:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+# kube-apiserver and etcd for the Kubernetes source tests, built from pinned modules (cached in bin/).
+kube-bins:
+	bash hack/build-kube.sh $(BIN)
+
+bench: build
+	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
+
+clean:
+	rm -f $(UPROXY)

@@ -1,0 +1,223 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/service"
+)
+
+func newDemoCommand(opts *options) *cobra.Command {
+	return &cobra.Command{
+		Use:   "demo",
+		Short: "Run the proxy on an embedded demo: backends on loopback, no root needed",
+		Long: `demo starts a few backends on loopback addresses (127.0.0.2 and up), writes
+Service and EndpointSlice manifests for them into a temporary directory and runs the
+userspace proxy on it with --rules none, so the Services are reached on their proxy
+ports. One endpoint of "web" is dead on purpose: watch uproxy retry around it.
+Edit the manifests while it runs: they are reloaded.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runDemo(cmd, opts)
+		},
+	}
+}
+
+// demoBackends are the servers the demo runs; stop closes them.
+type demoBackends struct {
+	closers []func()
+}
+
+func (d *demoBackends) stop() {
+	for _, c := range d.closers {
+		c()
+	}
+}
+
+// httpBackend serves "NAME says hello" on ip:0 and returns its port.
+func (d *demoBackends) httpBackend(name, ip string) (int, error) {
+	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		return 0, fmt.Errorf("demo backend %s: %w", name, err)
+	}
+	srv := &http.Server{
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			fmt.Fprintf(w, "%s (%s) answers %s %s from %s\n", name, ln.Addr(), r.Method, r.URL.Path, r.RemoteAddr)
+		}),
+		ReadHeaderTimeout: 5 * time.Second,
+	}
+	go srv.Serve(ln)
+	d.closers = append(d.closers, func() { srv.Close() })
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// udpBackend echoes "NAME: <datagram>" on ip:0 and returns its port.
+func (d *demoBackends) udpBackend(name, ip string) (int, error) {
+	pc, err := net.ListenPacket("udp", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		return 0, fmt.Errorf("demo backend %s: %w", name, err)
+	}
+	go func() {
+		buf := make([]byte, 65536)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteTo(append([]byte(name+": "), buf[:n]...), from)
+		}
+	}()
+	d.closers = append(d.closers, func() { pc.Close() })
+	return pc.LocalAddr().(*net.UDPAddr).Port, nil
+}
+
+// deadPort returns a port on ip where nothing listens (bound, then closed).
+func deadPort(ip string) (int, error) {
+	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+type demoEndpoint struct {
+	ip   string
+	port int
+}
+
+func runDemo(cmd *cobra.Command, opts *options) error {
+	var backends demoBackends
+	defer backends.stop()
+
+	var web, sticky, dns []demoEndpoint
+	for i, ip := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
+		port, err := backends.httpBackend(fmt.Sprintf("web-%d", i+1), ip)
+		if err != nil {
+			return err
+		}
+		web = append(web, demoEndpoint{ip, port})
+	}
+	dead, err := deadPort("127.0.0.5")
+	if err != nil {
+		return err
+	}
+	web = append(web, demoEndpoint{"127.0.0.5", dead})
+	for i, ip := range []string{"127.0.0.6", "127.0.0.7"} {
+		port, err := backends.httpBackend(fmt.Sprintf("sticky-%d", i+1), ip)
+		if err != nil {
+			return err
+		}
+		sticky = append(sticky, demoEndpoint{ip, port})
+	}
+	for i, ip := range []string{"127.0.0.8", "127.0.0.9"} {
+		port, err := backends.udpBackend(fmt.Sprintf("echo-%d", i+1), ip)
+		if err != nil {
+			return err
+		}
+		dns = append(dns, demoEndpoint{ip, port})
+	}
+
+	dir, err := os.MkdirTemp("", "uproxy-demo-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	manifests := demoService("web", "TCP", "10.96.0.10", 80, "", web) +
+		"---\n" + demoService("sticky", "TCP", "10.96.0.11", 80, "ClientIP", sticky) +
+		"---\n" + demoService("echo", "UDP", "10.96.0.12", 53, "", dns)
+	path := filepath.Join(dir, "demo.yaml")
+	if err := os.WriteFile(path, []byte(manifests), 0o644); err != nil {
+		return err
+	}
+
+	opts.services = path
+	if !cmd.Flags().Changed("rules") {
+		opts.rules = "none"
+	}
+	if !cmd.Flags().Changed("bind-address") {
+		opts.bindAddress = "127.0.0.1"
+	}
+	if !cmd.Flags().Changed("healthz-bind-address") {
+		opts.healthzBindAddress = "127.0.0.1:10256"
+	}
+	out := cmd.OutOrStdout()
+	var once sync.Once
+	return runProxy(cmd.Context(), opts, func(px *proxier.Proxier, s *service.Snapshot) {
+		once.Do(func() { printDemo(out, px, path, opts.metricsBindAddress) })
+	})
+}
+
+func printDemo(w interface{ Write([]byte) (int, error) }, px *proxier.Proxier, path, metrics string) {
+	port := func(name string) int {
+		return px.ProxyPort(service.PortName{Namespace: "demo", Name: name, Port: "main"})
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "\nSERVICE\tPROTOCOL\tPROXY PORT\tENDPOINTS")
+	fmt.Fprintf(tw, "demo/web:main\tTCP\t%d\t3 live + 1 dead (127.0.0.5): retried around\n", port("web"))
+	fmt.Fprintf(tw, "demo/sticky:main\tTCP\t%d\t2, sessionAffinity ClientIP\n", port("sticky"))
+	fmt.Fprintf(tw, "demo/echo:main\tUDP\t%d\t2 echo servers\n", port("echo"))
+	tw.Flush()
+	fmt.Fprintf(w, `
+Try:
+  for i in 1 2 3 4 5 6; do curl -s 127.0.0.1:%d/; done        # round robin, never the dead one
+  for i in 1 2 3; do curl -s --interface 127.0.0.%d 127.0.0.1:%d/; done  # ClientIP affinity: one backend per client IP
+  echo hello | nc -u -w1 127.0.0.1 %d                                   # UDP
+  curl -s %s/debug/services                                             # proxy ports, endpoints, affinity
+  curl -s %s/metrics | grep uproxy_dial_attempts_total                  # every attempt, by result
+Manifests: %s (edit it: uproxy reloads). Ctrl-C to stop.
+`, port("web"), 20+os.Getpid()%200, port("sticky"), port("echo"), metrics, metrics, path)
+}
+
+// demoService renders a Service and its EndpointSlice as YAML.
+func demoService(name, proto, clusterIP string, port int, affinity string, eps []demoEndpoint) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `apiVersion: v1
+kind: Service
+metadata:
+  name: %s
+  namespace: demo
+spec:
+  clusterIP: %s
+  ports:
+  - name: main
+    protocol: %s
+    port: %d
+`, name, clusterIP, proto, port)
+	if affinity != "" {
+		fmt.Fprintf(&b, "  sessionAffinity: %s\n", affinity)
+	}
+	// Every backend listens on its own port, and a slice's endpoints share their
+	// ports, so each endpoint gets a slice of its own.
+	for i, e := range eps {
+		fmt.Fprintf(&b, `---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: %s-%d
+  namespace: demo
+  labels:
+    kubernetes.io/service-name: %s
+addressType: IPv4
+ports:
+- name: main
+  protocol: %s
+  port: %d
+endpoints:
+- addresses: [%q]
+  conditions: {ready: true}
+`, name, i+1, name, proto, e.port, e.ip)
+	}
+	return b.String()
+}

@@ -1,0 +1,150 @@
+// Package loop runs a proxy mode's sync loop: it takes the newest Snapshot from a
+// source and hands it to the mode at most once per MinSyncPeriod and at least once
+// per SyncPeriod, so bursts of changes cost one sync and drift is always repaired.
+package loop
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// A Mode programs a Snapshot: the userspace proxier, or a kernel mode.
+type Mode interface {
+	// Sync makes the running state match s. It is only ever called from one
+	// goroutine. An error means the sync should be retried; what could be
+	// programmed stays programmed.
+	Sync(s *service.Snapshot) error
+}
+
+// A Source keeps the desired state and announces every new Snapshot by calling
+// update (never concurrently). Run blocks until ctx is done.
+type Source interface {
+	Run(ctx context.Context, update func(*service.Snapshot)) error
+}
+
+// Hooks are told about the loop's progress (metrics, health); any may be nil.
+type Hooks struct {
+	// Queued is called when a new snapshot arrives and a sync is pending.
+	Queued func(at time.Time)
+	// Synced is called after every sync with its start, duration and error.
+	Synced func(start time.Time, took time.Duration, s *service.Snapshot, err error)
+}
+
+// Runner is the bounded-frequency sync loop. The zero value is not usable: set
+// Mode. Update may be called from any goroutine.
+type Runner struct {
+	Mode Mode
+	// MinSyncPeriod is the least time between two syncs; 0 means none.
+	MinSyncPeriod time.Duration
+	// SyncPeriod is the most time between two syncs (a periodic resync even
+	// without changes); 0 means 30s.
+	SyncPeriod time.Duration
+	Hooks      Hooks
+
+	mu      sync.Mutex
+	latest  *service.Snapshot // newest snapshot, nil until the first arrives
+	pending bool              // latest has not been synced yet
+	kick    chan struct{}     // capacity 1: "something is pending"
+}
+
+func (r *Runner) syncPeriod() time.Duration {
+	if r.SyncPeriod <= 0 {
+		return 30 * time.Second
+	}
+	return r.SyncPeriod
+}
+
+func (r *Runner) init() {
+	r.mu.Lock()
+	if r.kick == nil {
+		r.kick = make(chan struct{}, 1)
+	}
+	r.mu.Unlock()
+}
+
+// Update records s as the desired state and queues a sync.
+func (r *Runner) Update(s *service.Snapshot) {
+	r.init()
+	now := time.Now()
+	r.mu.Lock()
+	r.latest = s
+	wasPending := r.pending
+	r.pending = true
+	r.mu.Unlock()
+	if !wasPending && r.Hooks.Queued != nil {
+		r.Hooks.Queued(now)
+	}
+	select {
+	case r.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Latest returns the newest snapshot handed to Update (nil before the first).
+func (r *Runner) Latest() *service.Snapshot {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.latest
+}
+
+// Run syncs until ctx is done. Nothing is synced before the first Update.
+func (r *Runner) Run(ctx context.Context) {
+	r.init()
+	var last time.Time // start of the previous sync
+	periodic := time.NewTimer(r.syncPeriod())
+	defer periodic.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.kick:
+		case <-periodic.C:
+		}
+		if wait := r.MinSyncPeriod - time.Since(last); !last.IsZero() && wait > 0 {
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+		}
+		r.mu.Lock()
+		s := r.latest
+		r.pending = false
+		r.mu.Unlock()
+		if s == nil {
+			periodic.Reset(r.syncPeriod())
+			continue
+		}
+		last = time.Now()
+		err := r.Mode.Sync(s)
+		took := time.Since(last)
+		if err != nil {
+			klog.ErrorS(err, "Sync failed; will retry", "took", took)
+		} else {
+			klog.V(3).InfoS("Synced", "ports", len(s.Ports), "took", took)
+		}
+		if r.Hooks.Synced != nil {
+			r.Hooks.Synced(last, took, s, err)
+		}
+		next := r.syncPeriod()
+		if err != nil {
+			// Retry soon rather than a whole period later, but never faster than
+			// the minimum period (or once a second without one).
+			next = max(r.MinSyncPeriod, time.Second)
+		}
+		if !periodic.Stop() {
+			select {
+			case <-periodic.C:
+			default:
+			}
+		}
+		periodic.Reset(next)
+	}
+}

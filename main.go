@@ -1,0 +1,85 @@
+// Command uproxy is a Kubernetes service proxy whose userspace mode listens on a
+// proxy port per Service port, picks a backend, retries on failure and copies the
+// bytes, beside kernel modes that program the same Services into netfilter.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+
+	"github.com/spf13/cobra"
+	"k8s.io/klog/v2"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+func main() {
+	if err := newRootCommand().Execute(); err != nil {
+		fmt.Fprintln(os.Stderr, "uproxy:", err)
+		os.Exit(1)
+	}
+}
+
+func newRootCommand() *cobra.Command {
+	opts := defaultOptions()
+	root := &cobra.Command{
+		Use:   "uproxy",
+		Short: "A Kubernetes service proxy with a userspace mode that retries and shows every attempt",
+		Long: `uproxy proxies Kubernetes Services. In the userspace mode it opens a proxy port
+per Service port, steers the Service's virtual IPs there with iptables, chooses a
+backend (round robin or another IPVS-style scheduler, ClientIP affinity), dials it
+and retries another when a dial fails.`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Args:          cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if opts.cleanup {
+				return runCleanup(opts)
+			}
+			return runProxy(cmd.Context(), opts, nil)
+		},
+	}
+	opts.addFlags(root)
+
+	goflags := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(goflags)
+	root.PersistentFlags().AddGoFlag(goflags.Lookup("v"))
+	root.PersistentFlags().AddGoFlag(goflags.Lookup("vmodule"))
+
+	root.AddCommand(
+		&cobra.Command{
+			Use:   "run",
+			Short: "Run the proxy (the default command)",
+			Args:  cobra.NoArgs,
+			RunE: func(cmd *cobra.Command, args []string) error {
+				return runProxy(cmd.Context(), opts, nil)
+			},
+		},
+		&cobra.Command{
+			Use:   "cleanup",
+			Short: "Remove every rule and chain uproxy installs, then exit",
+			Args:  cobra.NoArgs,
+			RunE: func(cmd *cobra.Command, args []string) error {
+				return runCleanup(opts)
+			},
+		},
+		newDemoCommand(opts),
+		&cobra.Command{
+			Use:   "version",
+			Short: "Print the version",
+			Args:  cobra.NoArgs,
+			Run: func(cmd *cobra.Command, args []string) {
+				fmt.Fprintln(cmd.OutOrStdout(), "uproxy", version)
+			},
+		},
+	)
+	// The run flags belong to the root and to the subcommands that run a proxy.
+	for _, c := range root.Commands() {
+		if c.Name() == "run" || c.Name() == "demo" || c.Name() == "cleanup" {
+			c.Flags().AddFlagSet(root.Flags())
+		}
+	}
+	return root
+}

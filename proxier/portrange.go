@@ -1,0 +1,91 @@
+package proxier
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+)
+
+// PortRange is an inclusive range of proxy ports. The zero value means "let the
+// kernel choose" (bind port 0).
+type PortRange struct {
+	First, Last int
+}
+
+// ParsePortRange parses --proxy-port-range: "" (random), "FIRST-LAST", or
+// "FIRST+OFFSET" (FIRST through FIRST+OFFSET), as kube-proxy spells it.
+func ParsePortRange(s string) (PortRange, error) {
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return PortRange{}, nil
+	}
+	sep := strings.IndexAny(s, "-+")
+	if sep <= 0 {
+		return PortRange{}, fmt.Errorf("port range %q: want FIRST-LAST or FIRST+OFFSET", s)
+	}
+	first, err := strconv.Atoi(s[:sep])
+	if err != nil {
+		return PortRange{}, fmt.Errorf("port range %q: first port %q is not a number", s, s[:sep])
+	}
+	second, err := strconv.Atoi(s[sep+1:])
+	if err != nil {
+		return PortRange{}, fmt.Errorf("port range %q: %q is not a number", s, s[sep+1:])
+	}
+	last := second
+	if s[sep] == '+' {
+		if second < 0 {
+			return PortRange{}, fmt.Errorf("port range %q: offset must not be negative", s)
+		}
+		last = first + second
+	}
+	r := PortRange{First: first, Last: last}
+	if first < 1 || first > 65535 || last < 1 || last > 65535 {
+		return PortRange{}, fmt.Errorf("port range %q: ports must be within 1-65535", s)
+	}
+	if last < first {
+		return PortRange{}, fmt.Errorf("port range %q: last port %d is below first port %d", s, last, first)
+	}
+	return r, nil
+}
+
+func (r PortRange) String() string {
+	if r.First == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%d-%d", r.First, r.Last)
+}
+
+// allocator hands out ports of a PortRange not already held. Ports are tried
+// from a random start so restarts do not all race for the same first port.
+type allocator struct {
+	r    PortRange
+	used map[int]bool
+}
+
+func newAllocator(r PortRange) *allocator {
+	return &allocator{r: r, used: make(map[int]bool)}
+}
+
+// each calls try with free ports until try returns true (the port is then held)
+// or the range is exhausted.
+func (a *allocator) each(try func(port int) bool) bool {
+	if a.r.First == 0 {
+		return try(0)
+	}
+	n := a.r.Last - a.r.First + 1
+	start := rand.IntN(n)
+	for i := 0; i < n; i++ {
+		p := a.r.First + (start+i)%n
+		if a.used[p] {
+			continue
+		}
+		if try(p) {
+			a.used[p] = true
+			return true
+		}
+	}
+	return false
+}
+
+func (a *allocator) release(port int) { delete(a.used, port) }

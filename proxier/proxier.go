@@ -1,0 +1,375 @@
+// Package proxier is the userspace mode: for every Service port it holds a proxy
+// listener (TCP or UDP), keeps the port's backend choice up to date, and asks the
+// portals (rules) to steer the Service's virtual IPs to the listener.
+package proxier
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-multierror"
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/socket"
+)
+
+// Config configures a Proxier. Zero values give the documented defaults.
+type Config struct {
+	// BindAddress is where proxy listeners bind. Unset or unspecified (0.0.0.0, ::)
+	// binds every address of both families, which REDIRECT portals need.
+	BindAddress netip.Addr
+	// PortRange bounds the proxy ports; zero: ports chosen by the kernel.
+	PortRange PortRange
+	// Scheduler is the backend scheduler name (affinity.Schedulers); "": rr.
+	Scheduler string
+	// DialTimeouts has one per-attempt timeout per TCP dial attempt; nil: socket defaults.
+	DialTimeouts []time.Duration
+	// UDPTimeout is the idle expiry of UDP client entries; 0: socket default (250ms).
+	UDPTimeout time.Duration
+	// UDPMaxClients bounds each UDP Service's client table; 0: socket default.
+	UDPMaxClients int
+	// Zone is this node's topology zone, for topology-aware endpoint choice ("": off).
+	Zone string
+	// Portals programs the rules that steer virtual IPs to proxy ports; nil: none.
+	Portals rules.Portals
+	// Events, if set, records retried and failed connections.
+	Events *observe.Events
+}
+
+// Proxier is the userspace mode. Sync is called from one goroutine (the sync
+// loop); DebugServices from any.
+type Proxier struct {
+	cfg   Config
+	alloc *allocator
+
+	// mu guards ports; Sync holds it only while changing the map, never while
+	// dialing or writing rules, so debug readers do not wait on the kernel.
+	mu    sync.RWMutex
+	ports map[service.PortName]*servicePort
+}
+
+// servicePort is the running state of one Service port.
+type servicePort struct {
+	port      *service.Port // as of the last sync
+	proxyPort int
+	balancer  *affinity.Balancer
+	observer  *observe.PortObserver
+	tcp       *socket.TCPProxy // exactly one of tcp, udp is set
+	udp       *socket.UDPProxy
+	done      chan struct{} // closed when Serve returns
+}
+
+// New returns a Proxier with no Service ports.
+func New(cfg Config) (*Proxier, error) {
+	if cfg.Scheduler == "" {
+		cfg.Scheduler = "rr"
+	}
+	if err := affinity.ValidScheduler(cfg.Scheduler); err != nil {
+		return nil, err
+	}
+	if cfg.Portals == nil {
+		cfg.Portals = rules.None{}
+	}
+	return &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), ports: make(map[service.PortName]*servicePort)}, nil
+}
+
+// Sync makes the listeners and portals match s. Errors of single Service ports
+// are collected; every other port is still programmed.
+func (p *Proxier) Sync(s *service.Snapshot) error {
+	var errs *multierror.Error
+	desired := make(map[service.PortName]*service.Port, len(s.Ports))
+	for _, port := range s.Ports {
+		desired[port.Name] = port
+	}
+
+	// Close what is gone or changed identity first, so a re-opened port may reuse
+	// the proxy port range.
+	p.mu.Lock()
+	var closing []*servicePort
+	for name, sp := range p.ports {
+		if d := desired[name]; d == nil || !service.IdentityEqual(sp.port, d) {
+			closing = append(closing, sp)
+			delete(p.ports, name)
+		}
+	}
+	p.mu.Unlock()
+	for _, sp := range closing {
+		p.closePort(sp)
+	}
+
+	portals := make([]rules.Portal, 0, len(s.Ports))
+	for _, port := range s.Ports {
+		if port.Protocol != service.TCP && port.Protocol != service.UDP {
+			klog.V(2).InfoS("Skipping Service port: protocol not proxied in userspace", "service", port.Name, "protocol", port.Protocol)
+			continue
+		}
+		p.mu.RLock()
+		sp := p.ports[port.Name]
+		p.mu.RUnlock()
+		if sp == nil {
+			var err error
+			if sp, err = p.openPort(port); err != nil {
+				errs = multierror.Append(errs, err)
+				continue
+			}
+			p.mu.Lock()
+			p.ports[port.Name] = sp
+			p.mu.Unlock()
+		}
+		p.updatePort(sp, port)
+		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
+	}
+	if err := p.cfg.Portals.Sync(portals); err != nil {
+		errs = multierror.Append(errs, fmt.Errorf("portals: %w", err))
+	}
+	return errs.ErrorOrNil()
+}
+
+// updatePort hands the port's current endpoints and affinity settings to its balancer.
+func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
+	eps := port.ClusterEndpoints(p.cfg.Zone)
+	addrs := make([]netip.AddrPort, len(eps))
+	for i, e := range eps {
+		addrs[i] = e.Addr
+	}
+	var dst netip.Addr
+	if len(port.ClusterIPs) > 0 {
+		dst = port.ClusterIPs[0]
+	}
+	sp.balancer.Update(addrs, dst, port.AffinityClientIP, port.AffinityTimeout)
+	sp.port = port
+}
+
+func (p *Proxier) listenHost() string {
+	if !p.cfg.BindAddress.IsValid() || p.cfg.BindAddress.IsUnspecified() {
+		return "" // every address, both families
+	}
+	return p.cfg.BindAddress.String()
+}
+
+// listenConfig disables Go's default TCP keepalive on accepted sockets: it costs
+// several setsockopt calls per connection, and the backend side decides liveness.
+var listenConfig = net.ListenConfig{KeepAlive: -1}
+
+// openPort opens the listener of a new Service port on a proxy port and starts serving.
+func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
+	bal, err := affinity.NewBalancer(p.cfg.Scheduler)
+	if err != nil {
+		return nil, err
+	}
+	sp := &servicePort{
+		balancer: bal,
+		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
+		done:     make(chan struct{}),
+	}
+	host := p.listenHost()
+	var lastErr error
+	ok := p.alloc.each(func(pp int) bool {
+		addr := net.JoinHostPort(host, fmt.Sprint(pp))
+		switch port.Protocol {
+		case service.TCP:
+			ln, err := listenConfig.Listen(context.Background(), "tcp", addr)
+			if err != nil {
+				lastErr = err
+				return false
+			}
+			tl := ln.(*net.TCPListener)
+			sp.proxyPort = tl.Addr().(*net.TCPAddr).Port
+			sp.tcp = &socket.TCPProxy{
+				Service:      port.Name.String(),
+				Picker:       bal,
+				DialTimeouts: p.cfg.DialTimeouts,
+				Observer:     sp.observer,
+			}
+			go serveTCP(sp, tl)
+		case service.UDP:
+			pc, err := listenConfig.ListenPacket(context.Background(), "udp", addr)
+			if err != nil {
+				lastErr = err
+				return false
+			}
+			uc := pc.(*net.UDPConn)
+			sp.proxyPort = uc.LocalAddr().(*net.UDPAddr).Port
+			sp.udp = &socket.UDPProxy{
+				Service:    port.Name.String(),
+				Picker:     bal,
+				Timeout:    p.cfg.UDPTimeout,
+				MaxClients: p.cfg.UDPMaxClients,
+				Observer:   sp.observer,
+			}
+			go serveUDP(sp, uc)
+		}
+		return true
+	})
+	if !ok {
+		if lastErr == nil {
+			lastErr = fmt.Errorf("every port of range %s is in use", p.cfg.PortRange)
+		}
+		return nil, fmt.Errorf("open proxy port for %s/%s: %w", port.Name, port.Protocol, lastErr)
+	}
+	klog.V(1).InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", sp.proxyPort)
+	return sp, nil
+}
+
+func serveTCP(sp *servicePort, ln *net.TCPListener) {
+	defer close(sp.done)
+	if err := sp.tcp.Serve(ln); err != nil && !errors.Is(err, net.ErrClosed) {
+		klog.ErrorS(err, "Proxy listener stopped", "service", sp.tcp.Service)
+	}
+}
+
+func serveUDP(sp *servicePort, conn *net.UDPConn) {
+	defer close(sp.done)
+	if err := sp.udp.Serve(conn); err != nil && !errors.Is(err, net.ErrClosed) {
+		klog.ErrorS(err, "Proxy socket stopped", "service", sp.udp.Service)
+	}
+}
+
+// closePort stops accepting for a Service port that went away. Open TCP
+// connections carry on to their end; UDP client entries end with the socket.
+func (p *Proxier) closePort(sp *servicePort) {
+	if sp.tcp != nil {
+		sp.tcp.Close()
+	} else {
+		sp.udp.Close()
+	}
+	<-sp.done
+	p.alloc.release(sp.proxyPort)
+	sp.observer.Forget()
+	klog.V(1).InfoS("Closed proxy port", "service", sp.port.Name, "proxyPort", sp.proxyPort)
+}
+
+// ProxyPort returns the proxy port of a Service port (0 when it has none).
+func (p *Proxier) ProxyPort(name service.PortName) int {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if sp := p.ports[name]; sp != nil {
+		return sp.proxyPort
+	}
+	return 0
+}
+
+// Shutdown stops accepting on every port, lets open TCP connections finish until
+// ctx is done, then resets what remains. Portals are left in place.
+func (p *Proxier) Shutdown(ctx context.Context) error {
+	p.mu.Lock()
+	ports := p.ports
+	p.ports = make(map[service.PortName]*servicePort)
+	p.mu.Unlock()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var errs *multierror.Error
+	for _, sp := range ports {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var err error
+			if sp.tcp != nil {
+				err = sp.tcp.Shutdown(ctx)
+			} else {
+				err = sp.udp.Close()
+			}
+			<-sp.done
+			if err != nil && !errors.Is(err, net.ErrClosed) {
+				mu.Lock()
+				errs = multierror.Append(errs, fmt.Errorf("%s: %w", sp.port.Name, err))
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return errs.ErrorOrNil()
+}
+
+// Cleanup removes the portals.
+func (p *Proxier) Cleanup() error { return p.cfg.Portals.Cleanup() }
+
+// DebugServices reports every Service port for /debug/services.
+func (p *Proxier) DebugServices() []observe.ServiceState {
+	p.mu.RLock()
+	ports := make([]*servicePort, 0, len(p.ports))
+	for _, sp := range p.ports {
+		ports = append(ports, sp)
+	}
+	p.mu.RUnlock()
+	sort.Slice(ports, func(i, j int) bool { return ports[i].port.Name.Less(ports[j].port.Name) })
+
+	out := make([]observe.ServiceState, 0, len(ports))
+	for _, sp := range ports {
+		out = append(out, p.debugState(sp))
+	}
+	return out
+}
+
+func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
+	port := sp.port
+	st := observe.ServiceState{
+		Name:            port.Name.String(),
+		Protocol:        string(port.Protocol),
+		ClusterIPs:      addrStrings(port.ClusterIPs),
+		ExternalIPs:     addrStrings(port.ExternalIPs),
+		LoadBalancerIPs: addrStrings(port.LoadBalancerIPs),
+		Port:            port.Port,
+		NodePort:        port.NodePort,
+		ProxyPort:       sp.proxyPort,
+		SessionAffinity: "None",
+		Scheduler:       p.cfg.Scheduler,
+		Endpoints:       []observe.EndpointState{},
+		Affinity:        []observe.AffinityEntry{},
+	}
+	if port.AffinityClientIP {
+		st.SessionAffinity = "ClientIP"
+		st.AffinityTimeout = int(port.AffinityTimeout / time.Second)
+	}
+	if sp.udp != nil {
+		st.ActiveClients = sp.udp.Clients()
+	}
+	bs := sp.balancer.State()
+	active := make(map[netip.AddrPort]int, len(bs.Endpoints))
+	for _, e := range bs.Endpoints {
+		active[e.Endpoint] = e.Active
+	}
+	usable := make(map[netip.AddrPort]bool)
+	for _, e := range port.ClusterEndpoints(p.cfg.Zone) {
+		usable[e.Addr] = true
+	}
+	for _, e := range port.Endpoints {
+		st.Endpoints = append(st.Endpoints, observe.EndpointState{
+			Address:           e.Addr.String(),
+			Ready:             e.Ready,
+			Serving:           e.Serving,
+			Terminating:       e.Terminating,
+			Usable:            usable[e.Addr],
+			ActiveConnections: active[e.Addr],
+		})
+	}
+	for _, a := range bs.Affinity {
+		st.Affinity = append(st.Affinity, observe.AffinityEntry{
+			Client:   a.Client.String(),
+			Endpoint: a.Endpoint.String(),
+			LastUsed: a.LastUsed.UTC().Format(time.RFC3339),
+		})
+	}
+	if p.cfg.Events != nil {
+		st.RecentEvents = p.cfg.Events.Recent(st.Name, 10)
+	}
+	return st
+}
+
+func addrStrings(addrs []netip.Addr) []string {
+	out := make([]string, len(addrs))
+	for i, a := range addrs {
+		out[i] = a.String()
+	}
+	return out
+}

@@ -1,0 +1,184 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/loop"
+	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/source/file"
+)
+
+// runProxy runs the userspace mode until SIGINT/SIGTERM. synced, if not nil, is
+// called after every sync (the demo uses it to print the proxy ports).
+func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *service.Snapshot)) error {
+	cfg, err := o.validate()
+	if err != nil {
+		return err
+	}
+	if o.services == "" {
+		return errors.New("no source of Services: give --services PATH (manifests on disk)")
+	}
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	src := &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName}}
+
+	portals, err := newPortals(cfg, o.chainPrefix)
+	if err != nil {
+		return err
+	}
+	events := observe.NewEvents(o.events)
+	cfg.proxier.Portals = portals
+	cfg.proxier.Events = events
+	px, err := proxier.New(cfg.proxier)
+	if err != nil {
+		return err
+	}
+
+	health := &observe.Health{Timeout: 2 * o.syncPeriod}
+	runner := &loop.Runner{
+		Mode:          px,
+		MinSyncPeriod: o.minSyncPeriod,
+		SyncPeriod:    o.syncPeriod,
+		Hooks: loop.Hooks{
+			Queued: health.Queued,
+			Synced: func(start time.Time, took time.Duration, s *service.Snapshot, err error) {
+				observe.SyncObserved(start, took, err)
+				if err == nil {
+					health.Synced(start)
+				}
+				if synced != nil {
+					synced(px, s)
+				}
+			},
+		},
+	}
+	srv := &observe.Server{
+		MetricsAddr: cfg.metricsAddr,
+		HealthzAddr: cfg.healthzAddr,
+		Mode:        "userspace",
+		Services:    px,
+		Events:      events,
+		Health:      health,
+		Debug:       o.debug,
+	}
+	if err := srv.Start(); err != nil {
+		return err
+	}
+	defer srv.Stop(context.Background())
+
+	klog.InfoS("Starting uproxy", "version", version, "mode", "userspace", "rules", cfg.rules, "services", o.services, "scheduler", cfg.proxier.Scheduler)
+	srcErr := make(chan error, 1)
+	go func() {
+		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
+			for _, e := range s.Errors {
+				klog.ErrorS(e, "Ignoring invalid object")
+			}
+			runner.Update(s)
+		})
+	}()
+	go runner.Run(ctx)
+
+	select {
+	case <-ctx.Done():
+	case err = <-srcErr:
+		if err != nil {
+			err = fmt.Errorf("source %s: %w", o.services, err)
+		}
+	}
+	stop()
+	klog.InfoS("Shutting down", "grace", o.shutdownGrace)
+	sctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
+	defer cancel()
+	if serr := px.Shutdown(sctx); serr != nil {
+		klog.ErrorS(serr, "Shutdown")
+	}
+	return err
+}
+
+func newPortals(cfg *config, prefix string) (rules.Portals, error) {
+	if cfg.rules == "none" {
+		return rules.None{}, nil
+	}
+	ips := nodeIPs(cfg.proxier.BindAddress)
+	p, err := rules.NewIPTables(rules.Config{
+		ChainPrefix:       prefix,
+		NodeIPs:           ips,
+		NodePortAddresses: cfg.prefixes,
+		IPv6:              hasIPv6(ips),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("--rules iptables: %w", err)
+	}
+	return p, nil
+}
+
+func hasIPv6(ips []netip.Addr) bool {
+	for _, ip := range ips {
+		if ip.Is6() {
+			return true
+		}
+	}
+	return false
+}
+
+// nodeIPs returns the addresses the HOST portals DNAT to: the bind address when
+// one is given, else the first global unicast address of each family.
+func nodeIPs(bind netip.Addr) []netip.Addr {
+	if bind.IsValid() && !bind.IsUnspecified() {
+		return []netip.Addr{bind}
+	}
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		klog.ErrorS(err, "Listing node addresses")
+		return nil
+	}
+	var v4, v6 netip.Addr
+	for _, a := range addrs {
+		n, ok := a.(*net.IPNet)
+		if !ok {
+			continue
+		}
+		ip, ok := netip.AddrFromSlice(n.IP)
+		if !ok || !ip.IsGlobalUnicast() {
+			continue
+		}
+		ip = ip.Unmap()
+		if ip.Is4() && !v4.IsValid() {
+			v4 = ip
+		} else if ip.Is6() && !v6.IsValid() {
+			v6 = ip
+		}
+	}
+	var out []netip.Addr
+	for _, ip := range []netip.Addr{v4, v6} {
+		if ip.IsValid() {
+			out = append(out, ip)
+		}
+	}
+	return out
+}
+
+func runCleanup(o *options) error {
+	if err := rules.Cleanup(o.chainPrefix); err != nil {
+		return fmt.Errorf("cleanup: %w", err)
+	}
+	klog.InfoS("Removed uproxy's rules", "prefix", o.chainPrefix)
+	return nil
+}
