@@ -1,0 +1,47 @@
+package socket
+
+import (
+	"errors"
+	"syscall"
+	"time"
+)
+
+// Accept (TCP) and read (UDP) loops back off on errors that say the process or the
+// kernel is short of a resource: retrying at once would only spin on the same error.
+const (
+	minBackoff = 5 * time.Millisecond
+	maxBackoff = 1 * time.Second
+)
+
+// nextBackoff returns the wait after one more consecutive temporary error, given the
+// previous wait (zero after a success).
+func nextBackoff(prev time.Duration) time.Duration {
+	if prev == 0 {
+		return minBackoff
+	}
+	return min(2*prev, maxBackoff)
+}
+
+// isTemporary reports whether a socket error is a shortage that may go away: out of
+// file descriptors (process or system), buffers or memory, or a connection the client
+// aborted before it was accepted.
+func isTemporary(err error) bool {
+	for _, e := range [...]syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.ECONNABORTED} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// sleep waits for d or until stop is closed; it reports whether the full wait elapsed.
+func sleep(d time.Duration, stop <-chan struct{}) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-stop:
+		return false
+	}
+}
