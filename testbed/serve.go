@@ -1,0 +1,99 @@
+package testbed
+
+import (
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"time"
+)
+
+// DialTimeout bounds Dial: a packet the rules drop shows up as a timeout, never
+// as a hung test.
+const DialTimeout = 5 * time.Second
+
+// Listen opens a listener inside the namespace (network "tcp", "tcp4" or "tcp6";
+// address as for net.Listen). t.Cleanup closes it.
+func (tp *Topology) Listen(role, network, address string) net.Listener {
+	tp.t.Helper()
+	var ln net.Listener
+	err := tp.Run(role, func() (err error) {
+		ln, err = net.Listen(network, address)
+		return err
+	})
+	if err != nil {
+		tp.t.Fatalf("listen %s %s in %s: %v", network, address, role, err)
+	}
+	tp.t.Cleanup(func() { ln.Close() })
+	return ln
+}
+
+// ListenPacket opens a packet socket inside the namespace. t.Cleanup closes it.
+func (tp *Topology) ListenPacket(role, network, address string) net.PacketConn {
+	tp.t.Helper()
+	var pc net.PacketConn
+	err := tp.Run(role, func() (err error) {
+		pc, err = net.ListenPacket(network, address)
+		return err
+	})
+	if err != nil {
+		tp.t.Fatalf("listen %s %s in %s: %v", network, address, role, err)
+	}
+	tp.t.Cleanup(func() { pc.Close() })
+	return pc
+}
+
+// Dial connects from inside the namespace, within DialTimeout.
+func (tp *Topology) Dial(role, network, address string) (net.Conn, error) {
+	var c net.Conn
+	err := tp.Run(role, func() (err error) {
+		c, err = net.DialTimeout(network, address, DialTimeout)
+		return err
+	})
+	return c, err
+}
+
+// EchoTCP starts a TCP server inside the namespace that writes back what it
+// reads, and returns its address. t.Cleanup stops it.
+func (tp *Topology) EchoTCP(role, address string) netip.AddrPort {
+	tp.t.Helper()
+	ln := tp.Listen(role, "tcp", address)
+	go serveEchoTCP(ln)
+	return ln.Addr().(*net.TCPAddr).AddrPort()
+}
+
+func serveEchoTCP(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			io.Copy(c, c)
+		}()
+	}
+}
+
+// EchoUDP starts a UDP server inside the namespace that sends every datagram back
+// to its sender, and returns its address. t.Cleanup stops it.
+func (tp *Topology) EchoUDP(role, address string) netip.AddrPort {
+	tp.t.Helper()
+	pc := tp.ListenPacket(role, "udp", address)
+	go serveEchoUDP(pc)
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
+func serveEchoUDP(pc net.PacketConn) {
+	buf := make([]byte, 64<<10)
+	for {
+		n, from, err := pc.ReadFrom(buf)
+		if errors.Is(err, net.ErrClosed) {
+			return
+		}
+		if err != nil {
+			continue
+		}
+		pc.WriteTo(buf[:n], from)
+	}
+}
