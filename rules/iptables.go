@@ -1,0 +1,286 @@
+package rules
+
+import (
+	"bytes"
+	"cmp"
+	"fmt"
+	"net/netip"
+	"regexp"
+	"slices"
+	"sync"
+
+	"github.com/hashicorp/go-multierror"
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// IPTables programs the portals with iptables (and ip6tables), as the legacy
+// userspace proxy did.
+type IPTables struct {
+	cfg    Config
+	chains chains
+
+	// mu serializes Sync and Cleanup and guards everything below.
+	mu     sync.Mutex
+	fams   []*family // IPv4 first, then IPv6 when enabled
+	holder nodePortHolder
+}
+
+// family is the state of one address family.
+type family struct {
+	f        int
+	tables   Tables
+	renderer renderer
+	// written is the last restore input that succeeded, with the jumps in place;
+	// nil means the kernel's state is unknown and the next Sync rewrites everything
+	// and re-checks the jumps.
+	written []byte
+	// udp is where UDP portals led after the last sync whose stale flows were
+	// deleted; nil means unknown, so every UDP destination gets checked.
+	udp *udpTargets
+}
+
+// chainPrefixRE keeps prefixes to what iptables accepts in a chain name; the
+// length bound keeps the longest chain name (prefix + "-NODEPORT-NON-LOCAL")
+// within iptables' 28 characters.
+var chainPrefixRE = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9_-]{0,8}$`)
+
+func checkPrefix(prefix string) error {
+	if !chainPrefixRE.MatchString(prefix) {
+		return fmt.Errorf("chain prefix %q: want 1 to 9 letters, digits, '_' or '-'", prefix)
+	}
+	return nil
+}
+
+// NewIPTables returns the iptables Portals for cfg. It changes nothing in the
+// kernel until the first Sync.
+func NewIPTables(cfg Config) (*IPTables, error) {
+	prefix := cfg.prefix()
+	if err := checkPrefix(prefix); err != nil {
+		return nil, err
+	}
+	p := &IPTables{
+		cfg:    cfg,
+		chains: chainNames(prefix),
+		holder: nodePortHolder{kernel: cfg.Kernel, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}},
+	}
+	for f := v4; f <= v6; f++ {
+		if f == v6 && !cfg.IPv6 {
+			continue
+		}
+		var nodeIP netip.Addr
+		for _, ip := range cfg.NodeIPs {
+			if ip = ip.Unmap().WithZone(""); ip.IsValid() && familyOf(ip) == f && !ip.IsUnspecified() {
+				nodeIP = ip
+				break
+			}
+		}
+		if !nodeIP.IsValid() {
+			return nil, fmt.Errorf("no %s node IP: the HOST portals DNAT to node IP:proxy port", familyName(f))
+		}
+		t, err := cfg.Kernel.tables(f == v6)
+		if err != nil {
+			return nil, err
+		}
+		r := renderer{chains: p.chains, family: f, nodeIP: nodeIP, allNodePortAddresses: len(cfg.NodePortAddresses) == 0}
+		for _, pr := range cfg.NodePortAddresses {
+			if familyOf(pr.Addr()) == f {
+				r.nodePortAddresses = append(r.nodePortAddresses, pr)
+			}
+		}
+		p.fams = append(p.fams, &family{f: f, tables: t, renderer: r})
+	}
+	return p, nil
+}
+
+// Sync implements Portals.
+func (p *IPTables) Sync(portals []Portal) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var enabled [2]bool
+	for _, fam := range p.fams {
+		enabled[fam.f] = true
+	}
+	entries, errs := entriesOf(portals, enabled)
+	errs = append(errs, p.holder.sync(entries, enabled)...)
+	for _, fam := range p.fams {
+		if err := p.syncFamily(fam, entries); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+func (p *IPTables) syncFamily(fam *family, entries []entry) error {
+	text := fam.renderer.render(entries)
+	if fam.written != nil && !p.canaryIntact(fam) {
+		klog.InfoS("Portal rules were flushed or deleted by someone else; rewriting them", "family", familyName(fam.f))
+		fam.written = nil
+	}
+	if !bytes.Equal(text, fam.written) {
+		newJumps := fam.written == nil
+		fam.written = nil
+		if err := p.cfg.Kernel.restore(fam.f == v6, text); err != nil {
+			return fmt.Errorf("write %s portals: %w", familyName(fam.f), err)
+		}
+		// Jumps go in after the restore: a jump to a chain that does not exist
+		// yet is refused.
+		if newJumps {
+			if err := p.ensureJumps(fam); err != nil {
+				return err
+			}
+		}
+		fam.written = text
+	}
+
+	cur := udpTargetsOf(entries, fam.f)
+	if stale := diff(fam.udp, cur); !stale.empty() {
+		// On failure fam.udp keeps the old state, so the next Sync tries again.
+		if err := deleteStale(p.cfg.Kernel.conntrack(), fam.f, stale); err != nil {
+			return err
+		}
+	}
+	fam.udp = &cur
+	return nil
+}
+
+// canaryIntact reports whether the canary chain still holds its rule: a flush of
+// the nat table (iptables -t nat -F), a chain deletion or a restore without
+// --noflush by another program all remove it. Any error counts as "not intact",
+// which costs one rewrite at worst.
+func (p *IPTables) canaryIntact(fam *family) bool {
+	rules, err := fam.tables.List("nat", p.chains.canary)
+	if err != nil {
+		klog.V(2).InfoS("Checking the canary chain", "family", familyName(fam.f), "err", err)
+		return false
+	}
+	return slices.Contains(rules, canaryRule(p.chains))
+}
+
+// ensureJumps adds the missing jump rules of fam, each checked before it is added.
+func (p *IPTables) ensureJumps(fam *family) error {
+	var errs []error
+	for _, j := range p.chains.jumps() {
+		ok, err := fam.tables.Exists(j.table, j.chain, j.spec...)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("check %s jump %s/%s -> %s: %w", familyName(fam.f), j.table, j.chain, j.spec[len(j.spec)-1], err))
+			continue
+		}
+		if ok {
+			continue
+		}
+		if j.first {
+			err = fam.tables.Insert(j.table, j.chain, 1, j.spec...)
+		} else {
+			err = fam.tables.Append(j.table, j.chain, j.spec...)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("add %s jump %s/%s -> %s: %w", familyName(fam.f), j.table, j.chain, j.spec[len(j.spec)-1], err))
+		}
+	}
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+// Cleanup implements Portals: it releases the held NodePorts and removes the
+// chains and jumps of both families, whatever Config.IPv6 says.
+func (p *IPTables) Cleanup() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.holder.close()
+	for _, fam := range p.fams {
+		fam.written = nil
+		fam.udp = nil
+	}
+	return cleanup(p.cfg.Kernel, p.chains)
+}
+
+// entriesOf validates portals and returns them sorted by name and protocol, with
+// an error for each one left out.
+func entriesOf(portals []Portal, enabled [2]bool) ([]entry, []error) {
+	var errs []error
+	entries := make([]entry, 0, len(portals))
+	for i, pt := range portals {
+		sp := pt.Port
+		if sp == nil {
+			errs = append(errs, fmt.Errorf("portal %d: no Service port", i))
+			continue
+		}
+		e := entry{name: sp.Name, protocol: sp.Protocol, port: sp.Port, proxyPort: pt.ProxyPort, nodePort: sp.NodePort}
+		fail := func(port int, err error) {
+			errs = append(errs, &PortalError{Service: sp.Name, Protocol: sp.Protocol, Port: port, Err: err})
+		}
+		switch sp.Protocol {
+		case service.TCP:
+			e.proto = "tcp"
+		case service.UDP:
+			e.proto = "udp"
+		default:
+			// SCTP would need an SCTP proxy socket, which the userspace mode lacks.
+			fail(sp.Port, ErrUnsupportedProtocol)
+			continue
+		}
+		if !validPort(sp.Port) {
+			fail(sp.Port, fmt.Errorf("invalid port"))
+			continue
+		}
+		if !validPort(pt.ProxyPort) {
+			fail(sp.Port, fmt.Errorf("invalid proxy port %d", pt.ProxyPort))
+			continue
+		}
+		if sp.NodePort != 0 && !validPort(sp.NodePort) {
+			fail(sp.NodePort, fmt.Errorf("invalid NodePort"))
+			continue
+		}
+		e.clusterIPs = cleanIPs(sp.ClusterIPs)
+		e.externalIPs = cleanIPs(sp.ExternalIPs)
+		e.lbIPs = cleanIPs(sp.LoadBalancerIPs)
+		e.families = familiesOf(&e, enabled)
+		if !e.families[v4] && !e.families[v6] {
+			// Only addresses of a family this proxy does not program, as a
+			// single-stack kube-proxy ignores the other family's Services.
+			continue
+		}
+		entries = append(entries, e)
+	}
+	slices.SortStableFunc(entries, func(a, b entry) int {
+		if a.name != b.name {
+			if a.name.Less(b.name) {
+				return -1
+			}
+			return 1
+		}
+		return cmp.Compare(a.protocol, b.protocol)
+	})
+	return entries, errs
+}
+
+// familiesOf returns the enabled families the Service port lives in: those of its
+// ClusterIPs, else of its other IPs, else (a bare NodePort) every enabled family.
+func familiesOf(e *entry, enabled [2]bool) [2]bool {
+	var fams [2]bool
+	for _, ips := range [][]netip.Addr{e.clusterIPs, slices.Concat(e.externalIPs, e.lbIPs)} {
+		for _, ip := range ips {
+			fams[familyOf(ip)] = true
+		}
+		if fams[v4] || fams[v6] {
+			break
+		}
+	}
+	if !fams[v4] && !fams[v6] {
+		fams = [2]bool{true, true}
+	}
+	return [2]bool{fams[v4] && enabled[v4], fams[v6] && enabled[v6]}
+}
+
+func cleanIPs(ips []netip.Addr) []netip.Addr {
+	out := make([]netip.Addr, 0, len(ips))
+	for _, ip := range ips {
+		if ip.IsValid() && !ip.IsUnspecified() {
+			out = append(out, ip.Unmap().WithZone(""))
+		}
+	}
+	return out
+}
+
+func validPort(p int) bool { return p > 0 && p < 65536 }

@@ -1,0 +1,584 @@
+package rules
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/hashicorp/go-multierror"
+	"github.com/vishvananda/netlink"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+var (
+	nodeIPv4 = netip.MustParseAddr("10.0.0.1")
+	nodeIPv6 = netip.MustParseAddr("fd00::1")
+)
+
+func ips(s ...string) []netip.Addr {
+	out := make([]netip.Addr, len(s))
+	for i, a := range s {
+		out[i] = netip.MustParseAddr(a)
+	}
+	return out
+}
+
+func port(ns, name, portName string, proto service.Protocol, p int) *service.Port {
+	return &service.Port{Name: service.PortName{Namespace: ns, Name: name, Port: portName}, Protocol: proto, Port: p}
+}
+
+// freePort returns a port nothing listens on for network right now, for NodePorts
+// the tests hold for real.
+func freePort(t *testing.T, network string) int {
+	t.Helper()
+	var addr net.Addr
+	if strings.HasPrefix(network, "udp") {
+		pc, err := net.ListenPacket(network, ":0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr = pc.LocalAddr()
+		pc.Close()
+	} else {
+		ln, err := net.Listen(network, ":0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr = ln.Addr()
+		ln.Close()
+	}
+	_, p, _ := net.SplitHostPort(addr.String())
+	n, _ := strconv.Atoi(p)
+	return n
+}
+
+func newTestIPTables(t *testing.T, k *fakeKernel, cfg Config) *IPTables {
+	t.Helper()
+	cfg.Kernel = k.kernel()
+	if cfg.NodeIPs == nil {
+		cfg.NodeIPs = []netip.Addr{nodeIPv4, nodeIPv6}
+	}
+	p, err := NewIPTables(cfg)
+	if err != nil {
+		t.Fatalf("NewIPTables: %v", err)
+	}
+	t.Cleanup(func() { p.holder.close() })
+	return p
+}
+
+const natHead = `*nat
+:UPROXY-PORTALS-CONTAINER - [0:0]
+:UPROXY-PORTALS-HOST - [0:0]
+:UPROXY-NODEPORT-CONTAINER - [0:0]
+:UPROXY-NODEPORT-HOST - [0:0]
+:UPROXY-CANARY - [0:0]
+-A UPROXY-CANARY -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN
+`
+
+const filterEmpty = `*filter
+:UPROXY-NODEPORT-NON-LOCAL - [0:0]
+COMMIT
+`
+
+func TestSyncWritesExactRestoreInput(t *testing.T) {
+	np := freePort(t, "tcp4")
+	npUDP := freePort(t, "udp4")
+	web := port("shop", "web", "http", service.TCP, 80)
+	web.ClusterIPs = ips("10.96.0.10", "fd00:96::10")
+	web.ExternalIPs = ips("10.250.0.5", "fd00:250::5")
+	web.LoadBalancerIPs = ips("10.251.0.7")
+	web.NodePort = np
+	dns := port("kube-system", "dns", "dns", service.UDP, 53)
+	dns.ClusterIPs = ips("10.96.0.53")
+	dns.NodePort = npUDP
+	sctp := port("shop", "sig", "", service.SCTP, 9)
+	sctp.ClusterIPs = ips("10.96.0.9")
+	v6only := port("shop", "six", "", service.TCP, 443)
+	v6only.ClusterIPs = ips("fd00:96::443")
+
+	NP, NPU := strconv.Itoa(np), strconv.Itoa(npUDP)
+	tests := []struct {
+		name    string
+		cfg     Config
+		portals []Portal
+		want    [2]string // restore input per family, "" = none written
+		wantErr []string  // substrings, one per error
+	}{
+		{
+			name:    "ClusterIP ExternalIP LoadBalancer NodePort, TCP and UDP, IPv4 only",
+			portals: []Portal{{web, 40001}, {dns, 40002}},
+			want: [2]string{`*filter
+:UPROXY-NODEPORT-NON-LOCAL - [0:0]
+-A UPROXY-NODEPORT-NON-LOCAL -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 40002 -m conntrack --ctstate DNAT --ctorigdstport ` + NPU + ` -j ACCEPT
+-A UPROXY-NODEPORT-NON-LOCAL -p tcp -m comment --comment "shop/web:http" -m tcp --dport 40001 -m conntrack --ctstate DNAT --ctorigdstport ` + NP + ` -j ACCEPT
+COMMIT
+` + natHead + `-A UPROXY-PORTALS-CONTAINER -d 10.96.0.53/32 -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 53 -j REDIRECT --to-ports 40002
+-A UPROXY-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-CONTAINER -d 10.251.0.7/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-CONTAINER -d 10.250.0.5/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -m addrtype ! --src-type LOCAL -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-HOST -d 10.96.0.53/32 -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 53 -j DNAT --to-destination 10.0.0.1:40002
+-A UPROXY-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40001
+-A UPROXY-PORTALS-HOST -d 10.251.0.7/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40001
+-A UPROXY-PORTALS-HOST -d 10.250.0.5/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.1:40001
+-A UPROXY-NODEPORT-CONTAINER -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport ` + NPU + ` -j REDIRECT --to-ports 40002
+-A UPROXY-NODEPORT-CONTAINER -p tcp -m comment --comment "shop/web:http" -m tcp --dport ` + NP + ` -j REDIRECT --to-ports 40001
+-A UPROXY-NODEPORT-HOST -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport ` + NPU + ` -j DNAT --to-destination 10.0.0.1:40002
+-A UPROXY-NODEPORT-HOST -p tcp -m comment --comment "shop/web:http" -m tcp --dport ` + NP + ` -j DNAT --to-destination 10.0.0.1:40001
+COMMIT
+`},
+		},
+		{
+			name:    "IPv6 rules go to ip6tables, NodePortAddresses narrow NodePorts, other prefix",
+			cfg:     Config{IPv6: true, ChainPrefix: "UP6", NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("fd00::/64")}},
+			portals: []Portal{{web, 40001}, {v6only, 40003}},
+			want: [2]string{strings.ReplaceAll(`*filter
+:UPROXY-NODEPORT-NON-LOCAL - [0:0]
+COMMIT
+`+natHead+`-A UPROXY-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-CONTAINER -d 10.251.0.7/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-CONTAINER -d 10.250.0.5/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -m addrtype ! --src-type LOCAL -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40001
+-A UPROXY-PORTALS-HOST -d 10.251.0.7/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40001
+-A UPROXY-PORTALS-HOST -d 10.250.0.5/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.1:40001
+COMMIT
+`, "UPROXY-", "UP6-"), strings.ReplaceAll(`*filter
+:UPROXY-NODEPORT-NON-LOCAL - [0:0]
+-A UPROXY-NODEPORT-NON-LOCAL -p tcp -m comment --comment "shop/web:http" -m tcp --dport 40001 -m conntrack --ctstate DNAT --ctorigdstport `+NP+` -j ACCEPT
+COMMIT
+`+natHead+`-A UPROXY-PORTALS-CONTAINER -d fd00:96::443/128 -p tcp -m comment --comment "shop/six" -m tcp --dport 443 -j REDIRECT --to-ports 40003
+-A UPROXY-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-CONTAINER -d fd00:250::5/128 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -m addrtype ! --src-type LOCAL -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-HOST -d fd00:96::443/128 -p tcp -m comment --comment "shop/six" -m tcp --dport 443 -j DNAT --to-destination [fd00::1]:40003
+-A UPROXY-PORTALS-HOST -d fd00:96::10/128 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::1]:40001
+-A UPROXY-PORTALS-HOST -d fd00:250::5/128 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination [fd00::1]:40001
+-A UPROXY-NODEPORT-CONTAINER -d fd00::/64 -p tcp -m comment --comment "shop/web:http" -m tcp --dport `+NP+` -j REDIRECT --to-ports 40001
+-A UPROXY-NODEPORT-HOST -d fd00::/64 -p tcp -m comment --comment "shop/web:http" -m tcp --dport `+NP+` -j DNAT --to-destination [fd00::1]:40001
+COMMIT
+`, "UPROXY-", "UP6-")},
+		},
+		{
+			name:    "SCTP is skipped with an error, IPv6-only Service ignored without IPv6",
+			portals: []Portal{{sctp, 40004}, {v6only, 40003}},
+			want:    [2]string{filterEmpty + natHead + "COMMIT\n"},
+			wantErr: []string{"portal shop/sig port 9/SCTP: protocol not supported by the userspace mode"},
+		},
+		{
+			name:    "invalid proxy port",
+			portals: []Portal{{dns, 0}},
+			want:    [2]string{filterEmpty + natHead + "COMMIT\n"},
+			wantErr: []string{"portal kube-system/dns:dns port 53/UDP: invalid proxy port 0"},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			k := newFakeKernel()
+			p := newTestIPTables(t, k, tt.cfg)
+			err := p.Sync(tt.portals)
+			var got []string
+			if me, ok := err.(*multierror.Error); ok {
+				for _, e := range me.Errors {
+					got = append(got, e.Error())
+				}
+			} else if err != nil {
+				t.Fatalf("Sync: got %T %v, want nil or *multierror.Error", err, err)
+			}
+			if strings.Join(got, "\n") != strings.Join(tt.wantErr, "\n") {
+				t.Errorf("errors: got %q, want %q", got, tt.wantErr)
+			}
+			for f := v4; f <= v6; f++ {
+				var gotText string
+				if n := len(k.restores[f]); n > 1 {
+					t.Fatalf("%s: got %d restores, want at most 1", familyName(f), n)
+				} else if n == 1 {
+					gotText = k.restores[f][0]
+				}
+				if gotText != tt.want[f] {
+					t.Errorf("%s restore input:\ngot:\n%s\nwant:\n%s", familyName(f), gotText, tt.want[f])
+				}
+			}
+		})
+	}
+}
+
+func TestSyncUnchangedWritesNothing(t *testing.T) {
+	k := newFakeKernel()
+	p := newTestIPTables(t, k, Config{IPv6: true})
+	svc := port("a", "b", "c", service.TCP, 80)
+	svc.ClusterIPs = ips("10.96.0.1", "fd00:96::1")
+	for i := range 3 {
+		if err := p.Sync([]Portal{{svc, 40000}}); err != nil {
+			t.Fatalf("Sync %d: %v", i, err)
+		}
+	}
+	for f := v4; f <= v6; f++ {
+		if got := len(k.restores[f]); got != 1 {
+			t.Errorf("%s restores after 3 identical syncs: got %d, want 1", familyName(f), got)
+		}
+		if got := len(k.ops[f]); got != 5 {
+			t.Errorf("%s jump inserts: got %d (%q), want 5", familyName(f), got, k.ops[f])
+		}
+		// One canary read per sync after the first.
+		if got := k.lists[f]; got != 2 {
+			t.Errorf("%s canary reads: got %d, want 2", familyName(f), got)
+		}
+	}
+}
+
+func TestJumpRulesPlacement(t *testing.T) {
+	k := newFakeKernel()
+	p := newTestIPTables(t, k, Config{ChainPrefix: "UPX"})
+	if err := p.Sync(nil); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		`insert nat PREROUTING 1 -m comment --comment uproxy service portals -j UPX-PORTALS-CONTAINER`,
+		`insert nat OUTPUT 1 -m comment --comment uproxy service portals -j UPX-PORTALS-HOST`,
+		`append nat PREROUTING -m addrtype --dst-type LOCAL -m comment --comment uproxy NodePorts -j UPX-NODEPORT-CONTAINER`,
+		`append nat OUTPUT -m addrtype --dst-type LOCAL -m comment --comment uproxy NodePorts -j UPX-NODEPORT-HOST`,
+		`insert filter INPUT 1 -m comment --comment uproxy NodePorts -j UPX-NODEPORT-NON-LOCAL`,
+	}
+	if got := k.allOps(v4); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("jump rules:\ngot  %q\nwant %q", got, want)
+	}
+	if len(k.ops[v6]) != 0 || len(k.restores[v6]) != 0 {
+		t.Errorf("IPv6 touched without Config.IPv6: ops %q, restores %d", k.ops[v6], len(k.restores[v6]))
+	}
+}
+
+func TestCanaryLossForcesRewrite(t *testing.T) {
+	k := newFakeKernel()
+	p := newTestIPTables(t, k, Config{})
+	svc := port("a", "b", "", service.UDP, 53)
+	svc.ClusterIPs = ips("10.96.0.53")
+	sync := func() {
+		t.Helper()
+		if err := p.Sync([]Portal{{svc, 40000}}); err != nil {
+			t.Fatalf("Sync: %v", err)
+		}
+	}
+	sync()
+	k.flush(v4) // someone runs iptables -t nat -F: canary and nat jumps gone, filter jump kept
+	sync()
+	if got := len(k.restores[v4]); got != 2 {
+		t.Fatalf("restores: got %d, want 2 (rewrite after the flush)", got)
+	}
+	if k.restores[v4][1] != k.restores[v4][0] {
+		t.Errorf("rewrite differs from the first write:\ngot:\n%s\nwant:\n%s", k.restores[v4][1], k.restores[v4][0])
+	}
+	// 5 jumps first, then only the 4 nat ones that the flush removed.
+	if got := len(k.ops[v4]); got != 9 {
+		t.Errorf("jump inserts: got %d (%q), want 9", got, k.ops[v4])
+	}
+	sync()
+	if got := len(k.restores[v4]); got != 2 {
+		t.Errorf("restores after a quiet sync: got %d, want 2", got)
+	}
+}
+
+func TestRemovedServiceVanishes(t *testing.T) {
+	k := newFakeKernel()
+	p := newTestIPTables(t, k, Config{})
+	a := port("ns", "a", "", service.TCP, 80)
+	a.ClusterIPs = ips("10.96.0.1")
+	b := port("ns", "b", "", service.TCP, 80)
+	b.ClusterIPs = ips("10.96.0.2")
+	b.ExternalIPs = ips("10.250.0.2")
+	if err := p.Sync([]Portal{{a, 40001}, {b, 40002}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Sync([]Portal{{a, 40001}}); err != nil {
+		t.Fatal(err)
+	}
+	if len(k.restores[v4]) != 2 {
+		t.Fatalf("restores: got %d, want 2", len(k.restores[v4]))
+	}
+	if !strings.Contains(k.restores[v4][0], `"ns/b"`) {
+		t.Fatalf("first write lacks ns/b:\n%s", k.restores[v4][0])
+	}
+	want := filterEmpty + natHead +
+		`-A UPROXY-PORTALS-CONTAINER -d 10.96.0.1/32 -p tcp -m comment --comment "ns/a" -m tcp --dport 80 -j REDIRECT --to-ports 40001
+-A UPROXY-PORTALS-HOST -d 10.96.0.1/32 -p tcp -m comment --comment "ns/a" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40001
+COMMIT
+`
+	if got := k.restores[v4][1]; got != want {
+		t.Errorf("second write:\ngot:\n%s\nwant:\n%s", got, want)
+	}
+}
+
+func TestRestoreFailureRetriedNextSync(t *testing.T) {
+	k := newFakeKernel()
+	p := newTestIPTables(t, k, Config{})
+	k.failNext[v4] = errors.New("iptables-restore: line 3 failed")
+	err := p.Sync(nil)
+	if err == nil || !strings.Contains(err.Error(), "write IPv4 portals: iptables-restore: line 3 failed") {
+		t.Fatalf("Sync: got %v, want the restore failure", err)
+	}
+	if len(k.ops[v4]) != 0 {
+		t.Errorf("jumps added although the chains were not written: %q", k.ops[v4])
+	}
+	if err := p.Sync(nil); err != nil {
+		t.Fatalf("second Sync: %v", err)
+	}
+	if got := len(k.restores[v4]); got != 1 {
+		t.Errorf("restores: got %d, want 1 (the retry)", got)
+	}
+	if got := len(k.ops[v4]); got != 5 {
+		t.Errorf("jumps after retry: got %d, want 5", got)
+	}
+}
+
+func TestNodePortHeldAndConflict(t *testing.T) {
+	squatter, err := net.Listen("tcp4", "0.0.0.0:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	taken := squatter.Addr().(*net.TCPAddr).Port
+	free := freePort(t, "tcp4")
+
+	k := newFakeKernel()
+	p := newTestIPTables(t, k, Config{})
+	clash := port("ns", "clash", "", service.TCP, 80)
+	clash.ClusterIPs = ips("10.96.0.1")
+	clash.NodePort = taken
+	ok := port("ns", "ok", "", service.TCP, 80)
+	ok.ClusterIPs = ips("10.96.0.2")
+	ok.NodePort = free
+	twin := port("ns", "twin", "", service.TCP, 81)
+	twin.ClusterIPs = ips("10.96.0.3")
+	twin.NodePort = free
+	portals := []Portal{{clash, 40001}, {ok, 40002}, {twin, 40003}}
+
+	err = p.Sync(portals)
+	var perrs []*PortalError
+	if me, isMulti := err.(*multierror.Error); isMulti {
+		for _, e := range me.Errors {
+			var pe *PortalError
+			if !errors.As(e, &pe) {
+				t.Errorf("error %v: got %T, want *PortalError", e, e)
+				continue
+			}
+			perrs = append(perrs, pe)
+		}
+	}
+	if len(perrs) != 2 {
+		t.Fatalf("Sync: got %v, want 2 PortalErrors", err)
+	}
+	if perrs[0].Service.Name != "twin" || perrs[0].Port != free || !strings.Contains(perrs[0].Error(), "NodePort already used by ns/ok") {
+		t.Errorf("first error: got %v, want ns/twin port %d already used by ns/ok", perrs[0], free)
+	}
+	if perrs[1].Service.Name != "clash" || perrs[1].Port != taken || !strings.Contains(perrs[1].Error(), "address already in use") {
+		t.Errorf("second error: got %v, want ns/clash port %d address already in use", perrs[1], taken)
+	}
+	text := k.restores[v4][0]
+	for _, want := range []string{`-d 10.96.0.1/32`, `-d 10.96.0.3/32`, `--dport ` + strconv.Itoa(free) + ` -j REDIRECT --to-ports 40002`} {
+		if !strings.Contains(text, want) {
+			t.Errorf("restore input lacks %q:\n%s", want, text)
+		}
+	}
+	for _, absent := range []string{`--dport ` + strconv.Itoa(taken), `-m tcp --dport ` + strconv.Itoa(free) + ` -j REDIRECT --to-ports 40003`} {
+		if strings.Contains(text, absent) {
+			t.Errorf("restore input has %q, want none:\n%s", absent, text)
+		}
+	}
+	// The held NodePort is really taken.
+	if ln, err := net.Listen("tcp4", "0.0.0.0:"+strconv.Itoa(free)); err == nil {
+		ln.Close()
+		t.Errorf("listen on held NodePort %d: got success, want address in use", free)
+	}
+
+	// Once the squatter goes, the next Sync takes the port and programs it.
+	squatter.Close()
+	if err := p.Sync(portals[:2]); err != nil {
+		t.Fatalf("Sync after the squatter left: %v", err)
+	}
+	if text := k.restores[v4][1]; !strings.Contains(text, "--dport "+strconv.Itoa(taken)+" -j REDIRECT --to-ports 40001") {
+		t.Errorf("NodePort %d not programmed after it was freed:\n%s", taken, text)
+	}
+	// Removing the Services releases their NodePorts.
+	if err := p.Sync(nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, np := range []int{taken, free} {
+		ln, err := net.Listen("tcp4", "0.0.0.0:"+strconv.Itoa(np))
+		if err != nil {
+			t.Errorf("listen on released NodePort %d: %v", np, err)
+			continue
+		}
+		ln.Close()
+	}
+}
+
+func flow(dst string, dport, replySport uint16) *netlink.ConntrackFlow {
+	f := &netlink.ConntrackFlow{}
+	f.Forward.Protocol = 17
+	f.Forward.DstIP = net.ParseIP(dst)
+	f.Forward.DstPort = dport
+	f.Reverse.SrcPort = replySport
+	return f
+}
+
+func TestStaleUDPFlows(t *testing.T) {
+	k := newFakeKernel()
+	p := newTestIPTables(t, k, Config{})
+	np := freePort(t, "udp4")
+	dns := port("ns", "dns", "", service.UDP, 53)
+	dns.ClusterIPs = ips("10.96.0.53")
+	dns.NodePort = np
+	web := port("ns", "web", "", service.TCP, 80)
+	web.ClusterIPs = ips("10.96.0.80")
+
+	steps := []struct {
+		name    string
+		portals []Portal
+		// matches maps a flow to whether it must be deleted; nil = no deletion pass.
+		matches map[*netlink.ConntrackFlow]bool
+	}{
+		{"first sync checks every UDP destination", []Portal{{dns, 40001}, {web, 40002}}, map[*netlink.ConntrackFlow]bool{
+			flow("10.96.0.53", 53, 40001):         false, // already on the right proxy port
+			flow("10.96.0.53", 53, 39999):         true,  // a previous run's proxy port
+			flow("10.96.0.53", 53, 53):            true,  // predates the portal
+			flow("192.168.1.1", uint16(np), 1234): true,  // NodePort, not redirected here
+			flow("10.96.0.80", 80, 80):            false, // TCP Service: not watched
+			flow("10.96.0.54", 53, 53):            false,
+		}},
+		{"unchanged: no pass", []Portal{{dns, 40001}, {web, 40002}}, nil},
+		{"proxy port changed", []Portal{{dns, 40005}, {web, 40002}}, map[*netlink.ConntrackFlow]bool{
+			flow("10.96.0.53", 53, 40001):       true,
+			flow("10.96.0.53", 53, 40005):       false,
+			flow("10.0.0.1", uint16(np), 40001): true,
+		}},
+		{"TCP change: no pass", []Portal{{dns, 40005}, {web, 40009}}, nil},
+		{"removed", nil, map[*netlink.ConntrackFlow]bool{
+			flow("10.96.0.53", 53, 40005):       true,
+			flow("10.0.0.1", uint16(np), 40005): true,
+		}},
+	}
+	for i, st := range steps {
+		if err := p.Sync(st.portals); err != nil {
+			t.Fatalf("%s: Sync: %v", st.name, err)
+		}
+		got := k.deleted[v4]
+		k.deleted[v4] = nil
+		if st.matches == nil {
+			if len(got) != 0 {
+				t.Errorf("step %d %s: got %d conntrack passes, want none", i, st.name, len(got))
+			}
+			continue
+		}
+		if len(got) != 1 {
+			t.Fatalf("step %d %s: got %d conntrack passes, want 1", i, st.name, len(got))
+		}
+		for f, want := range st.matches {
+			if m := got[0].MatchConntrackFlow(f); m != want {
+				t.Errorf("step %d %s: flow to %s:%d reply from :%d: got match %v, want %v", i, st.name, f.Forward.DstIP, f.Forward.DstPort, f.Reverse.SrcPort, m, want)
+			}
+		}
+	}
+}
+
+func TestCleanupRemovesOnlyWhatExists(t *testing.T) {
+	natWithOurs := `# Generated by iptables-save
+*nat
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [3:180]
+:KUBE-SERVICES - [0:0]
+:UPROXY-PORTALS-CONTAINER - [0:0]
+:UPROXY-CANARY - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A PREROUTING -m comment --comment "uproxy service portals" -j UPROXY-PORTALS-CONTAINER
+-A UPROXY-PORTALS-CONTAINER -d 10.96.0.1/32 -p tcp -m comment --comment "a/b" -m tcp --dport 80 -j REDIRECT --to-ports 4000
+-A UPROXY-CANARY -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN
+COMMIT
+*filter
+:INPUT ACCEPT [0:0]
+:KUBE-FIREWALL - [0:0]
+-A INPUT -j KUBE-FIREWALL
+COMMIT
+`
+	tests := []struct {
+		name    string
+		saved   [2]string
+		saveErr [2]error
+		want    [2]string
+	}{
+		{"nothing installed", [2]string{"*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n", ""}, [2]error{}, [2]string{}},
+		{"ip6tables missing", [2]string{}, [2]error{nil, fmt.Errorf("ip6tables-save: %w", errExecNotFound())}, [2]string{}},
+		{"partly installed", [2]string{natWithOurs, ""}, [2]error{}, [2]string{`*nat
+:UPROXY-PORTALS-CONTAINER - [0:0]
+:UPROXY-CANARY - [0:0]
+-D PREROUTING -m comment --comment "uproxy service portals" -j UPROXY-PORTALS-CONTAINER
+-X UPROXY-PORTALS-CONTAINER
+-X UPROXY-CANARY
+COMMIT
+`}},
+		{"jump left behind, chain in filter", [2]string{"", "*filter\n:INPUT ACCEPT [0:0]\n:UPROXY-NODEPORT-NON-LOCAL - [0:0]\n-A INPUT -m comment --comment \"uproxy NodePorts\" -j UPROXY-NODEPORT-NON-LOCAL\n-A INPUT -j UPROXY-NODEPORT-NON-LOCAL\nCOMMIT\n"}, [2]error{}, [2]string{"", `*filter
+:UPROXY-NODEPORT-NON-LOCAL - [0:0]
+-D INPUT -m comment --comment "uproxy NodePorts" -j UPROXY-NODEPORT-NON-LOCAL
+-D INPUT -j UPROXY-NODEPORT-NON-LOCAL
+-X UPROXY-NODEPORT-NON-LOCAL
+COMMIT
+`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			k := newFakeKernel()
+			k.saved, k.saveErr = tt.saved, tt.saveErr
+			p := newTestIPTables(t, k, Config{})
+			if err := p.Cleanup(); err != nil {
+				t.Fatalf("Cleanup: %v", err)
+			}
+			for f := v4; f <= v6; f++ {
+				got := strings.Join(k.restores[f], "")
+				if got != tt.want[f] {
+					t.Errorf("%s restore:\ngot:\n%s\nwant:\n%s", familyName(f), got, tt.want[f])
+				}
+			}
+		})
+	}
+}
+
+func TestCleanupReportsSaveFailure(t *testing.T) {
+	k := newFakeKernel()
+	k.saveErr[v4] = errors.New("iptables-save: permission denied")
+	p := newTestIPTables(t, k, Config{})
+	if err := p.Cleanup(); err == nil || !strings.Contains(err.Error(), "read rules for cleanup: iptables-save: permission denied") {
+		t.Errorf("Cleanup: got %v, want the save failure", err)
+	}
+}
+
+func TestConfigValidation(t *testing.T) {
+	tests := []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"no IPv4 node IP", Config{NodeIPs: ips("fd00::1")}, "no IPv4 node IP"},
+		{"no IPv6 node IP", Config{NodeIPs: ips("10.0.0.1"), IPv6: true}, "no IPv6 node IP"},
+		{"prefix too long", Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "VERYLONGPREFIX"}, `chain prefix "VERYLONGPREFIX"`},
+		{"prefix with space", Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "A B"}, `chain prefix "A B"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tt.cfg.Kernel = newFakeKernel().kernel()
+			_, err := NewIPTables(tt.cfg)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("NewIPTables: got %v, want an error containing %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestNoneDoesNothing(t *testing.T) {
+	var p Portals = None{}
+	if err := p.Sync([]Portal{{Port: port("a", "b", "", service.TCP, 80), ProxyPort: 1}}); err != nil {
+		t.Errorf("Sync: got %v, want nil", err)
+	}
+	if err := p.Cleanup(); err != nil {
+		t.Errorf("Cleanup: got %v, want nil", err)
+	}
+}

@@ -1,0 +1,155 @@
+// Package rules programs the iptables portals of the userspace mode: nat rules that
+// steer a Service's virtual IPs and NodePorts to the local proxy port serving it.
+//
+// The proxier opens one proxy listener per Service port and hands the whole desired
+// state to Sync on every sync:
+//
+//	p, err := rules.NewIPTables(rules.Config{NodeIPs: []netip.Addr{nodeIP}})
+//	...
+//	err = p.Sync([]rules.Portal{{Port: port, ProxyPort: 40123}})
+//
+// Chains (prefix P, "UPROXY" by default), nat table of each family:
+//
+//	P-PORTALS-CONTAINER   first in PREROUTING: VIP:port -> REDIRECT to the proxy port
+//	P-PORTALS-HOST        first in OUTPUT: VIP:port -> DNAT to node IP:proxy port
+//	P-NODEPORT-CONTAINER  last in PREROUTING, local destinations only: REDIRECT
+//	P-NODEPORT-HOST       last in OUTPUT, local destinations only: DNAT
+//	P-CANARY              one rule; its loss means someone flushed the table
+//
+// and in the filter table P-NODEPORT-NON-LOCAL, first in INPUT, accepting traffic
+// redirected from a NodePort to its proxy port.
+//
+// Everything except the jump rules is written with one iptables-restore --noflush
+// per family, each chain declared (and so flushed) and rewritten whole, and only
+// when the text differs from the last successful write.
+package rules
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// DefaultChainPrefix prefixes every chain when Config.ChainPrefix is empty. It
+// differs from kube-proxy's KUBE so the two never touch each other's chains.
+const DefaultChainPrefix = "UPROXY"
+
+// Portal is one Service port as the proxier serves it.
+type Portal struct {
+	// Port is the Service port: its virtual IPs, port, NodePort and protocol.
+	Port *service.Port
+	// ProxyPort is the local port the proxy listens on for it.
+	ProxyPort int
+}
+
+// Config configures IPTables. The zero value needs only NodeIPs.
+type Config struct {
+	// ChainPrefix names the chains; DefaultChainPrefix when empty.
+	ChainPrefix string
+	// NodeIPs holds the node's address per family: the HOST chains DNAT to
+	// nodeIP:proxyPort, because REDIRECT from OUTPUT rewrites the destination to
+	// 127.0.0.1 and replies to a UDP client on another address would not match.
+	// An IPv4 address is required, an IPv6 one when IPv6 is set.
+	NodeIPs []netip.Addr
+	// NodePortAddresses limits NodePorts to the node's addresses inside these
+	// prefixes (--nodeport-addresses); empty means every local address. A family
+	// with no prefix here gets no NodePorts.
+	NodePortAddresses []netip.Prefix
+	// IPv6 also programs ip6tables with the Services' IPv6 addresses.
+	IPv6 bool
+	// Kernel replaces the iptables commands, netlink and sockets; nil uses the real ones.
+	Kernel *Kernel
+}
+
+func (c *Config) prefix() string {
+	if c.ChainPrefix == "" {
+		return DefaultChainPrefix
+	}
+	return c.ChainPrefix
+}
+
+// Portals programs the portal rules of the userspace mode.
+type Portals interface {
+	// Sync makes the rules match portals, the whole desired state. It writes
+	// nothing when nothing changed. Problems with single Services come back as
+	// *PortalError values inside the returned error (a *multierror.Error); the
+	// other Services are programmed regardless.
+	Sync(portals []Portal) error
+	// Cleanup removes every chain and jump rule the portals install, in both
+	// families, ignoring whatever is already gone.
+	Cleanup() error
+}
+
+// None is the Portals of --rules none: it programs nothing.
+type None struct{}
+
+func (None) Sync([]Portal) error { return nil }
+func (None) Cleanup() error      { return nil }
+
+// ErrUnsupportedProtocol is the cause of a PortalError for a protocol the
+// userspace mode has no proxy for (SCTP): such portals are skipped.
+var ErrUnsupportedProtocol = errors.New("protocol not supported by the userspace mode")
+
+// PortalError is a problem with the portals of one Service port. Port is the port
+// concerned: the NodePort for a NodePort that another process holds.
+type PortalError struct {
+	Service  service.PortName
+	Protocol service.Protocol
+	Port     int
+	Err      error
+}
+
+func (e *PortalError) Error() string {
+	return fmt.Sprintf("portal %s port %d/%s: %v", e.Service, e.Port, e.Protocol, e.Err)
+}
+
+func (e *PortalError) Unwrap() error { return e.Err }
+
+// chains names the chains for one prefix.
+type chains struct {
+	portalsContainer, portalsHost   string
+	nodePortContainer, nodePortHost string
+	nodePortNonLocal                string
+	canary                          string
+}
+
+func chainNames(prefix string) chains {
+	return chains{
+		portalsContainer:  prefix + "-PORTALS-CONTAINER",
+		portalsHost:       prefix + "-PORTALS-HOST",
+		nodePortContainer: prefix + "-NODEPORT-CONTAINER",
+		nodePortHost:      prefix + "-NODEPORT-HOST",
+		nodePortNonLocal:  prefix + "-NODEPORT-NON-LOCAL",
+		canary:            prefix + "-CANARY",
+	}
+}
+
+// natChains are the chains in the nat table, in the order they are declared.
+func (c chains) nat() []string {
+	return []string{c.portalsContainer, c.portalsHost, c.nodePortContainer, c.nodePortHost, c.canary}
+}
+
+func (c chains) filter() []string { return []string{c.nodePortNonLocal} }
+
+// jump is one rule in a built-in chain that leads to one of ours.
+type jump struct {
+	table, chain string
+	first        bool // inserted at position 1, else appended
+	spec         []string
+}
+
+// jumps lists the jump rules. PORTALS jumps go first so Service IPs win over
+// anything else; NODEPORT jumps go last because they match every local
+// destination. The INPUT accept goes first: appended after a firewall's final
+// DROP it would never run.
+func (c chains) jumps() []jump {
+	return []jump{
+		{"nat", "PREROUTING", true, []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsContainer}},
+		{"nat", "OUTPUT", true, []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsHost}},
+		{"nat", "PREROUTING", false, []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortContainer}},
+		{"nat", "OUTPUT", false, []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortHost}},
+		{"filter", "INPUT", true, []string{"-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortNonLocal}},
+	}
+}
