@@ -44,9 +44,9 @@ type Balancer struct {
 
 	mu sync.Mutex
 	// eps are the endpoints in the order Update gave them; index maps each address
-	// to its position. Addresses are unique.
+	// (as endpointKey) to its position. Addresses are unique.
 	eps   []backend
-	index map[netip.AddrPort]int
+	index map[endpointKey]int32
 	// next is the index after the last endpoint chosen by the scheduler (not by
 	// affinity): where rr resumes and where lc, sed and nq start breaking ties.
 	// 0 <= next < len(eps) whenever eps is not empty.
@@ -59,9 +59,12 @@ type Balancer struct {
 
 	affinity bool
 	timeout  time.Duration
-	// clients is the ClientIP affinity table, nil while affinity is off. Every
-	// entry names an endpoint in index.
-	clients map[netip.Addr]entry
+	// entries is the ClientIP affinity table and clients maps each entry's client
+	// (as clientKey) to its position in entries, so that a hit costs one map lookup
+	// and slides LastUsed in place. Every entry's ep indexes eps (Update remaps
+	// them). Both are empty while affinity is off.
+	clients map[clientKey]int32
+	entries []entry
 	sweepAt int
 
 	counters Counters
@@ -75,8 +78,28 @@ type backend struct {
 }
 
 type entry struct {
-	ep       netip.AddrPort
+	client   netip.Addr
+	ep       int32
 	lastUsed time.Time
+}
+
+// clientKey and endpointKey are the map keys for addresses: plain byte arrays hash
+// in one step, where netip types hash field by field. IPv4 and its IPv4-mapped IPv6
+// form share a key, which is what the proxy wants (one client is one client,
+// whichever socket family it came through); zones are ignored.
+type (
+	clientKey   [16]byte
+	endpointKey [18]byte
+)
+
+func keyOfClient(a netip.Addr) clientKey { return a.As16() }
+
+func keyOfEndpoint(ep netip.AddrPort) endpointKey {
+	var k endpointKey
+	a := ep.Addr().As16()
+	copy(k[:], a[:])
+	k[16], k[17] = byte(ep.Port()>>8), byte(ep.Port())
+	return k
 }
 
 // NewBalancer returns a Balancer with no endpoints using the named scheduler (""
@@ -86,7 +109,13 @@ func NewBalancer(scheduler string) (*Balancer, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Balancer{sched: s, now: time.Now, sweepAt: minSweep}, nil
+	return &Balancer{
+		sched:   s,
+		now:     time.Now,
+		index:   map[endpointKey]int32{},
+		clients: map[clientKey]int32{},
+		sweepAt: minSweep,
+	}, nil
 }
 
 // Scheduler returns the name of b's scheduler.
@@ -109,21 +138,23 @@ func (b *Balancer) Update(endpoints []netip.AddrPort, dst netip.Addr, clientIPAf
 	defer b.mu.Unlock()
 
 	eps := make([]backend, 0, len(endpoints))
-	index := make(map[netip.AddrPort]int, len(endpoints))
+	index := make(map[endpointKey]int32, len(endpoints))
 	for _, ep := range endpoints {
 		if !ep.IsValid() {
 			continue
 		}
-		if _, dup := index[ep]; dup {
+		k := keyOfEndpoint(ep)
+		if _, dup := index[k]; dup {
 			continue
 		}
 		be := backend{addr: ep, weight: 1}
-		if i, ok := b.index[ep]; ok {
+		if i, ok := b.index[k]; ok {
 			be.active = b.eps[i].active
 		}
-		index[ep] = len(eps)
+		index[k] = int32(len(eps))
 		eps = append(eps, be)
 	}
+	old := b.eps
 	b.eps, b.index = eps, index
 	// Keep the rotation where it was rather than restarting it: with frequent
 	// updates a restart would favour the first endpoints.
@@ -138,27 +169,30 @@ func (b *Balancer) Update(endpoints []netip.AddrPort, dst netip.Addr, clientIPAf
 
 	b.affinity, b.timeout = clientIPAffinity, timeout
 	if !clientIPAffinity {
-		b.clients = nil
+		if len(b.entries) > 0 {
+			b.clients, b.entries = map[clientKey]int32{}, nil
+		}
 		b.sweepAt = minSweep
 		return
 	}
-	if b.clients == nil {
-		b.clients = make(map[netip.Addr]entry)
-	}
 	now := b.now()
-	for c, e := range b.clients {
-		if _, ok := index[e.ep]; !ok {
-			delete(b.clients, c)
-		} else if !b.live(e, now) {
-			delete(b.clients, c)
-			b.counters.AffinityExpired++
+	b.compact(func(e *entry) bool {
+		i, ok := index[keyOfEndpoint(old[e.ep].addr)]
+		if !ok {
+			return false
 		}
-	}
+		if !b.live(e.lastUsed, now) {
+			b.counters.AffinityExpired++
+			return false
+		}
+		e.ep = i
+		return true
+	})
 }
 
-// live reports whether e is still within the timeout at now.
-func (b *Balancer) live(e entry, now time.Time) bool {
-	return now.Sub(e.lastUsed) < b.timeout
+// live reports whether an entry last used at lastUsed is still within the timeout.
+func (b *Balancer) live(lastUsed, now time.Time) bool {
+	return now.Sub(lastUsed) < b.timeout
 }
 
 // Pick returns the endpoint for a new connection from client, avoiding those in tried
@@ -177,19 +211,30 @@ func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPo
 	if b.allTried(tried) {
 		tried = nil
 	}
-	var now time.Time
+	var (
+		now   time.Time
+		key   clientKey
+		pos   int32
+		found bool
+	)
 	if b.affinity {
 		now = b.now()
-		i, found, hit := b.sticky(client, tried, now)
-		if hit {
-			b.eps[i].active++
-			b.clients[client] = entry{ep: b.eps[i].addr, lastUsed: now}
-			b.counters.AffinityHits++
-			return b.eps[i].addr, nil
+		key = keyOfClient(client)
+		pos, found = b.clients[key]
+		if found {
+			e := &b.entries[pos]
+			if !b.live(e.lastUsed, now) {
+				b.counters.AffinityExpired++
+			} else if ep := &b.eps[e.ep]; !slices.Contains(tried, ep.addr) {
+				e.lastUsed = now
+				ep.active++
+				b.counters.AffinityHits++
+				return ep.addr, nil
+			}
 		}
 		b.counters.AffinityMisses++
-		if !found && len(b.clients) >= b.sweepAt {
-			b.sweepLocked(now)
+		if !found && len(b.entries) >= b.sweepAt {
+			b.sweepLocked(now) // moves entries, but client has none
 		}
 	}
 	i := b.schedule(client, tried)
@@ -199,28 +244,15 @@ func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPo
 	}
 	b.eps[i].active++
 	if b.affinity {
-		b.clients[client] = entry{ep: b.eps[i].addr, lastUsed: now}
+		e := entry{client: client, ep: int32(i), lastUsed: now}
+		if found {
+			b.entries[pos] = e
+		} else {
+			b.clients[key] = int32(len(b.entries))
+			b.entries = append(b.entries, e)
+		}
 	}
 	return b.eps[i].addr, nil
-}
-
-// sticky looks client up in the affinity table: found reports an entry exists, hit
-// that it is usable now, and then i is its endpoint's index. An expired entry is
-// counted here; the caller overwrites it.
-func (b *Balancer) sticky(client netip.Addr, tried []netip.AddrPort, now time.Time) (i int, found, hit bool) {
-	e, found := b.clients[client]
-	if !found {
-		return 0, false, false
-	}
-	if !b.live(e, now) {
-		b.counters.AffinityExpired++
-		return 0, true, false
-	}
-	i, ok := b.index[e.ep]
-	if !ok || slices.Contains(tried, e.ep) {
-		return 0, true, false
-	}
-	return i, true, true
 }
 
 // allTried reports whether tried covers every endpoint. It cannot when it is shorter
@@ -241,9 +273,10 @@ func (b *Balancer) allTried(tried []netip.AddrPort) bool {
 // left the set does nothing; an endpoint that left and came back restarted its count
 // at zero, so the count is never taken below zero.
 func (b *Balancer) Release(ep netip.AddrPort) {
+	k := keyOfEndpoint(ep)
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if i, ok := b.index[ep]; ok && b.eps[i].active > 0 {
+	if i, ok := b.index[k]; ok && b.eps[i].active > 0 {
 		b.eps[i].active--
 	}
 }
@@ -251,13 +284,23 @@ func (b *Balancer) Release(ep netip.AddrPort) {
 // ResetAffinity forgets client's sticky endpoint; the proxy calls it after a failed
 // dial so that the client's next connection is scheduled afresh.
 func (b *Balancer) ResetAffinity(client netip.Addr) {
-	client = client.Unmap()
+	k := keyOfClient(client)
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if _, ok := b.clients[client]; ok {
-		delete(b.clients, client)
-		b.counters.AffinityResets++
+	pos, ok := b.clients[k]
+	if !ok {
+		return
 	}
+	// Move the last entry into the hole so entries stays dense.
+	last := int32(len(b.entries) - 1)
+	if pos != last {
+		b.entries[pos] = b.entries[last]
+		b.clients[keyOfClient(b.entries[pos].client)] = pos
+	}
+	b.entries[last] = entry{}
+	b.entries = b.entries[:last]
+	delete(b.clients, k)
+	b.counters.AffinityResets++
 }
 
 // Sweep removes the affinity entries expired at now and returns how many it removed.
@@ -268,25 +311,42 @@ func (b *Balancer) Sweep(now time.Time) int {
 }
 
 func (b *Balancer) sweepLocked(now time.Time) int {
-	before := len(b.clients)
-	for c, e := range b.clients {
-		if !b.live(e, now) {
-			delete(b.clients, c)
-		}
-	}
-	removed := before - len(b.clients)
+	removed := b.compact(func(e *entry) bool { return b.live(e.lastUsed, now) })
 	b.counters.AffinityExpired += uint64(removed)
-	// Maps keep their buckets after deletes; rebuild one that emptied out so a burst
-	// of clients does not pin its memory for the life of the Service.
-	if b.clients != nil && before > minSweep && len(b.clients) < before/4 {
-		fresh := make(map[netip.Addr]entry, len(b.clients))
-		for c, e := range b.clients {
-			fresh[c] = e
-		}
-		b.clients = fresh
-	}
-	b.sweepAt = max(minSweep, 2*len(b.clients))
+	b.sweepAt = max(minSweep, 2*len(b.entries))
 	return removed
+}
+
+// compact keeps the entries for which keep returns true (keep may modify them), in
+// order, and returns how many it dropped.
+func (b *Balancer) compact(keep func(*entry) bool) int {
+	before := len(b.entries)
+	w := 0
+	for r := range b.entries {
+		e := &b.entries[r]
+		if !keep(e) {
+			delete(b.clients, keyOfClient(e.client))
+			continue
+		}
+		if w != r {
+			b.entries[w] = *e
+			b.clients[keyOfClient(e.client)] = int32(w)
+		}
+		w++
+	}
+	clear(b.entries[w:])
+	b.entries = b.entries[:w]
+	// Neither maps nor slices give memory back when they shrink; rebuild a table
+	// that emptied out so a burst of clients does not pin its memory for the life
+	// of the Service.
+	if before > minSweep && w < before/4 {
+		b.entries = slices.Clone(b.entries)
+		b.clients = make(map[clientKey]int32, w)
+		for i, e := range b.entries {
+			b.clients[keyOfClient(e.client)] = int32(i)
+		}
+	}
+	return before - w
 }
 
 // Peek returns the endpoint Pick would return for client with nothing tried, and
@@ -300,9 +360,9 @@ func (b *Balancer) Peek(client netip.Addr) (ep netip.AddrPort, sticky bool, err 
 		return netip.AddrPort{}, false, socket.ErrNoEndpoints
 	}
 	if b.affinity {
-		if e, ok := b.clients[client]; ok && b.live(e, b.now()) {
-			if i, ok := b.index[e.ep]; ok {
-				return b.eps[i].addr, true, nil
+		if pos, ok := b.clients[keyOfClient(client)]; ok {
+			if e := b.entries[pos]; b.live(e.lastUsed, b.now()) {
+				return b.eps[e.ep].addr, true, nil
 			}
 		}
 	}
@@ -370,9 +430,9 @@ func (b *Balancer) State() State {
 	if b.affinity {
 		s.AffinityTimeoutSeconds = b.timeout.Seconds()
 		now := b.now()
-		for c, e := range b.clients {
-			if b.live(e, now) {
-				s.Affinity = append(s.Affinity, Entry{Client: c, Endpoint: e.ep, LastUsed: e.lastUsed})
+		for _, e := range b.entries {
+			if b.live(e.lastUsed, now) {
+				s.Affinity = append(s.Affinity, Entry{Client: e.client, Endpoint: b.eps[e.ep].addr, LastUsed: e.lastUsed})
 			}
 		}
 		slices.SortFunc(s.Affinity, func(x, y Entry) int { return x.Client.Compare(y.Client) })

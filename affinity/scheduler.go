@@ -148,28 +148,28 @@ func (b *Balancer) excluded(i int, tried []netip.AddrPort) bool {
 // weights ever come from the endpoints. Ties go to the first endpoint after the last
 // scheduled pick, so equal endpoints take turns instead of the first one taking all.
 // idleFirst (nq) returns the first idle endpoint in that same order, if any.
+//
+// This scan is the only per-Pick cost that grows with the endpoint count, so it
+// walks the slice directly and tests tried only when there is one.
 func (b *Balancer) leastLoaded(tried []netip.AddrPort, idleFirst bool) int {
-	best := -1
-	for k := range len(b.eps) {
-		i := b.after(k)
-		if b.excluded(i, tried) {
-			continue
-		}
+	n := len(b.eps)
+	lc := b.sched == leastConnection
+	best, bestActive, bestWeight := -1, 0, 0
+	i := b.next
+	for range n {
 		e := &b.eps[i]
-		if idleFirst && e.active == 0 {
-			return i
-		}
-		if best < 0 {
-			best = i
-			continue
-		}
-		o := &b.eps[best]
-		if b.sched == leastConnection {
-			if e.active < o.active {
-				best = i
+		if len(tried) == 0 || !slices.Contains(tried, e.addr) {
+			switch {
+			case idleFirst && e.active == 0:
+				return i
+			case best < 0,
+				lc && e.active < bestActive,
+				!lc && (e.active+1)*bestWeight < (bestActive+1)*e.weight:
+				best, bestActive, bestWeight = i, e.active, e.weight
 			}
-		} else if (e.active+1)*o.weight < (o.active+1)*e.weight {
-			best = i
+		}
+		if i++; i == n {
+			i = 0
 		}
 	}
 	if best < 0 {
