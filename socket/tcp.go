@@ -252,10 +252,12 @@ func (p *TCPProxy) Shutdown(ctx context.Context) error {
 	}
 	p.mu.Lock()
 	p.forced = true
-	p.cancel()
+	// Marking the sessions before cancelling their dials lets a failing dial see
+	// that the cause is the shutdown.
 	for s := range p.conns {
 		s.abort(ErrShutdown)
 	}
+	p.cancel()
 	p.mu.Unlock()
 	// Every socket is closed now, so each connection's goroutines end promptly.
 	<-p.drained
@@ -341,8 +343,9 @@ func (s *tcpSession) dial() (*net.TCPConn, error) {
 			return nil, fmt.Errorf("pick endpoint: %w", err)
 		}
 		tried = append(tried, ep)
-		ctx, cancel := context.WithTimeout(p.ctx, timeout)
+		// start precedes the context so Duration >= timeout whenever it fires.
 		start := time.Now()
+		ctx, cancel := context.WithTimeout(p.ctx, timeout)
 		c, err := p.dial(ctx, ep)
 		a := Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
 		cancel()

@@ -1,0 +1,933 @@
+package socket
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestMain(m *testing.M) {
+	// The test binary doubles as a backend process that tests can kill.
+	if mode := os.Getenv("SOCKET_TEST_BACKEND"); mode != "" {
+		runBackendProcess(mode, os.Getenv("SOCKET_TEST_BACKEND_ADDR"))
+		return
+	}
+	os.Exit(m.Run())
+}
+
+func TestParseDialTimeouts(t *testing.T) {
+	tests := []struct {
+		in      string
+		want    []time.Duration
+		wantErr string
+	}{
+		{in: "250ms,500ms,1s,2s", want: DefaultDialTimeouts},
+		{in: " 1s , 2s ", want: []time.Duration{time.Second, 2 * time.Second}},
+		{in: "100ms", want: []time.Duration{100 * time.Millisecond}},
+		{in: strings.Repeat("1s,", 15) + "1s", want: slices.Repeat([]time.Duration{time.Second}, 16)},
+		{in: "", wantErr: "empty list"},
+		{in: "  ", wantErr: "empty list"},
+		{in: "1s,,2s", wantErr: "entry 2 is empty"},
+		{in: "1s,fast", wantErr: `entry 2: time: invalid duration "fast"`},
+		{in: "1s,0s", wantErr: "entry 2 is 0s, want a positive duration"},
+		{in: "-1s", wantErr: "entry 1 is -1s, want a positive duration"},
+		{in: "1", wantErr: `entry 1: time: missing unit in duration "1"`},
+		{in: strings.Repeat("1s,", 16) + "1s", wantErr: "17 entries, want at most 16"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.in, func(t *testing.T) {
+			got, err := ParseDialTimeouts(tt.in)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("ParseDialTimeouts(%q): got error %v, want one containing %q", tt.in, err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("ParseDialTimeouts(%q): got error %v, want nil", tt.in, err)
+			}
+			if !slices.Equal(got, tt.want) {
+				t.Errorf("ParseDialTimeouts(%q): got %v, want %v", tt.in, got, tt.want)
+			}
+		})
+	}
+}
+
+type endpointKind int
+
+const (
+	serving    endpointKind = iota // an echo server
+	refused                        // connect answered with RST
+	unanswered                     // connect never answered
+)
+
+func (k endpointKind) String() string {
+	return [...]string{"serving", "refused", "unanswered"}[k]
+}
+
+func TestTCPProxyRetries(t *testing.T) {
+	ms := time.Millisecond
+	tests := []struct {
+		name     string
+		eps      []endpointKind
+		timeouts []time.Duration
+		// wantAttempts lists the endpoints tried, as indexes into eps.
+		wantAttempts []int
+		wantServed   bool
+	}{
+		{
+			name: "first endpoint serves", eps: []endpointKind{serving, refused},
+			timeouts: []time.Duration{time.Second, time.Second}, wantAttempts: []int{0}, wantServed: true,
+		},
+		{
+			name: "refused, then the next serves", eps: []endpointKind{refused, serving},
+			timeouts: []time.Duration{time.Second, time.Second}, wantAttempts: []int{0, 1}, wantServed: true,
+		},
+		{
+			name: "unanswered until its timeout, then the next serves", eps: []endpointKind{unanswered, serving},
+			timeouts: []time.Duration{100 * ms, time.Second}, wantAttempts: []int{0, 1}, wantServed: true,
+		},
+		{
+			name: "refused, unanswered, then the third serves", eps: []endpointKind{refused, unanswered, serving},
+			timeouts: []time.Duration{time.Second, 100 * ms, time.Second}, wantAttempts: []int{0, 1, 2}, wantServed: true,
+		},
+		{
+			name: "every attempt refused", eps: []endpointKind{refused, refused, refused},
+			timeouts: []time.Duration{time.Second, time.Second, time.Second}, wantAttempts: []int{0, 1, 2},
+		},
+		{
+			name: "every attempt unanswered, each with its own timeout", eps: []endpointKind{unanswered, unanswered},
+			timeouts: []time.Duration{50 * ms, 150 * ms}, wantAttempts: []int{0, 1},
+		},
+		{
+			name: "more attempts than endpoints: each once before any again", eps: []endpointKind{refused, refused},
+			timeouts: slices.Repeat([]time.Duration{time.Second}, 4), wantAttempts: []int{0, 1, 0, 1},
+		},
+		{
+			name: "serving endpoint reached after one retry round", eps: []endpointKind{refused, unanswered, refused, serving},
+			timeouts: []time.Duration{time.Second, 50 * ms, time.Second, time.Second}, wantAttempts: []int{0, 1, 2, 3}, wantServed: true,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			eps := make([]netip.AddrPort, len(tt.eps))
+			for i, kind := range tt.eps {
+				ip := fmt.Sprintf("127.0.0.%d", i+2)
+				switch kind {
+				case serving:
+					eps[i] = startTCPServer(t, ip, echo).addr
+				case refused:
+					eps[i] = refusedAddr(t, ip)
+				case unanswered:
+					eps[i] = unansweredAddr(t, ip)
+				}
+			}
+			picker := newCyclePicker(eps...)
+			rec := &recorder{}
+			var mu sync.Mutex
+			var budgets []time.Duration // time left to each dial's deadline as it starts
+			p := &TCPProxy{
+				Service: "ns/svc:tcp", Picker: picker, Observer: rec, DialTimeouts: tt.timeouts,
+				Dial: func(ctx context.Context, addr netip.AddrPort) (*net.TCPConn, error) {
+					budget := time.Duration(-1)
+					if dl, ok := ctx.Deadline(); ok {
+						budget = time.Until(dl)
+					}
+					mu.Lock()
+					budgets = append(budgets, budget)
+					mu.Unlock()
+					return dialTCP(ctx, addr)
+				},
+			}
+			addr := startTCPProxy(t, p)
+			msg := []byte("hello through the proxy")
+			var clientAddr netip.AddrPort
+			if tt.wantServed {
+				client := dialProxy(t, addr)
+				clientAddr = client.LocalAddr().(*net.TCPAddr).AddrPort()
+				got, err := roundTrip(client, msg)
+				if err != nil {
+					t.Fatalf("round trip: got %v, want nil", err)
+				}
+				if !bytes.Equal(got, msg) {
+					t.Fatalf("round trip: got %q, want %q", got, msg)
+				}
+				client.CloseWrite()
+				if rest, err := io.ReadAll(client); err != nil || len(rest) != 0 {
+					t.Fatalf("after half-close: got %q, %v, want EOF", rest, err)
+				}
+				client.Close()
+			} else if err := connectAndRead(addr); !isReset(err) {
+				t.Fatalf("connect and read with no endpoint answering: got %v, want ECONNRESET", err)
+			}
+
+			c := rec.awaitClosed(t, 1)[0]
+			var gotOrder []int
+			for _, a := range c.Attempts {
+				gotOrder = append(gotOrder, slices.Index(eps, a.Endpoint))
+			}
+			if !slices.Equal(gotOrder, tt.wantAttempts) {
+				t.Errorf("attempted endpoints: got %v, want %v", gotOrder, tt.wantAttempts)
+			}
+			for i, a := range c.Attempts {
+				kind := tt.eps[gotOrder[i]]
+				switch kind {
+				case serving:
+					if a.Err != nil {
+						t.Errorf("attempt %d (%s): got error %v, want nil", i, kind, a.Err)
+					}
+				case refused:
+					if !errors.Is(a.Err, syscall.ECONNREFUSED) {
+						t.Errorf("attempt %d (%s): got error %v, want ECONNREFUSED", i, kind, a.Err)
+					}
+				case unanswered:
+					var ne net.Error
+					if !errors.As(a.Err, &ne) || !ne.Timeout() {
+						t.Errorf("attempt %d (%s): got error %v, want a timeout", i, kind, a.Err)
+					}
+					if a.Duration < tt.timeouts[i] {
+						t.Errorf("attempt %d (%s): gave up after %v, want at least its timeout %v", i, kind, a.Duration, tt.timeouts[i])
+					}
+				}
+			}
+			mu.Lock()
+			for i, b := range budgets {
+				if b <= 0 || b > tt.timeouts[i] {
+					t.Errorf("attempt %d: dial started with %v left before its deadline, want (0, %v]", i, b, tt.timeouts[i])
+				}
+			}
+			mu.Unlock()
+
+			// Pick saw, each time, every endpoint tried before.
+			for i, tried := range picker.tried {
+				if want := c.Attempts[:i]; !slices.EqualFunc(tried, want, func(ep netip.AddrPort, a Attempt) bool { return ep == a.Endpoint }) {
+					t.Errorf("Pick %d: got tried %v, want the %d endpoints tried before", i, tried, len(want))
+				}
+			}
+			failed := len(tt.wantAttempts)
+			if tt.wantServed {
+				failed--
+				if want := eps[tt.wantAttempts[len(tt.wantAttempts)-1]]; c.Endpoint != want {
+					t.Errorf("record Endpoint: got %v, want %v", c.Endpoint, want)
+				}
+				if c.Err != nil {
+					t.Errorf("record Err: got %v, want nil", c.Err)
+				}
+				if c.BytesIn != int64(len(msg)) || c.BytesOut != int64(len(msg)) {
+					t.Errorf("record bytes in/out: got %d/%d, want %d/%d", c.BytesIn, c.BytesOut, len(msg), len(msg))
+				}
+			} else {
+				if c.Endpoint.IsValid() {
+					t.Errorf("record Endpoint: got %v, want none", c.Endpoint)
+				}
+				if c.Err == nil || !strings.Contains(c.Err.Error(), fmt.Sprintf("%d dial attempts failed", failed)) {
+					t.Errorf("record Err: got %v, want %d dial attempts failed", c.Err, failed)
+				}
+			}
+			if got := picker.resetCount(); got != failed {
+				t.Errorf("ResetAffinity calls: got %d, want %d (one per failed attempt)", got, failed)
+			}
+			if u := picker.unreleased(); len(u) != 0 {
+				t.Errorf("Pick without Release: %v", u)
+			}
+			opened, attempts, closed := rec.counts()
+			if opened != 1 || attempts != len(tt.wantAttempts) || closed != 1 {
+				t.Errorf("Observer calls opened/attempts/closed: got %d/%d/%d, want 1/%d/1", opened, attempts, closed, len(tt.wantAttempts))
+			}
+			if !clientAddr.IsValid() {
+				clientAddr = c.Client // the reset client's port is not known here
+			}
+			if c.Service != "ns/svc:tcp" || c.Protocol != "TCP" || c.Client != clientAddr || c.Client.Addr() != netip.MustParseAddr("127.0.0.1") {
+				t.Errorf("record identity: got %s %s %v, want ns/svc:tcp TCP %v", c.Service, c.Protocol, c.Client, clientAddr)
+			}
+		})
+	}
+}
+
+func TestTCPProxyPickFailureResetsClient(t *testing.T) {
+	picker := newCyclePicker()
+	rec := &recorder{}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec}
+	if err := connectAndRead(startTCPProxy(t, p)); !isReset(err) {
+		t.Fatalf("connect and read with no endpoints: got %v, want ECONNRESET", err)
+	}
+	c := rec.awaitClosed(t, 1)[0]
+	if !errors.Is(c.Err, ErrNoEndpoints) {
+		t.Errorf("record Err: got %v, want ErrNoEndpoints", c.Err)
+	}
+	if len(c.Attempts) != 0 {
+		t.Errorf("attempts: got %d, want 0", len(c.Attempts))
+	}
+}
+
+// payload returns n pseudo-random bytes determined by seed.
+func payload(seed uint64, n int) []byte {
+	b := make([]byte, n)
+	r := rand.NewChaCha8([32]byte{byte(seed)})
+	r.Read(b)
+	return b
+}
+
+func TestTCPProxyLargeTransfers(t *testing.T) {
+	const size = 32 << 20
+	up, down := payload(1, size), payload(2, size)
+	upSum := sha256.Sum256(up)
+	tests := []struct {
+		name    string
+		backend func(*net.TCPConn)
+		// want is what the client must read back in full before EOF.
+		want []byte
+	}{
+		{
+			// The reply starts only once the backend has read the client's
+			// half-close, so the FIN must cross the proxy while the other
+			// direction stays open.
+			name: "request, half-close, then reply",
+			backend: func(c *net.TCPConn) {
+				h := sha256.New()
+				if _, err := io.Copy(h, c); err != nil {
+					return
+				}
+				c.Write(h.Sum(nil))
+				c.Write(down)
+				c.CloseWrite()
+			},
+			want: append(upSum[:], down...),
+		},
+		{
+			name:    "echo, both directions at once",
+			backend: echo,
+			want:    up,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			backend := startTCPServer(t, "127.0.0.2", tt.backend)
+			rec := &recorder{}
+			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
+			client := dialProxy(t, startTCPProxy(t, p))
+
+			written := make(chan error, 1)
+			go func() {
+				_, err := client.Write(up)
+				if err == nil {
+					err = client.CloseWrite()
+				}
+				written <- err
+			}()
+			got, err := io.ReadAll(client)
+			if err != nil {
+				t.Fatalf("read reply: got %v after %d bytes, want EOF", err, len(got))
+			}
+			if err := <-written; err != nil {
+				t.Fatalf("write request: %v", err)
+			}
+			if len(got) != len(tt.want) || sha256.Sum256(got) != sha256.Sum256(tt.want) {
+				t.Fatalf("reply: got %d bytes (sha256 %x), want %d bytes (sha256 %x)", len(got), sha256.Sum256(got), len(tt.want), sha256.Sum256(tt.want))
+			}
+			client.Close()
+			c := rec.awaitClosed(t, 1)[0]
+			if c.BytesIn != size || c.BytesOut != int64(len(tt.want)) || c.Err != nil {
+				t.Errorf("record: got in %d, out %d, err %v; want in %d, out %d, err nil", c.BytesIn, c.BytesOut, c.Err, size, len(tt.want))
+			}
+		})
+	}
+}
+
+func TestTCPProxyPropagatesCloseAndReset(t *testing.T) {
+	tests := []struct {
+		name string
+		// backend runs on the backend's side; it reports what it saw to seen.
+		backend func(c *net.TCPConn, seen chan<- string)
+		// client runs on the client's side and returns an error for a failure.
+		client  func(c *net.TCPConn) error
+		wantSaw string // what the backend must report
+		wantErr bool   // whether the record carries an error
+	}{
+		{
+			name: "backend FIN reaches the client, which can still send",
+			backend: func(c *net.TCPConn, seen chan<- string) {
+				c.Write([]byte("bye"))
+				c.CloseWrite()
+				b, err := io.ReadAll(c)
+				seen <- fmt.Sprintf("%q %v", b, err)
+			},
+			client: func(c *net.TCPConn) error {
+				b, err := io.ReadAll(c)
+				if err != nil || string(b) != "bye" {
+					return fmt.Errorf("read: got %q, %v, want \"bye\" then EOF", b, err)
+				}
+				c.Write([]byte("late"))
+				return c.CloseWrite()
+			},
+			wantSaw: `"late" <nil>`,
+		},
+		{
+			name: "client FIN reaches the backend, which can still reply",
+			backend: func(c *net.TCPConn, seen chan<- string) {
+				b, err := io.ReadAll(c)
+				seen <- fmt.Sprintf("%q %v", b, err)
+				c.Write([]byte("answer"))
+			},
+			client: func(c *net.TCPConn) error {
+				c.Write([]byte("question"))
+				c.CloseWrite()
+				b, err := io.ReadAll(c)
+				if err != nil || string(b) != "answer" {
+					return fmt.Errorf("read: got %q, %v, want \"answer\" then EOF", b, err)
+				}
+				return nil
+			},
+			wantSaw: `"question" <nil>`,
+		},
+		{
+			name: "backend RST reaches the client",
+			backend: func(c *net.TCPConn, seen chan<- string) {
+				b := make([]byte, 1)
+				_, err := io.ReadFull(c, b)
+				seen <- fmt.Sprintf("%q %v", b, err)
+				resetConn(c)
+			},
+			client: func(c *net.TCPConn) error {
+				c.Write([]byte("x"))
+				if _, err := c.Read(make([]byte, 1)); !isReset(err) {
+					return fmt.Errorf("read: got %v, want ECONNRESET", err)
+				}
+				return nil
+			},
+			wantSaw: `"x" <nil>`, wantErr: true,
+		},
+		{
+			name: "client RST reaches the backend",
+			backend: func(c *net.TCPConn, seen chan<- string) {
+				b := make([]byte, 1)
+				io.ReadFull(c, b)
+				c.Write([]byte("y"))
+				_, err := c.Read(b)
+				seen <- fmt.Sprintf("reset=%v", isReset(err))
+			},
+			client: func(c *net.TCPConn) error {
+				c.Write([]byte("x"))
+				if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+					return fmt.Errorf("read: %v", err)
+				}
+				resetConn(c)
+				return nil
+			},
+			wantSaw: "reset=true", wantErr: true,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			seen := make(chan string, 1)
+			backend := startTCPServer(t, "127.0.0.2", func(c *net.TCPConn) { tt.backend(c, seen) })
+			rec := &recorder{}
+			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
+			client := dialProxy(t, startTCPProxy(t, p))
+			if err := tt.client(client); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case got := <-seen:
+				if got != tt.wantSaw {
+					t.Errorf("backend saw %s, want %s", got, tt.wantSaw)
+				}
+			case <-time.After(awaitTimeout):
+				t.Fatalf("backend saw nothing within %s, want %s", awaitTimeout, tt.wantSaw)
+			}
+			client.Close()
+			c := rec.awaitClosed(t, 1)[0]
+			if (c.Err != nil) != tt.wantErr {
+				t.Errorf("record Err: got %v, want error: %v", c.Err, tt.wantErr)
+			}
+			if p.Active() != 0 {
+				t.Errorf("Active after the record: got %d, want 0", p.Active())
+			}
+		})
+	}
+}
+
+// runBackendProcess is a backend in a separate process that a test can kill: it
+// prints its address, accepts one connection and either streams data to it
+// ("stream") or never reads from it ("hold").
+func runBackendProcess(mode, addr string) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	fmt.Println(ln.Addr())
+	c, err := ln.Accept()
+	if err != nil {
+		os.Exit(2)
+	}
+	if mode == "stream" {
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := c.Write(buf); err != nil {
+				os.Exit(0)
+			}
+		}
+	}
+	select {}
+}
+
+// startBackendProcess runs runBackendProcess in a child process on ip.
+func startBackendProcess(t *testing.T, mode, ip string) (netip.AddrPort, *exec.Cmd) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "SOCKET_TEST_BACKEND="+mode, "SOCKET_TEST_BACKEND_ADDR="+ip+":0")
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start backend process: %v", err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil {
+		t.Fatalf("read backend address: %v", err)
+	}
+	addr, err := netip.ParseAddrPort(strings.TrimSpace(line))
+	if err != nil {
+		t.Fatalf("backend address %q: %v", line, err)
+	}
+	return addr, cmd
+}
+
+func TestTCPProxyBackendKilledMidStream(t *testing.T) {
+	tests := []struct {
+		name string
+		mode string
+		// clientSends makes the client upload continuously.
+		clientSends bool
+		// wantReadEnd tells whether the client's read ended as it should.
+		wantReadEnd func(error) bool
+		want        string
+	}{
+		{
+			// The kernel closes the dead process's socket with a FIN after the
+			// data already sent; the client must see that EOF.
+			name: "while sending to the client", mode: "stream",
+			wantReadEnd: func(err error) bool { return err == nil }, want: "EOF",
+		},
+		{
+			// The dead process leaves unread data, so its kernel resets; the
+			// client must learn it (a reset, or EOF then a reset on writing).
+			name: "while the client uploads", mode: "hold", clientSends: true,
+			wantReadEnd: func(err error) bool { return err == nil || isReset(err) }, want: "EOF or ECONNRESET",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			addr, cmd := startBackendProcess(t, tt.mode, "127.0.0.2")
+			rec := &recorder{}
+			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(addr), Observer: rec}
+			client := dialProxy(t, startTCPProxy(t, p))
+
+			writeErr := make(chan error, 1)
+			if tt.clientSends {
+				var sent sync.WaitGroup
+				sent.Add(1)
+				go func() {
+					chunk := make([]byte, 64<<10)
+					total := 0
+					for {
+						n, err := client.Write(chunk)
+						total += n
+						if total >= 256<<10 && total-n < 256<<10 {
+							sent.Done()
+						}
+						if err != nil {
+							if total < 256<<10 {
+								sent.Done()
+							}
+							writeErr <- err
+							return
+						}
+					}
+				}()
+				sent.Wait()
+			} else if _, err := io.ReadFull(client, make([]byte, 1<<20)); err != nil {
+				t.Fatalf("read the first MiB: %v", err)
+			}
+			if err := cmd.Process.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			_, err := io.Copy(io.Discard, client)
+			if !tt.wantReadEnd(err) {
+				t.Fatalf("client read after the backend died: got %v, want %s", err, tt.want)
+			}
+			if tt.clientSends {
+				if err := <-writeErr; !isReset(err) && !errors.Is(err, syscall.EPIPE) {
+					t.Errorf("client write after the backend died: got %v, want ECONNRESET or EPIPE", err)
+				}
+			}
+			client.Close()
+			c := rec.awaitClosed(t, 1)[0]
+			if tt.clientSends && c.Err == nil {
+				t.Errorf("record Err: got nil, want the backend's failure")
+			}
+		})
+	}
+}
+
+func TestTCPProxyShutdown(t *testing.T) {
+	tests := []struct {
+		name string
+		// unanswered makes the only endpoint unanswered, so connections are still
+		// dialing when Shutdown runs.
+		unanswered bool
+		// clientsFinish makes the clients close during the grace period.
+		clientsFinish bool
+		grace         time.Duration
+		wantErr       error
+	}{
+		{name: "connections end within the grace period", clientsFinish: true, grace: awaitTimeout},
+		{name: "grace period ends with connections open", grace: 50 * time.Millisecond, wantErr: context.DeadlineExceeded},
+		{name: "grace period ends while dialing", unanswered: true, grace: 50 * time.Millisecond, wantErr: context.DeadlineExceeded},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			const conns = 3
+			backendSaw := make(chan error, conns)
+			var ep netip.AddrPort
+			if tt.unanswered {
+				ep = unansweredAddr(t, "127.0.0.2")
+			} else {
+				ep = startTCPServer(t, "127.0.0.2", func(c *net.TCPConn) {
+					_, err := io.Copy(c, c)
+					backendSaw <- err
+				}).addr
+			}
+			rec := &recorder{}
+			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(ep), Observer: rec,
+				DialTimeouts: []time.Duration{time.Hour}}
+			addr := startTCPProxy(t, p)
+			var clients []*net.TCPConn
+			for range conns {
+				c := dialProxy(t, addr)
+				if !tt.unanswered {
+					if _, err := roundTrip(c, []byte("ping")); err != nil {
+						t.Fatalf("round trip: %v", err)
+					}
+				}
+				clients = append(clients, c)
+			}
+			await(t, "every connection active", func() bool { return p.Active() == conns })
+
+			ctx, cancel := context.WithTimeout(context.Background(), tt.grace)
+			defer cancel()
+			done := make(chan error, 1)
+			go func() { done <- p.Shutdown(ctx) }()
+			await(t, "the proxy to close", p.isClosed)
+			if c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(addr)); err == nil {
+				c.Close()
+				t.Errorf("dial after Shutdown began: got a connection, want refused")
+			}
+			if tt.clientsFinish {
+				for _, c := range clients {
+					c.CloseWrite()
+					if _, err := io.ReadAll(c); err != nil {
+						t.Errorf("client read after half-close: got %v, want EOF", err)
+					}
+					c.Close()
+				}
+			}
+			if err := <-done; !errors.Is(err, tt.wantErr) || (tt.wantErr == nil && err != nil) {
+				t.Fatalf("Shutdown: got %v, want %v", err, tt.wantErr)
+			}
+			if n := p.Active(); n != 0 {
+				t.Errorf("Active after Shutdown: got %d, want 0", n)
+			}
+			recs := rec.awaitClosed(t, conns)
+			for _, c := range clients {
+				_, err := c.Read(make([]byte, 1))
+				if tt.clientsFinish {
+					continue
+				}
+				if !isReset(err) {
+					t.Errorf("client read after forced Shutdown: got %v, want ECONNRESET", err)
+				}
+			}
+			for _, c := range recs {
+				if tt.wantErr == nil && c.Err != nil {
+					t.Errorf("record Err: got %v, want nil", c.Err)
+				}
+				if tt.wantErr != nil && !errors.Is(c.Err, ErrShutdown) {
+					t.Errorf("record Err: got %v, want ErrShutdown", c.Err)
+				}
+			}
+			if !tt.unanswered && !tt.clientsFinish {
+				for range conns {
+					if err := <-backendSaw; !isReset(err) {
+						t.Errorf("backend read after forced Shutdown: got %v, want ECONNRESET", err)
+					}
+				}
+			}
+		})
+	}
+}
+
+// sessionGoroutines counts the goroutines running a tcpSession function.
+func sessionGoroutines() int {
+	buf := make([]byte, 16<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	n := 0
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		if strings.Contains(g, "socket.(*tcpSession).") {
+			n++
+		}
+	}
+	return n
+}
+
+func TestTCPProxyManyConcurrentClients(t *testing.T) {
+	const clients = 300
+	baseline := runtime.NumGoroutine()
+	var backends []*tcpServer
+	var eps []netip.AddrPort
+	for i := range 3 {
+		s := startTCPServer(t, fmt.Sprintf("127.0.0.%d", i+2), echo)
+		backends = append(backends, s)
+		eps = append(eps, s.addr)
+	}
+	picker := newCyclePicker(eps...)
+	rec := &recorder{}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec}
+	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- p.Serve(ln) }()
+	addr := ln.Addr().(*net.TCPAddr).AddrPort()
+
+	conns := make([]*net.TCPConn, clients)
+	errs := make(chan error, clients)
+	var wg sync.WaitGroup
+	for i := range clients {
+		wg.Go(func() {
+			c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(addr))
+			if err != nil {
+				errs <- fmt.Errorf("client %d: dial: %w", i, err)
+				return
+			}
+			c.SetDeadline(time.Now().Add(awaitTimeout))
+			conns[i] = c
+			msg := fmt.Appendf(nil, "client %04d says %s", i, strings.Repeat("x", 1000))
+			got, err := roundTrip(c, msg)
+			if err != nil || !bytes.Equal(got, msg) {
+				errs <- fmt.Errorf("client %d: round trip: got %q, %v, want its own message", i, got, err)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+	if n := p.Active(); n != clients {
+		t.Errorf("Active with every client connected: got %d, want %d", n, clients)
+	}
+	await(t, "two goroutines per connection", func() bool { return sessionGoroutines() == 2*clients })
+
+	for _, c := range conns {
+		wg.Go(func() {
+			c.CloseWrite()
+			io.Copy(io.Discard, c)
+			c.Close()
+		})
+	}
+	wg.Wait()
+	await(t, "no active connection", func() bool { return p.Active() == 0 })
+	recs := rec.awaitClosed(t, clients)
+	perEndpoint := make(map[netip.AddrPort]int)
+	for _, c := range recs {
+		perEndpoint[c.Endpoint]++
+		if c.Err != nil || c.BytesIn != 1017 || c.BytesOut != 1017 || len(c.Attempts) != 1 {
+			t.Errorf("record of %v: got err %v, in %d, out %d, %d attempts; want nil, 1017, 1017, 1", c.Client, c.Err, c.BytesIn, c.BytesOut, len(c.Attempts))
+		}
+	}
+	for _, ep := range eps {
+		if perEndpoint[ep] != clients/len(eps) {
+			t.Errorf("connections to %v: got %d, want %d", ep, perEndpoint[ep], clients/len(eps))
+		}
+	}
+	if u := picker.unreleased(); len(u) != 0 {
+		t.Errorf("Pick without Release: %v", u)
+	}
+
+	if err := p.Shutdown(context.Background()); err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if err := <-served; err != nil {
+		t.Errorf("Serve: got %v, want nil", err)
+	}
+	for _, s := range backends {
+		s.stop()
+	}
+	await(t, fmt.Sprintf("goroutines back to the baseline of %d", baseline), func() bool {
+		return runtime.NumGoroutine() <= baseline
+	})
+}
+
+func TestTCPProxyServeAfterClose(t *testing.T) {
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker()}
+	if err := p.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Serve(ln); err != nil {
+		t.Errorf("Serve after Close: got %v, want nil", err)
+	}
+	if _, err := ln.Accept(); !errors.Is(err, net.ErrClosed) {
+		t.Errorf("listener after Serve returned: got %v, want it closed", err)
+	}
+}
+
+// highestFD returns the highest open file descriptor of the process.
+func highestFD(t *testing.T) int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	highest := 0
+	for _, e := range entries {
+		var fd int
+		if _, err := fmt.Sscan(e.Name(), &fd); err == nil {
+			highest = max(highest, fd)
+		}
+	}
+	return highest
+}
+
+func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
+	backend := startTCPServer(t, "127.0.0.2", echo)
+	var mu sync.Mutex
+	var delays []time.Duration
+	var errs []error
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr)}
+	p.acceptBackoff = func(err error, d time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		delays = append(delays, d)
+		errs = append(errs, err)
+	}
+	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The client's connection completes in the accept queue before Serve runs.
+	client := dialProxy(t, ln.Addr().(*net.TCPAddr).AddrPort())
+
+	// Leave the process no file descriptor: lower the limit to the highest open
+	// one, then fill every gap below it.
+	var orig unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &orig); err != nil {
+		t.Fatal(err)
+	}
+	lowered := orig
+	lowered.Cur = uint64(highestFD(t) + 1)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lowered); err != nil {
+		t.Fatal(err)
+	}
+	var fillers []int
+	var restoreOnce sync.Once
+	restore := func() {
+		restoreOnce.Do(func() {
+			for _, fd := range fillers {
+				unix.Close(fd)
+			}
+			if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &orig); err != nil {
+				t.Errorf("restore RLIMIT_NOFILE: %v", err)
+			}
+		})
+	}
+	t.Cleanup(restore)
+	for {
+		fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			if !errors.Is(err, unix.EMFILE) {
+				t.Fatalf("fill descriptors: got %v, want EMFILE eventually", err)
+			}
+			break
+		}
+		fillers = append(fillers, fd)
+	}
+
+	served := make(chan error, 1)
+	go func() { served <- p.Serve(ln) }()
+	const backoffs = 4
+	await(t, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(delays) >= backoffs
+	})
+	restore()
+
+	if got, err := roundTrip(client, []byte("ping")); err != nil || string(got) != "ping" {
+		t.Fatalf("round trip once descriptors are back: got %q, %v, want \"ping\"", got, err)
+	}
+	mu.Lock()
+	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
+	if !slices.Equal(delays[:backoffs], want) {
+		t.Errorf("backoff delays: got %v, want %v", delays[:backoffs], want)
+	}
+	for _, err := range errs {
+		if !errors.Is(err, syscall.EMFILE) {
+			t.Errorf("accept error: got %v, want EMFILE", err)
+		}
+	}
+	mu.Unlock()
+	client.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), awaitTimeout)
+	defer cancel()
+	if err := p.Shutdown(ctx); err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if err := <-served; err != nil {
+		t.Errorf("Serve: got %v, want nil", err)
+	}
+}
+
+func TestNextBackoff(t *testing.T) {
+	var got []time.Duration
+	d := time.Duration(0)
+	for range 10 {
+		d = nextBackoff(d)
+		got = append(got, d)
+	}
+	ms := time.Millisecond
+	want := []time.Duration{5 * ms, 10 * ms, 20 * ms, 40 * ms, 80 * ms, 160 * ms, 320 * ms, 640 * ms, time.Second, time.Second}
+	if !slices.Equal(got, want) {
+		t.Errorf("backoff sequence: got %v, want %v", got, want)
+	}
+}
