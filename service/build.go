@@ -173,14 +173,27 @@ func servicePorts(svc *v1.Service, eps []*discoveryv1.EndpointSlice, opts BuildO
 
 // portEndpoints collects the endpoints of one ServicePort from the Service's slices:
 // a slice port serves it when name and protocol match. Each address is one Endpoint;
-// an address seen twice keeps its ready instance.
+// an address seen twice keeps its ready instance, or else its first one.
 func portEndpoints(sp v1.ServicePort, eps []*discoveryv1.EndpointSlice, opts BuildOptions) []Endpoint {
-	var out []Endpoint
-	index := make(map[netip.AddrPort]int)
 	proto := protocolOrTCP(sp.Protocol)
-	for _, s := range eps {
+	nums := make([]uint16, len(eps))
+	n := 0
+	for i, s := range eps {
 		num, ok := slicePort(s, sp.Name, proto)
 		if !ok {
+			continue
+		}
+		nums[i] = num
+		for _, ep := range s.Endpoints {
+			n += len(ep.Addresses)
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	out := make([]Endpoint, 0, n)
+	for i, s := range eps {
+		if nums[i] == 0 {
 			continue
 		}
 		for _, ep := range s.Endpoints {
@@ -213,20 +226,27 @@ func portEndpoints(sp v1.ServicePort, eps []*discoveryv1.EndpointSlice, opts Bui
 				if !ok {
 					continue // unreachable after validation; kept for safety
 				}
-				e.Addr = netip.AddrPortFrom(ip, num)
-				if i, dup := index[e.Addr]; dup {
-					if e.Ready && !out[i].Ready {
-						out[i] = e
-					}
-					continue
-				}
-				index[e.Addr] = len(out)
+				e.Addr = netip.AddrPortFrom(ip, nums[i])
 				out = append(out, e)
 			}
 		}
 	}
-	slices.SortFunc(out, func(a, b Endpoint) int { return a.Addr.Compare(b.Addr) })
-	return out
+	// A stable sort keeps duplicates in slice order, so after it the first ready
+	// instance of each address (or its first instance) is easy to keep.
+	slices.SortStableFunc(out, func(a, b Endpoint) int { return a.Addr.Compare(b.Addr) })
+	kept := out[:0]
+	for i := 0; i < len(out); {
+		j, pick := i+1, i
+		for ; j < len(out) && out[j].Addr == out[i].Addr; j++ {
+			if out[j].Ready && !out[pick].Ready {
+				pick = j
+			}
+		}
+		kept = append(kept, out[pick])
+		i = j
+	}
+	clear(out[len(kept):]) // drop references held by the discarded tail
+	return kept
 }
 
 // slicePort finds the port number that s gives for the ServicePort named name.

@@ -125,16 +125,18 @@ func ValidateEndpointSlice(s *discoveryv1.EndpointSlice) []error {
 		}
 	}
 
+	// Slices hold most of a cluster's objects: field paths are only formatted for errors.
 	for i, ep := range s.Endpoints {
-		field := fmt.Sprintf("endpoints[%d].addresses", i)
 		if len(ep.Addresses) == 0 {
-			v.addf(field, "required")
+			v.addf(fmt.Sprintf("endpoints[%d].addresses", i), "required")
 		}
 		for j, a := range ep.Addresses {
-			f := fmt.Sprintf("%s[%d]", field, j)
-			ip, ok := v.ip(f, a)
-			if ok && family != nil && !family(ip) {
-				v.addf(f, "%s is not an %s address (addressType %s)", ip, s.AddressType, s.AddressType)
+			ip, ok := parseIP(a)
+			switch {
+			case !ok:
+				v.addf(fmt.Sprintf("endpoints[%d].addresses[%d]", i, j), "%q is not a valid IP address", a)
+			case family != nil && !family(ip):
+				v.addf(fmt.Sprintf("endpoints[%d].addresses[%d]", i, j), "%s is not an %s address (addressType %s)", ip, s.AddressType, s.AddressType)
 			}
 		}
 	}
