@@ -1,0 +1,422 @@
+package rules
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// requireIPTables skips (fails under CI=true) unless a topology can be built and
+// the iptables commands exist.
+func requireIPTables(t testing.TB) {
+	t.Helper()
+	testbed.Require(t)
+	for _, c := range []string{"iptables-restore", "ip6tables-restore", "iptables-save", "ip6tables-save"} {
+		if _, err := exec.LookPath(c); err != nil {
+			if os.Getenv("CI") == "true" {
+				t.Fatalf("%s: %v", c, err)
+			}
+			t.Skipf("%s: %v", c, err)
+		}
+	}
+}
+
+var counters = regexp.MustCompile(`\[\d+:\d+\]`)
+
+// saved returns iptables-save (ip6tables-save) output of the namespace without
+// its timestamp comments and counters, for exact before/after comparison.
+func saved(t *testing.T, tp *testbed.Topology, ipv6 bool) string {
+	t.Helper()
+	out, err := tp.Exec(testbed.Node, command(ipv6, "-save"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	sc := bufio.NewScanner(strings.NewReader(string(out)))
+	for sc.Scan() {
+		if line := sc.Text(); !strings.HasPrefix(line, "#") {
+			b.WriteString(counters.ReplaceAllString(line, "[0:0]") + "\n")
+		}
+	}
+	return b.String()
+}
+
+func mustExec(t *testing.T, tp *testbed.Topology, role string, args ...string) {
+	t.Helper()
+	if _, err := tp.Exec(role, args...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// kubeChains installs chains as kube-proxy would, which uproxy must leave alone.
+func kubeChains(t *testing.T, tp *testbed.Topology) {
+	for _, ipt := range []string{"iptables", "ip6tables"} {
+		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-N", "KUBE-SERVICES")
+		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-N", "KUBE-FIREWALL")
+		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL")
+	}
+	kubeNATRules(t, tp, "iptables", "ip6tables")
+}
+
+// kubeNATRules fills kube-proxy's nat rules, as kube-proxy does again after a
+// flush of the nat table.
+func kubeNATRules(t *testing.T, tp *testbed.Topology, ipts ...string) {
+	for _, ipt := range ipts {
+		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-A", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES")
+		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-A", "OUTPUT", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES")
+		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-A", "KUBE-SERVICES", "-p", "tcp", "--dport", "8080", "-m", "comment", "--comment", "other/svc", "-j", "RETURN")
+	}
+}
+
+// serveTagged answers every datagram with tag followed by the datagram, so a
+// client can tell which proxy port its flow reached.
+func serveTagged(pc net.PacketConn, tag string) {
+	buf := make([]byte, 64<<10)
+	for {
+		n, from, err := pc.ReadFrom(buf)
+		if err != nil {
+			return
+		}
+		pc.WriteTo(append([]byte(tag), buf[:n]...), from)
+	}
+}
+
+func exchange(c net.Conn, msg string, replyLen int) (string, error) {
+	c.SetDeadline(time.Now().Add(testbed.DialTimeout))
+	if _, err := c.Write([]byte(msg)); err != nil {
+		return "", err
+	}
+	buf := make([]byte, replyLen)
+	if _, ok := c.(*net.UDPConn); ok {
+		n, err := c.Read(buf)
+		return string(buf[:n]), err
+	}
+	_, err := io.ReadFull(c, buf)
+	return string(buf), err
+}
+
+func TestRealPortals(t *testing.T) {
+	requireIPTables(t)
+	tp := testbed.New(t, testbed.WithIPv6())
+	node := tp.NS(testbed.Node)
+	kubeChains(t, tp)
+	before := [2]string{saved(t, tp, false), saved(t, tp, true)}
+
+	// Stand-ins for the proxy: a TCP echo server and two tagged UDP servers.
+	tcpProxy := tp.EchoTCP(testbed.Node, ":0")
+	udpA := tp.ListenPacket(testbed.Node, "udp", ":0")
+	udpB := tp.ListenPacket(testbed.Node, "udp", ":0")
+	go serveTagged(udpA, "A")
+	go serveTagged(udpB, "B")
+	udpPortA := udpA.LocalAddr().(*net.UDPAddr).Port
+	udpPortB := udpB.LocalAddr().(*net.UDPAddr).Port
+
+	web := port("shop", "web", "http", service.TCP, 80)
+	web.ClusterIPs = ips("10.96.0.10", "fd00:96::10")
+	web.ExternalIPs = ips("10.250.0.5", "fd00:250::5")
+	web.LoadBalancerIPs = ips("10.251.0.7")
+	web.NodePort = 30080
+	dns := port("kube-system", "dns", "dns", service.UDP, 53)
+	dns.ClusterIPs = ips("10.96.0.53", "fd00:96::53")
+	dns.NodePort = 30053
+	portals := []Portal{{web, int(tcpProxy.Port())}, {dns, udpPortA}}
+
+	restores := 0
+	p, err := NewIPTables(Config{
+		NodeIPs: []netip.Addr{node.IPv4, node.IPv6},
+		IPv6:    true,
+		Kernel: &Kernel{Restore: func(v6 bool, input []byte) error {
+			restores++
+			return (*Kernel)(nil).restore(v6, input)
+		}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sync := func(t *testing.T, portals []Portal) {
+		t.Helper()
+		if err := tp.Run(testbed.Node, func() error { return p.Sync(portals) }); err != nil {
+			t.Fatalf("Sync: %v", err)
+		}
+	}
+	sync(t, portals)
+
+	t.Run("iptables-save shows every written rule and the jumps", func(t *testing.T) {
+		for f := v4; f <= v6; f++ {
+			got := saved(t, tp, f == v6)
+			for _, line := range strings.Split(string(p.fams[f].written), "\n") {
+				if strings.HasPrefix(line, "-A ") && !strings.Contains(got, line+"\n") {
+					t.Errorf("%s: rule %q missing from iptables-save:\n%s", familyName(f), line, got)
+				}
+			}
+			var prerouting []string
+			for _, line := range strings.Split(got, "\n") {
+				if strings.HasPrefix(line, "-A PREROUTING ") {
+					prerouting = append(prerouting, line)
+				}
+			}
+			want := []string{
+				`-A PREROUTING -m comment --comment "uproxy service portals" -j UPROXY-PORTALS-CONTAINER`,
+				`-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES`,
+				`-A PREROUTING -m addrtype --dst-type LOCAL -m comment --comment "uproxy NodePorts" -j UPROXY-NODEPORT-CONTAINER`,
+			}
+			if strings.Join(prerouting, "\n") != strings.Join(want, "\n") {
+				t.Errorf("%s PREROUTING:\ngot  %q\nwant %q", familyName(f), prerouting, want)
+			}
+		}
+	})
+
+	t.Run("unchanged sync writes nothing", func(t *testing.T) {
+		n := restores
+		sync(t, portals)
+		if restores != n {
+			t.Errorf("restores during an unchanged sync: got %d, want 0", restores-n)
+		}
+	})
+
+	pod := tp.NS(testbed.Pod)
+	type path struct {
+		name, from, network string
+		to                  netip.AddrPort
+		want                string // reply prefix: "" for TCP echo, the tag for UDP
+	}
+	at := func(ip netip.Addr, port int) netip.AddrPort { return netip.AddrPortFrom(ip, uint16(port)) }
+	paths := []path{
+		{"ClusterIP TCP from pod", testbed.Pod, "tcp", at(web.ClusterIPs[0], 80), ""},
+		{"ClusterIP TCP from node", testbed.Node, "tcp", at(web.ClusterIPs[0], 80), ""},
+		{"ClusterIP TCP IPv6 from pod", testbed.Pod, "tcp", at(web.ClusterIPs[1], 80), ""},
+		{"ClusterIP TCP IPv6 from node", testbed.Node, "tcp", at(web.ClusterIPs[1], 80), ""},
+		{"ClusterIP UDP from pod", testbed.Pod, "udp", at(dns.ClusterIPs[0], 53), "A"},
+		{"ClusterIP UDP from node", testbed.Node, "udp", at(dns.ClusterIPs[0], 53), "A"},
+		{"ClusterIP UDP IPv6 from pod", testbed.Pod, "udp", at(dns.ClusterIPs[1], 53), "A"},
+		{"ClusterIP UDP IPv6 from node", testbed.Node, "udp", at(dns.ClusterIPs[1], 53), "A"},
+		{"ExternalIP from external", testbed.External, "tcp", at(web.ExternalIPs[0], 80), ""},
+		{"ExternalIP IPv6 from external", testbed.External, "tcp", at(web.ExternalIPs[1], 80), ""},
+		{"ExternalIP from pod", testbed.Pod, "tcp", at(web.ExternalIPs[0], 80), ""},
+		{"LoadBalancer IP from external", testbed.External, "tcp", at(web.LoadBalancerIPs[0], 80), ""},
+		{"NodePort TCP from external", testbed.External, "tcp", at(node.IPv4, 30080), ""},
+		{"NodePort TCP IPv6 from external", testbed.External, "tcp", at(node.IPv6, 30080), ""},
+		{"NodePort UDP from external", testbed.External, "udp", at(node.IPv4, 30053), "A"},
+		{"NodePort TCP from pod to its gateway", testbed.Pod, "tcp", at(pod.GatewayIPv4, 30080), ""},
+		{"NodePort TCP from node", testbed.Node, "tcp", at(node.IPv4, 30080), ""},
+		{"NodePort TCP from node to localhost", testbed.Node, "tcp", at(netip.MustParseAddr("127.0.0.1"), 30080), ""},
+	}
+	check := func(t *testing.T, pt path) {
+		t.Helper()
+		c, err := tp.Dial(pt.from, pt.network, pt.to.String())
+		if err != nil {
+			t.Fatalf("dial %s from %s: %v", pt.to, pt.from, err)
+		}
+		defer c.Close()
+		msg := "ping " + pt.name
+		got, err := exchange(c, msg, len(pt.want)+len(msg))
+		if got != pt.want+msg {
+			t.Errorf("%s %s from %s: got %q (%v), want %q", pt.network, pt.to, pt.from, got, err, pt.want+msg)
+		}
+	}
+	for _, pt := range paths {
+		t.Run(pt.name, func(t *testing.T) { check(t, pt) })
+	}
+
+	t.Run("ExternalIP not owned by the node is not captured from the node", func(t *testing.T) {
+		// Legacy semantics: a node process reaches the real address, here a
+		// listener in the external namespace holding that IP.
+		mustExec(t, tp, testbed.External, "ip", "addr", "add", "10.250.0.5/32", "dev", "lo")
+		real := tp.Listen(testbed.External, "tcp", "10.250.0.5:80")
+		go func() {
+			c, err := real.Accept()
+			if err == nil {
+				c.Write([]byte("real"))
+				c.Close()
+			}
+		}()
+		c, err := tp.Dial(testbed.Node, "tcp", "10.250.0.5:80")
+		if err != nil {
+			t.Fatalf("dial: %v", err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(testbed.DialTimeout))
+		got, err := io.ReadAll(c)
+		if string(got) != "real" {
+			t.Errorf("node to ExternalIP: got %q (%v), want %q from the real host", got, err, "real")
+		}
+	})
+
+	t.Run("stale UDP flow follows a new proxy port", func(t *testing.T) {
+		c, err := tp.Dial(testbed.Pod, "udp", "10.96.0.53:53")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if got, err := exchange(c, "1", 2); got != "A1" {
+			t.Fatalf("before: got %q (%v), want %q", got, err, "A1")
+		}
+		moved := []Portal{{web, int(tcpProxy.Port())}, {dns, udpPortB}}
+		sync(t, moved)
+		// Same client socket, same conntrack tuple: only deleting the flow lets
+		// the new REDIRECT apply.
+		if got, err := exchange(c, "2", 2); got != "B2" {
+			t.Errorf("after the proxy port moved: got %q (%v), want %q", got, err, "B2")
+		}
+		sync(t, portals)
+	})
+
+	t.Run("iptables -t nat -F then Sync restores the rules", func(t *testing.T) {
+		mustExec(t, tp, testbed.Node, "iptables", "-t", "nat", "-F")
+		kubeNATRules(t, tp, "iptables")
+		mustExec(t, tp, testbed.Node, "ip6tables", "-t", "nat", "-F", "UPROXY-CANARY")
+		mustExec(t, tp, testbed.Node, "ip6tables", "-t", "nat", "-X", "UPROXY-CANARY")
+		n := restores
+		sync(t, portals)
+		if got := restores - n; got != 2 {
+			t.Errorf("restores after flush (IPv4) and canary deletion (IPv6): got %d, want 2", got)
+		}
+		check(t, paths[0])
+		check(t, paths[1])
+		check(t, paths[3])
+	})
+
+	t.Run("NON-LOCAL accepts redirected NodePort traffic only", func(t *testing.T) {
+		// A firewall that refuses every other TCP packet to the node.
+		mustExec(t, tp, testbed.Node, "iptables", "-A", "INPUT", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
+		defer mustExec(t, tp, testbed.Node, "iptables", "-D", "INPUT", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
+		check(t, path{"NodePort through firewall", testbed.External, "tcp", at(node.IPv4, 30080), ""})
+		direct := at(node.IPv4, int(tcpProxy.Port())).String()
+		if c, err := tp.Dial(testbed.External, "tcp", direct); err == nil {
+			c.Close()
+			t.Errorf("dial proxy port %s directly from external: got a connection, want refused", direct)
+		}
+	})
+
+	t.Run("Cleanup restores iptables-save exactly", func(t *testing.T) {
+		if err := tp.Run(testbed.Node, p.Cleanup); err != nil {
+			t.Fatalf("Cleanup: %v", err)
+		}
+		for f := v4; f <= v6; f++ {
+			if got := saved(t, tp, f == v6); got != before[f] {
+				t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", familyName(f), got, before[f])
+			}
+		}
+		// The NodePorts are released.
+		ln := tp.Listen(testbed.Node, "tcp4", "0.0.0.0:30080")
+		ln.Close()
+		if err := tp.Run(testbed.Node, p.Cleanup); err != nil {
+			t.Errorf("second Cleanup: got %v, want nil", err)
+		}
+	})
+}
+
+func TestRealStandaloneCleanup(t *testing.T) {
+	requireIPTables(t)
+	tp := testbed.New(t)
+	kubeChains(t, tp)
+	before := [2]string{saved(t, tp, false), saved(t, tp, true)}
+	node := tp.NS(testbed.Node)
+	p, err := NewIPTables(Config{ChainPrefix: "UPX", NodeIPs: []netip.Addr{node.IPv4}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	svc := port("a", "b", "", service.TCP, 80)
+	svc.ClusterIPs = ips("10.96.0.1")
+	svc.NodePort = 30001
+	if err := tp.Run(testbed.Node, func() error { return p.Sync([]Portal{{svc, 40000}}) }); err != nil {
+		t.Fatal(err)
+	}
+	if got := saved(t, tp, false); !strings.Contains(got, "UPX-PORTALS-CONTAINER") {
+		t.Fatalf("Sync wrote nothing:\n%s", got)
+	}
+	for i := range 2 { // the second run finds nothing to remove
+		if err := tp.Run(testbed.Node, func() error { return Cleanup("UPX") }); err != nil {
+			t.Fatalf("Cleanup run %d: %v", i, err)
+		}
+		for f := v4; f <= v6; f++ {
+			if got := saved(t, tp, f == v6); got != before[f] {
+				t.Errorf("run %d %s:\ngot:\n%s\nwant:\n%s", i, familyName(f), got, before[f])
+			}
+		}
+	}
+}
+
+// BenchmarkSync measures a full sync with real iptables in a namespace: every
+// iteration moves every proxy port, so each one renders and restores everything.
+func BenchmarkSync(b *testing.B) {
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprintf("portals=%d", n), func(b *testing.B) {
+			requireIPTables(b)
+			tp := testbed.New(b)
+			node := tp.NS(testbed.Node)
+			sets := [2][]Portal{benchPortals(n, 20000), benchPortals(n, 40000)}
+			p, err := NewIPTables(Config{NodeIPs: []netip.Addr{node.IPv4}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			err = tp.Run(testbed.Node, func() error {
+				if err := p.Sync(sets[1]); err != nil {
+					return err
+				}
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if err := p.Sync(sets[i%2]); err != nil {
+						return err
+					}
+				}
+				b.StopTimer()
+				return p.Cleanup()
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+}
+
+// BenchmarkRender measures building one family's restore input alone.
+func BenchmarkRender(b *testing.B) {
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprintf("portals=%d", n), func(b *testing.B) {
+			entries, errs := entriesOf(benchPortals(n, 20000), [2]bool{true, false})
+			if len(errs) > 0 {
+				b.Fatal(errs)
+			}
+			r := renderer{chains: chainNames("UPROXY"), nodeIP: nodeIPv4, allNodePortAddresses: true}
+			var size int
+			for b.Loop() {
+				size = len(r.render(entries))
+			}
+			b.ReportMetric(float64(size), "bytes/op-text")
+		})
+	}
+}
+
+// benchPortals returns n Service ports: alternating TCP and UDP, each with a
+// ClusterIP, every tenth with an ExternalIP and a NodePort (NodePort held only in
+// the real benchmark; render counts them as held).
+func benchPortals(n, proxyBase int) []Portal {
+	out := make([]Portal, n)
+	for i := range n {
+		proto := service.TCP
+		if i%2 == 1 {
+			proto = service.UDP
+		}
+		sp := port("bench", "svc-"+strconv.Itoa(i), "p", proto, 80)
+		sp.ClusterIPs = []netip.Addr{netip.AddrFrom4([4]byte{10, 96, byte(i >> 8), byte(i)})}
+		if i%10 == 0 {
+			sp.ExternalIPs = []netip.Addr{netip.AddrFrom4([4]byte{10, 250, byte(i >> 8), byte(i)})}
+			sp.NodePort = 30000 + i/10
+		}
+		out[i] = Portal{Port: sp, ProxyPort: proxyBase + i}
+	}
+	return out
+}
