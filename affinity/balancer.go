@@ -36,7 +36,7 @@ const minSweep = 1024
 // add a client to a table that has reached sweepAt entries, it sweeps the whole table
 // first and sets sweepAt to twice the entries that survived (at least minSweep). The
 // sweeps cost amortised O(1) per new client, and the table never holds more than
-// max(minSweep, 2×live) entries, live being the clients seen within one timeout.
+// max(minSweep, twice the entries that were live at the previous sweep).
 // Sweep is exported for callers that want to free memory on their own schedule.
 type Balancer struct {
 	sched scheduler
