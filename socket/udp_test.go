@@ -1,0 +1,314 @@
+package socket
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// listenUDP opens an unconnected UDP socket on ip:0, closed at the end of the test.
+func listenUDP(t testing.TB, ip string) *net.UDPConn {
+	t.Helper()
+	c, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(netip.MustParseAddr(ip), 0)))
+	if err != nil {
+		t.Fatalf("listen udp on %s: %v", ip, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func udpAddr(c *net.UDPConn) netip.AddrPort { return c.LocalAddr().(*net.UDPAddr).AddrPort() }
+
+// startUDPEcho runs a UDP backend on ip that sends every datagram back.
+func startUDPEcho(t testing.TB, ip string) netip.AddrPort {
+	t.Helper()
+	c := listenUDP(t, ip)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		buf := make([]byte, maxDatagram)
+		for {
+			n, from, err := c.ReadFromUDPAddrPort(buf)
+			if err != nil {
+				return
+			}
+			c.WriteToUDPAddrPort(buf[:n], from)
+		}
+	})
+	t.Cleanup(func() { c.Close(); wg.Wait() })
+	return udpAddr(c)
+}
+
+// deadUDPAddr returns a UDP address on ip where nothing listens: datagrams sent
+// there draw an ICMP port unreachable.
+func deadUDPAddr(t testing.TB, ip string) netip.AddrPort {
+	t.Helper()
+	c := listenUDP(t, ip)
+	addr := udpAddr(c)
+	c.Close()
+	return addr
+}
+
+// startUDPProxy serves p on a fresh 127.0.0.1:0 socket and returns its address. At the
+// end of the test the proxy is closed and Serve must have returned nil.
+func startUDPProxy(t testing.TB, p *UDPProxy) netip.AddrPort {
+	t.Helper()
+	conn, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- p.Serve(conn) }()
+	t.Cleanup(func() {
+		if err := p.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+		if err := <-served; err != nil {
+			t.Errorf("Serve: got %v, want nil", err)
+		}
+	})
+	return udpAddr(conn)
+}
+
+// exchange sends msg from c to addr and returns the first reply and its source.
+func exchange(c *net.UDPConn, addr netip.AddrPort, msg []byte, wait time.Duration) ([]byte, netip.AddrPort, error) {
+	if _, err := c.WriteToUDPAddrPort(msg, addr); err != nil {
+		return nil, netip.AddrPort{}, fmt.Errorf("send: %w", err)
+	}
+	c.SetReadDeadline(time.Now().Add(wait))
+	buf := make([]byte, maxDatagram)
+	n, from, err := c.ReadFromUDPAddrPort(buf)
+	if err != nil {
+		return nil, netip.AddrPort{}, fmt.Errorf("receive: %w", err)
+	}
+	return buf[:n], from, nil
+}
+
+func TestUDPProxyRoundTrip(t *testing.T) {
+	for _, size := range []int{0, 1, 1472, 9000, 65507} {
+		t.Run(fmt.Sprintf("%d bytes", size), func(t *testing.T) {
+			backend := startUDPEcho(t, "127.0.0.2")
+			rec := &recorder{}
+			picker := newCyclePicker(backend)
+			p := &UDPProxy{Service: "ns/dns:udp", Picker: picker, Observer: rec, Timeout: time.Hour}
+			svc := startUDPProxy(t, p)
+			client := listenUDP(t, "127.0.0.1")
+
+			msg := payload(uint64(size), size)
+			for i := range 2 {
+				got, from, err := exchange(client, svc, msg, awaitTimeout)
+				if err != nil {
+					t.Fatalf("exchange %d: %v", i, err)
+				}
+				if !bytes.Equal(got, msg) {
+					t.Fatalf("exchange %d: got %d bytes back, want the %d sent", i, len(got), len(msg))
+				}
+				if from != svc {
+					t.Errorf("exchange %d: reply came from %v, want the Service socket %v", i, from, svc)
+				}
+			}
+			if n := p.Clients(); n != 1 {
+				t.Errorf("Clients: got %d, want 1", n)
+			}
+			if err := p.Close(); err != nil {
+				t.Fatal(err)
+			}
+			c := rec.awaitClosed(t, 1)[0]
+			want := Conn{Service: "ns/dns:udp", Protocol: "UDP", Client: udpAddr(client), Endpoint: backend,
+				BytesIn: int64(2 * size), BytesOut: int64(2 * size)}
+			if c.Service != want.Service || c.Protocol != want.Protocol || c.Client != want.Client || c.Endpoint != want.Endpoint ||
+				c.BytesIn != want.BytesIn || c.BytesOut != want.BytesOut || c.Err != nil || len(c.Attempts) != 1 {
+				t.Errorf("record: got %+v, want %+v with one attempt", c, want)
+			}
+			if u := picker.unreleased(); len(u) != 0 {
+				t.Errorf("Pick without Release: %v", u)
+			}
+		})
+	}
+}
+
+func TestUDPProxyIdleExpiry(t *testing.T) {
+	tests := []struct {
+		name    string
+		timeout time.Duration
+		// traffic is how long the client keeps exchanging datagrams back to back;
+		// the entry must outlive it.
+		traffic time.Duration
+	}{
+		{name: "one exchange", timeout: 50 * time.Millisecond},
+		// Back-to-back exchanges leave no gap near the timeout, even on a loaded machine.
+		{name: "traffic keeps the entry alive past several timeouts", timeout: time.Second, traffic: 2500 * time.Millisecond},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			backend := startUDPEcho(t, "127.0.0.2")
+			rec := &recorder{}
+			picker := newCyclePicker(backend)
+			p := &UDPProxy{Service: "ns/dns:udp", Picker: picker, Observer: rec, Timeout: tt.timeout}
+			svc := startUDPProxy(t, p)
+			client := listenUDP(t, "127.0.0.1")
+			msg := []byte("0123456789")
+			sends := 0
+			for start := time.Now(); sends == 0 || time.Since(start) < tt.traffic; sends++ {
+				if _, _, err := exchange(client, svc, msg, awaitTimeout); err != nil {
+					t.Fatalf("exchange %d: %v", sends, err)
+				}
+			}
+			await(t, "the idle entry to expire", func() bool { return p.Clients() == 0 })
+			c := rec.awaitClosed(t, 1)[0]
+			want := int64(sends * len(msg))
+			if c.BytesIn != want || c.BytesOut != want || c.Err != nil {
+				t.Errorf("record: got in %d, out %d, err %v; want in %d, out %d, err nil", c.BytesIn, c.BytesOut, c.Err, want, want)
+			}
+			if c.Duration < tt.traffic+tt.timeout {
+				t.Errorf("entry lived %v, want at least the traffic's %v plus the timeout %v", c.Duration, tt.traffic, tt.timeout)
+			}
+			if u := picker.unreleased(); len(u) != 0 {
+				t.Errorf("Pick without Release: %v", u)
+			}
+			if n := picker.resetCount(); n != 0 {
+				t.Errorf("ResetAffinity calls after a clean expiry: got %d, want 0", n)
+			}
+			// The next datagram opens a new entry.
+			if _, _, err := exchange(client, svc, msg, awaitTimeout); err != nil {
+				t.Fatalf("exchange after expiry: %v", err)
+			}
+			if opened, _, _ := rec.counts(); opened != 2 {
+				t.Errorf("entries opened: got %d, want 2", opened)
+			}
+		})
+	}
+}
+
+func TestUDPProxyTableBound(t *testing.T) {
+	backend := startUDPEcho(t, "127.0.0.2")
+	rec := &recorder{}
+	p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Observer: rec, MaxClients: 2, Timeout: time.Hour}
+	svc := startUDPProxy(t, p)
+	for i := range 2 {
+		c := listenUDP(t, "127.0.0.1")
+		if _, _, err := exchange(c, svc, []byte("in"), awaitTimeout); err != nil {
+			t.Fatalf("client %d: %v", i, err)
+		}
+	}
+	extra := listenUDP(t, "127.0.0.1")
+	if _, err := extra.WriteToUDPAddrPort([]byte("one too many"), svc); err != nil {
+		t.Fatal(err)
+	}
+	recs := rec.awaitClosed(t, 1)
+	if c := recs[0]; !errors.Is(c.Err, ErrTooManyClients) || c.Client != udpAddr(extra) {
+		t.Errorf("record: got client %v err %v, want client %v err %v", c.Client, c.Err, udpAddr(extra), ErrTooManyClients)
+	}
+	if n := p.Clients(); n != 2 {
+		t.Errorf("Clients: got %d, want 2", n)
+	}
+}
+
+func TestUDPProxyDeadBackendRepick(t *testing.T) {
+	dead := deadUDPAddr(t, "127.0.0.3")
+	live := startUDPEcho(t, "127.0.0.2")
+	rec := &recorder{}
+	picker := newCyclePicker(dead, live)
+	p := &UDPProxy{Service: "ns/dns:udp", Picker: picker, Observer: rec, Timeout: time.Hour}
+	svc := startUDPProxy(t, p)
+	client := listenUDP(t, "127.0.0.1")
+
+	// Like any UDP client, resend until answered: the datagrams that went to the
+	// dead endpoint are lost.
+	msg := []byte("anyone there?")
+	var got []byte
+	var from netip.AddrPort
+	await(t, "a reply", func() bool {
+		var err error
+		got, from, err = exchange(client, svc, msg, 50*time.Millisecond)
+		return err == nil
+	})
+	if !bytes.Equal(got, msg) || from != svc {
+		t.Errorf("reply: got %q from %v, want %q from %v", got, from, msg, svc)
+	}
+	c := rec.awaitClosed(t, 1)[0]
+	if c.Endpoint != dead || !errors.Is(c.Err, syscall.ECONNREFUSED) {
+		t.Errorf("record of the failed entry: got endpoint %v err %v, want %v ECONNREFUSED", c.Endpoint, c.Err, dead)
+	}
+	if n := picker.resetCount(); n < 1 {
+		t.Errorf("ResetAffinity calls: got %d, want at least 1", n)
+	}
+	if n := p.Clients(); n != 1 {
+		t.Errorf("Clients: got %d, want 1 (the entry on the live endpoint)", n)
+	}
+}
+
+func TestUDPProxyManyClients(t *testing.T) {
+	const clients = 100
+	baseline := runtime.NumGoroutine()
+	eps := []netip.AddrPort{startUDPEcho(t, "127.0.0.2"), startUDPEcho(t, "127.0.0.3")}
+	rec := &recorder{}
+	picker := newCyclePicker(eps...)
+	p := &UDPProxy{Service: "ns/dns:udp", Picker: picker, Observer: rec, Timeout: time.Hour}
+	conn, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- p.Serve(conn) }()
+	svc := udpAddr(conn)
+
+	errs := make(chan error, clients)
+	var wg sync.WaitGroup
+	for i := range clients {
+		wg.Go(func() {
+			c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer c.Close()
+			msg := fmt.Appendf(nil, "client %d", i)
+			// Datagrams may be dropped when many arrive at once: resend until answered.
+			deadline := time.Now().Add(awaitTimeout)
+			for time.Now().Before(deadline) {
+				got, _, err := exchange(c, svc, msg, 200*time.Millisecond)
+				if errors.Is(err, os.ErrDeadlineExceeded) {
+					continue
+				}
+				if err != nil || !bytes.Equal(got, msg) {
+					errs <- fmt.Errorf("client %d: got %q, %v, want %q", i, got, err, msg)
+				}
+				return
+			}
+			errs <- fmt.Errorf("client %d: no reply within %s", i, awaitTimeout)
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if n := p.Clients(); n != clients {
+		t.Errorf("Clients: got %d, want %d", n, clients)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-served; err != nil {
+		t.Errorf("Serve: got %v, want nil", err)
+	}
+	if n := p.Clients(); n != 0 {
+		t.Errorf("Clients after Close: got %d, want 0", n)
+	}
+	if _, _, closed := rec.counts(); closed != clients {
+		t.Errorf("records after Close: got %d, want %d", closed, clients)
+	}
+	if u := picker.unreleased(); len(u) != 0 {
+		t.Errorf("Pick without Release: %v", u)
+	}
+	// Only the two echo backends, ended by the test's cleanup, remain.
+	await(t, "the proxy's goroutines to end", func() bool { return runtime.NumGoroutine() <= baseline+2 })
+}
