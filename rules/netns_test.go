@@ -349,36 +349,43 @@ func TestRealStandaloneCleanup(t *testing.T) {
 	}
 }
 
-// BenchmarkSync measures a full sync with real iptables in a namespace: every
-// iteration moves every proxy port, so each one renders and restores everything.
+// BenchmarkSync measures Sync with real iptables in a namespace. "full": every
+// iteration moves every proxy port, so each one renders and restores everything
+// (and runs a conntrack pass for the UDP ports). "unchanged": the same state
+// again, which costs a render and the canary read.
 func BenchmarkSync(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
-		b.Run(fmt.Sprintf("portals=%d", n), func(b *testing.B) {
-			requireIPTables(b)
-			tp := testbed.New(b)
-			node := tp.NS(testbed.Node)
-			sets := [2][]Portal{benchPortals(n, 20000), benchPortals(n, 40000)}
-			p, err := NewIPTables(Config{NodeIPs: []netip.Addr{node.IPv4}})
-			if err != nil {
-				b.Fatal(err)
-			}
-			err = tp.Run(testbed.Node, func() error {
-				if err := p.Sync(sets[1]); err != nil {
-					return err
+		for _, mode := range []string{"full", "unchanged"} {
+			b.Run(fmt.Sprintf("portals=%d/%s", n, mode), func(b *testing.B) {
+				requireIPTables(b)
+				tp := testbed.New(b)
+				node := tp.NS(testbed.Node)
+				sets := [2][]Portal{benchPortals(n, 20000), benchPortals(n, 40000)}
+				if mode == "unchanged" {
+					sets[0] = sets[1]
 				}
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					if err := p.Sync(sets[i%2]); err != nil {
+				p, err := NewIPTables(Config{NodeIPs: []netip.Addr{node.IPv4}})
+				if err != nil {
+					b.Fatal(err)
+				}
+				err = tp.Run(testbed.Node, func() error {
+					if err := p.Sync(sets[1]); err != nil {
 						return err
 					}
+					b.ResetTimer()
+					for i := 0; i < b.N; i++ {
+						if err := p.Sync(sets[i%2]); err != nil {
+							return err
+						}
+					}
+					b.StopTimer()
+					return p.Cleanup()
+				})
+				if err != nil {
+					b.Fatal(err)
 				}
-				b.StopTimer()
-				return p.Cleanup()
 			})
-			if err != nil {
-				b.Fatal(err)
-			}
-		})
+		}
 	}
 }
 

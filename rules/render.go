@@ -55,46 +55,62 @@ type renderer struct {
 }
 
 // render returns the restore input for entries (sorted). Every chain is declared,
-// which flushes it, so the text is the chain's entire content.
+// which flushes it, so the text is the chain's entire content. It makes one pass
+// per chain appending to a single buffer: with 10k portals it runs on every sync.
 func (r *renderer) render(entries []entry) []byte {
-	var container, host, npContainer, npHost, nonLocal strings.Builder
+	parts := make([]ruleParts, len(entries))
 	for i := range entries {
-		e := &entries[i]
-		if !e.families[r.family] {
-			continue
-		}
-		for _, ip := range e.clusterIPs {
-			r.portal(&container, &host, e, ip, false)
-		}
-		for _, ip := range e.lbIPs {
-			r.portal(&container, &host, e, ip, false)
-		}
-		for _, ip := range e.externalIPs {
-			r.portal(&container, &host, e, ip, true)
-		}
-		if e.nodePort != 0 && e.nodePortHeld[r.family] {
-			r.nodePort(&npContainer, &npHost, &nonLocal, e)
+		if entries[i].families[r.family] {
+			parts[i] = r.ruleParts(&entries[i])
 		}
 	}
-
-	var b strings.Builder
-	b.Grow(256 + container.Len() + host.Len() + npContainer.Len() + npHost.Len() + nonLocal.Len())
-	b.WriteString("*filter\n")
+	// Each rule is about 150 bytes; the estimate saves most of the regrowth.
+	out := make([]byte, 0, 1024+len(entries)*400)
+	out = append(out, "*filter\n"...)
 	for _, c := range r.chains.filter() {
-		b.WriteString(":" + c + " - [0:0]\n")
+		out = append(out, ":"+c+" - [0:0]\n"...)
 	}
-	b.WriteString(nonLocal.String())
-	b.WriteString("COMMIT\n*nat\n")
+	out = r.each(out, entries, parts, r.nonLocal)
+	out = append(out, "COMMIT\n*nat\n"...)
 	for _, c := range r.chains.nat() {
-		b.WriteString(":" + c + " - [0:0]\n")
+		out = append(out, ":"+c+" - [0:0]\n"...)
 	}
-	b.WriteString(canaryRule(r.chains) + "\n")
-	b.WriteString(container.String())
-	b.WriteString(host.String())
-	b.WriteString(npContainer.String())
-	b.WriteString(npHost.String())
-	b.WriteString("COMMIT\n")
-	return []byte(b.String())
+	out = append(out, canaryRule(r.chains)+"\n"...)
+	out = r.each(out, entries, parts, r.portalsContainer)
+	out = r.each(out, entries, parts, r.portalsHost)
+	out = r.each(out, entries, parts, r.nodePortContainer)
+	out = r.each(out, entries, parts, r.nodePortHost)
+	return append(out, "COMMIT\n"...)
+}
+
+// each appends what write renders for every entry of the family.
+func (r *renderer) each(out []byte, entries []entry, parts []ruleParts, write func([]byte, *entry, *ruleParts) []byte) []byte {
+	for i := range entries {
+		if entries[i].families[r.family] {
+			out = write(out, &entries[i], &parts[i])
+		}
+	}
+	return out
+}
+
+// ruleParts are the pieces of text shared by every rule of one entry.
+type ruleParts struct {
+	match    string // " -p tcp -m comment --comment \"ns/name:port\" -m tcp --dport "
+	port     string // the Service port
+	redirect string // " -j REDIRECT --to-ports N\n"
+	dnat     string // " -j DNAT --to-destination nodeIP:N\n"
+}
+
+// ruleParts orders protocol, comment and destination port as iptables-save
+// prints them, so the written rules read back identically.
+func (r *renderer) ruleParts(e *entry) ruleParts {
+	proxy := strconv.Itoa(e.proxyPort)
+	return ruleParts{
+		match:    " -p " + e.proto + " -m comment --comment " + quote(e.name.String()) + " -m " + e.proto + " --dport ",
+		port:     strconv.Itoa(e.port),
+		redirect: " -j REDIRECT --to-ports " + proxy + "\n",
+		dnat:     " -j DNAT --to-destination " + netip.AddrPortFrom(r.nodeIP, uint16(e.proxyPort)).String() + "\n",
+	}
 }
 
 // canaryRule is the one rule of the canary chain, as iptables -S prints it.
@@ -102,7 +118,8 @@ func canaryRule(c chains) string {
 	return "-A " + c.canary + ` -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN`
 }
 
-// portal writes the rules capturing ip:port.
+// portalsContainer writes the PREROUTING rules of e's virtual IPs: REDIRECT to
+// the proxy port.
 //
 // ExternalIPs follow the legacy userspace proxy, which captured them in PREROUTING
 // only for traffic "from off the machine" (`-m physdev ! --physdev-is-in` plus
@@ -114,71 +131,86 @@ func canaryRule(c chains) string {
 // host or from a local pod, reaches the Service, as in kube-proxy's kernel modes
 // today, so A/B comparisons see the same semantics. A node process reaching an
 // ExternalIP the node does not own goes to the real address, as in legacy.
-func (r *renderer) portal(container, host *strings.Builder, e *entry, ip netip.Addr, external bool) {
-	if familyOf(ip) != r.family {
-		return
-	}
-	dst := "-d " + hostPrefix(ip)
-	container.WriteString("-A " + r.chains.portalsContainer + " " + dst)
-	r.match(container, e, e.port)
-	if external {
-		container.WriteString(" -m addrtype ! --src-type LOCAL")
-	}
-	r.redirect(container, e)
-
-	host.WriteString("-A " + r.chains.portalsHost + " " + dst)
-	r.match(host, e, e.port)
-	if external {
-		host.WriteString(" -m addrtype --dst-type LOCAL")
-	}
-	r.dnat(host, e)
+func (r *renderer) portalsContainer(b []byte, e *entry, s *ruleParts) []byte {
+	return r.portals(b, e, s, r.chains.portalsContainer, " -m addrtype ! --src-type LOCAL", s.redirect)
 }
 
-// nodePort writes the NodePort rules of e. The jumps to the NODEPORT chains
-// already require a local destination; -d narrows that to NodePortAddresses.
-func (r *renderer) nodePort(container, host, nonLocal *strings.Builder, e *entry) {
-	dsts := []string{""}
-	if !r.allNodePortAddresses {
-		dsts = dsts[:0]
-		for _, p := range r.nodePortAddresses {
-			dsts = append(dsts, " -d "+p.Masked().String())
+// portalsHost writes the OUTPUT rules of e's virtual IPs: DNAT to nodeIP:proxy port.
+func (r *renderer) portalsHost(b []byte, e *entry, s *ruleParts) []byte {
+	return r.portals(b, e, s, r.chains.portalsHost, " -m addrtype --dst-type LOCAL", s.dnat)
+}
+
+func (r *renderer) portals(b []byte, e *entry, s *ruleParts, chain, externalMatch, target string) []byte {
+	for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
+		external := kind == 2
+		for _, ip := range ips {
+			if familyOf(ip) != r.family {
+				continue
+			}
+			b = append(b, "-A "...)
+			b = append(b, chain...)
+			b = append(b, " -d "...)
+			b = ip.AppendTo(b)
+			b = append(b, '/')
+			b = strconv.AppendInt(b, int64(ip.BitLen()), 10)
+			b = append(b, s.match...)
+			b = append(b, s.port...)
+			if external {
+				b = append(b, externalMatch...)
+			}
+			b = append(b, target...)
 		}
 	}
-	for _, d := range dsts {
-		container.WriteString("-A " + r.chains.nodePortContainer + d)
-		r.match(container, e, e.nodePort)
-		r.redirect(container, e)
-		host.WriteString("-A " + r.chains.nodePortHost + d)
-		r.match(host, e, e.nodePort)
-		r.dnat(host, e)
+	return b
+}
+
+// nodePortDsts returns the destination matches of NodePort rules: none needed
+// when every local address serves NodePorts (the jumps already require a local
+// destination), else one per NodePortAddresses prefix of the family.
+func (r *renderer) nodePortDsts() []string {
+	if r.allNodePortAddresses {
+		return []string{""}
 	}
-	if len(dsts) == 0 {
-		return
+	dsts := make([]string, 0, len(r.nodePortAddresses))
+	for _, p := range r.nodePortAddresses {
+		dsts = append(dsts, " -d "+p.Masked().String())
 	}
-	// Accept only what a NodePort rule redirected (REDIRECT counts as DNAT for
-	// conntrack), so the proxy port itself is not opened to the network.
-	nonLocal.WriteString("-A " + r.chains.nodePortNonLocal)
-	r.match(nonLocal, e, e.proxyPort)
-	nonLocal.WriteString(" -m conntrack --ctstate DNAT --ctorigdstport " + strconv.Itoa(e.nodePort) + " -j ACCEPT\n")
+	return dsts
 }
 
-// match writes protocol, comment and destination port in the order iptables-save
-// prints them, so the written rules read back identically.
-func (r *renderer) match(b *strings.Builder, e *entry, port int) {
-	b.WriteString(" -p " + e.proto + " -m comment --comment " + quote(e.name.String()) +
-		" -m " + e.proto + " --dport " + strconv.Itoa(port))
+func (r *renderer) hasNodePort(e *entry) bool { return e.nodePort != 0 && e.nodePortHeld[r.family] }
+
+// nodePortContainer writes e's PREROUTING NodePort rules: REDIRECT.
+func (r *renderer) nodePortContainer(b []byte, e *entry, s *ruleParts) []byte {
+	if !r.hasNodePort(e) {
+		return b
+	}
+	for _, d := range r.nodePortDsts() {
+		b = append(b, "-A "+r.chains.nodePortContainer+d+s.match+strconv.Itoa(e.nodePort)+s.redirect...)
+	}
+	return b
 }
 
-func (r *renderer) redirect(b *strings.Builder, e *entry) {
-	b.WriteString(" -j REDIRECT --to-ports " + strconv.Itoa(e.proxyPort) + "\n")
+// nodePortHost writes e's OUTPUT NodePort rules: DNAT.
+func (r *renderer) nodePortHost(b []byte, e *entry, s *ruleParts) []byte {
+	if !r.hasNodePort(e) {
+		return b
+	}
+	for _, d := range r.nodePortDsts() {
+		b = append(b, "-A "+r.chains.nodePortHost+d+s.match+strconv.Itoa(e.nodePort)+s.dnat...)
+	}
+	return b
 }
 
-func (r *renderer) dnat(b *strings.Builder, e *entry) {
-	b.WriteString(" -j DNAT --to-destination " + netip.AddrPortFrom(r.nodeIP, uint16(e.proxyPort)).String() + "\n")
-}
-
-func hostPrefix(ip netip.Addr) string {
-	return netip.PrefixFrom(ip, ip.BitLen()).String()
+// nonLocal writes e's INPUT accept rule. It accepts only what a NodePort rule
+// redirected (REDIRECT counts as DNAT for conntrack), so the proxy port itself
+// is not opened to the network.
+func (r *renderer) nonLocal(b []byte, e *entry, s *ruleParts) []byte {
+	if !r.hasNodePort(e) || len(r.nodePortDsts()) == 0 {
+		return b
+	}
+	return append(b, "-A "+r.chains.nodePortNonLocal+s.match+strconv.Itoa(e.proxyPort)+
+		" -m conntrack --ctstate DNAT --ctorigdstport "+strconv.Itoa(e.nodePort)+" -j ACCEPT\n"...)
 }
 
 // quote double-quotes s for iptables-restore, which understands backslash escapes
