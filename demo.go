@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"net"
 	"net/http"
@@ -171,13 +170,17 @@ func printDemo(w interface{ Write([]byte) (int, error) }, px *proxier.Proxier, p
 	tw.Flush()
 	fmt.Fprintf(w, `
 Try:
-  for i in 1 2 3 4 5 6; do curl -s 127.0.0.1:%d/; done        # round robin, never the dead one
-  for i in 1 2 3; do curl -s --interface 127.0.0.%d 127.0.0.1:%d/; done  # ClientIP affinity: one backend per client IP
-  echo hello | nc -u -w1 127.0.0.1 %d                                   # UDP
-  curl -s %s/debug/services                                             # proxy ports, endpoints, affinity
-  curl -s %s/metrics | grep uproxy_dial_attempts_total                  # every attempt, by result
-Manifests: %s (edit it: uproxy reloads). Ctrl-C to stop.
-`, port("web"), 20+os.Getpid()%200, port("sticky"), port("echo"), metrics, metrics, path)
+  # round robin over web's three live backends; the dead one is retried around
+  for i in 1 2 3 4 5 6; do curl -s 127.0.0.1:%[1]d/; done
+  # ClientIP affinity: each client address sticks to one backend
+  for ip in 127.0.0.100 127.0.0.100 127.0.0.101 127.0.0.101; do curl -s --interface $ip 127.0.0.1:%[2]d/; done
+  # UDP (without nc: bash -c 'exec 3<>/dev/udp/127.0.0.1/%[3]d; echo hello >&3; timeout 1 head -n1 <&3')
+  echo hello | nc -u -w1 127.0.0.1 %[3]d
+  # proxy ports, endpoints, affinity table; every dial attempt by result
+  curl -s %[4]s/debug/services
+  curl -s %[4]s/metrics | grep uproxy_dial_attempts_total
+Manifests: %[5]s (edit it: uproxy reloads it). Ctrl-C stops.
+`, port("web"), port("sticky"), port("echo"), metrics, path)
 }
 
 // demoService renders a Service and its EndpointSlice as YAML.

@@ -29,8 +29,11 @@ type ServiceState struct {
 	Scheduler       string          `json:"scheduler"`
 	Endpoints       []EndpointState `json:"endpoints"`
 	Affinity        []AffinityEntry `json:"affinity"`
-	ActiveClients   int             `json:"activeClients,omitempty"` // UDP client table size
-	RecentEvents    []Event         `json:"recentEvents,omitempty"`
+	// NextEndpoint is where the scheduler's rotation resumes.
+	NextEndpoint     string            `json:"nextEndpoint,omitempty"`
+	AffinityCounters *AffinityCounters `json:"affinityCounters,omitempty"`
+	ActiveClients    int               `json:"activeClients,omitempty"` // UDP client table size
+	RecentEvents     []Event           `json:"recentEvents,omitempty"`
 }
 
 // EndpointState is one endpoint in ServiceState.
@@ -41,6 +44,14 @@ type EndpointState struct {
 	Terminating       bool   `json:"terminating"`
 	Usable            bool   `json:"usable"`
 	ActiveConnections int    `json:"activeConnections"`
+}
+
+// AffinityCounters count ClientIP affinity decisions of one Service port.
+type AffinityCounters struct {
+	Hits    uint64 `json:"hits"`
+	Misses  uint64 `json:"misses"`
+	Resets  uint64 `json:"resets"`
+	Expired uint64 `json:"expired"`
 }
 
 // AffinityEntry is one ClientIP affinity entry.

@@ -337,7 +337,7 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	bs := sp.balancer.State()
 	active := make(map[netip.AddrPort]int, len(bs.Endpoints))
 	for _, e := range bs.Endpoints {
-		active[e.Endpoint] = e.Active
+		active[e.Addr] = e.Active
 	}
 	usable := make(map[netip.AddrPort]bool)
 	for _, e := range port.ClusterEndpoints(p.cfg.Zone) {
@@ -359,6 +359,13 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 			Endpoint: a.Endpoint.String(),
 			LastUsed: a.LastUsed.UTC().Format(time.RFC3339),
 		})
+	}
+	if bs.Next.IsValid() {
+		st.NextEndpoint = bs.Next.String()
+	}
+	st.AffinityCounters = &observe.AffinityCounters{
+		Hits: bs.Counters.AffinityHits, Misses: bs.Counters.AffinityMisses,
+		Resets: bs.Counters.AffinityResets, Expired: bs.Counters.AffinityExpired,
 	}
 	if p.cfg.Events != nil {
 		st.RecentEvents = p.cfg.Events.Recent(st.Name, 10)

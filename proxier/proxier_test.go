@@ -1,0 +1,317 @@
+package proxier
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// world is a test's little universe: named TCP and UDP backends on loopback
+// addresses, each answering with its own name.
+type world struct {
+	t        testing.TB
+	backends map[string]netip.AddrPort
+}
+
+func newWorld(t testing.TB) *world { return &world{t: t, backends: map[string]netip.AddrPort{}} }
+
+// tcpBackend starts a TCP server on ip:0 that answers every connection with
+// "name\n" and closes.
+func (w *world) tcpBackend(name, ip string) netip.AddrPort {
+	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	w.t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			io.WriteString(c, name+"\n")
+			c.Close()
+		}
+	}()
+	ap := ln.Addr().(*net.TCPAddr).AddrPort()
+	w.backends[name] = ap
+	return ap
+}
+
+// udpBackend answers every datagram with "name:" + datagram.
+func (w *world) udpBackend(name, ip string) netip.AddrPort {
+	pc, err := net.ListenPacket("udp", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	w.t.Cleanup(func() { pc.Close() })
+	go func() {
+		buf := make([]byte, 65536)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteTo(append([]byte(name+":"), buf[:n]...), from)
+		}
+	}()
+	ap := pc.LocalAddr().(*net.UDPAddr).AddrPort()
+	w.backends[name] = ap
+	return ap
+}
+
+func port(name string, proto service.Protocol, eps ...netip.AddrPort) *service.Port {
+	p := &service.Port{
+		Name:       service.PortName{Namespace: "default", Name: name, Port: "p"},
+		Protocol:   proto,
+		Port:       80,
+		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")},
+	}
+	for _, ep := range eps {
+		p.Endpoints = append(p.Endpoints, service.Endpoint{Addr: ep, Ready: true, Serving: true})
+	}
+	return p
+}
+
+func snapshot(ports ...*service.Port) *service.Snapshot {
+	return &service.Snapshot{Ports: ports, Built: time.Now()}
+}
+
+func newProxier(t testing.TB, cfg Config) *Proxier {
+	t.Helper()
+	cfg.BindAddress = netip.MustParseAddr("127.0.0.1")
+	p, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		p.Shutdown(ctx)
+	})
+	return p
+}
+
+func mustSync(t testing.TB, p *Proxier, s *service.Snapshot) {
+	t.Helper()
+	if err := p.Sync(s); err != nil {
+		t.Fatalf("Sync: %v", err)
+	}
+}
+
+// getTCP connects to the proxy port and returns the backend's name.
+func getTCP(t testing.TB, proxyPort int) (string, error) {
+	c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", proxyPort), 5*time.Second)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	line, err := bufio.NewReader(c).ReadString('\n')
+	return strings.TrimSpace(line), err
+}
+
+func TestSyncServesTCPAndUDP(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	b := w.tcpBackend("b", "127.0.0.3")
+	u := w.udpBackend("u", "127.0.0.4")
+	p := newProxier(t, Config{})
+	mustSync(t, p, snapshot(port("tcp", service.TCP, a, b), port("udp", service.UDP, u)))
+
+	tcpPort := p.ProxyPort(service.PortName{Namespace: "default", Name: "tcp", Port: "p"})
+	seen := map[string]int{}
+	for i := 0; i < 4; i++ {
+		got, err := getTCP(t, tcpPort)
+		if err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+		seen[got]++
+	}
+	if seen["a"] != 2 || seen["b"] != 2 {
+		t.Errorf("round robin over 4 connections: got %v, want a:2 b:2", seen)
+	}
+
+	udpPort := p.ProxyPort(service.PortName{Namespace: "default", Name: "udp", Port: "p"})
+	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", udpPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	c.Write([]byte("ping"))
+	buf := make([]byte, 100)
+	n, err := c.Read(buf)
+	if err != nil || string(buf[:n]) != "u:ping" {
+		t.Errorf("UDP reply: got %q, %v; want %q", buf[:n], err, "u:ping")
+	}
+}
+
+func TestEndpointChangeKeepsProxyPort(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	b := w.tcpBackend("b", "127.0.0.3")
+	p := newProxier(t, Config{})
+	name := service.PortName{Namespace: "default", Name: "tcp", Port: "p"}
+	mustSync(t, p, snapshot(port("tcp", service.TCP, a)))
+	before := p.ProxyPort(name)
+
+	mustSync(t, p, snapshot(port("tcp", service.TCP, b)))
+	if after := p.ProxyPort(name); after != before {
+		t.Fatalf("proxy port after endpoint change: got %d, want %d", after, before)
+	}
+	for i := 0; i < 3; i++ {
+		if got, err := getTCP(t, before); err != nil || got != "b" {
+			t.Fatalf("after endpoint change: got %q, %v; want b", got, err)
+		}
+	}
+}
+
+func TestRemovedPortCloses(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	p := newProxier(t, Config{})
+	mustSync(t, p, snapshot(port("tcp", service.TCP, a), port("other", service.TCP, a)))
+	pp := p.ProxyPort(service.PortName{Namespace: "default", Name: "tcp", Port: "p"})
+	mustSync(t, p, snapshot(port("other", service.TCP, a)))
+	if got := p.ProxyPort(service.PortName{Namespace: "default", Name: "tcp", Port: "p"}); got != 0 {
+		t.Errorf("removed port still has proxy port %d", got)
+	}
+	if _, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", pp), time.Second); err == nil {
+		t.Errorf("dial of removed proxy port %d succeeded, want refused", pp)
+	}
+	if got := len(p.DebugServices()); got != 1 {
+		t.Errorf("DebugServices: got %d ports, want 1", got)
+	}
+}
+
+func TestProtocolChangeReopens(t *testing.T) {
+	w := newWorld(t)
+	u := w.udpBackend("u", "127.0.0.2")
+	a := w.tcpBackend("a", "127.0.0.2")
+	p := newProxier(t, Config{})
+	mustSync(t, p, snapshot(port("svc", service.TCP, a)))
+	mustSync(t, p, snapshot(port("svc", service.UDP, u)))
+	st := p.DebugServices()
+	if len(st) != 1 || st[0].Protocol != "UDP" {
+		t.Fatalf("after protocol change: got %+v, want one UDP port", st)
+	}
+}
+
+func TestPortRange(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	// Find two free adjacent-ish ports by asking the kernel, then use a range of
+	// exactly those two: the third Service must fail, the first two must work.
+	var free []int
+	for len(free) < 2 {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		pn := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		if len(free) == 0 || pn == free[0]+1 {
+			free = append(free, pn)
+		} else {
+			free = []int{pn}
+			// Try pn+1 directly.
+			if l2, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", pn+1)); err == nil {
+				l2.Close()
+				free = append(free, pn+1)
+			}
+		}
+	}
+	r := PortRange{First: free[0], Last: free[1]}
+	p := newProxier(t, Config{PortRange: r})
+	err := p.Sync(snapshot(port("one", service.TCP, a), port("three", service.TCP, a), port("two", service.TCP, a)))
+	if err == nil || !strings.Contains(err.Error(), "default/two:p") {
+		t.Fatalf("third port in a range of two: got error %v, want one naming default/two:p", err)
+	}
+	for _, n := range []string{"one", "three"} {
+		pp := p.ProxyPort(service.PortName{Namespace: "default", Name: n, Port: "p"})
+		if pp < r.First || pp > r.Last {
+			t.Errorf("%s: proxy port %d outside %v", n, pp, r)
+		}
+		if got, err := getTCP(t, pp); err != nil || got != "a" {
+			t.Errorf("%s: got %q, %v; want a", n, got, err)
+		}
+	}
+}
+
+// TestEndpointUpdatesUnderTraffic swaps endpoints while clients connect: every
+// connection must reach a backend (removed endpoints are closed after the swap,
+// and retries cover the window).
+func TestEndpointUpdatesUnderTraffic(t *testing.T) {
+	w := newWorld(t)
+	var eps []netip.AddrPort
+	for i := 0; i < 4; i++ {
+		eps = append(eps, w.tcpBackend(fmt.Sprintf("b%d", i), fmt.Sprintf("127.0.0.%d", i+2)))
+	}
+	p := newProxier(t, Config{})
+	mustSync(t, p, snapshot(port("tcp", service.TCP, eps[0], eps[1])))
+	pp := p.ProxyPort(service.PortName{Namespace: "default", Name: "tcp", Port: "p"})
+
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	errs := make(chan error, 100)
+	for c := 0; c < 8; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				if _, err := getTCP(t, pp); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	for i := 0; i < 50; i++ {
+		mustSync(t, p, snapshot(port("tcp", service.TCP, eps[i%4], eps[(i+1)%4])))
+	}
+	cancel()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Errorf("connection during endpoint updates: %v", err)
+	}
+}
+
+func TestDebugServices(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	p := newProxier(t, Config{})
+	sp := port("web", service.TCP, a)
+	sp.AffinityClientIP = true
+	sp.AffinityTimeout = time.Hour
+	sp.Endpoints = append(sp.Endpoints, service.Endpoint{Addr: netip.MustParseAddrPort("127.0.0.9:9"), Serving: true, Terminating: true})
+	mustSync(t, p, snapshot(sp))
+	pp := p.ProxyPort(sp.Name)
+	if _, err := getTCP(t, pp); err != nil {
+		t.Fatal(err)
+	}
+	st := p.DebugServices()
+	if len(st) != 1 {
+		t.Fatalf("got %d services, want 1", len(st))
+	}
+	s := st[0]
+	if s.Name != "default/web:p" || s.ProxyPort != pp || s.SessionAffinity != "ClientIP" || s.Scheduler != "rr" || s.Port != 80 {
+		t.Errorf("got %+v", s)
+	}
+	if len(s.Endpoints) != 2 || !s.Endpoints[0].Usable || s.Endpoints[1].Usable {
+		t.Errorf("endpoints: got %+v, want the ready one usable, the terminating one not", s.Endpoints)
+	}
+	if len(s.Affinity) != 1 || s.Affinity[0].Client != "127.0.0.1" || s.Affinity[0].Endpoint != a.String() {
+		t.Errorf("affinity: got %+v, want 127.0.0.1 -> %s", s.Affinity, a)
+	}
+}
