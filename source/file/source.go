@@ -1,0 +1,379 @@
+// Package file reads Services and EndpointSlices from manifests on disk (standalone
+// mode) and follows changes to them.
+//
+//	src := &file.Source{Path: "/etc/uproxy/services", Options: service.BuildOptions{NodeName: node}}
+//	err := src.Run(ctx, func(s *service.Snapshot) { proxier.Update(s) })
+//
+// A broken edit never takes Services away: a file that cannot be decoded keeps its
+// previous content, and an object that fails validation keeps its previous version.
+// Every problem is still reported in Snapshot.Errors and logged.
+package file
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+	v1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// DefaultDebounce is how long file events must pause before a reload: editors and
+// deploy tools touch a file several times per save.
+const DefaultDebounce = 100 * time.Millisecond
+
+// Source follows the manifests at Path.
+type Source struct {
+	// Path is a manifest file, or a directory whose *.yaml, *.yml and *.json files
+	// (not recursive, dotfiles excluded) are read.
+	Path    string
+	Options service.BuildOptions
+	// Debounce is the quiet time after a file event before reloading; if zero,
+	// DefaultDebounce.
+	Debounce time.Duration
+}
+
+func (s *Source) debounce() time.Duration {
+	if s.Debounce > 0 {
+		return s.Debounce
+	}
+	return DefaultDebounce
+}
+
+// Load reads the manifests at path once. Problems with single files or objects are in
+// Snapshot.Errors; an error is returned only when path itself cannot be read.
+func Load(path string, opts service.BuildOptions) (*service.Snapshot, error) {
+	info, err := os.Stat(path)
+	if err != nil {
+		return nil, fmt.Errorf("load manifests: %w", err)
+	}
+	l := newLoader(path, info.IsDir(), opts)
+	if info.IsDir() {
+		if _, err := os.ReadDir(path); err != nil {
+			return nil, fmt.Errorf("load manifests: %w", err)
+		}
+	}
+	return l.load(), nil
+}
+
+// Run calls update with the Snapshot of Path, then again after every change of the
+// files that changes the Snapshot, until ctx is done; it then returns nil. It fails
+// at once when Path cannot be read or watched.
+//
+// The directory is watched rather than the file, so that replacing a file (writing a
+// temporary file and renaming it over, as editors, kubectl-style tools and ConfigMap
+// volumes do) is seen like writing it in place.
+func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error {
+	info, err := os.Stat(s.Path)
+	if err != nil {
+		return fmt.Errorf("file source: %w", err)
+	}
+	dir := s.Path
+	if !info.IsDir() {
+		dir = filepath.Dir(s.Path)
+	}
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("file source %s: %w", s.Path, err)
+	}
+	defer w.Close()
+	if err := w.Add(dir); err != nil {
+		return fmt.Errorf("file source %s: watch %s: %w", s.Path, dir, err)
+	}
+
+	l := newLoader(s.Path, info.IsDir(), s.Options)
+	last := l.load()
+	update(last)
+
+	reload := time.NewTimer(time.Hour)
+	reload.Stop()
+	defer reload.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case ev, ok := <-w.Events:
+			if !ok {
+				return fmt.Errorf("file source %s: watcher closed", s.Path)
+			}
+			klog.V(5).InfoS("Manifest event", "path", ev.Name, "op", ev.Op.String())
+			// Any event in the directory may matter (a ConfigMap volume swaps a
+			// symlinked directory, not the file); an unneeded reload changes nothing.
+			reload.Reset(s.debounce())
+		case err, ok := <-w.Errors:
+			if !ok {
+				return fmt.Errorf("file source %s: watcher closed", s.Path)
+			}
+			// Usually an event queue overflow: events were lost, so reread everything.
+			klog.ErrorS(err, "Watching manifests", "dir", dir)
+			reload.Reset(s.debounce())
+		case <-reload.C:
+			snap := l.load()
+			if sameSnapshot(last, snap) {
+				continue
+			}
+			klog.V(2).InfoS("Manifests changed", "path", s.Path, "ports", len(snap.Ports), "errors", len(snap.Errors))
+			last = snap
+			update(snap)
+		}
+	}
+}
+
+// sameSnapshot reports whether a and b describe the same state (their build times
+// aside), so that consumers are only woken for effective changes.
+func sameSnapshot(a, b *service.Snapshot) bool {
+	if !reflect.DeepEqual(a.Ports, b.Ports) || len(a.Errors) != len(b.Errors) {
+		return false
+	}
+	for i := range a.Errors {
+		if a.Errors[i].Error() != b.Errors[i].Error() {
+			return false
+		}
+	}
+	return true
+}
+
+// objectKey names an object across files.
+type objectKey struct {
+	kind, namespace, name string
+}
+
+// loader holds what must survive between reloads: each file's last content and last
+// decodable objects, and the last valid version of each object. It is used by one
+// goroutine.
+type loader struct {
+	path  string
+	isDir bool
+	opts  service.BuildOptions
+
+	files      map[string]*fileState // by file path
+	goodSvcs   map[objectKey]*v1.Service
+	goodSlices map[objectKey]*discoveryv1.EndpointSlice
+	// logged holds the errors of the previous load, so that a broken file is logged
+	// when it breaks, not on every reload.
+	logged map[string]bool
+}
+
+type fileState struct {
+	data []byte   // content last read
+	objs []object // objects of the last content that decoded
+	errs []error  // errors of the content last read
+}
+
+func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
+	return &loader{
+		path:       path,
+		isDir:      isDir,
+		opts:       opts,
+		files:      make(map[string]*fileState),
+		goodSvcs:   make(map[objectKey]*v1.Service),
+		goodSlices: make(map[objectKey]*discoveryv1.EndpointSlice),
+		logged:     make(map[string]bool),
+	}
+}
+
+// load rereads the manifests and builds a Snapshot, falling back to the last good
+// content of broken files and the last good version of invalid objects.
+func (l *loader) load() *service.Snapshot {
+	var errs []error
+	names, err := l.list()
+	if err != nil {
+		// The directory is unreadable (removed, permissions): keep serving what is
+		// known rather than dropping every Service.
+		errs = append(errs, err)
+		names = slices.Sorted(func(yield func(string) bool) {
+			for name := range l.files {
+				if !yield(name) {
+					return
+				}
+			}
+		})
+	}
+
+	present := make(map[string]bool, len(names))
+	for _, name := range names {
+		present[name] = true
+		st := l.files[name]
+		if st == nil {
+			st = &fileState{}
+			l.files[name] = st
+		}
+		data, err := os.ReadFile(name)
+		switch {
+		case err != nil && l.isDir && errors.Is(err, os.ErrNotExist):
+			delete(present, name) // removed since the listing
+			continue
+		case err != nil:
+			// Keep the last good objects of a file that cannot be read right now.
+			st.data, st.errs = nil, []error{&DocumentError{File: name, Err: fmt.Errorf("read: %w", err)}}
+			continue
+		case st.data != nil && bytes.Equal(data, st.data):
+			continue // unchanged: keep its objects and errors
+		}
+		objs, derrs, broken := decodeFile(name, data)
+		st.data, st.errs = data, derrs
+		if !broken {
+			st.objs = objs
+		}
+	}
+	for name := range l.files {
+		if !present[name] {
+			delete(l.files, name)
+		}
+	}
+
+	svcs, epSlices, verrs := l.validObjects(names, present)
+	for _, name := range names {
+		if st := l.files[name]; st != nil {
+			errs = append(errs, st.errs...)
+		}
+	}
+	errs = append(errs, verrs...)
+
+	snap := service.Build(svcs, epSlices, l.opts)
+	snap.Errors = append(errs, snap.Errors...)
+	l.log(snap.Errors)
+	return snap
+}
+
+// list returns the manifest files to read, sorted by name.
+func (l *loader) list() ([]string, error) {
+	if !l.isDir {
+		return []string{l.path}, nil
+	}
+	entries, err := os.ReadDir(l.path)
+	if err != nil {
+		return nil, &DocumentError{File: l.path, Err: fmt.Errorf("list: %w", err)}
+	}
+	var names []string
+	for _, e := range entries {
+		if !isManifest(e.Name()) {
+			continue
+		}
+		name := filepath.Join(l.path, e.Name())
+		if e.Type()&fs.ModeSymlink != 0 {
+			// Follow links (ConfigMap volumes are made of them) but not to directories.
+			if info, err := os.Stat(name); err == nil && info.IsDir() {
+				continue
+			}
+		} else if e.IsDir() {
+			continue
+		}
+		names = append(names, name)
+	}
+	return names, nil
+}
+
+// isManifest selects the files of a directory that are read. Dotfiles are left out:
+// tools write their temporary files under such names before renaming them.
+func isManifest(name string) bool {
+	if strings.HasPrefix(name, ".") {
+		return false
+	}
+	switch strings.ToLower(filepath.Ext(name)) {
+	case ".yaml", ".yml", ".json":
+		return true
+	}
+	return false
+}
+
+// validObjects picks the objects to build from, in file order: the first definition
+// of each object, its current version when valid, else its last valid one. Errors
+// name the file and document of the offending definition.
+func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Service, []*discoveryv1.EndpointSlice, []error) {
+	var svcs []*v1.Service
+	var epSlices []*discoveryv1.EndpointSlice
+	var errs []error
+	first := make(map[objectKey]DocumentError)
+	for _, name := range names {
+		st := l.files[name]
+		if st == nil || !present[name] {
+			continue
+		}
+		for _, o := range st.objs {
+			k := o.key()
+			// Nameless objects are all invalid; validation reports them, not this.
+			if prev, dup := first[k]; dup && k.name != "" {
+				at := o.at
+				at.Err = &service.FieldError{Kind: k.kind, Namespace: k.namespace, Name: k.name, Field: "metadata.name",
+					Msg: fmt.Sprintf("already defined in %s document %d; this definition is ignored", prev.File, prev.Doc)}
+				errs = append(errs, &at)
+				continue
+			}
+			first[k] = o.at
+
+			var verrs []error
+			if o.svc != nil {
+				verrs = service.ValidateService(o.svc)
+			} else {
+				verrs = service.ValidateEndpointSlice(o.slice)
+			}
+			for _, err := range verrs {
+				at := o.at
+				at.Err = err
+				errs = append(errs, &at)
+			}
+			switch {
+			case o.svc != nil && len(verrs) == 0:
+				l.goodSvcs[k] = o.svc
+				svcs = append(svcs, o.svc)
+			case o.svc != nil:
+				if good := l.goodSvcs[k]; good != nil {
+					svcs = append(svcs, good)
+				}
+			case len(verrs) == 0:
+				l.goodSlices[k] = o.slice
+				epSlices = append(epSlices, o.slice)
+			default:
+				if good := l.goodSlices[k]; good != nil {
+					epSlices = append(epSlices, good)
+				}
+			}
+		}
+	}
+	// An object that is gone is forgotten: should it come back invalid, there is no
+	// earlier version of it to fall back to.
+	for k := range l.goodSvcs {
+		if _, ok := first[k]; !ok {
+			delete(l.goodSvcs, k)
+		}
+	}
+	for k := range l.goodSlices {
+		if _, ok := first[k]; !ok {
+			delete(l.goodSlices, k)
+		}
+	}
+	return svcs, epSlices, errs
+}
+
+func (o object) key() objectKey {
+	if o.svc != nil {
+		return objectKey{"Service", o.svc.Namespace, o.svc.Name}
+	}
+	return objectKey{"EndpointSlice", o.slice.Namespace, o.slice.Name}
+}
+
+// log reports errors not reported by the previous load.
+func (l *loader) log(errs []error) {
+	now := make(map[string]bool, len(errs))
+	for _, err := range errs {
+		msg := err.Error()
+		now[msg] = true
+		if !l.logged[msg] {
+			klog.ErrorS(err, "Manifest problem", "path", l.path)
+		}
+	}
+	l.logged = now
+}
