@@ -83,12 +83,7 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 		if err != nil {
 			return nil, err
 		}
-		r := renderer{chains: p.chains, family: f, nodeIP: nodeIP, allNodePortAddresses: len(cfg.NodePortAddresses) == 0}
-		for _, pr := range cfg.NodePortAddresses {
-			if familyOf(pr.Addr()) == f {
-				r.nodePortAddresses = append(r.nodePortAddresses, pr)
-			}
-		}
+		r := newRenderer(p.chains, f, nodeIP, cfg.NodePortAddresses)
 		p.fams = append(p.fams, &family{f: f, tables: t, renderer: r})
 	}
 	return p, nil

@@ -397,7 +397,7 @@ func BenchmarkRender(b *testing.B) {
 			if len(errs) > 0 {
 				b.Fatal(errs)
 			}
-			r := renderer{chains: chainNames("UPROXY"), nodeIP: nodeIPv4, allNodePortAddresses: true}
+			r := newRenderer(chainNames("UPROXY"), v4, nodeIPv4, nil)
 			var size int
 			for b.Loop() {
 				size = len(r.render(entries))

@@ -46,12 +46,27 @@ type entry struct {
 
 // renderer writes the iptables-restore input of one family.
 type renderer struct {
-	chains            chains
-	family            int
-	nodeIP            netip.Addr
-	nodePortAddresses []netip.Prefix // of this family only; nil = every local address
-	// allNodePortAddresses is true when Config.NodePortAddresses was empty.
-	allNodePortAddresses bool
+	chains chains
+	family int
+	nodeIP netip.Addr
+	// nodePortDsts are the destination matches of NodePort rules: one empty match
+	// when every local address serves NodePorts (the jumps already require a local
+	// destination), else one "-d prefix" per NodePortAddresses prefix of the
+	// family, and none when the family has no prefix there.
+	nodePortDsts []string
+}
+
+func newRenderer(c chains, family int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) renderer {
+	r := renderer{chains: c, family: family, nodeIP: nodeIP}
+	if len(nodePortAddresses) == 0 {
+		r.nodePortDsts = []string{""}
+	}
+	for _, p := range nodePortAddresses {
+		if familyOf(p.Addr()) == family {
+			r.nodePortDsts = append(r.nodePortDsts, " -d "+p.Masked().String())
+		}
+	}
+	return r
 }
 
 // render returns the restore input for entries (sorted). Every chain is declared,
@@ -164,20 +179,6 @@ func (r *renderer) portals(b []byte, e *entry, s *ruleParts, chain, externalMatc
 	return b
 }
 
-// nodePortDsts returns the destination matches of NodePort rules: none needed
-// when every local address serves NodePorts (the jumps already require a local
-// destination), else one per NodePortAddresses prefix of the family.
-func (r *renderer) nodePortDsts() []string {
-	if r.allNodePortAddresses {
-		return []string{""}
-	}
-	dsts := make([]string, 0, len(r.nodePortAddresses))
-	for _, p := range r.nodePortAddresses {
-		dsts = append(dsts, " -d "+p.Masked().String())
-	}
-	return dsts
-}
-
 func (r *renderer) hasNodePort(e *entry) bool { return e.nodePort != 0 && e.nodePortHeld[r.family] }
 
 // nodePortContainer writes e's PREROUTING NodePort rules: REDIRECT.
@@ -185,7 +186,7 @@ func (r *renderer) nodePortContainer(b []byte, e *entry, s *ruleParts) []byte {
 	if !r.hasNodePort(e) {
 		return b
 	}
-	for _, d := range r.nodePortDsts() {
+	for _, d := range r.nodePortDsts {
 		b = append(b, "-A "+r.chains.nodePortContainer+d+s.match+strconv.Itoa(e.nodePort)+s.redirect...)
 	}
 	return b
@@ -196,7 +197,7 @@ func (r *renderer) nodePortHost(b []byte, e *entry, s *ruleParts) []byte {
 	if !r.hasNodePort(e) {
 		return b
 	}
-	for _, d := range r.nodePortDsts() {
+	for _, d := range r.nodePortDsts {
 		b = append(b, "-A "+r.chains.nodePortHost+d+s.match+strconv.Itoa(e.nodePort)+s.dnat...)
 	}
 	return b
@@ -206,7 +207,7 @@ func (r *renderer) nodePortHost(b []byte, e *entry, s *ruleParts) []byte {
 // redirected (REDIRECT counts as DNAT for conntrack), so the proxy port itself
 // is not opened to the network.
 func (r *renderer) nonLocal(b []byte, e *entry, s *ruleParts) []byte {
-	if !r.hasNodePort(e) || len(r.nodePortDsts()) == 0 {
+	if !r.hasNodePort(e) || len(r.nodePortDsts) == 0 {
 		return b
 	}
 	return append(b, "-A "+r.chains.nodePortNonLocal+s.match+strconv.Itoa(e.proxyPort)+
