@@ -201,8 +201,10 @@ func TestRunReloads(t *testing.T) {
 		name string
 		// file mode watches the file instead of the directory.
 		fileMode bool
-		change   func(t *testing.T, dir string)
-		want     func(*service.Snapshot) bool
+		// configMap adds a ConfigMap-volume-style linked file before the change.
+		configMap bool
+		change    func(t *testing.T, dir string)
+		want      func(*service.Snapshot) bool
 	}{
 		{
 			name: "in-place write",
@@ -259,6 +261,37 @@ func TestRunReloads(t *testing.T) {
 			want: hasPorts(),
 		},
 		{
+			name:     "file removal, file mode: last state kept and the error reported",
+			fileMode: true,
+			change: func(t *testing.T, dir string) {
+				if err := os.Remove(filepath.Join(dir, "web.yaml")); err != nil {
+					t.Fatal(err)
+				}
+			},
+			want: hasPortsAndError("web.yaml: read: open ", "default/web:p80=80/TCP[]"),
+		},
+		{
+			name:      "ConfigMap volume update (symlinked directory swapped)",
+			configMap: true,
+			change: func(t *testing.T, dir string) {
+				// A ConfigMap volume's files are links through "..data" to a
+				// timestamped directory; an update writes a new one and renames a
+				// new "..data" link over the old.
+				v2 := filepath.Join(dir, "..v2")
+				if err := os.Mkdir(v2, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				writeFile(t, filepath.Join(v2, "cm.yaml"), svcYAML("cm", "10.96.0.30", 2))
+				if err := os.Symlink("..v2", filepath.Join(dir, "..data_tmp")); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Rename(filepath.Join(dir, "..data_tmp"), filepath.Join(dir, "..data")); err != nil {
+					t.Fatal(err)
+				}
+			},
+			want: hasPorts("default/cm:p2=2/TCP[]", "default/web:p80=80/TCP[]"),
+		},
+		{
 			name: "malformed YAML keeps the file's last good state",
 			change: func(t *testing.T, dir string) {
 				writeFile(t, filepath.Join(dir, "web.yaml"), svcYAML("web", "10.96.0.10", 9999)+"---\nkind: Service\n  bad: indent\n")
@@ -293,6 +326,20 @@ func TestRunReloads(t *testing.T) {
 			writeFile(t, filepath.Join(dir, "web.yaml"), svcYAML("web", "10.96.0.10", 80))
 			w := startWatch(t, path)
 			w.await("the initial state", hasPorts("default/web:p80=80/TCP[]"))
+			if tt.configMap {
+				// cm.yaml -> ..data/cm.yaml, ..data -> ..v1
+				v1 := filepath.Join(dir, "..v1")
+				if err := os.Mkdir(v1, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				writeFile(t, filepath.Join(v1, "cm.yaml"), svcYAML("cm", "10.96.0.30", 1))
+				for link, target := range map[string]string{"..data": "..v1", "cm.yaml": filepath.Join("..data", "cm.yaml")} {
+					if err := os.Symlink(target, filepath.Join(dir, link)); err != nil {
+						t.Fatal(err)
+					}
+				}
+				w.await("the ConfigMap's first version", hasPorts("default/cm:p1=1/TCP[]", "default/web:p80=80/TCP[]"))
+			}
 			tt.change(t, dir)
 			w.await("the change", tt.want)
 		})
