@@ -232,11 +232,15 @@ func toJSON(d document) ([]byte, error) {
 		}
 		return trimmed, nil
 	}
-	// Leading newlines shift the YAML parser's line numbers from the document's
-	// own to the file's.
-	padded := append(bytes.Repeat([]byte("\n"), d.line-1), d.text...)
-	js, err := yaml.YAMLToJSONStrict(padded)
+	js, err := yaml.YAMLToJSONStrict(d.text)
 	if err != nil {
+		// Parse again behind leading newlines, which shift the parser's line
+		// numbers from the document's own to the file's. Only on this error path:
+		// padding every document would make a long file quadratic to read.
+		padded := append(bytes.Repeat([]byte("\n"), d.line-1), d.text...)
+		if _, perr := yaml.YAMLToJSONStrict(padded); perr != nil {
+			err = perr
+		}
 		return nil, err
 	}
 	if string(js) == "null" {

@@ -2,6 +2,7 @@ package file
 
 import (
 	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -198,5 +199,24 @@ func TestDecodeFileBroken(t *testing.T) {
 				t.Errorf("got broken %v, want %v", broken, tt.wantBroken)
 			}
 		})
+	}
+}
+
+func BenchmarkDecode(b *testing.B) {
+	// 500 Services and 500 EndpointSlices in one multi-document file.
+	var sb strings.Builder
+	for i := range 500 {
+		sb.WriteString(strings.Replace(webService, "name: web", fmt.Sprintf("name: web-%d", i), 1))
+		sb.WriteString("---\n")
+		sb.WriteString(strings.Replace(webSlice, "name: web-1", fmt.Sprintf("name: web-%d-1", i), 1))
+		sb.WriteString("---\n")
+	}
+	data := []byte(sb.String())
+	b.SetBytes(int64(len(data)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, _, errs := Decode("bench.yaml", data); len(errs) > 0 {
+			b.Fatal(errs[0])
+		}
 	}
 }
