@@ -129,8 +129,8 @@ func (o *options) validate() (*config, error) {
 	if o.minSyncPeriod < 0 || o.minSyncPeriod > o.syncPeriod {
 		return nil, fmt.Errorf("--min-sync-period %v: must be between 0 and --sync-period (%v)", o.minSyncPeriod, o.syncPeriod)
 	}
-	if o.chainPrefix == "" || len(o.chainPrefix) > 12 || strings.ContainsAny(o.chainPrefix, " \t\"'") {
-		return nil, fmt.Errorf("--chain-prefix %q: want 1-12 characters without spaces or quotes (chain names are limited to 28)", o.chainPrefix)
+	if o.chainPrefix == "" || len(o.chainPrefix) > 9 || strings.ContainsAny(o.chainPrefix, " \t\"'") {
+		return nil, fmt.Errorf("--chain-prefix %q: want 1-9 characters without spaces or quotes (the longest chain, PREFIX-NODEPORT-NON-LOCAL, must fit iptables' 28)", o.chainPrefix)
 	}
 	if strings.HasPrefix(o.chainPrefix, "KUBE") {
 		return nil, fmt.Errorf("--chain-prefix %q: KUBE* chains belong to kube-proxy", o.chainPrefix)
