@@ -46,7 +46,13 @@ var backendDialer = net.Dialer{KeepAlive: -1}
 
 // dialTCP is the default TCPProxy.Dial.
 func dialTCP(ctx context.Context, addr netip.AddrPort) (*net.TCPConn, error) {
-	c, err := backendDialer.DialContext(ctx, "tcp", addr.String())
+	// A family-specific network spares the dialer its IPv4/IPv6 split of the
+	// (single) address.
+	network := "tcp4"
+	if !addr.Addr().Unmap().Is4() {
+		network = "tcp6"
+	}
+	c, err := backendDialer.DialContext(ctx, network, addr.String())
 	if err != nil {
 		return nil, err
 	}

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -85,6 +86,8 @@ func (k endpointKind) String() string {
 
 func TestTCPProxyRetries(t *testing.T) {
 	ms := time.Millisecond
+	// long is the timeout of attempts that should not time out, even on a loaded machine.
+	long := 10 * time.Second
 	tests := []struct {
 		name     string
 		eps      []endpointKind
@@ -95,23 +98,23 @@ func TestTCPProxyRetries(t *testing.T) {
 	}{
 		{
 			name: "first endpoint serves", eps: []endpointKind{serving, refused},
-			timeouts: []time.Duration{time.Second, time.Second}, wantAttempts: []int{0}, wantServed: true,
+			timeouts: []time.Duration{long, long}, wantAttempts: []int{0}, wantServed: true,
 		},
 		{
 			name: "refused, then the next serves", eps: []endpointKind{refused, serving},
-			timeouts: []time.Duration{time.Second, time.Second}, wantAttempts: []int{0, 1}, wantServed: true,
+			timeouts: []time.Duration{long, long}, wantAttempts: []int{0, 1}, wantServed: true,
 		},
 		{
 			name: "unanswered until its timeout, then the next serves", eps: []endpointKind{unanswered, serving},
-			timeouts: []time.Duration{100 * ms, time.Second}, wantAttempts: []int{0, 1}, wantServed: true,
+			timeouts: []time.Duration{100 * ms, long}, wantAttempts: []int{0, 1}, wantServed: true,
 		},
 		{
 			name: "refused, unanswered, then the third serves", eps: []endpointKind{refused, unanswered, serving},
-			timeouts: []time.Duration{time.Second, 100 * ms, time.Second}, wantAttempts: []int{0, 1, 2}, wantServed: true,
+			timeouts: []time.Duration{long, 100 * ms, long}, wantAttempts: []int{0, 1, 2}, wantServed: true,
 		},
 		{
 			name: "every attempt refused", eps: []endpointKind{refused, refused, refused},
-			timeouts: []time.Duration{time.Second, time.Second, time.Second}, wantAttempts: []int{0, 1, 2},
+			timeouts: []time.Duration{long, long, long}, wantAttempts: []int{0, 1, 2},
 		},
 		{
 			name: "every attempt unanswered, each with its own timeout", eps: []endpointKind{unanswered, unanswered},
@@ -119,11 +122,11 @@ func TestTCPProxyRetries(t *testing.T) {
 		},
 		{
 			name: "more attempts than endpoints: each once before any again", eps: []endpointKind{refused, refused},
-			timeouts: slices.Repeat([]time.Duration{time.Second}, 4), wantAttempts: []int{0, 1, 0, 1},
+			timeouts: slices.Repeat([]time.Duration{long}, 4), wantAttempts: []int{0, 1, 0, 1},
 		},
 		{
-			name: "serving endpoint reached after one retry round", eps: []endpointKind{refused, unanswered, refused, serving},
-			timeouts: []time.Duration{time.Second, 50 * ms, time.Second, time.Second}, wantAttempts: []int{0, 1, 2, 3}, wantServed: true,
+			name: "the fourth serves after three failures", eps: []endpointKind{refused, unanswered, refused, serving},
+			timeouts: []time.Duration{long, 50 * ms, long, long}, wantAttempts: []int{0, 1, 2, 3}, wantServed: true,
 		},
 	}
 	for _, tt := range tests {
@@ -714,7 +717,8 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 	}
 	picker := newCyclePicker(eps...)
 	rec := &recorder{}
-	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec}
+	// A generous timeout: on a loaded machine a retry would skew the checks below.
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec, DialTimeouts: []time.Duration{awaitTimeout}}
 	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		t.Fatal(err)
@@ -849,7 +853,10 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	client := dialProxy(t, ln.Addr().(*net.TCPAddr).AddrPort())
 
 	// Leave the process no file descriptor: lower the limit to the highest open
-	// one, then fill every gap below it.
+	// one, then fill every gap below it. No garbage collection meanwhile: its
+	// finalizers close descriptors (pooled splice pipes) that accept would take.
+	defer debug.SetGCPercent(debug.SetGCPercent(-1))
+	runtime.GC()
 	var orig unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &orig); err != nil {
 		t.Fatal(err)
@@ -872,21 +879,27 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		})
 	}
 	t.Cleanup(restore)
-	for {
-		fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			if !errors.Is(err, unix.EMFILE) {
-				t.Fatalf("fill descriptors: got %v, want EMFILE eventually", err)
+	// fill takes every free descriptor; it runs again while waiting in case
+	// something closes one.
+	fill := func() {
+		for {
+			fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+			if err != nil {
+				if !errors.Is(err, unix.EMFILE) {
+					t.Fatalf("fill descriptors: got %v, want EMFILE eventually", err)
+				}
+				return
 			}
-			break
+			fillers = append(fillers, fd)
 		}
-		fillers = append(fillers, fd)
 	}
+	fill()
 
 	served := make(chan error, 1)
 	go func() { served <- p.Serve(ln) }()
 	const backoffs = 4
 	await(t, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
+		fill()
 		mu.Lock()
 		defer mu.Unlock()
 		return len(delays) >= backoffs
@@ -929,5 +942,35 @@ func TestNextBackoff(t *testing.T) {
 	want := []time.Duration{5 * ms, 10 * ms, 20 * ms, 40 * ms, 80 * ms, 160 * ms, 320 * ms, 640 * ms, time.Second, time.Second}
 	if !slices.Equal(got, want) {
 		t.Errorf("backoff sequence: got %v, want %v", got, want)
+	}
+}
+
+func TestTCPProxyIPv6(t *testing.T) {
+	tests := []struct{ name, listen, backend string }{
+		{name: "IPv6 client, IPv6 backend", listen: "[::1]:0", backend: "::1"},
+		{name: "IPv4 client, IPv6 backend", listen: "127.0.0.1:0", backend: "::1"},
+		{name: "IPv6 client, IPv4 backend", listen: "[::1]:0", backend: "127.0.0.2"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			backend := startTCPServer(t, tt.backend, echo)
+			rec := &recorder{}
+			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
+			ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort(tt.listen))
+			if err != nil {
+				t.Fatal(err)
+			}
+			go p.Serve(ln)
+			defer p.Close()
+			client := dialProxy(t, ln.Addr().(*net.TCPAddr).AddrPort())
+			if got, err := roundTrip(client, []byte("v6")); err != nil || string(got) != "v6" {
+				t.Fatalf("round trip: got %q, %v, want \"v6\"", got, err)
+			}
+			client.Close()
+			c := rec.awaitClosed(t, 1)[0]
+			if c.Endpoint != backend.addr || c.Client != client.LocalAddr().(*net.TCPAddr).AddrPort() {
+				t.Errorf("record: got client %v endpoint %v, want %v %v", c.Client, c.Endpoint, client.LocalAddr(), backend.addr)
+			}
+		})
 	}
 }
