@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -20,9 +21,12 @@ type process struct {
 	name    string
 	cmd     *exec.Cmd
 	logPath string
-	logFile *os.File
-	done    chan struct{}
-	waitErr error
+	// logStart is where this run's output begins in the log, which may hold
+	// earlier runs of the same server before it.
+	logStart int64
+	logFile  *os.File
+	done     chan struct{}
+	waitErr  error
 }
 
 // startProcess runs bin with args, appending stdout and stderr to logPath.
@@ -31,6 +35,11 @@ func startProcess(name, bin string, args []string, logPath string) (*process, er
 	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("open %s log: %w", name, err)
+	}
+	info, err := logFile.Stat()
+	if err != nil {
+		logFile.Close()
+		return nil, fmt.Errorf("stat %s log: %w", name, err)
 	}
 	fmt.Fprintf(logFile, "==== %s %s %s\n", time.Now().Format(time.RFC3339Nano), bin, strings.Join(args, " "))
 	cmd := exec.Command(bin, args...)
@@ -43,7 +52,7 @@ func startProcess(name, bin string, args []string, logPath string) (*process, er
 		logFile.Close()
 		return nil, fmt.Errorf("start %s (%s): %w", name, bin, err)
 	}
-	p := &process{name: name, cmd: cmd, logPath: logPath, logFile: logFile, done: make(chan struct{})}
+	p := &process{name: name, cmd: cmd, logPath: logPath, logStart: info.Size(), logFile: logFile, done: make(chan struct{})}
 	go p.reap()
 	return p, nil
 }
@@ -85,21 +94,32 @@ func (p *process) stop(grace time.Duration) error {
 	return fmt.Errorf("%s did not stop within %v of SIGTERM and was killed", p.name, grace)
 }
 
-// tail returns the last n lines of the process's log.
-func (p *process) tail(n int) string {
-	return tailFile(p.logPath, n)
+// output returns what this run of the process has written so far.
+func (p *process) output() []byte {
+	f, err := os.Open(p.logPath)
+	if err != nil {
+		return []byte(fmt.Sprintf("(cannot read %s: %v)", p.logPath, err))
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.NewSectionReader(f, p.logStart, 1<<40))
+	if err != nil {
+		return []byte(fmt.Sprintf("(cannot read %s: %v)", p.logPath, err))
+	}
+	return data
 }
 
-func tailFile(path string, n int) string {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return fmt.Sprintf("(cannot read %s: %v)", path, err)
-	}
-	lines := bytes.Split(bytes.TrimRight(data, "\n"), []byte("\n"))
+// tail returns the last n lines of this run's output.
+func (p *process) tail(n int) string {
+	lines := bytes.Split(bytes.TrimRight(p.output(), "\n"), []byte("\n"))
 	if len(lines) > n {
 		lines = lines[len(lines)-n:]
 	}
 	return string(bytes.Join(lines, []byte("\n")))
+}
+
+// addrInUse reports whether this run failed to listen because a port was taken.
+func (p *process) addrInUse() bool {
+	return bytes.Contains(p.output(), []byte("address already in use"))
 }
 
 // freePorts returns n distinct TCP ports on 127.0.0.1 that were free a moment
@@ -117,11 +137,4 @@ func freePorts(n int) ([]int, error) {
 		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
 	}
 	return ports, nil
-}
-
-// addrInUse reports whether a log says that a listen failed because the
-// port was taken.
-func addrInUse(logPath string) bool {
-	data, err := os.ReadFile(logPath)
-	return err == nil && bytes.Contains(data, []byte("address already in use"))
 }
