@@ -267,16 +267,16 @@ func TestUDPProxyManyClients(t *testing.T) {
 	go func() { served <- p.Serve(conn) }()
 	svc := udpAddr(conn)
 
+	// Each client keeps its socket (and port) to the end of the test, so no two
+	// share an address.
+	socks := make([]*net.UDPConn, clients)
+	for i := range socks {
+		socks[i] = listenUDP(t, "127.0.0.1")
+	}
 	errs := make(chan error, clients)
 	var wg sync.WaitGroup
-	for i := range clients {
+	for i, c := range socks {
 		wg.Go(func() {
-			c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
-			if err != nil {
-				errs <- err
-				return
-			}
-			defer c.Close()
 			msg := fmt.Appendf(nil, "client %d", i)
 			// Datagrams may be dropped when many arrive at once: resend until answered.
 			deadline := time.Now().Add(awaitTimeout)
