@@ -13,8 +13,10 @@
 package affinity
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -68,6 +70,13 @@ type Balancer struct {
 	sweepAt int
 
 	counters Counters
+
+	// ejection is the passive outlier ejection policy (see Failed); After 0: off.
+	ejection Ejection
+	// ejected counts the endpoints whose ejectedUntil is set, whether or not that
+	// time has passed: Pick reads the clock for ejection only while it is > 0, and
+	// clears the periods that have passed.
+	ejected int
 }
 
 type backend struct {
@@ -75,6 +84,14 @@ type backend struct {
 	active int
 	// weight is always 1 today (EndpointSlices carry no weights); sed honours it.
 	weight int
+
+	// failures counts consecutive failed dials (reset by a success).
+	failures int
+	// ejections counts ejections since the last success: it doubles the next
+	// period, and an endpoint with ejections > 0 is on probation (see Failed).
+	ejections int
+	// ejectedUntil is when the current ejection ends; zero when not ejected.
+	ejectedUntil time.Time
 }
 
 type entry struct {
@@ -149,13 +166,22 @@ func (b *Balancer) Update(endpoints []netip.AddrPort, dst netip.Addr, clientIPAf
 		}
 		be := backend{addr: ep, weight: 1}
 		if i, ok := b.index[k]; ok {
-			be.active = b.eps[i].active
+			// Ejection state survives syncs: an endpoint that keeps failing stays
+			// known as such while its EndpointSlice still says ready.
+			old := &b.eps[i]
+			be.active, be.failures, be.ejections, be.ejectedUntil = old.active, old.failures, old.ejections, old.ejectedUntil
 		}
 		index[k] = int32(len(eps))
 		eps = append(eps, be)
 	}
 	old := b.eps
 	b.eps, b.index = eps, index
+	b.ejected = 0
+	for i := range eps {
+		if !eps[i].ejectedUntil.IsZero() {
+			b.ejected++
+		}
+	}
 	// Keep the rotation where it was rather than restarting it: with frequent
 	// updates a restart would favour the first endpoints.
 	if b.next >= len(eps) {
@@ -216,16 +242,24 @@ func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPo
 		key   clientKey
 		pos   int32
 		found bool
+		skip  ejectFilter
 	)
-	if b.affinity {
+	if b.ejected > 0 {
 		now = b.now()
+		b.expireEjections(now)
+		skip = b.ejectFilter(tried, now)
+	}
+	if b.affinity {
+		if now.IsZero() {
+			now = b.now()
+		}
 		key = keyOfClient(client)
 		pos, found = b.clients[key]
 		if found {
 			e := &b.entries[pos]
 			if !b.live(e.lastUsed, now) {
 				b.counters.AffinityExpired++
-			} else if ep := &b.eps[e.ep]; !slices.Contains(tried, ep.addr) {
+			} else if ep := &b.eps[e.ep]; !slices.Contains(tried, ep.addr) && !skip.skips(ep) {
 				e.lastUsed = now
 				ep.active++
 				b.counters.AffinityHits++
@@ -237,7 +271,7 @@ func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPo
 			b.sweepLocked(now) // moves entries, but client has none
 		}
 	}
-	i := b.schedule(client, tried)
+	i := b.schedule(client, tried, skip)
 	b.next = i + 1
 	if b.next == len(b.eps) {
 		b.next = 0
@@ -353,20 +387,86 @@ func (b *Balancer) compact(keep func(*entry) bool) int {
 // whether it would come from an affinity entry, without changing any state (no active
 // count, no rotation, no entry, no counter). It is for explaining, not for dialing.
 func (b *Balancer) Peek(client netip.Addr) (ep netip.AddrPort, sticky bool, err error) {
+	c, err := b.Explain(client)
+	return c.Endpoint, c.Sticky, err
+}
+
+// Choice is the endpoint a client would get next, and why.
+type Choice struct {
+	Endpoint netip.AddrPort `json:"endpoint"`
+	// Sticky is true when the choice comes from the client's affinity entry.
+	Sticky bool `json:"sticky"`
+	// Reason says in words why this endpoint: the affinity entry, or the
+	// scheduler's rule, and which endpoints were skipped as ejected.
+	Reason string `json:"reason"`
+}
+
+// Explain is Peek with the reason: the choice Pick would make for client with
+// nothing tried, changing no state.
+func (b *Balancer) Explain(client netip.Addr) (Choice, error) {
 	client = client.Unmap()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if len(b.eps) == 0 {
-		return netip.AddrPort{}, false, socket.ErrNoEndpoints
+		return Choice{}, socket.ErrNoEndpoints
 	}
+	now := b.now()
+	skip := b.ejectFilter(nil, now)
+	var note string
 	if b.affinity {
 		if pos, ok := b.clients[keyOfClient(client)]; ok {
-			if e := b.entries[pos]; b.live(e.lastUsed, b.now()) {
-				return b.eps[e.ep].addr, true, nil
+			e := b.entries[pos]
+			ep := &b.eps[e.ep]
+			switch {
+			case !b.live(e.lastUsed, now):
+				note = fmt.Sprintf("affinity entry for %s (endpoint %s) expired; ", client, ep.addr)
+			case skip.skips(ep):
+				note = fmt.Sprintf("affinity entry for %s names %s, which is ejected until %s; ", client, ep.addr, ep.ejectedUntil.Format(time.RFC3339))
+			default:
+				left := b.timeout - now.Sub(e.lastUsed)
+				return Choice{Endpoint: ep.addr, Sticky: true, Reason: fmt.Sprintf(
+					"ClientIP affinity: %s is pinned to %s (last used %s ago, entry expires in %s unless used again)",
+					client, ep.addr, now.Sub(e.lastUsed).Round(time.Millisecond), left.Round(time.Millisecond))}, nil
 			}
+		} else {
+			note = fmt.Sprintf("no affinity entry for %s yet; ", client)
 		}
 	}
-	return b.eps[b.schedule(client, nil)].addr, false, nil
+	i := b.schedule(client, nil, skip)
+	reason := note + b.scheduleReason(i, client)
+	if skip.on {
+		var ej []string
+		for j := range b.eps {
+			if skip.skips(&b.eps[j]) {
+				ej = append(ej, b.eps[j].addr.String())
+			}
+		}
+		reason += "; skipping ejected " + strings.Join(ej, ", ")
+	} else if b.countEjected(now) > 0 {
+		reason += "; every endpoint is ejected, so ejection is ignored"
+	}
+	return Choice{Endpoint: b.eps[i].addr, Reason: reason}, nil
+}
+
+// scheduleReason words why the scheduler chose eps[i].
+func (b *Balancer) scheduleReason(i int, client netip.Addr) string {
+	e := &b.eps[i]
+	switch b.sched {
+	case leastConnection:
+		return fmt.Sprintf("scheduler lc: %s has the fewest active connections (%d)", e.addr, e.active)
+	case shortestExpectedDelay:
+		return fmt.Sprintf("scheduler sed: %s has the shortest expected delay ((active %d + 1) / weight %d)", e.addr, e.active, e.weight)
+	case neverQueue:
+		if e.active == 0 {
+			return fmt.Sprintf("scheduler nq: %s is idle", e.addr)
+		}
+		return fmt.Sprintf("scheduler nq: no endpoint is idle; %s has the shortest expected delay (active %d)", e.addr, e.active)
+	case sourceHashing:
+		return fmt.Sprintf("scheduler sh: the hash of client %s maps to %s", client, e.addr)
+	case destinationHashing:
+		return fmt.Sprintf("scheduler dh: the hash of the Service IP maps to %s", e.addr)
+	}
+	return fmt.Sprintf("scheduler rr: %s is next in the rotation", e.addr)
 }
 
 // Counters are cumulative over a Balancer's life.
@@ -381,6 +481,10 @@ type Counters struct {
 	// AffinityExpired counts entries that timed out, whether found by Pick, Update or
 	// a sweep.
 	AffinityExpired uint64 `json:"affinityExpired"`
+	// Ejections counts endpoints ejected by Failed; Readmissions counts ejected or
+	// probation endpoints that Succeeded re-admitted.
+	Ejections    uint64 `json:"ejections"`
+	Readmissions uint64 `json:"readmissions"`
 }
 
 // State is a copy of a Balancer's state, for /debug/services and explain.
@@ -397,10 +501,17 @@ type State struct {
 	Counters Counters `json:"counters"`
 }
 
-// EndpointState is one endpoint with its active connections (or UDP flows).
+// EndpointState is one endpoint with its active connections (or UDP flows) and its
+// outlier state.
 type EndpointState struct {
 	Addr   netip.AddrPort `json:"addr"`
 	Active int            `json:"active"`
+	// Failures counts consecutive failed dials.
+	Failures int `json:"failures,omitempty"`
+	// EjectedUntil is when the current ejection ends (zero: not ejected).
+	EjectedUntil time.Time `json:"ejectedUntil,omitzero"`
+	// Ejections counts ejections since the last successful dial.
+	Ejections int `json:"ejections,omitempty"`
 }
 
 // Entry is one ClientIP affinity entry.
@@ -421,15 +532,18 @@ func (b *Balancer) State() State {
 		ClientIPAffinity: b.affinity,
 		Counters:         b.counters,
 	}
+	now := b.now()
 	for i, e := range b.eps {
-		s.Endpoints[i] = EndpointState{Addr: e.addr, Active: e.active}
+		s.Endpoints[i] = EndpointState{Addr: e.addr, Active: e.active, Failures: e.failures, Ejections: e.ejections}
+		if e.ejectedUntil.After(now) {
+			s.Endpoints[i].EjectedUntil = e.ejectedUntil
+		}
 	}
 	if len(b.eps) > 0 {
 		s.Next = b.eps[b.next].addr
 	}
 	if b.affinity {
 		s.AffinityTimeoutSeconds = b.timeout.Seconds()
-		now := b.now()
 		for _, e := range b.entries {
 			if b.live(e.lastUsed, now) {
 				s.Affinity = append(s.Affinity, Entry{Client: e.client, Endpoint: b.eps[e.ep].addr, LastUsed: e.lastUsed})

@@ -107,21 +107,23 @@ func hashAddr(a netip.Addr) uint32 {
 // schedule runs the scheduler over the endpoints, skipping those in tried. The caller
 // holds mu, has checked that there is at least one endpoint and has cleared tried if
 // it covers every endpoint, so schedule always finds one.
-func (b *Balancer) schedule(client netip.Addr, tried []netip.AddrPort) int {
+// skip, when on, also excludes ejected endpoints; ejectFilter turns it on only when
+// an endpoint that is neither tried nor ejected exists.
+func (b *Balancer) schedule(client netip.Addr, tried []netip.AddrPort, skip ejectFilter) int {
 	switch b.sched {
 	case leastConnection, shortestExpectedDelay:
-		return b.leastLoaded(tried, false)
+		return b.leastLoaded(tried, skip, false)
 	case neverQueue:
-		return b.leastLoaded(tried, true)
+		return b.leastLoaded(tried, skip, true)
 	case sourceHashing:
-		return b.walkBuckets(hashAddr(client), tried)
+		return b.walkBuckets(hashAddr(client), tried, skip)
 	case destinationHashing:
-		return b.walkBuckets(b.dstHash, tried)
+		return b.walkBuckets(b.dstHash, tried, skip)
 	default:
 		n := len(b.eps)
 		for k := range n {
 			i := b.after(k)
-			if !b.excluded(i, tried) {
+			if !b.excluded(i, tried, skip) {
 				return i
 			}
 		}
@@ -138,8 +140,8 @@ func (b *Balancer) after(k int) int {
 	return i
 }
 
-func (b *Balancer) excluded(i int, tried []netip.AddrPort) bool {
-	return len(tried) > 0 && slices.Contains(tried, b.eps[i].addr)
+func (b *Balancer) excluded(i int, tried []netip.AddrPort, skip ejectFilter) bool {
+	return (len(tried) > 0 && slices.Contains(tried, b.eps[i].addr)) || skip.skips(&b.eps[i])
 }
 
 // leastLoaded implements lc, sed and nq. lc orders by active connections, sed by
@@ -151,14 +153,14 @@ func (b *Balancer) excluded(i int, tried []netip.AddrPort) bool {
 //
 // This scan is the only per-Pick cost that grows with the endpoint count, so it
 // walks the slice directly and tests tried only when there is one.
-func (b *Balancer) leastLoaded(tried []netip.AddrPort, idleFirst bool) int {
+func (b *Balancer) leastLoaded(tried []netip.AddrPort, skip ejectFilter, idleFirst bool) int {
 	n := len(b.eps)
 	lc := b.sched == leastConnection
 	best, bestActive, bestWeight := -1, 0, 0
 	i := b.next
 	for range n {
 		e := &b.eps[i]
-		if len(tried) == 0 || !slices.Contains(tried, e.addr) {
+		if (len(tried) == 0 || !slices.Contains(tried, e.addr)) && !skip.skips(e) {
 			switch {
 			case idleFirst && e.active == 0:
 				return i
@@ -180,12 +182,12 @@ func (b *Balancer) leastLoaded(tried []netip.AddrPort, idleFirst bool) int {
 
 // walkBuckets returns the endpoint of bucket h, or, when that one was tried, of the
 // next bucket whose endpoint was not. Every endpoint owns a bucket, so the walk ends.
-func (b *Balancer) walkBuckets(h uint32, tried []netip.AddrPort) int {
+func (b *Balancer) walkBuckets(h uint32, tried []netip.AddrPort, skip ejectFilter) int {
 	mask := uint32(len(b.buckets) - 1)
 	start := h >> (32 - b.bucketBits)
 	for off := range uint32(len(b.buckets)) {
 		i := int(b.buckets[(start+off)&mask])
-		if !b.excluded(i, tried) {
+		if !b.excluded(i, tried, skip) {
 			return i
 		}
 	}
