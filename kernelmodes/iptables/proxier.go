@@ -1,0 +1,549 @@
+// Package iptables is uproxy's iptables kernel mode (--proxy-mode iptables): it
+// programs every Service port as nat rules that DNAT straight to an endpoint,
+// so no uproxy process sits on the data path.
+//
+//	p, err := iptables.New(iptables.Config{IPv6: true})
+//	...
+//	err = p.Sync(snapshot) // from the sync loop, on every change
+//
+// Chains (prefix P, "UPROXY" by default), the layout of kube-proxy's iptables mode:
+//
+//	nat    P-SERVICES       from PREROUTING and OUTPUT: VIP:port -> SVC/SVL, EXT or FW; last, NodePorts
+//	nat    P-NODEPORTS      NodePort -> EXT
+//	nat    P-SVC-<hash>     all usable endpoints: recent (ClientIP affinity), statistic -> SEP
+//	nat    P-SVL-<hash>     this node's endpoints (traffic policy Local)
+//	nat    P-EXT-<hash>     external traffic: masquerade mark (policy Cluster) -> SVC/SVL
+//	nat    P-FW-<hash>      loadBalancerSourceRanges -> EXT
+//	nat    P-SEP-<hash>     one endpoint: hairpin masquerade mark, DNAT
+//	nat    P-MARK-MASQ, P-POSTROUTING  the masquerade mark and the MASQUERADE it leads to
+//	filter P-SERVICES, P-EXTERNAL-SERVICES  REJECT (no endpoints) or DROP (no local endpoints)
+//	filter P-PROXY-FIREWALL  DROP what FW did not accept
+//	filter P-FORWARD        ACCEPT marked and established traffic
+//	both   P-PROXY-CANARY   one rule; its loss means someone flushed the table
+//
+// Per-port chain names hash the port name, protocol and endpoint (sha256,
+// base32), so they fit iptables' 28 characters. The first sync, and any sync
+// after a failure or a flush, writes everything in one iptables-restore
+// --noflush per family and deletes leftover per-port chains; later syncs write
+// the shared chains plus only the per-port chains whose text changed.
+package iptables
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"net/netip"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/hashicorp/go-multierror"
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
+)
+
+// DefaultMasqueradeBit is the mark bit meaning "masquerade this", kube-proxy's 14.
+const DefaultMasqueradeBit = 14
+
+// Config configures the iptables mode. The zero value programs IPv4 with
+// NodePorts on every local address.
+type Config struct {
+	// ChainPrefix names the chains; rules.DefaultChainPrefix when empty.
+	ChainPrefix string
+	// IPv6 also programs ip6tables with the Services' IPv6 addresses.
+	IPv6 bool
+	// NodePortAddresses limits NodePorts to destinations inside these prefixes
+	// (--nodeport-addresses); empty means every local address but loopback. A
+	// family with no prefix here gets no NodePorts.
+	NodePortAddresses []netip.Prefix
+	// ClusterCIDRs are the pod networks: ClusterIP traffic from outside them is
+	// masqueraded, and pods reach external destinations ignoring
+	// externalTrafficPolicy. Empty: neither.
+	ClusterCIDRs []netip.Prefix
+	// MasqueradeAll masquerades all ClusterIP traffic.
+	MasqueradeAll bool
+	// MasqueradeBit is the mark bit (0-31) for masquerading; 0 means
+	// DefaultMasqueradeBit.
+	MasqueradeBit int
+	// Zone is this node's zone for topology hints ("" ignores hints).
+	Zone string
+	// Kernel replaces iptables and conntrack; nil uses the real ones in the
+	// calling thread's network namespace.
+	Kernel *rules.Kernel
+	// SaveCounters returns `iptables-save -c -t nat` (ip6tables when v6) for
+	// Counters; nil runs the command.
+	SaveCounters func(v6 bool) ([]byte, error)
+}
+
+// Proxier is the iptables mode. Sync, Cleanup and the readers may be called
+// from different goroutines.
+type Proxier struct {
+	cfg Config
+	n   names
+
+	// mu serializes Sync and Cleanup and guards everything below.
+	mu   sync.Mutex
+	fams []*family
+	// last is the last Snapshot synced without error, for DebugServices.
+	last       *service.Snapshot
+	programmed map[service.PortName]map[netip.AddrPort]bool
+}
+
+// family is the state of one address family.
+type family struct {
+	v6     bool
+	r      renderer
+	tables rules.Tables
+	// written holds each port's body as last written successfully; nil means the
+	// kernel state is unknown: the next sync is a full one.
+	written map[portKey]*portRules
+	// udp is the UDP conntrack view after the last sync (nil: unknown).
+	udp map[portKey]udpState
+	// lastFull, lastPartial describe the most recent write, for tests and logs.
+	lastWasFull bool
+}
+
+type portKey struct {
+	name  service.PortName
+	proto service.Protocol
+}
+
+// New returns the iptables mode for cfg. It changes nothing in the kernel
+// until the first Sync.
+func New(cfg Config) (*Proxier, error) {
+	prefix := cfg.ChainPrefix
+	if prefix == "" {
+		prefix = rules.DefaultChainPrefix
+	}
+	if err := rules.CheckChainPrefix(prefix); err != nil {
+		return nil, err
+	}
+	bit := cfg.MasqueradeBit
+	if bit == 0 {
+		bit = DefaultMasqueradeBit
+	}
+	if bit < 0 || bit > 31 {
+		return nil, fmt.Errorf("masquerade bit %d: want 0 to 31", bit)
+	}
+	p := &Proxier{cfg: cfg, n: namesOf(prefix)}
+	for _, v6 := range []bool{false, true} {
+		if v6 && !cfg.IPv6 {
+			continue
+		}
+		r := renderer{n: p.n, v6: v6, mark: fmt.Sprintf("%#08x", uint32(1)<<bit), masqueradeAll: cfg.MasqueradeAll, zone: cfg.Zone}
+		for _, c := range cfg.ClusterCIDRs {
+			if r.family(c.Addr()) {
+				r.clusterCIDRs = append(r.clusterCIDRs, c.Masked())
+			}
+		}
+		if len(cfg.NodePortAddresses) == 0 {
+			loopback := "127.0.0.0/8"
+			if v6 {
+				loopback = "::1/128"
+			}
+			// NodePorts on loopback would need route_localnet; like kube-proxy
+			// with --iptables-localhost-nodeports=false, they are not served.
+			r.nodePortDsts = []string{" ! -d " + loopback + " -m addrtype --dst-type LOCAL"}
+		}
+		for _, pr := range cfg.NodePortAddresses {
+			if r.family(pr.Addr()) {
+				r.nodePortDsts = append(r.nodePortDsts, " -d "+pr.Masked().String())
+			}
+		}
+		t, err := cfg.Kernel.OpenTables(v6)
+		if err != nil {
+			return nil, err
+		}
+		p.fams = append(p.fams, &family{v6: v6, r: r, tables: t})
+	}
+	return p, nil
+}
+
+func familyName(v6 bool) string {
+	if v6 {
+		return "IPv6"
+	}
+	return "IPv4"
+}
+
+// Sync implements loop.Mode: it makes the rules of every family match s.
+// Services with an unsupported protocol are skipped and reported; the others
+// are programmed regardless.
+func (p *Proxier) Sync(s *service.Snapshot) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var errs []error
+	ports := make([]*service.Port, 0, len(s.Ports))
+	for _, sp := range s.Ports {
+		switch {
+		case protoName(sp.Protocol) == "":
+			errs = append(errs, fmt.Errorf("service port %s: protocol %q not supported", sp.Name, sp.Protocol))
+		case sp.Port <= 0 || sp.Port > 65535 || sp.NodePort < 0 || sp.NodePort > 65535:
+			errs = append(errs, fmt.Errorf("service port %s: invalid port %d or NodePort %d", sp.Name, sp.Port, sp.NodePort))
+		default:
+			ports = append(ports, sp)
+		}
+	}
+	programmed := map[service.PortName]map[netip.AddrPort]bool{}
+	for _, fam := range p.fams {
+		if err := p.syncFamily(fam, ports, programmed); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	p.last, p.programmed = s, programmed
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[service.PortName]map[netip.AddrPort]bool) error {
+	var sh shared
+	cur := make(map[portKey]*portRules, len(ports))
+	order := make([]*portRules, 0, len(ports))
+	for _, sp := range ports {
+		if !fam.r.belongs(sp) {
+			continue
+		}
+		pr := fam.r.port(sp, &sh)
+		k := portKey{sp.Name, sp.Protocol}
+		cur[k] = &pr
+		order = append(order, &pr)
+		if programmed[sp.Name] == nil {
+			programmed[sp.Name] = map[netip.AddrPort]bool{}
+		}
+		for _, ep := range pr.programmed {
+			programmed[sp.Name][ep] = true
+		}
+	}
+
+	full := fam.written == nil
+	if !full && !p.canaryIntact(fam) {
+		klog.InfoS("iptables-mode rules were flushed or deleted by someone else; rewriting them all", "family", familyName(fam.v6))
+		full = true
+	}
+
+	// Chains to delete: in a full sync, every per-port chain the kernel holds
+	// that is not wanted (left by a previous run or process); in a partial one,
+	// the chains last written that are no longer wanted.
+	wanted := map[string]bool{}
+	for _, pr := range order {
+		for _, c := range pr.chains {
+			wanted[c] = true
+		}
+	}
+	var stale []string
+	if full {
+		existing, err := p.existingPortChains(fam.v6)
+		if err != nil {
+			return err
+		}
+		for _, c := range existing {
+			if !wanted[c] {
+				stale = append(stale, c)
+			}
+		}
+	} else {
+		for _, pr := range fam.written {
+			for _, c := range pr.chains {
+				if !wanted[c] {
+					stale = append(stale, c)
+				}
+			}
+		}
+		slices.Sort(stale)
+	}
+
+	b := make([]byte, 0, 4096+len(order)*600)
+	b = append(b, "*filter\n"...)
+	b = fam.r.sharedFilter(b, &sh)
+	b = append(b, "COMMIT\n*nat\n"...)
+	b = fam.r.sharedNATDecl(b)
+	var changed []*portRules
+	for _, pr := range order {
+		if full {
+			changed = append(changed, pr)
+			continue
+		}
+		if old, ok := fam.written[portKey{pr.key, pr.proto}]; !ok || !bytes.Equal(old.body, pr.body) {
+			changed = append(changed, pr)
+		}
+	}
+	// Declaring a stale chain flushes it, so its jumps to other stale chains are
+	// gone by the time -X runs.
+	for _, c := range stale {
+		b = append(b, ":"+c+" - [0:0]\n"...)
+	}
+	for _, pr := range changed {
+		b = append(b, pr.body[:pr.declLen]...)
+	}
+	b = fam.r.sharedNATRules(b, &sh)
+	for _, pr := range changed {
+		b = append(b, pr.body[pr.declLen:]...)
+	}
+	for _, c := range stale {
+		b = append(b, "-X "+c+"\n"...)
+	}
+	b = append(b, "COMMIT\n"...)
+
+	fam.written = nil
+	if err := p.cfg.Kernel.RunRestore(fam.v6, b); err != nil {
+		return fmt.Errorf("write %s iptables-mode rules: %w", familyName(fam.v6), err)
+	}
+	fam.lastWasFull = full
+	if full {
+		// Jumps go in after the chains exist: a jump to a missing chain is refused.
+		if err := p.ensureJumps(fam); err != nil {
+			return err
+		}
+	}
+	fam.written = cur
+	klog.V(3).InfoS("Wrote iptables-mode rules", "family", familyName(fam.v6), "full", full, "ports", len(order), "changedPorts", len(changed), "deletedChains", len(stale), "bytes", len(b))
+
+	udp := udpStateOf(order)
+	if stale := staleUDP(fam.udp, udp); !stale.empty() {
+		// On failure fam.udp keeps the old view, so the next sync tries again.
+		if err := stale.delete(p.cfg.Kernel.ConntrackHandle(), fam.v6); err != nil {
+			return err
+		}
+	}
+	fam.udp = udp
+	return nil
+}
+
+// canaryIntact reports whether both canary chains still hold their rule. Any
+// error counts as "not intact", which costs one full rewrite at worst.
+func (p *Proxier) canaryIntact(fam *family) bool {
+	for _, table := range []string{"nat", "filter"} {
+		got, err := fam.tables.List(table, p.n.canary)
+		if err != nil {
+			klog.V(2).InfoS("Checking the canary chain", "family", familyName(fam.v6), "table", table, "err", err)
+			return false
+		}
+		if !slices.Contains(got, canaryRule(p.n)) {
+			return false
+		}
+	}
+	return true
+}
+
+// ensureJumps inserts the missing jump rules of fam, each checked first.
+func (p *Proxier) ensureJumps(fam *family) error {
+	var errs []error
+	jumps := p.n.jumps()
+	// Inserted in reverse, each at position 1, so they end up in list order.
+	for i := len(jumps) - 1; i >= 0; i-- {
+		j := jumps[i]
+		ok, err := fam.tables.Exists(j.table, j.chain, j.spec...)
+		if err == nil && !ok {
+			err = fam.tables.Insert(j.table, j.chain, 1, j.spec...)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s jump %s/%s -> %s: %w", familyName(fam.v6), j.table, j.chain, j.spec[len(j.spec)-1], err))
+		}
+	}
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+// existingPortChains returns the per-port chains of our prefix in the nat table.
+func (p *Proxier) existingPortChains(v6 bool) ([]string, error) {
+	saved, err := p.cfg.Kernel.RunSave(v6)
+	if err != nil {
+		return nil, fmt.Errorf("read %s rules: %w", familyName(v6), err)
+	}
+	var out []string
+	forEachChain(saved, func(table, chain string) {
+		if table == "nat" && p.n.isPortChain(chain) {
+			out = append(out, chain)
+		}
+	})
+	return out, nil
+}
+
+// forEachChain calls fn for every chain declared in iptables-save output.
+func forEachChain(saved []byte, fn func(table, chain string)) {
+	table := ""
+	sc := bufio.NewScanner(bytes.NewReader(saved))
+	sc.Buffer(make([]byte, 0, 64*1024), 16*1024*1024)
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "*"):
+			table = line[1:]
+		case strings.HasPrefix(line, ":"):
+			chain, _, _ := strings.Cut(line[1:], " ")
+			fn(table, chain)
+		}
+	}
+}
+
+// Cleanup removes every chain and jump rule of this prefix in both families,
+// whatever Config.IPv6 says; the next Sync starts from scratch.
+func (p *Proxier) Cleanup() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, fam := range p.fams {
+		fam.written, fam.udp = nil, nil
+	}
+	p.last, p.programmed = nil, nil
+	return cleanup(p.cfg.Kernel, p.n)
+}
+
+// DebugServices implements observe.ServicesView: every Service port of the last
+// sync with the endpoints some rule sends traffic to marked usable. Counters
+// reports the kernel's per-endpoint counters.
+func (p *Proxier) DebugServices() []observe.ServiceState {
+	p.mu.Lock()
+	s, programmed := p.last, p.programmed
+	p.mu.Unlock()
+	if s == nil {
+		return nil
+	}
+	out := make([]observe.ServiceState, 0, len(s.Ports))
+	for _, sp := range s.Ports {
+		st := observe.ServiceState{
+			Name:            sp.Name.String(),
+			Protocol:        string(sp.Protocol),
+			ClusterIPs:      addrStrings(sp.ClusterIPs),
+			ExternalIPs:     addrStrings(sp.ExternalIPs),
+			LoadBalancerIPs: addrStrings(sp.LoadBalancerIPs),
+			Port:            sp.Port,
+			NodePort:        sp.NodePort,
+			SessionAffinity: "None",
+			Scheduler:       "random",
+			Endpoints:       []observe.EndpointState{},
+			Affinity:        []observe.AffinityEntry{},
+		}
+		if sp.AffinityClientIP {
+			st.SessionAffinity = "ClientIP"
+			st.AffinityTimeout = int(sp.AffinityTimeout.Seconds())
+		}
+		for _, e := range sp.Endpoints {
+			st.Endpoints = append(st.Endpoints, observe.EndpointState{
+				Address:     e.Addr.String(),
+				Ready:       e.Ready,
+				Serving:     e.Serving,
+				Terminating: e.Terminating,
+				Usable:      programmed[sp.Name][netip.AddrPortFrom(e.Addr.Addr().Unmap(), e.Addr.Port())],
+			})
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
+func addrStrings(ips []netip.Addr) []string {
+	var out []string
+	for _, ip := range ips {
+		out = append(out, ip.String())
+	}
+	return out
+}
+
+// EndpointCounters are the kernel's counters of one endpoint's DNAT rule. Only a
+// connection's first packet traverses the nat table, so Packets counts the
+// connections (UDP flows) sent to the endpoint and Bytes their first packets.
+type EndpointCounters struct {
+	Service  service.PortName
+	Protocol service.Protocol
+	Endpoint netip.AddrPort
+	Packets  uint64
+	Bytes    uint64
+}
+
+// Counters reads the DNAT counters of every programmed endpoint (one
+// iptables-save -c per family), summed over the SEP chains' DNAT rules.
+func (p *Proxier) Counters() ([]EndpointCounters, error) {
+	p.mu.Lock()
+	type sep struct {
+		key portKey
+		ep  netip.AddrPort
+	}
+	type famSeps struct {
+		v6   bool
+		seps map[string]sep
+	}
+	var fams []famSeps
+	for _, fam := range p.fams {
+		fs := famSeps{v6: fam.v6, seps: map[string]sep{}}
+		for k, pr := range fam.written {
+			for c, ep := range pr.seps {
+				fs.seps[c] = sep{k, ep}
+			}
+		}
+		fams = append(fams, fs)
+	}
+	p.mu.Unlock()
+
+	var out []EndpointCounters
+	var errs []error
+	for _, fs := range fams {
+		saved, err := p.saveCounters(fs.v6)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		got := map[string]*EndpointCounters{}
+		sc := bufio.NewScanner(bytes.NewReader(saved))
+		sc.Buffer(make([]byte, 0, 64*1024), 16*1024*1024)
+		for sc.Scan() {
+			// "[packets:bytes] -A CHAIN ... -j DNAT ..."
+			line := sc.Text()
+			cnt, rule, ok := strings.Cut(line, "] -A ")
+			if !ok || !strings.HasPrefix(cnt, "[") || !strings.Contains(rule, " -j DNAT ") {
+				continue
+			}
+			chain, _, _ := strings.Cut(rule, " ")
+			s, ok := fs.seps[chain]
+			if !ok {
+				continue
+			}
+			pk, by, _ := strings.Cut(cnt[1:], ":")
+			packets, err1 := strconv.ParseUint(pk, 10, 64)
+			bytes, err2 := strconv.ParseUint(by, 10, 64)
+			if err1 != nil || err2 != nil {
+				continue
+			}
+			c := got[chain]
+			if c == nil {
+				c = &EndpointCounters{Service: s.key.name, Protocol: s.key.proto, Endpoint: s.ep}
+				got[chain] = c
+			}
+			c.Packets += packets
+			c.Bytes += bytes
+		}
+		for _, c := range got {
+			out = append(out, *c)
+		}
+	}
+	slices.SortFunc(out, func(a, b EndpointCounters) int {
+		if a.Service != b.Service {
+			if a.Service.Less(b.Service) {
+				return -1
+			}
+			return 1
+		}
+		if c := strings.Compare(string(a.Protocol), string(b.Protocol)); c != 0 {
+			return c
+		}
+		return a.Endpoint.Compare(b.Endpoint)
+	})
+	return out, multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+func (p *Proxier) saveCounters(v6 bool) ([]byte, error) {
+	if p.cfg.SaveCounters != nil {
+		return p.cfg.SaveCounters(v6)
+	}
+	cmd := "iptables-save"
+	if v6 {
+		cmd = "ip6tables-save"
+	}
+	out, err := exec.Command(cmd, "-c", "-t", "nat").Output()
+	if err != nil {
+		return nil, fmt.Errorf("%s -c -t nat: %w", cmd, err)
+	}
+	return out, nil
+}
