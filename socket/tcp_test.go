@@ -31,6 +31,10 @@ func TestMain(m *testing.M) {
 		runBackendProcess(mode, os.Getenv("SOCKET_TEST_BACKEND_ADDR"))
 		return
 	}
+	if to := os.Getenv("SOCKET_TEST_PROXY_TO"); to != "" {
+		runProxyProcess(to)
+		return
+	}
 	os.Exit(m.Run())
 }
 
@@ -493,29 +497,56 @@ func runBackendProcess(mode, addr string) {
 	select {}
 }
 
-// startBackendProcess runs runBackendProcess in a child process on ip.
-func startBackendProcess(t *testing.T, mode, ip string) (netip.AddrPort, *exec.Cmd) {
+// runProxyProcess is a TCPProxy to the endpoint to in a separate process, so a
+// benchmark can read the proxy's own CPU time. It prints its address and serves
+// until its standard input closes.
+func runProxyProcess(to string) {
+	p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(netip.MustParseAddrPort(to))}
+	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	fmt.Println(ln.Addr())
+	go p.Serve(ln)
+	io.Copy(io.Discard, os.Stdin)
+	os.Exit(0)
+}
+
+// startChildProcess runs the test binary with env (selecting one of the modes of
+// TestMain) and returns the address it prints.
+func startChildProcess(t testing.TB, env ...string) (netip.AddrPort, *exec.Cmd) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "SOCKET_TEST_BACKEND="+mode, "SOCKET_TEST_BACKEND_ADDR="+ip+":0")
+	cmd.Env = append(os.Environ(), env...)
 	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := cmd.Start(); err != nil {
-		t.Fatalf("start backend process: %v", err)
+		t.Fatalf("start child process: %v", err)
 	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	t.Cleanup(func() { stdin.Close(); cmd.Process.Kill(); cmd.Wait() })
 	line, err := bufio.NewReader(out).ReadString('\n')
 	if err != nil {
-		t.Fatalf("read backend address: %v", err)
+		t.Fatalf("read child's address: %v", err)
 	}
 	addr, err := netip.ParseAddrPort(strings.TrimSpace(line))
 	if err != nil {
-		t.Fatalf("backend address %q: %v", line, err)
+		t.Fatalf("child's address %q: %v", line, err)
 	}
 	return addr, cmd
+}
+
+// startBackendProcess runs runBackendProcess in a child process on ip.
+func startBackendProcess(t *testing.T, mode, ip string) (netip.AddrPort, *exec.Cmd) {
+	t.Helper()
+	return startChildProcess(t, "SOCKET_TEST_BACKEND="+mode, "SOCKET_TEST_BACKEND_ADDR="+ip+":0")
 }
 
 func TestTCPProxyBackendKilledMidStream(t *testing.T) {
