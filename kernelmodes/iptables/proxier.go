@@ -135,7 +135,7 @@ func New(cfg Config) (*Proxier, error) {
 		if v6 && !cfg.IPv6 {
 			continue
 		}
-		r := renderer{n: p.n, v6: v6, mark: fmt.Sprintf("%#08x", uint32(1)<<bit), masqueradeAll: cfg.MasqueradeAll, zone: cfg.Zone}
+		r := renderer{n: p.n, v6: v6, mark: fmt.Sprintf("%#x", uint32(1)<<bit), masqueradeAll: cfg.MasqueradeAll, zone: cfg.Zone}
 		for _, c := range cfg.ClusterCIDRs {
 			if r.family(c.Addr()) {
 				r.clusterCIDRs = append(r.clusterCIDRs, c.Masked())
