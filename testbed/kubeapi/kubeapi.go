@@ -225,7 +225,8 @@ func (s *Server) Restart(t testing.TB) {
 }
 
 // shutdown stops both servers, kube-apiserver first since it depends on
-// etcd, and shows their logs when the test failed.
+// etcd, and shows the end of their logs when the test failed, which is also
+// how a failed Start or Restart shows why.
 func (s *Server) shutdown(t testing.TB) {
 	if s.apiserver != nil {
 		if err := s.apiserver.stop(stopGrace); err != nil {
@@ -319,7 +320,7 @@ func (s *Server) startEtcd() error {
 		}
 		errs = append(errs, err)
 		if !p.addrInUse() {
-			return fmt.Errorf("%w\nlast lines of %s:\n%s", err, p.logPath, p.tail(logTailLines))
+			return err
 		}
 		if err := p.stop(stopGrace); err != nil {
 			errs = append(errs, err)
@@ -374,8 +375,8 @@ func (s *Server) startAPIServer() error {
 }
 
 // runAPIServer starts kube-apiserver with s.apiArgs and waits until it is
-// ready. On failure the returned error carries the end of its log, and the
-// process, if it started, is returned too so the caller can look at it.
+// ready. On failure the process, if it started, is returned too so the caller
+// can look at its output.
 func (s *Server) runAPIServer() (*process, error) {
 	p, err := startProcess("kube-apiserver", filepath.Join(s.binDir, "kube-apiserver"), s.apiArgs, s.path("kube-apiserver.log"))
 	if err != nil {
@@ -383,7 +384,7 @@ func (s *Server) runAPIServer() (*process, error) {
 	}
 	s.apiserver = p
 	if err := awaitReady(p, s.apiServerReady); err != nil {
-		return p, fmt.Errorf("%w\nlast lines of %s:\n%s", err, p.logPath, p.tail(logTailLines))
+		return p, err
 	}
 	return p, nil
 }
