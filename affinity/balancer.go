@@ -521,23 +521,36 @@ type Entry struct {
 	LastUsed time.Time      `json:"lastUsed"`
 }
 
+// Stats returns b's counters and endpoints: State without the affinity table, cheap
+// enough for every metrics scrape.
+func (b *Balancer) Stats() (Counters, []EndpointState) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.counters, b.endpointStates(b.now())
+}
+
+func (b *Balancer) endpointStates(now time.Time) []EndpointState {
+	out := make([]EndpointState, len(b.eps))
+	for i, e := range b.eps {
+		out[i] = EndpointState{Addr: e.addr, Active: e.active, Failures: e.failures, Ejections: e.ejections}
+		if e.ejectedUntil.After(now) {
+			out[i].EjectedUntil = e.ejectedUntil
+		}
+	}
+	return out
+}
+
 // State returns a snapshot of b. Expired entries that have not been swept yet are
 // left out.
 func (b *Balancer) State() State {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	now := b.now()
 	s := State{
 		Scheduler:        b.sched.String(),
-		Endpoints:        make([]EndpointState, len(b.eps)),
+		Endpoints:        b.endpointStates(now),
 		ClientIPAffinity: b.affinity,
 		Counters:         b.counters,
-	}
-	now := b.now()
-	for i, e := range b.eps {
-		s.Endpoints[i] = EndpointState{Addr: e.addr, Active: e.active, Failures: e.failures, Ejections: e.ejections}
-		if e.ejectedUntil.After(now) {
-			s.Endpoints[i].EjectedUntil = e.ejectedUntil
-		}
 	}
 	if len(b.eps) > 0 {
 		s.Next = b.eps[b.next].addr

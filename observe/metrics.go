@@ -1,11 +1,9 @@
-// Package observe makes uproxy visible: Prometheus metrics, health endpoints, and the
-// /debug views of every Service port.
+// Package observe makes uproxy visible: Prometheus metrics, health endpoints, the
+// ring of recent connection events, and the /debug views of every Service port.
 package observe
 
 import (
 	"errors"
-	"net/netip"
-	"sync"
 	"syscall"
 	"time"
 
@@ -18,8 +16,8 @@ import (
 // Registry holds every uproxy metric (and the Go and process collectors).
 var Registry = prometheus.NewRegistry()
 
+// Control plane, named as kube-proxy names them so existing dashboards work.
 var (
-	// Control plane, named as kube-proxy names them so existing dashboards work.
 	SyncDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Subsystem: "kubeproxy", Name: "sync_proxy_rules_duration_seconds",
 		Help:    "How long one sync of the proxy's state took, in seconds.",
@@ -38,28 +36,74 @@ var (
 		Help:    "Time from an endpoints change in the source to the proxy having programmed it, in seconds.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 20),
 	})
+	ServiceChangesTotal = prometheus.NewCounter(prometheus.CounterOpts{
+		Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_total",
+		Help: "Changes to Services seen by the proxy (a Service added, removed or changed counts once).",
+	})
+	ServiceChangesPending = prometheus.NewGauge(prometheus.GaugeOpts{
+		Subsystem: "kubeproxy", Name: "sync_proxy_rules_service_changes_pending",
+		Help: "Services changed since the last successful sync.",
+	})
+	EndpointChangesTotal = prometheus.NewCounter(prometheus.CounterOpts{
+		Subsystem: "kubeproxy", Name: "sync_proxy_rules_endpoint_changes_total",
+		Help: "Changes to the endpoints of Services seen by the proxy (one per Service whose endpoints changed).",
+	})
+	EndpointChangesPending = prometheus.NewGauge(prometheus.GaugeOpts{
+		Subsystem: "kubeproxy", Name: "sync_proxy_rules_endpoint_changes_pending",
+		Help: "Services whose endpoints changed since the last successful sync.",
+	})
+	IPTablesRestoreFailures = prometheus.NewCounter(prometheus.CounterOpts{
+		Subsystem: "kubeproxy", Name: "sync_proxy_rules_iptables_restore_failures_total",
+		Help: "Syncs whose iptables-restore failed.",
+	})
+)
 
-	// Data path.
+// Data path. Labels are the Service port (namespace/name:port) and, where it
+// matters, the endpoint: never the client, so the series count follows the
+// Services and their endpoints, not the traffic.
+var (
 	Connections = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_connections_total",
-		Help: "Proxied TCP connections and UDP client sessions, by Service port, protocol and result (success, failed).",
+		Help: "Proxied TCP connections and UDP client sessions by Service port, protocol and outcome: success (first attempt), retried (served after failed attempts), failed (no endpoint answered).",
 	}, []string{"service", "protocol", "result"})
 	DialAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_attempts_total",
 		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other).",
 	}, []string{"service", "endpoint", "result"})
+	DialDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "uproxy_dial_duration_seconds",
+		Help:    "How long dial attempts took, successful or not, by Service port and endpoint (a timed-out attempt lasts its timeout).",
+		Buckets: prometheus.ExponentialBuckets(0.0001, 3, 11), // 100µs .. ~6s
+	}, []string{"service", "endpoint"})
 	Retries = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_retries_total",
 		Help: "Dial attempts that followed a failed attempt of the same connection, by Service port.",
 	}, []string{"service"})
 	ActiveConnections = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "uproxy_active_connections",
-		Help: "Open proxied TCP connections and UDP client sessions, by Service port.",
+		Help: "Open proxied TCP connections (including those still dialing) and UDP client sessions, by Service port.",
+	}, []string{"service"})
+	ConnectionDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "uproxy_connection_duration_seconds",
+		Help:    "Lifetime of proxied TCP connections and UDP client sessions (including dialing), by Service port.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 4, 12), // 1ms .. ~70min
 	}, []string{"service"})
 	Bytes = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_bytes_total",
-		Help: "Bytes proxied by Service port and direction (in: client to backend, out: backend to client).",
+		Help: "Bytes proxied by Service port and direction (in: client to backend, out: backend to client; UDP: payload bytes).",
 	}, []string{"service", "direction"})
+	UDPExpiries = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_udp_client_expiries_total",
+		Help: "UDP client sessions that ended by idling out (--udp-timeout), by Service port.",
+	}, []string{"service"})
+	Ejections = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_endpoint_ejections_total",
+		Help: "Times an endpoint was ejected by passive outlier detection (consecutive failed dials), by Service port and endpoint.",
+	}, []string{"service", "endpoint"})
+	Readmissions = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_endpoint_readmissions_total",
+		Help: "Times an ejected endpoint was re-admitted by a successful dial, by Service port and endpoint.",
+	}, []string{"service", "endpoint"})
 )
 
 func init() {
@@ -67,121 +111,56 @@ func init() {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		SyncDuration, SyncLastTimestamp, SyncLastQueuedTimestamp, NetworkProgrammingDuration,
-		Connections, DialAttempts, Retries, ActiveConnections, Bytes,
+		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
+		IPTablesRestoreFailures,
+		Connections, DialAttempts, DialDuration, Retries, ActiveConnections, ConnectionDuration,
+		Bytes, UDPExpiries, Ejections, Readmissions,
+		portsCollector{},
 	)
 }
 
+// Dial results, the values of the result label of uproxy_dial_attempts_total.
+const (
+	resultSuccess = iota
+	resultRefused
+	resultTimeout
+	resultUnreachable
+	resultReset
+	resultOther
+	numResults
+)
+
+var resultNames = [numResults]string{"success", "refused", "timeout", "unreachable", "reset", "other"}
+
 // DialResult classifies a dial error for the result label: success, refused,
-// timeout, unreachable, reset or other.
+// timeout, unreachable, reset or other (no-endpoints for a connection that had no
+// endpoint to dial).
 func DialResult(err error) string {
-	switch {
-	case err == nil:
-		return "success"
-	case errors.Is(err, syscall.ECONNREFUSED):
-		return "refused"
-	case errors.Is(err, syscall.ETIMEDOUT), isTimeout(err):
-		return "timeout"
-	case errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):
-		return "unreachable"
-	case errors.Is(err, syscall.ECONNRESET):
-		return "reset"
-	case errors.Is(err, socket.ErrNoEndpoints):
+	if errors.Is(err, socket.ErrNoEndpoints) {
 		return "no-endpoints"
 	}
-	return "other"
+	return resultNames[dialResult(err)]
+}
+
+func dialResult(err error) int {
+	switch {
+	case err == nil:
+		return resultSuccess
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return resultRefused
+	case errors.Is(err, syscall.ETIMEDOUT), isTimeout(err):
+		return resultTimeout
+	case errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):
+		return resultUnreachable
+	case errors.Is(err, syscall.ECONNRESET):
+		return resultReset
+	}
+	return resultOther
 }
 
 func isTimeout(err error) bool {
 	var t interface{ Timeout() bool }
 	return errors.As(err, &t) && t.Timeout()
-}
-
-// PortObserver is the socket.Observer of one Service port: it keeps the metric
-// children of its Service so the connection path does no label lookups beyond the
-// first per endpoint.
-type PortObserver struct {
-	service    string
-	active     prometheus.Gauge
-	retries    prometheus.Counter
-	bytesIn    prometheus.Counter
-	bytesOut   prometheus.Counter
-	connOK     prometheus.Counter
-	connFailed prometheus.Counter
-	events     *Events // may be nil
-
-	mu       sync.RWMutex
-	attempts map[attemptKey]prometheus.Counter
-}
-
-type attemptKey struct {
-	ep     netip.AddrPort
-	result string
-}
-
-// NewPortObserver returns the observer for service (ns/name:port) and protocol.
-// events, if not nil, receives a record of every connection.
-func NewPortObserver(service, protocol string, events *Events) *PortObserver {
-	return &PortObserver{
-		service:    service,
-		active:     ActiveConnections.WithLabelValues(service),
-		retries:    Retries.WithLabelValues(service),
-		bytesIn:    Bytes.WithLabelValues(service, "in"),
-		bytesOut:   Bytes.WithLabelValues(service, "out"),
-		connOK:     Connections.WithLabelValues(service, protocol, "success"),
-		connFailed: Connections.WithLabelValues(service, protocol, "failed"),
-		events:     events,
-		attempts:   make(map[attemptKey]prometheus.Counter),
-	}
-}
-
-var _ socket.Observer = (*PortObserver)(nil)
-
-func (o *PortObserver) ConnOpened(service, protocol string) { o.active.Inc() }
-
-func (o *PortObserver) AttemptDone(service string, a socket.Attempt) {
-	k := attemptKey{a.Endpoint, DialResult(a.Err)}
-	o.mu.RLock()
-	c := o.attempts[k]
-	o.mu.RUnlock()
-	if c == nil {
-		c = DialAttempts.WithLabelValues(o.service, a.Endpoint.String(), k.result)
-		o.mu.Lock()
-		o.attempts[k] = c
-		o.mu.Unlock()
-	}
-	c.Inc()
-}
-
-func (o *PortObserver) ConnClosed(c *socket.Conn) {
-	o.active.Dec()
-	if n := len(c.Attempts); n > 1 {
-		o.retries.Add(float64(n - 1))
-	}
-	if c.BytesIn > 0 {
-		o.bytesIn.Add(float64(c.BytesIn))
-	}
-	if c.BytesOut > 0 {
-		o.bytesOut.Add(float64(c.BytesOut))
-	}
-	if c.Endpoint.IsValid() {
-		o.connOK.Inc()
-	} else {
-		o.connFailed.Inc()
-	}
-	if o.events != nil {
-		o.events.Add(c)
-	}
-}
-
-// Forget drops the metric series of the Service port (when it is removed), so
-// label cardinality follows the live Services.
-func (o *PortObserver) Forget() {
-	ActiveConnections.DeleteLabelValues(o.service)
-	Retries.DeleteLabelValues(o.service)
-	Bytes.DeleteLabelValues(o.service, "in")
-	Bytes.DeleteLabelValues(o.service, "out")
-	Connections.DeletePartialMatch(prometheus.Labels{"service": o.service})
-	DialAttempts.DeletePartialMatch(prometheus.Labels{"service": o.service})
 }
 
 // SyncObserved records one sync in the kube-proxy metrics.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"strconv"
 	"time"
 
@@ -33,7 +34,20 @@ type ServiceState struct {
 	NextEndpoint     string            `json:"nextEndpoint,omitempty"`
 	AffinityCounters *AffinityCounters `json:"affinityCounters,omitempty"`
 	ActiveClients    int               `json:"activeClients,omitempty"` // UDP client table size
-	RecentEvents     []Event           `json:"recentEvents,omitempty"`
+	// Ejection is the outlier ejection policy ("" when off), e.g. "after 3 consecutive failed dials".
+	Ejection     string  `json:"ejection,omitempty"`
+	RecentEvents []Event `json:"recentEvents,omitempty"`
+	// NextForClient is the choice the client of ?client=IP would get next (modes
+	// that choose endpoints in userspace only).
+	NextForClient *Choice `json:"nextForClient,omitempty"`
+}
+
+// Choice is the endpoint a given client would get next from a Service port, and why.
+type Choice struct {
+	Client   string `json:"client"`
+	Endpoint string `json:"endpoint,omitempty"`
+	Sticky   bool   `json:"sticky"`
+	Reason   string `json:"reason"`
 }
 
 // EndpointState is one endpoint in ServiceState.
@@ -44,6 +58,12 @@ type EndpointState struct {
 	Terminating       bool   `json:"terminating"`
 	Usable            bool   `json:"usable"`
 	ActiveConnections int    `json:"activeConnections"`
+	// ConsecutiveFailures counts failed dials since the last successful one.
+	ConsecutiveFailures int `json:"consecutiveFailures"`
+	// Ejected is true while outlier detection keeps the endpoint out of new
+	// picks, until EjectedUntil (RFC3339, UTC).
+	Ejected      bool   `json:"ejected"`
+	EjectedUntil string `json:"ejectedUntil,omitempty"`
 }
 
 // AffinityCounters count ClientIP affinity decisions of one Service port.
@@ -64,6 +84,12 @@ type AffinityEntry struct {
 // A ServicesView reports the state of every Service port (the running mode).
 type ServicesView interface {
 	DebugServices() []ServiceState
+}
+
+// A ChoiceView says which endpoint client would get next from a Service port; the
+// userspace mode implements it. ok is false for an unknown Service port.
+type ChoiceView interface {
+	NextChoice(service string, client netip.Addr) (c Choice, ok bool)
 }
 
 // Server serves the metrics address (/metrics, /debug/services, /debug/events,
@@ -96,11 +122,22 @@ func (s *Server) MetricsHandler() http.Handler {
 	if s.Debug {
 		mux.HandleFunc("/debug/services", s.serveServices)
 		mux.HandleFunc("/debug/events", s.serveEvents)
+		mux.HandleFunc("/debug/{$}", servePage)
+		mux.Handle("/debug", http.RedirectHandler("/debug/", http.StatusMovedPermanently))
 	}
 	return mux
 }
 
+// serveServices answers /debug/services[?service=NAME][&client=IP].
 func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
+	var client netip.Addr
+	if v := r.URL.Query().Get("client"); v != "" {
+		var err error
+		if client, err = netip.ParseAddr(v); err != nil {
+			http.Error(w, fmt.Sprintf("client %q: want an IP address", v), http.StatusBadRequest)
+			return
+		}
+	}
 	var states []ServiceState
 	if s.Services != nil {
 		states = s.Services.DebugServices()
@@ -109,7 +146,7 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 		states = []ServiceState{}
 	}
 	if name := r.URL.Query().Get("service"); name != "" {
-		var kept []ServiceState
+		kept := []ServiceState{}
 		for _, st := range states {
 			if st.Name == name {
 				kept = append(kept, st)
@@ -117,21 +154,52 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 		}
 		states = kept
 	}
-	writeJSON(w, map[string]any{"services": states})
+	if cv, ok := s.Services.(ChoiceView); ok && client.IsValid() {
+		for i := range states {
+			if c, ok := cv.NextChoice(states[i].Name, client); ok {
+				states[i].NextForClient = &c
+			}
+		}
+	}
+	writeJSON(w, map[string]any{"mode": s.Mode, "services": states})
 }
 
+// serveEvents answers /debug/events with the filters of Query as parameters:
+// service, kind, outcome, since, limit (default 100).
 func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
-	n := 100
-	if v := r.URL.Query().Get("limit"); v != "" {
-		var err error
-		if n, err = strconv.Atoi(v); err != nil || n <= 0 {
+	v := r.URL.Query()
+	q := Query{Service: v.Get("service"), Kind: v.Get("kind"), Outcome: v.Get("outcome"), Limit: 100}
+	if l := v.Get("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n <= 0 {
 			http.Error(w, "limit: want a positive integer", http.StatusBadRequest)
 			return
 		}
+		q.Limit = n
+	}
+	if since := v.Get("since"); since != "" {
+		n, err := strconv.ParseUint(since, 10, 64)
+		if err != nil {
+			http.Error(w, "since: want an event id", http.StatusBadRequest)
+			return
+		}
+		q.Since = n
+	}
+	switch q.Kind {
+	case "", KindConnection, KindEjection, KindReadmission:
+	default:
+		http.Error(w, "kind: want connection, ejection or readmission", http.StatusBadRequest)
+		return
+	}
+	switch q.Outcome {
+	case "", OutcomeSuccess, OutcomeRetried, OutcomeFailed:
+	default:
+		http.Error(w, "outcome: want success, retried or failed", http.StatusBadRequest)
+		return
 	}
 	events := []Event{}
 	if s.Events != nil {
-		events = append(events, s.Events.Recent(r.URL.Query().Get("service"), n)...)
+		events = s.Events.Query(q)
 	}
 	writeJSON(w, map[string]any{"events": events})
 }

@@ -42,8 +42,12 @@ type Config struct {
 	Zone string
 	// Portals programs the rules that steer virtual IPs to proxy ports; nil: none.
 	Portals rules.Portals
-	// Events, if set, records retried and failed connections.
+	// Events, if set, records every connection and every ejection.
 	Events *observe.Events
+	// EjectAfter is how many consecutive failed dials eject an endpoint from new
+	// picks for a while (1s, doubling up to 30s while it keeps failing); 0 turns
+	// outlier ejection off. See affinity.Ejection.
+	EjectAfter int
 }
 
 // Proxier is the userspace mode. Sync is called from one goroutine (the sync
@@ -130,6 +134,7 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
 	}
 	if err := p.cfg.Portals.Sync(portals); err != nil {
+		observe.IPTablesRestoreFailures.Inc()
 		errs = multierror.Append(errs, fmt.Errorf("portals: %w", err))
 	}
 	return errs.ErrorOrNil()
@@ -147,6 +152,7 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 		dst = port.ClusterIPs[0]
 	}
 	sp.balancer.Update(addrs, dst, port.AffinityClientIP, port.AffinityTimeout)
+	sp.observer.Retain(addrs)
 	sp.port = port
 }
 
@@ -167,6 +173,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 	if err != nil {
 		return nil, err
 	}
+	bal.SetEjection(affinity.Ejection{After: p.cfg.EjectAfter})
 	sp := &servicePort{
 		balancer: bal,
 		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
@@ -191,6 +198,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 				DialTimeouts: p.cfg.DialTimeouts,
 				Observer:     sp.observer,
 			}
+			sp.observer.Attach(bal, nil)
 			go serveTCP(sp, tl)
 		case service.UDP:
 			pc, err := listenConfig.ListenPacket(context.Background(), "udp", addr)
@@ -207,6 +215,8 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 				MaxClients: p.cfg.UDPMaxClients,
 				Observer:   sp.observer,
 			}
+			udp := sp.udp
+			sp.observer.Attach(bal, udp.Clients)
 			go serveUDP(sp, uc)
 		}
 		return true
@@ -335,23 +345,33 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 		st.ActiveClients = sp.udp.Clients()
 	}
 	bs := sp.balancer.State()
-	active := make(map[netip.AddrPort]int, len(bs.Endpoints))
+	balanced := make(map[netip.AddrPort]affinity.EndpointState, len(bs.Endpoints))
 	for _, e := range bs.Endpoints {
-		active[e.Addr] = e.Active
+		balanced[e.Addr] = e
+	}
+	if p.cfg.EjectAfter > 0 {
+		st.Ejection = fmt.Sprintf("after %d consecutive failed dials, for %v doubling up to %v", p.cfg.EjectAfter, affinity.DefaultEjectionBase, affinity.DefaultEjectionMax)
 	}
 	usable := make(map[netip.AddrPort]bool)
 	for _, e := range port.ClusterEndpoints(p.cfg.Zone) {
 		usable[e.Addr] = true
 	}
 	for _, e := range port.Endpoints {
-		st.Endpoints = append(st.Endpoints, observe.EndpointState{
-			Address:           e.Addr.String(),
-			Ready:             e.Ready,
-			Serving:           e.Serving,
-			Terminating:       e.Terminating,
-			Usable:            usable[e.Addr],
-			ActiveConnections: active[e.Addr],
-		})
+		b := balanced[e.Addr]
+		es := observe.EndpointState{
+			Address:             e.Addr.String(),
+			Ready:               e.Ready,
+			Serving:             e.Serving,
+			Terminating:         e.Terminating,
+			Usable:              usable[e.Addr],
+			ActiveConnections:   b.Active,
+			ConsecutiveFailures: b.Failures,
+			Ejected:             !b.EjectedUntil.IsZero(),
+		}
+		if es.Ejected {
+			es.EjectedUntil = b.EjectedUntil.UTC().Format(time.RFC3339Nano)
+		}
+		st.Endpoints = append(st.Endpoints, es)
 	}
 	for _, a := range bs.Affinity {
 		st.Affinity = append(st.Affinity, observe.AffinityEntry{
@@ -372,6 +392,33 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	}
 	return st
 }
+
+// NextChoice says which endpoint client would get next from the Service port
+// named service (ns/name:port), and why, without changing any state.
+func (p *Proxier) NextChoice(service string, client netip.Addr) (observe.Choice, bool) {
+	p.mu.RLock()
+	var sp *servicePort
+	for name, s := range p.ports {
+		if name.String() == service {
+			sp = s
+			break
+		}
+	}
+	p.mu.RUnlock()
+	if sp == nil {
+		return observe.Choice{}, false
+	}
+	out := observe.Choice{Client: client.String()}
+	c, err := sp.balancer.Explain(client)
+	if err != nil {
+		out.Reason = err.Error()
+		return out, true
+	}
+	out.Endpoint, out.Sticky, out.Reason = c.Endpoint.String(), c.Sticky, c.Reason
+	return out, true
+}
+
+var _ observe.ChoiceView = (*Proxier)(nil)
 
 func addrStrings(addrs []netip.Addr) []string {
 	out := make([]string, len(addrs))
