@@ -123,9 +123,27 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 	// One buffer per socket: the datagram is written to the backend before the
 	// next read, so it is never shared.
 	buf := make([]byte, maxDatagram)
+	var oob []byte
+	if enablePktinfo(conn) {
+		oob = make([]byte, pktinfoSpace)
+	}
 	var delay time.Duration
 	for {
-		n, from, err := conn.ReadFromUDPAddrPort(buf)
+		var (
+			n     int
+			from  netip.AddrPort
+			local netip.Addr
+			err   error
+		)
+		if oob != nil {
+			var oobn int
+			n, oobn, _, from, err = conn.ReadMsgUDPAddrPort(buf, oob)
+			if err == nil {
+				local = datagramDestination(oob[:oobn])
+			}
+		} else {
+			n, from, err = conn.ReadFromUDPAddrPort(buf)
+		}
 		if err != nil {
 			if p.isClosed() {
 				return nil
@@ -141,7 +159,7 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 			continue
 		}
 		delay = 0
-		p.forward(conn, from, buf[:n])
+		p.forward(conn, from, local, buf[:n])
 	}
 }
 
@@ -152,11 +170,12 @@ func (p *UDPProxy) isClosed() bool {
 }
 
 // forward sends one datagram from client to its entry's endpoint, creating the entry
-// if needed.
-func (p *UDPProxy) forward(svc *net.UDPConn, client netip.AddrPort, b []byte) {
+// if needed. local is the address the client wrote to, when the socket is a
+// wildcard one (invalid otherwise).
+func (p *UDPProxy) forward(svc *net.UDPConn, client netip.AddrPort, local netip.Addr, b []byte) {
 	// The second round covers an entry that expired between lookup and write.
 	for range 2 {
-		c := p.lookup(svc, client)
+		c := p.lookup(svc, client, local)
 		if c == nil {
 			return
 		}
@@ -181,7 +200,7 @@ func (p *UDPProxy) forward(svc *net.UDPConn, client netip.AddrPort, b []byte) {
 
 // lookup returns client's entry, creating it when there is room; nil means the
 // datagram is dropped (the reason has been reported to the Observer).
-func (p *UDPProxy) lookup(svc *net.UDPConn, client netip.AddrPort) *udpClient {
+func (p *UDPProxy) lookup(svc *net.UDPConn, client netip.AddrPort, local netip.Addr) *udpClient {
 	p.mu.Lock()
 	c := p.clients[client]
 	full := len(p.clients) >= p.maxClients()
@@ -196,7 +215,7 @@ func (p *UDPProxy) lookup(svc *net.UDPConn, client netip.AddrPort) *udpClient {
 		p.reject(client, ErrTooManyClients)
 		return nil
 	}
-	c, err := p.open(svc, client)
+	c, err := p.open(svc, client, local)
 	if err != nil {
 		p.reject(client, err)
 		return nil
@@ -225,8 +244,8 @@ func (p *UDPProxy) lookup(svc *net.UDPConn, client netip.AddrPort) *udpClient {
 }
 
 // open picks an endpoint for client and connects a socket to it.
-func (p *UDPProxy) open(svc *net.UDPConn, client netip.AddrPort) (*udpClient, error) {
-	c := &udpClient{p: p, svc: svc, addr: client}
+func (p *UDPProxy) open(svc *net.UDPConn, client netip.AddrPort, local netip.Addr) (*udpClient, error) {
+	c := &udpClient{p: p, svc: svc, addr: client, replyFrom: replySource(local)}
 	c.rec = Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now()}
 	ep, err := p.Picker.Pick(client.Addr().Unmap(), nil)
 	if err != nil {
@@ -297,12 +316,15 @@ func (p *UDPProxy) Clients() int {
 // udpClient is one client's entry: a connected socket to its endpoint and the
 // goroutine relaying replies.
 type udpClient struct {
-	p       *UDPProxy
-	svc     *net.UDPConn // the Service socket the client wrote to; replies leave by it
-	addr    netip.AddrPort
-	ep      netip.AddrPort
-	backend *net.UDPConn
-	readFn  func(fd uintptr) bool // readReplies, bound once rather than per wait
+	p   *UDPProxy
+	svc *net.UDPConn // the Service socket the client wrote to; replies leave by it
+	// replyFrom is the control message that sends replies from the address the
+	// client wrote to (nil on sockets bound to one address).
+	replyFrom []byte
+	addr      netip.AddrPort
+	ep        netip.AddrPort
+	backend   *net.UDPConn
+	readFn    func(fd uintptr) bool // readReplies, bound once rather than per wait
 
 	// last is the time (UDPProxy.now) of the latest datagram either way.
 	last              atomic.Int64
@@ -399,6 +421,6 @@ func (c *udpClient) readReplies(fd uintptr) bool {
 		c.bytesOut.Add(int64(n))
 		// A failed send to the client (buffer full, client gone) loses one datagram,
 		// as the network may; the entry lives on until it idles out.
-		c.svc.WriteToUDPAddrPort((*bp)[:n], c.addr)
+		c.svc.WriteMsgUDPAddrPort((*bp)[:n], c.replyFrom, c.addr)
 	}
 }

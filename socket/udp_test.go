@@ -319,3 +319,51 @@ func TestUDPProxyManyClients(t *testing.T) {
 	// Only the two echo backends, ended by the test's cleanup, remain.
 	await(t, "the proxy's goroutines to end", func() bool { return runtime.NumGoroutine() <= baseline+2 })
 }
+
+// TestUDPProxyWildcardRepliesFromDestination binds the Service socket to a
+// wildcard address and writes to a loopback address that is not the one the
+// kernel would answer from: the reply must still come from the address written
+// to, as conntrack and connected clients require.
+func TestUDPProxyWildcardRepliesFromDestination(t *testing.T) {
+	tests := []struct {
+		name, network, bind, dst string
+	}{
+		{"IPv4 socket", "udp4", "0.0.0.0", "127.0.0.3"},
+		{"dual-stack socket, IPv4 client", "udp", "::", "127.0.0.3"},
+		{"dual-stack socket, IPv6 client", "udp", "::", "::1"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			backend := startUDPEcho(t, "127.0.0.2")
+			p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Timeout: time.Hour}
+			conn, err := net.ListenUDP(tt.network, &net.UDPAddr{IP: net.ParseIP(tt.bind)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			served := make(chan error, 1)
+			go func() { served <- p.Serve(conn) }()
+			t.Cleanup(func() {
+				p.Close()
+				<-served
+			})
+			svc := netip.AddrPortFrom(netip.MustParseAddr(tt.dst), uint16(conn.LocalAddr().(*net.UDPAddr).Port))
+			// A connected client, as a resolver's: it only accepts replies from svc.
+			client, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(svc))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer client.Close()
+			for i := range 2 {
+				if _, err := client.Write([]byte("ping")); err != nil {
+					t.Fatal(err)
+				}
+				client.SetReadDeadline(time.Now().Add(awaitTimeout))
+				buf := make([]byte, 64)
+				n, err := client.Read(buf)
+				if err != nil || string(buf[:n]) != "ping" {
+					t.Fatalf("exchange %d through %s: got %q, %v; want the echo from %s", i, tt.bind, buf[:n], err, svc)
+				}
+			}
+		})
+	}
+}
