@@ -1,0 +1,655 @@
+// Package ipvs is uproxy's IPVS kernel mode (--proxy-mode ipvs): every Service
+// IP:port (and NodePort on every node IP) becomes an IPVS virtual server whose
+// real servers are the endpoints, and the Service IPs live on a dummy
+// interface so the node accepts their traffic.
+//
+//	p, err := ipvs.New(ipvs.Config{Scheduler: "rr", NodeIPs: nodeIPs})
+//	...
+//	err = p.Sync(snapshot)
+//
+// What IPVS cannot do is left to iptables (one iptables-restore per family):
+//
+//	nat    P-IPVS-SERVICES     from PREROUTING and OUTPUT: mark traffic to masquerade
+//	nat    P-IPVS-POSTROUTING  MASQUERADE marked and hairpin traffic
+//	filter P-IPVS-FILTER       refuse new connections to Service IPs on ports no Service has
+//	filter P-IPVS-FIREWALL     loadBalancerSourceRanges
+//	filter P-IPVS-NODEPORTS    accept NodePorts through a restrictive INPUT
+//	nat    P-IPVS-CANARY       one rule; its loss means someone flushed the table
+//
+// Removed TCP endpoints terminate gracefully: their weight drops to 0 and they
+// are deleted on a later sync once IPVS counts no connection on them.
+package ipvs
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+
+	"github.com/hashicorp/go-multierror"
+	"github.com/moby/ipvs"
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
+)
+
+// DummyName is the interface holding the Service IPs.
+const DummyName = "uproxy-ipvs0"
+
+// Schedulers are the IPVS schedulers --scheduler accepts.
+var Schedulers = []string{"rr", "wrr", "lc", "wlc", "sh", "dh", "sed", "nq"}
+
+// flagPersistent is IP_VS_SVC_F_PERSISTENT: ClientIP affinity.
+const flagPersistent = 0x1
+
+// Config configures the IPVS mode. The zero value programs IPv4 with the rr
+// scheduler and no NodePorts (NodeIPs is empty).
+type Config struct {
+	// ChainPrefix names the iptables chains; rules.DefaultChainPrefix when empty.
+	ChainPrefix string
+	// Scheduler is the IPVS scheduler of every virtual server; "rr" when empty.
+	Scheduler string
+	// IPv6 also programs the Services' IPv6 addresses.
+	IPv6 bool
+	// NodeIPs are the node's addresses; NodePorts get a virtual server on each
+	// one inside NodePortAddresses (all of them when that is empty).
+	NodeIPs           []netip.Addr
+	NodePortAddresses []netip.Prefix
+	// ClusterCIDRs and MasqueradeAll decide which ClusterIP traffic is
+	// masqueraded, as in the iptables mode.
+	ClusterCIDRs  []netip.Prefix
+	MasqueradeAll bool
+	// MasqueradeBit is the mark bit (0-31); 0 means 14.
+	MasqueradeBit int
+	// Zone is this node's zone for topology hints.
+	Zone string
+	// Kernel is IPVS and netlink; nil opens the real one (NewNetlinkKernel).
+	Kernel Kernel
+	// Rules is iptables and conntrack; nil uses the real commands.
+	Rules *rules.Kernel
+}
+
+// Proxier is the IPVS mode.
+type Proxier struct {
+	cfg   Config
+	k     Kernel
+	n     names
+	fams  []bool // false: IPv4, true: IPv6
+	sched string
+	mark  string
+
+	// mu serializes Sync and Cleanup and guards everything below.
+	mu sync.Mutex
+	// owned are the virtual servers this proxier created (nil before the first
+	// sync: then the ones on the dummy link's addresses count as ours).
+	owned map[vsKey]bool
+	// written is the last iptables input per family that succeeded.
+	written [2][]byte
+	last    *service.Snapshot
+	byPort  map[service.PortName][]vsKey
+}
+
+// vsKey identifies a virtual server.
+type vsKey struct {
+	addr  netip.Addr
+	proto uint16
+	port  uint16
+}
+
+func (k vsKey) String() string {
+	return netip.AddrPortFrom(k.addr, k.port).String() + "/" + protoString(k.proto)
+}
+
+func protoString(p uint16) string {
+	switch p {
+	case syscall.IPPROTO_TCP:
+		return "TCP"
+	case syscall.IPPROTO_UDP:
+		return "UDP"
+	case syscall.IPPROTO_SCTP:
+		return "SCTP"
+	}
+	return strconv.Itoa(int(p))
+}
+
+func protoNumber(p service.Protocol) uint16 {
+	switch p {
+	case service.TCP:
+		return syscall.IPPROTO_TCP
+	case service.UDP:
+		return syscall.IPPROTO_UDP
+	case service.SCTP:
+		return syscall.IPPROTO_SCTP
+	}
+	return 0
+}
+
+// New returns the IPVS mode. It opens the IPVS netlink socket when cfg.Kernel
+// is nil but changes nothing until the first Sync.
+func New(cfg Config) (*Proxier, error) {
+	prefix := cfg.ChainPrefix
+	if prefix == "" {
+		prefix = rules.DefaultChainPrefix
+	}
+	if err := rules.CheckChainPrefix(prefix); err != nil {
+		return nil, err
+	}
+	sched := cfg.Scheduler
+	if sched == "" {
+		sched = "rr"
+	}
+	if !slices.Contains(Schedulers, sched) {
+		return nil, fmt.Errorf("IPVS scheduler %q: want one of %s", sched, strings.Join(Schedulers, ", "))
+	}
+	bit := cfg.MasqueradeBit
+	if bit == 0 {
+		bit = 14
+	}
+	if bit < 0 || bit > 31 {
+		return nil, fmt.Errorf("masquerade bit %d: want 0 to 31", bit)
+	}
+	k := cfg.Kernel
+	if k == nil {
+		nk, err := NewNetlinkKernel()
+		if err != nil {
+			return nil, err
+		}
+		k = nk
+	}
+	p := &Proxier{cfg: cfg, k: k, n: namesOf(prefix), sched: sched, mark: fmt.Sprintf("%#x", uint32(1)<<bit), fams: []bool{false}}
+	if cfg.IPv6 {
+		p.fams = append(p.fams, true)
+	}
+	return p, nil
+}
+
+func (p *Proxier) enabled(a netip.Addr) bool {
+	return a.Is4() || p.cfg.IPv6
+}
+
+// desiredVS is one virtual server as the snapshot wants it.
+type desiredVS struct {
+	key   vsKey
+	port  *service.Port
+	eps   []netip.AddrPort
+	flags uint32
+	// timeout is the persistence timeout in seconds (0 without affinity).
+	timeout uint32
+}
+
+func (d *desiredVS) service(sched string) *ipvs.Service {
+	s := &ipvs.Service{
+		Address:       d.key.addr.AsSlice(),
+		Protocol:      d.key.proto,
+		Port:          d.key.port,
+		SchedName:     sched,
+		Flags:         d.flags,
+		Timeout:       d.timeout,
+		AddressFamily: syscall.AF_INET,
+		Netmask:       0xffffffff,
+	}
+	if d.key.addr.Is6() {
+		s.AddressFamily, s.Netmask = syscall.AF_INET6, 128
+	}
+	return s
+}
+
+func epsOfFamily(eps []service.Endpoint, v6 bool) []netip.AddrPort {
+	var out []netip.AddrPort
+	for _, e := range eps {
+		a := e.Addr.Addr().Unmap()
+		if e.Addr.IsValid() && a.Is6() == v6 {
+			out = append(out, netip.AddrPortFrom(a, e.Addr.Port()))
+		}
+	}
+	return out
+}
+
+func cleanAddrs(ips []netip.Addr) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range ips {
+		if ip.IsValid() && !ip.IsUnspecified() {
+			out = append(out, ip.Unmap().WithZone(""))
+		}
+	}
+	return out
+}
+
+// familiesOf returns the families a Service port lives in (true: IPv6): those
+// of its ClusterIPs, else of its other IPs, else both. A single-stack Service
+// gets NodePorts in its own family only.
+func familiesOf(sp *service.Port) map[bool]bool {
+	for _, ips := range [][]netip.Addr{sp.ClusterIPs, slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs)} {
+		fams := map[bool]bool{}
+		for _, ip := range cleanAddrs(ips) {
+			fams[ip.Is6()] = true
+		}
+		if len(fams) > 0 {
+			return fams
+		}
+	}
+	return map[bool]bool{false: true, true: true}
+}
+
+// nodePortIPs returns the node addresses serving NodePorts.
+func (p *Proxier) nodePortIPs() []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range cleanAddrs(p.cfg.NodeIPs) {
+		if !p.enabled(ip) {
+			continue
+		}
+		ok := len(p.cfg.NodePortAddresses) == 0
+		for _, pr := range p.cfg.NodePortAddresses {
+			ok = ok || pr.Contains(ip)
+		}
+		if ok {
+			out = append(out, ip)
+		}
+	}
+	return out
+}
+
+// desired returns every virtual server s calls for, and the addresses the
+// dummy link must hold.
+func (p *Proxier) desired(s *service.Snapshot) (map[vsKey]*desiredVS, map[netip.Addr]bool, []error) {
+	out := map[vsKey]*desiredVS{}
+	dummy := map[netip.Addr]bool{}
+	var errs []error
+	nodeIPs := p.nodePortIPs()
+	for _, sp := range s.Ports {
+		proto := protoNumber(sp.Protocol)
+		if proto == 0 || sp.Port <= 0 || sp.Port > 65535 {
+			errs = append(errs, fmt.Errorf("service port %s: protocol %q port %d not supported", sp.Name, sp.Protocol, sp.Port))
+			continue
+		}
+		var flags, timeout uint32
+		if sp.AffinityClientIP {
+			flags = flagPersistent
+			timeout = uint32(max(sp.AffinityTimeout.Seconds(), 1))
+		}
+		add := func(ip netip.Addr, port int, eps []service.Endpoint, onDummy bool) {
+			if !p.enabled(ip) {
+				return
+			}
+			k := vsKey{ip, proto, uint16(port)}
+			out[k] = &desiredVS{key: k, port: sp, eps: epsOfFamily(eps, ip.Is6()), flags: flags, timeout: timeout}
+			if onDummy {
+				dummy[ip] = true
+			}
+		}
+		for _, ip := range cleanAddrs(sp.ClusterIPs) {
+			add(ip, sp.Port, sp.ClusterEndpoints(p.cfg.Zone), true)
+		}
+		external := sp.ExternalEndpoints(p.cfg.Zone)
+		for _, ip := range cleanAddrs(slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs)) {
+			add(ip, sp.Port, external, true)
+		}
+		if sp.NodePort > 0 && sp.NodePort <= 65535 {
+			fams := familiesOf(sp)
+			for _, ip := range nodeIPs {
+				if fams[ip.Is6()] {
+					add(ip, sp.NodePort, external, false)
+				}
+			}
+		}
+	}
+	return out, dummy, errs
+}
+
+// Sync implements loop.Mode.
+func (p *Proxier) Sync(s *service.Snapshot) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	want, dummy, errs := p.desired(s)
+
+	if err := p.k.SetSysctls(); err != nil {
+		return multierror.Append(nil, append(errs, err)...)
+	}
+	if err := p.k.EnsureDummy(DummyName); err != nil {
+		return multierror.Append(nil, append(errs, err)...)
+	}
+	have, err := p.k.DummyAddrs(DummyName)
+	if err != nil {
+		return multierror.Append(nil, append(errs, err)...)
+	}
+	onDummy := map[netip.Addr]bool{}
+	for _, a := range have {
+		onDummy[a] = true
+	}
+	if p.owned == nil {
+		// First sync: virtual servers on the dummy link's addresses are a
+		// previous run's; NodePort ones on node IPs are ours if wanted again.
+		p.owned = map[vsKey]bool{}
+		current, err := p.k.Services()
+		if err != nil {
+			return multierror.Append(nil, append(errs, fmt.Errorf("list IPVS services: %w", err))...)
+		}
+		for _, vs := range current {
+			k := keyOf(vs)
+			if onDummy[k.addr] {
+				p.owned[k] = true
+			}
+		}
+	}
+	for a := range dummy {
+		if !onDummy[a] {
+			if err := p.k.AddAddr(DummyName, a); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+
+	errs = append(errs, p.syncServices(want)...)
+
+	// Addresses go after their virtual servers, so no packet reaches a Service
+	// IP the node accepts but IPVS does not yet serve.
+	for _, a := range have {
+		if !dummy[a] {
+			if err := p.k.DeleteAddr(DummyName, a); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+
+	for _, v6 := range p.fams {
+		if err := p.syncRules(s, v6); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	byPort := map[service.PortName][]vsKey{}
+	for k, d := range want {
+		byPort[d.port.Name] = append(byPort[d.port.Name], k)
+	}
+	p.last, p.byPort = s, byPort
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+func keyOf(vs *ipvs.Service) vsKey {
+	a, _ := netip.AddrFromSlice(vs.Address)
+	if vs.AddressFamily == syscall.AF_INET {
+		a = a.Unmap()
+	}
+	return vsKey{a, vs.Protocol, vs.Port}
+}
+
+func destKey(d *ipvs.Destination) netip.AddrPort {
+	a, _ := netip.AddrFromSlice(d.Address)
+	if d.AddressFamily == syscall.AF_INET || a.Is4In6() {
+		a = a.Unmap()
+	}
+	return netip.AddrPortFrom(a, d.Port)
+}
+
+// syncServices makes the virtual servers match want.
+func (p *Proxier) syncServices(want map[vsKey]*desiredVS) []error {
+	var errs []error
+	current, err := p.k.Services()
+	if err != nil {
+		return []error{fmt.Errorf("list IPVS services: %w", err)}
+	}
+	have := map[vsKey]*ipvs.Service{}
+	for _, vs := range current {
+		have[keyOf(vs)] = vs
+	}
+	keys := make([]vsKey, 0, len(want))
+	for k := range want {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool { return keys[i].String() < keys[j].String() })
+	for _, k := range keys {
+		d := want[k]
+		vs := d.service(p.sched)
+		if cur, ok := have[k]; !ok {
+			if err := p.k.AddService(vs); err != nil {
+				errs = append(errs, fmt.Errorf("add IPVS service %s (%s): %w", k, d.port.Name, err))
+				continue
+			}
+		} else if cur.SchedName != vs.SchedName || cur.Flags&flagPersistent != vs.Flags || cur.Timeout != vs.Timeout {
+			if err := p.k.UpdateService(vs); err != nil {
+				errs = append(errs, fmt.Errorf("update IPVS service %s (%s): %w", k, d.port.Name, err))
+				continue
+			}
+		}
+		p.owned[k] = true
+		errs = append(errs, p.syncDestinations(vs, d)...)
+	}
+	for k := range p.owned {
+		if _, ok := want[k]; ok {
+			continue
+		}
+		if vs, ok := have[k]; ok {
+			if err := p.k.DeleteService(vs); err != nil {
+				errs = append(errs, fmt.Errorf("delete IPVS service %s: %w", k, err))
+				continue
+			}
+		}
+		delete(p.owned, k)
+	}
+	return errs
+}
+
+// syncDestinations makes the real servers of vs match d.eps. A TCP or SCTP real
+// server that is no longer wanted keeps its established connections: weight 0
+// stops new ones, and it goes once IPVS counts none (active or inactive). UDP
+// has no connection end to wait for, so its real servers go at once.
+func (p *Proxier) syncDestinations(vs *ipvs.Service, d *desiredVS) []error {
+	var errs []error
+	current, err := p.k.Destinations(vs)
+	if err != nil {
+		return []error{fmt.Errorf("list real servers of %s: %w", d.key, err)}
+	}
+	have := map[netip.AddrPort]*ipvs.Destination{}
+	for _, dst := range current {
+		have[destKey(dst)] = dst
+	}
+	for _, ep := range d.eps {
+		dst := &ipvs.Destination{Address: ep.Addr().AsSlice(), Port: ep.Port(), Weight: 1, ConnectionFlags: ipvs.ConnectionFlagMasq, AddressFamily: syscall.AF_INET}
+		if ep.Addr().Is6() {
+			dst.AddressFamily = syscall.AF_INET6
+		}
+		cur, ok := have[ep]
+		switch {
+		case !ok:
+			err = p.k.AddDestination(vs, dst)
+		case cur.Weight != 1:
+			// Back from termination, or changed by hand.
+			err = p.k.UpdateDestination(vs, dst)
+		default:
+			continue
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("real server %s of %s: %w", ep, d.key, err))
+		}
+	}
+	wanted := map[netip.AddrPort]bool{}
+	for _, ep := range d.eps {
+		wanted[ep] = true
+	}
+	for ep, cur := range have {
+		if wanted[ep] {
+			continue
+		}
+		graceful := d.key.proto != syscall.IPPROTO_UDP
+		switch {
+		case !graceful || cur.ActiveConnections+cur.InactiveConnections == 0:
+			err = p.k.DeleteDestination(vs, cur)
+		case cur.Weight != 0:
+			stopped := *cur
+			stopped.Weight = 0
+			err = p.k.UpdateDestination(vs, &stopped)
+			klog.V(2).InfoS("Real server terminating", "virtualServer", d.key, "endpoint", ep, "active", cur.ActiveConnections, "inactive", cur.InactiveConnections)
+		default:
+			continue
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("remove real server %s of %s: %w", ep, d.key, err))
+		}
+	}
+	return errs
+}
+
+// Cleanup removes the virtual servers this proxier owns (and any on the dummy
+// link's addresses), the dummy link and the iptables chains.
+func (p *Proxier) Cleanup() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var errs []error
+	if current, err := p.k.Services(); err == nil {
+		for _, vs := range current {
+			if p.owned[keyOf(vs)] {
+				if err := p.k.DeleteService(vs); err != nil {
+					errs = append(errs, fmt.Errorf("delete IPVS service %s: %w", keyOf(vs), err))
+				}
+			}
+		}
+	}
+	p.owned, p.written, p.last, p.byPort = nil, [2][]byte{}, nil, nil
+	if err := cleanup(p.k, p.cfg.Rules, p.n); err != nil {
+		errs = append(errs, err)
+	}
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+// Cleanup removes what the IPVS mode with this chain prefix leaves in the
+// calling thread's namespace: its iptables chains always; when IPVS exists,
+// the virtual servers on the dummy link's addresses; the dummy link. A kernel
+// without IPVS or dummy links has nothing of it, which is not an error.
+func Cleanup(prefix string) error {
+	if prefix == "" {
+		prefix = rules.DefaultChainPrefix
+	}
+	if err := rules.CheckChainPrefix(prefix); err != nil {
+		return err
+	}
+	var k Kernel
+	if nk, err := NewNetlinkKernel(); err == nil {
+		defer nk.Close()
+		k = nk
+	}
+	return cleanup(k, nil, namesOf(prefix))
+}
+
+// cleanup removes the IPVS mode's state; k may be nil (no IPVS socket), and a
+// k whose Services fails (no IPVS family) still gets its dummy link removed.
+func cleanup(k Kernel, rk *rules.Kernel, n names) error {
+	var errs []error
+	if err := cleanupRules(rk, n); err != nil {
+		errs = append(errs, err)
+	}
+	if k == nil {
+		k = &linkOnly{}
+	}
+	addrs, err := k.DummyAddrs(DummyName)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	on := map[netip.Addr]bool{}
+	for _, a := range addrs {
+		on[a] = true
+	}
+	if len(on) > 0 {
+		if current, err := k.Services(); err == nil {
+			for _, vs := range current {
+				if on[keyOf(vs).addr] {
+					if err := k.DeleteService(vs); err != nil {
+						errs = append(errs, fmt.Errorf("delete IPVS service %s: %w", keyOf(vs), err))
+					}
+				}
+			}
+		} else if !errors.Is(err, errNoIPVS) {
+			klog.V(2).InfoS("Listing IPVS services for cleanup", "err", err)
+		}
+	}
+	if err := k.DeleteDummy(DummyName); err != nil {
+		errs = append(errs, err)
+	}
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+var errNoIPVS = errors.New("no IPVS netlink socket")
+
+// linkOnly is the Kernel of a cleanup without IPVS: the dummy link can still be
+// found and deleted; there are no virtual servers.
+type linkOnly struct{ NetlinkKernel }
+
+func (*linkOnly) Services() ([]*ipvs.Service, error) { return nil, errNoIPVS }
+
+// DebugServices implements observe.ServicesView: every Service port of the last
+// sync, with its endpoints' IPVS connection counts summed over its virtual servers.
+func (p *Proxier) DebugServices() []observe.ServiceState {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.last == nil {
+		return nil
+	}
+	out := make([]observe.ServiceState, 0, len(p.last.Ports))
+	for _, sp := range p.last.Ports {
+		st := observe.ServiceState{
+			Name:            sp.Name.String(),
+			Protocol:        string(sp.Protocol),
+			ClusterIPs:      addrStrings(sp.ClusterIPs),
+			ExternalIPs:     addrStrings(sp.ExternalIPs),
+			LoadBalancerIPs: addrStrings(sp.LoadBalancerIPs),
+			Port:            sp.Port,
+			NodePort:        sp.NodePort,
+			SessionAffinity: "None",
+			Scheduler:       p.sched,
+			Endpoints:       []observe.EndpointState{},
+			Affinity:        []observe.AffinityEntry{},
+		}
+		if sp.AffinityClientIP {
+			st.SessionAffinity = "ClientIP"
+			st.AffinityTimeout = int(sp.AffinityTimeout.Seconds())
+		}
+		active := map[netip.AddrPort]int{}
+		programmed := map[netip.AddrPort]bool{}
+		for _, k := range p.byPort[sp.Name] {
+			vs := (&desiredVS{key: k}).service(p.sched)
+			dsts, err := p.k.Destinations(vs)
+			if err != nil {
+				continue
+			}
+			for _, d := range dsts {
+				ep := destKey(d)
+				active[ep] += d.ActiveConnections
+				if d.Weight > 0 {
+					programmed[ep] = true
+				}
+			}
+		}
+		for _, e := range sp.Endpoints {
+			a := netip.AddrPortFrom(e.Addr.Addr().Unmap(), e.Addr.Port())
+			st.Endpoints = append(st.Endpoints, observe.EndpointState{
+				Address:           e.Addr.String(),
+				Ready:             e.Ready,
+				Serving:           e.Serving,
+				Terminating:       e.Terminating,
+				Usable:            programmed[a],
+				ActiveConnections: active[a],
+			})
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
+func addrStrings(ips []netip.Addr) []string {
+	var out []string
+	for _, ip := range ips {
+		out = append(out, ip.String())
+	}
+	return out
+}
+
+// ipNet formats a host address as a prefix for iptables.
+func ipNet(a netip.Addr) string {
+	return (&net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(a.BitLen(), a.BitLen())}).String()
+}

@@ -1,0 +1,317 @@
+package ipvs
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/hashicorp/go-multierror"
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
+)
+
+// names are the IPVS mode's iptables chains. They differ from the iptables
+// mode's and the portals', so cleaning one mode never touches another.
+type names struct {
+	services, postrouting, canary string // nat
+	filter, firewall, nodePorts   string // filter
+}
+
+func namesOf(prefix string) names {
+	return names{
+		services:    prefix + "-IPVS-SERVICES",
+		postrouting: prefix + "-IPVS-POSTROUTING",
+		canary:      prefix + "-IPVS-CANARY",
+		filter:      prefix + "-IPVS-FILTER",
+		firewall:    prefix + "-IPVS-FIREWALL",
+		nodePorts:   prefix + "-IPVS-NODEPORTS",
+	}
+}
+
+func (n names) nat() []string          { return []string{n.services, n.postrouting, n.canary} }
+func (n names) filterChains() []string { return []string{n.filter, n.firewall, n.nodePorts} }
+
+type jump struct {
+	table, chain string
+	spec         []string
+}
+
+func (n names) jumps() []jump {
+	newOnly := []string{"-m", "conntrack", "--ctstate", "NEW"}
+	return []jump{
+		{"nat", "PREROUTING", []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
+		{"nat", "OUTPUT", []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
+		{"nat", "POSTROUTING", []string{"-m", "comment", "--comment", "uproxy ipvs postrouting rules", "-j", n.postrouting}},
+		{"filter", "INPUT", slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs load balancer firewall", "-j", n.firewall})},
+		{"filter", "INPUT", slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs service IPs", "-j", n.filter})},
+		{"filter", "INPUT", []string{"-m", "comment", "--comment", "uproxy ipvs NodePorts", "-j", n.nodePorts}},
+	}
+}
+
+func canaryRule(n names) string {
+	return "-A " + n.canary + ` -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN`
+}
+
+func familyName(v6 bool) string {
+	if v6 {
+		return "IPv6"
+	}
+	return "IPv4"
+}
+
+func protoName(p service.Protocol) string { return strings.ToLower(string(p)) }
+
+func quote(s string) string {
+	if !strings.ContainsAny(s, `"\`) {
+		return `"` + s + `"`
+	}
+	return `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(s) + `"`
+}
+
+// renderRules writes the family's iptables input: masquerade marks (IPVS
+// forwards in NAT mode, so replies return through the node only when the
+// source is the node's or the client is on the way back anyway), hairpin
+// masquerade, the Service-IP filter, the source-range firewall and the NodePort
+// accept rules.
+func (p *Proxier) renderRules(s *service.Snapshot, v6 bool) []byte {
+	n := p.n
+	fam := func(a netip.Addr) bool { return a.Is6() == v6 }
+	var clusterCIDRs []netip.Prefix
+	for _, c := range p.cfg.ClusterCIDRs {
+		if fam(c.Addr()) {
+			clusterCIDRs = append(clusterCIDRs, c.Masked())
+		}
+	}
+	var nat, filter, firewall, nodePorts, hairpin []byte
+	masq := " -j MARK --or-mark " + p.mark + "\n"
+	vips := map[netip.Addr]bool{}
+	var vipOrder []netip.Addr
+	seenHairpin := map[string]bool{}
+	for _, sp := range s.Ports {
+		proto := protoName(sp.Protocol)
+		if protoNumber(sp.Protocol) == 0 {
+			continue
+		}
+		name := sp.Name.String()
+		match := func(ip netip.Addr, port int, comment string) string {
+			return " -d " + ipNet(ip) + " -p " + proto + " -m comment --comment " + quote(name+" "+comment) + " -m " + proto + " --dport " + strconv.Itoa(port)
+		}
+		addVIP := func(ip netip.Addr) {
+			if !vips[ip] {
+				vips[ip] = true
+				vipOrder = append(vipOrder, ip)
+			}
+			filter = append(filter, "-A "+n.filter+match(ip, sp.Port, "service port")+" -j RETURN\n"...)
+		}
+		for _, ip := range cleanAddrs(sp.ClusterIPs) {
+			if !fam(ip) {
+				continue
+			}
+			addVIP(ip)
+			switch {
+			case p.cfg.MasqueradeAll:
+				nat = append(nat, "-A "+n.services+match(ip, sp.Port, "cluster IP")+masq...)
+			case len(clusterCIDRs) > 0 && !sp.InternalPolicyLocal:
+				for _, c := range clusterCIDRs {
+					nat = append(nat, "-A "+n.services+" ! -s "+c.String()+match(ip, sp.Port, "cluster IP")+masq...)
+				}
+			}
+		}
+		// External traffic is masqueraded unless externalTrafficPolicy Local
+		// asks to keep the client address (the node's own traffic still is).
+		srcLocal := ""
+		if sp.ExternalPolicyLocal {
+			srcLocal = " -m addrtype --src-type LOCAL"
+		}
+		for kind, ips := range [][]netip.Addr{sp.ExternalIPs, sp.LoadBalancerIPs} {
+			comment := "external IP"
+			if kind == 1 {
+				comment = "loadbalancer IP"
+			}
+			for _, ip := range cleanAddrs(ips) {
+				if !fam(ip) {
+					continue
+				}
+				addVIP(ip)
+				nat = append(nat, "-A "+n.services+match(ip, sp.Port, comment)+srcLocal+masq...)
+				if kind == 1 && len(sp.LoadBalancerSourceRanges) > 0 {
+					for _, r := range sp.LoadBalancerSourceRanges {
+						if fam(r.Addr()) {
+							firewall = append(firewall, "-A "+n.firewall+" -s "+r.Masked().String()+match(ip, sp.Port, "allowed source")+" -j RETURN\n"...)
+						}
+					}
+					firewall = append(firewall, "-A "+n.firewall+match(ip, sp.Port, "source not allowed")+" -j DROP\n"...)
+				}
+			}
+		}
+		if sp.NodePort > 0 && len(p.nodePortIPs()) > 0 {
+			fams := familiesOf(sp)
+			for _, ip := range p.nodePortIPs() {
+				if !fam(ip) || !fams[ip.Is6()] {
+					continue
+				}
+				nat = append(nat, "-A "+n.services+match(ip, sp.NodePort, "nodePort")+srcLocal+masq...)
+				nodePorts = append(nodePorts, "-A "+n.nodePorts+match(ip, sp.NodePort, "nodePort")+" -j ACCEPT\n"...)
+			}
+		}
+		// Hairpin: an endpoint reaching itself through the Service would see its
+		// own address as the source.
+		for _, ep := range epsOfFamily(sp.Endpoints, v6) {
+			line := "-A " + n.postrouting + " -s " + ipNet(ep.Addr()) + " -d " + ipNet(ep.Addr()) + " -p " + proto + " -m comment --comment " + quote(name+" hairpin") + " -m " + proto + " --dport " + strconv.Itoa(int(ep.Port())) + " -j MASQUERADE\n"
+			if !seenHairpin[line] {
+				seenHairpin[line] = true
+				hairpin = append(hairpin, line...)
+			}
+		}
+	}
+	for _, ip := range vipOrder {
+		// The Service IPs are local addresses on the dummy link: without this,
+		// anything listening on the node (sshd) would answer on them.
+		filter = append(filter, "-A "+n.filter+" -d "+ipNet(ip)+` -m comment --comment "uproxy ipvs: no such service port" -j REJECT`+"\n"...)
+	}
+
+	var b bytes.Buffer
+	b.WriteString("*filter\n")
+	for _, c := range n.filterChains() {
+		b.WriteString(":" + c + " - [0:0]\n")
+	}
+	b.Write(firewall)
+	b.Write(filter)
+	b.Write(nodePorts)
+	b.WriteString("COMMIT\n*nat\n")
+	for _, c := range n.nat() {
+		b.WriteString(":" + c + " - [0:0]\n")
+	}
+	b.WriteString(canaryRule(n) + "\n")
+	b.Write(nat)
+	b.Write(hairpin)
+	b.WriteString("-A " + n.postrouting + " -m mark ! --mark " + p.mark + "/" + p.mark + " -j RETURN\n")
+	b.WriteString("-A " + n.postrouting + " -j MARK --xor-mark " + p.mark + "\n")
+	b.WriteString("-A " + n.postrouting + ` -m comment --comment "uproxy ipvs traffic requiring SNAT" -j MASQUERADE --random-fully` + "\n")
+	b.WriteString("COMMIT\n")
+	return b.Bytes()
+}
+
+// syncRules writes the family's rules when they changed or were flushed.
+func (p *Proxier) syncRules(s *service.Snapshot, v6 bool) error {
+	f := 0
+	if v6 {
+		f = 1
+	}
+	text := p.renderRules(s, v6)
+	t, err := p.cfg.Rules.OpenTables(v6)
+	if err != nil {
+		return err
+	}
+	if p.written[f] != nil {
+		got, err := t.List("nat", p.n.canary)
+		if err != nil || !slices.Contains(got, canaryRule(p.n)) {
+			klog.InfoS("IPVS-mode iptables rules were flushed or deleted by someone else; rewriting them", "family", familyName(v6))
+			p.written[f] = nil
+		}
+	}
+	if p.written[f] != nil && bytes.Equal(p.written[f], text) {
+		return nil
+	}
+	newJumps := p.written[f] == nil
+	p.written[f] = nil
+	if err := p.cfg.Rules.RunRestore(v6, text); err != nil {
+		return fmt.Errorf("write %s IPVS-mode iptables rules: %w", familyName(v6), err)
+	}
+	if newJumps {
+		var errs []error
+		jumps := p.n.jumps()
+		for i := len(jumps) - 1; i >= 0; i-- {
+			j := jumps[i]
+			ok, err := t.Exists(j.table, j.chain, j.spec...)
+			if err == nil && !ok {
+				err = t.Insert(j.table, j.chain, 1, j.spec...)
+			}
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s jump %s/%s -> %s: %w", familyName(v6), j.table, j.chain, j.spec[len(j.spec)-1], err))
+			}
+		}
+		if len(errs) > 0 {
+			return multierror.Append(nil, errs...)
+		}
+	}
+	p.written[f] = text
+	return nil
+}
+
+// cleanupRules deletes the IPVS mode's chains and the jumps to them in both
+// families, from what iptables-save shows.
+func cleanupRules(rk *rules.Kernel, n names) error {
+	ours := map[string][]string{"nat": n.nat(), "filter": n.filterChains()}
+	var errs []error
+	for _, v6 := range []bool{false, true} {
+		saved, err := rk.RunSave(v6)
+		if err != nil {
+			if !rules.IsMissingCommand(err) {
+				errs = append(errs, fmt.Errorf("read %s rules for cleanup: %w", familyName(v6), err))
+			}
+			continue
+		}
+		var b strings.Builder
+		var table string
+		var present, dels []string
+		flush := func() {
+			if len(present) == 0 && len(dels) == 0 {
+				return
+			}
+			b.WriteString("*" + table + "\n")
+			for _, c := range present {
+				b.WriteString(":" + c + " - [0:0]\n")
+			}
+			for _, d := range dels {
+				b.WriteString(d + "\n")
+			}
+			for _, c := range present {
+				b.WriteString("-X " + c + "\n")
+			}
+			b.WriteString("COMMIT\n")
+		}
+		sc := bufio.NewScanner(bytes.NewReader(saved))
+		sc.Buffer(make([]byte, 0, 64*1024), 16*1024*1024)
+		for sc.Scan() {
+			line := sc.Text()
+			switch {
+			case strings.HasPrefix(line, "*"):
+				table, present, dels = line[1:], nil, nil
+			case line == "COMMIT":
+				flush()
+				present, dels = nil, nil
+			case strings.HasPrefix(line, ":"):
+				c, _, _ := strings.Cut(line[1:], " ")
+				if slices.Contains(ours[table], c) {
+					present = append(present, c)
+				}
+			case strings.HasPrefix(line, "-A "):
+				chain, rest, _ := strings.Cut(line[3:], " ")
+				if slices.Contains(ours[table], chain) {
+					continue
+				}
+				fields := strings.Fields(rest)
+				for i := 0; i+1 < len(fields); i++ {
+					if fields[i] == "-j" && slices.Contains(ours[table], fields[i+1]) {
+						dels = append(dels, "-D "+chain+" "+rest)
+						break
+					}
+				}
+			}
+		}
+		if b.Len() == 0 {
+			continue
+		}
+		if err := rk.RunRestore(v6, []byte(b.String())); err != nil {
+			errs = append(errs, fmt.Errorf("clean up %s IPVS-mode rules: %w", familyName(v6), err))
+		}
+	}
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
