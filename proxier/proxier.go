@@ -48,6 +48,9 @@ type Config struct {
 	// picks for a while (1s, doubling up to 30s while it keeps failing); 0 turns
 	// outlier ejection off. See affinity.Ejection.
 	EjectAfter int
+	// EjectBase and EjectMax are the first ejection's length and the cap of its
+	// doubling; 0: affinity.DefaultEjectionBase (1s) and DefaultEjectionMax (30s).
+	EjectBase, EjectMax time.Duration
 }
 
 // Proxier is the userspace mode. Sync is called from one goroutine (the sync
@@ -167,13 +170,24 @@ func (p *Proxier) listenHost() string {
 // several setsockopt calls per connection, and the backend side decides liveness.
 var listenConfig = net.ListenConfig{KeepAlive: -1}
 
+func (p *Proxier) ejection() affinity.Ejection {
+	e := affinity.Ejection{After: p.cfg.EjectAfter, Base: p.cfg.EjectBase, Max: p.cfg.EjectMax}
+	if e.Base <= 0 {
+		e.Base = affinity.DefaultEjectionBase
+	}
+	if e.Max <= 0 {
+		e.Max = affinity.DefaultEjectionMax
+	}
+	return e
+}
+
 // openPort opens the listener of a new Service port on a proxy port and starts serving.
 func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 	bal, err := affinity.NewBalancer(p.cfg.Scheduler)
 	if err != nil {
 		return nil, err
 	}
-	bal.SetEjection(affinity.Ejection{After: p.cfg.EjectAfter})
+	bal.SetEjection(p.ejection())
 	sp := &servicePort{
 		balancer: bal,
 		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
@@ -349,8 +363,8 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	for _, e := range bs.Endpoints {
 		balanced[e.Addr] = e
 	}
-	if p.cfg.EjectAfter > 0 {
-		st.Ejection = fmt.Sprintf("after %d consecutive failed dials, for %v doubling up to %v", p.cfg.EjectAfter, affinity.DefaultEjectionBase, affinity.DefaultEjectionMax)
+	if e := p.ejection(); e.After > 0 {
+		st.Ejection = fmt.Sprintf("after %d consecutive failed dials, for %v doubling up to %v", e.After, e.Base, e.Max)
 	}
 	usable := make(map[netip.AddrPort]bool)
 	for _, e := range port.ClusterEndpoints(p.cfg.Zone) {
