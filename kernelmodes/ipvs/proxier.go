@@ -34,6 +34,7 @@ import (
 
 	"github.com/hashicorp/go-multierror"
 	"github.com/moby/ipvs"
+	"github.com/vishvananda/netlink"
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/observe"
@@ -530,9 +531,13 @@ func Cleanup(prefix string) error {
 		return err
 	}
 	var k Kernel
-	if nk, err := NewNetlinkKernel(); err == nil {
-		defer nk.Close()
-		k = nk
+	// Looking the family up first keeps moby/ipvs from trying modprobe and
+	// logging errors on kernels without IPVS, where only the link can be left.
+	if _, err := netlink.GenlFamilyGet("IPVS"); err == nil {
+		if nk, err := NewNetlinkKernel(); err == nil {
+			defer nk.Close()
+			k = nk
+		}
 	}
 	return cleanup(k, nil, namesOf(prefix))
 }

@@ -1,0 +1,280 @@
+package kernelmodes
+
+import (
+	"bufio"
+	"compress/gzip"
+	"io"
+	"net/netip"
+	"os"
+	"os/exec"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/kernelmodes/iptables"
+	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// kernelConfig reads the running kernel's build options from /proc/config.gz
+// or /boot/config-<release>; nil when neither exists.
+func kernelConfig(t *testing.T) map[string]string {
+	t.Helper()
+	var r io.Reader
+	if f, err := os.Open("/proc/config.gz"); err == nil {
+		defer f.Close()
+		gz, err := gzip.NewReader(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r = gz
+	} else {
+		var uts unix.Utsname
+		unix.Uname(&uts)
+		f, err := os.Open("/boot/config-" + unix.ByteSliceToString(uts.Release[:]))
+		if err != nil {
+			return nil
+		}
+		defer f.Close()
+		r = f
+	}
+	cfg := map[string]string{}
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		if k, v, ok := strings.Cut(sc.Text(), "="); ok && !strings.HasPrefix(k, "#") {
+			cfg[k] = v
+		}
+	}
+	return cfg
+}
+
+// TestProbeMatchesKernel checks the probe against what the kernel was built
+// with (or, without a config file, against /proc/net/ip_vs, which exists
+// exactly when IPVS is there), in a fresh network namespace.
+func TestProbeMatchesKernel(t *testing.T) {
+	testbed.Require(t)
+	cfg := kernelConfig(t)
+	var wantIPVS, wantDummy bool
+	if cfg != nil {
+		wantIPVS = cfg["CONFIG_IP_VS"] == "y" || cfg["CONFIG_IP_VS"] == "m"
+		wantDummy = cfg["CONFIG_DUMMY"] == "y" || cfg["CONFIG_DUMMY"] == "m"
+	} else {
+		_, err := os.Stat("/proc/net/ip_vs")
+		wantIPVS = err == nil
+		wantDummy = exec.Command("ip", "link", "add", "uproxy-tprobe0", "type", "dummy").Run() == nil
+		exec.Command("ip", "link", "del", "uproxy-tprobe0").Run()
+	}
+	tp := testbed.New(t)
+	var v Verdict
+	tp.Run(testbed.Node, func() error { v = Probe("rr"); return nil })
+	t.Logf("kernel config: IP_VS=%q DUMMY=%q; verdict %+v", cfg["CONFIG_IP_VS"], cfg["CONFIG_DUMMY"], v)
+
+	gotIPVS := !slices.Contains(v.IPVSMissing, "no IPVS netlink family (CONFIG_IP_VS)")
+	gotDummy := !slices.Contains(v.IPVSMissing, "cannot create dummy links (CONFIG_DUMMY)")
+	if gotIPVS != wantIPVS {
+		t.Errorf("IPVS available: got %v, want %v (verdict %q)", gotIPVS, wantIPVS, v.IPVSMissing)
+	}
+	if gotDummy != wantDummy {
+		t.Errorf("dummy links available: got %v, want %v (verdict %q)", gotDummy, wantDummy, v.IPVSMissing)
+	}
+	if v.IPVS() != (wantIPVS && wantDummy && len(v.IPVSMissing) == 0) {
+		t.Errorf("IPVS mode usable: got %v with missing %q", v.IPVS(), v.IPVSMissing)
+	}
+	_, lookErr := exec.LookPath("iptables-restore")
+	if v.IPTables() != (lookErr == nil) {
+		t.Errorf("iptables mode usable: got %v, want %v (missing %q)", v.IPTables(), lookErr == nil, v.IPTablesMissing)
+	}
+	if out, err := tp.Exec(testbed.Node, "ip", "link", "show", "uproxy-probe0"); err == nil {
+		t.Errorf("the probe left its dummy link behind: %s", out)
+	}
+
+	if !wantIPVS && !wantDummy && v.IPTables() {
+		// The kernel of our machines: the exact message users see.
+		want := "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS), cannot create dummy links (CONFIG_DUMMY); use --proxy-mode iptables or --proxy-mode userspace"
+		if err := v.IPVSError(); err == nil || err.Error() != want {
+			t.Errorf("IPVSError: got %v, want %q", err, want)
+		}
+		var err error
+		tp.Run(testbed.Node, func() error { _, _, err = Choose(IPVS, ""); return nil })
+		if err == nil || err.Error() != want {
+			t.Errorf("Choose(ipvs): got %v, want %q", err, want)
+		}
+		var mode, reason string
+		tp.Run(testbed.Node, func() error { mode, reason, err = Choose(Auto, ""); return nil })
+		if mode != IPTables || err != nil || !strings.Contains(reason, "CONFIG_IP_VS") {
+			t.Errorf("Choose(auto): got %q %q %v, want iptables with a reason naming CONFIG_IP_VS", mode, reason, err)
+		}
+	}
+}
+
+func TestChoose(t *testing.T) {
+	all := Verdict{}
+	noIPVS := Verdict{IPVSMissing: []string{"no IPVS netlink family (CONFIG_IP_VS)"}}
+	nothing := Verdict{IPVSMissing: noIPVS.IPVSMissing, IPTablesMissing: []string{"no iptables-restore command"}}
+	cases := []struct {
+		requested string
+		v         Verdict
+		mode      string
+		errText   string
+	}{
+		{Auto, all, IPVS, ""},
+		{"", noIPVS, IPTables, ""},
+		{Auto, nothing, Userspace, ""},
+		{IPVS, all, IPVS, ""},
+		{IPVS, noIPVS, "", "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS); use --proxy-mode iptables or --proxy-mode userspace"},
+		{IPVS, nothing, "", "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS); use --proxy-mode userspace"},
+		{IPTables, noIPVS, IPTables, ""},
+		{IPTables, nothing, "", "iptables mode unavailable: no iptables-restore command; use --proxy-mode userspace"},
+	}
+	for _, c := range cases {
+		t.Run(c.requested+"/"+strings.Join(append(c.v.IPVSMissing, c.v.IPTablesMissing...), ","), func(t *testing.T) {
+			mode, reason, err := choose(c.requested, c.v)
+			errText := ""
+			if err != nil {
+				errText = err.Error()
+			}
+			if mode != c.mode || errText != c.errText {
+				t.Errorf("got %q, %v; want %q, %q", mode, err, c.mode, c.errText)
+			}
+			if err == nil && reason == "" {
+				t.Errorf("reason: got empty, want an explanation")
+			}
+		})
+	}
+	if _, _, err := Choose("kernelspace", ""); err == nil {
+		t.Errorf("Choose(kernelspace): got nil error, want one")
+	}
+	if mode, _, err := Choose(Userspace, ""); mode != Userspace || err != nil {
+		t.Errorf("Choose(userspace): got %q %v, want userspace", mode, err)
+	}
+}
+
+var counterRE = regexp.MustCompile(`\[\d+:\d+\]`)
+
+func saved(t *testing.T, tp *testbed.Topology, v6 bool) string {
+	t.Helper()
+	cmd := "iptables-save"
+	if v6 {
+		cmd = "ip6tables-save"
+	}
+	out, err := tp.Exec(testbed.Node, cmd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	for _, line := range strings.Split(string(out), "\n") {
+		if !strings.HasPrefix(line, "#") {
+			b.WriteString(counterRE.ReplaceAllString(line, "[0:0]") + "\n")
+		}
+	}
+	return b.String()
+}
+
+// TestModeSwitches programs the userspace portals, the iptables mode and
+// leftovers of the IPVS mode's chains in one namespace, then checks that
+// CleanupOthers removes exactly the other modes' state and CleanupAll all of it.
+func TestModeSwitches(t *testing.T) {
+	testbed.Require(t)
+	if _, err := exec.LookPath("iptables-restore"); err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	tp := testbed.New(t)
+	must := func(t *testing.T, args ...string) {
+		t.Helper()
+		if _, err := tp.Exec(testbed.Node, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, ipt := range []string{"iptables", "ip6tables"} {
+		must(t, ipt, "-t", "nat", "-N", "KUBE-SERVICES")
+		must(t, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
+		must(t, ipt, "-t", "filter", "-A", "INPUT", "-j", "ACCEPT")
+	}
+	before := [2]string{saved(t, tp, false), saved(t, tp, true)}
+
+	web := &service.Port{Name: service.PortName{Namespace: "shop", Name: "web"}, Protocol: service.TCP, Port: 80,
+		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")}, NodePort: 30080,
+		Endpoints: []service.Endpoint{{Addr: netip.MustParseAddrPort("192.168.50.2:8080"), Ready: true, Serving: true}}}
+	// The portals hold NodePorts open; this test is about chains, so its
+	// portal has none.
+	portal := *web
+	portal.NodePort = 0
+	program := func(t *testing.T) {
+		t.Helper()
+		err := tp.Run(testbed.Node, func() error {
+			portals, err := rules.NewIPTables(rules.Config{NodeIPs: []netip.Addr{tp.NS(testbed.Node).IPv4}})
+			if err != nil {
+				return err
+			}
+			if err := portals.Sync([]rules.Portal{{Port: &portal, ProxyPort: 40000}}); err != nil {
+				return err
+			}
+			p, err := iptables.New(iptables.Config{})
+			if err != nil {
+				return err
+			}
+			return p.Sync(&service.Snapshot{Ports: []*service.Port{web}})
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// What an IPVS-mode run would leave in iptables (IPVS itself cannot run here).
+		must(t, "iptables", "-t", "nat", "-N", "UPROXY-IPVS-SERVICES")
+		must(t, "iptables", "-t", "nat", "-I", "PREROUTING", "-j", "UPROXY-IPVS-SERVICES")
+		must(t, "iptables", "-t", "filter", "-N", "UPROXY-IPVS-FILTER")
+		must(t, "iptables", "-t", "filter", "-I", "INPUT", "-j", "UPROXY-IPVS-FILTER")
+	}
+	has := func(chains ...string) map[string]bool {
+		s := saved(t, tp, false)
+		got := map[string]bool{}
+		for _, c := range chains {
+			got[c] = strings.Contains(s, ":"+c+" ")
+		}
+		return got
+	}
+	chains := []string{"UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES", "UPROXY-IPVS-SERVICES", "UPROXY-IPVS-FILTER"}
+	steps := []struct {
+		name  string
+		clean func() error
+		want  map[string]bool
+	}{
+		{"start in iptables mode", func() error { return CleanupOthers(IPTables, "") },
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, "UPROXY-SERVICES": true, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+		{"start in userspace mode", func() error { return CleanupOthers(Userspace, "") },
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": true, "UPROXY-SERVICES": false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+		{"start in ipvs mode", func() error { return CleanupOthers(IPVS, "") },
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, "UPROXY-SERVICES": false, "UPROXY-IPVS-SERVICES": true, "UPROXY-IPVS-FILTER": true}},
+	}
+	for _, st := range steps {
+		t.Run(st.name, func(t *testing.T) {
+			program(t)
+			if err := tp.Run(testbed.Node, st.clean); err != nil {
+				t.Fatalf("cleanup: %v", err)
+			}
+			got := has(chains...)
+			for _, c := range chains {
+				if got[c] != st.want[c] {
+					t.Errorf("chain %s present: got %v, want %v", c, got[c], st.want[c])
+				}
+			}
+			if err := tp.Run(testbed.Node, func() error { return CleanupAll("") }); err != nil {
+				t.Fatalf("CleanupAll: %v", err)
+			}
+			for i, v6 := range []bool{false, true} {
+				if got := saved(t, tp, v6); got != before[i] {
+					t.Errorf("after CleanupAll (v6=%v):\ngot:\n%s\nwant:\n%s", v6, got, before[i])
+				}
+			}
+		})
+	}
+	if err := CleanupOthers("kernelspace", ""); err == nil {
+		t.Errorf("CleanupOthers(kernelspace): got nil error, want one")
+	}
+}
