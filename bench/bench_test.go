@@ -1,0 +1,221 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"encoding/xml"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// TestTinyRun runs every path and workload for a few milliseconds each and
+// checks the shape of the report: every available path produced numbers for
+// every workload that applies to it, unavailable paths and skipped workloads
+// say why, nothing failed, the outputs render, and no namespace is left behind.
+// It asserts nothing about the numbers' size.
+func TestTinyRun(t *testing.T) {
+	testbed.Require(t)
+	if testing.Short() {
+		t.Skip("builds uproxy and runs every proxy")
+	}
+	bin := filepath.Join(t.TempDir(), "uproxy")
+	build := exec.Command("go", "build", "-o", bin, "..")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build uproxy: %v\n%s", err, out)
+	}
+	prefix := fmt.Sprintf("tb-%d-", os.Getpid())
+
+	var progress bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, Config{
+		Duration:        50 * time.Millisecond,
+		Rounds:          2,
+		IdleConns:       20,
+		SyncSizes:       []int{10},
+		EndpointChanges: 1,
+		Uproxy:          bin,
+		Progress:        &progress,
+		Log:             testWriter{t},
+	})
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if f := rep.Failed(); len(f) > 0 {
+		t.Errorf("failures: got %q, want none", f)
+	}
+
+	available := map[string]bool{}
+	t.Run("paths", func(t *testing.T) {
+		if len(rep.Paths) != len(Paths) {
+			t.Fatalf("paths in report: got %d, want %d (%+v)", len(rep.Paths), len(Paths), rep.Paths)
+		}
+		for i, p := range rep.Paths {
+			if p.Name != Paths[i] {
+				t.Errorf("path %d: got %q, want %q", i, p.Name, Paths[i])
+			}
+			switch {
+			case p.Available && p.Reason != "":
+				t.Errorf("%s: available with reason %q, want no reason", p.Name, p.Reason)
+			case !p.Available && p.Reason == "":
+				t.Errorf("%s: unavailable without a reason", p.Name)
+			case p.Available && p.Error == "":
+				available[p.Name] = true
+			}
+		}
+		for _, must := range []string{Direct, Userspace} {
+			if !available[must] {
+				t.Errorf("%s: got unavailable or failed, want it to run on any root machine with iptables", must)
+			}
+		}
+	})
+
+	for _, wr := range rep.Workloads {
+		t.Run(wr.Name, func(t *testing.T) {
+			seen := map[string]bool{}
+			for _, pr := range wr.Results {
+				seen[pr.Path] = true
+				if pr.Skipped != "" {
+					continue
+				}
+				if pr.Value == nil {
+					t.Errorf("%s: no value", pr.Path)
+					continue
+				}
+				if *pr.Value <= 0 {
+					t.Errorf("%s: value %v, want > 0", pr.Path, *pr.Value)
+				}
+				if wr.Name == Idle {
+					if pr.Idle == nil || pr.Idle.Conns != 20 {
+						t.Errorf("%s: idle result %+v, want 20 connections", pr.Path, pr.Idle)
+					}
+					continue
+				}
+				if len(pr.Rounds) != 2 {
+					t.Errorf("%s: got %d rounds, want 2", pr.Path, len(pr.Rounds))
+				}
+				for i, rd := range pr.Rounds {
+					if rd.Ops == 0 && rd.Bytes == 0 {
+						t.Errorf("%s round %d: no work measured", pr.Path, i)
+					}
+				}
+				if pr.MachineCPU == nil || pr.ClientCPU == nil {
+					t.Errorf("%s: machine or client CPU missing", pr.Path)
+				}
+				if hasProxy := pr.Path == Userspace || isPeer(pr.Path); hasProxy != (pr.ProxyCPU != nil) {
+					t.Errorf("%s: proxy CPU present %v, want %v", pr.Path, pr.ProxyCPU != nil, hasProxy)
+				}
+				if trafficWorkloads[wr.Name].latency && (pr.Latency == nil || len(pr.CDF) == 0) {
+					t.Errorf("%s: no latency distribution", pr.Path)
+				}
+			}
+			for p := range available {
+				if !seen[p] {
+					t.Errorf("available path %s missing from the results", p)
+				}
+			}
+		})
+	}
+	if len(rep.Workloads) != len(Workloads)-1 {
+		t.Errorf("workload results: got %d, want %d (all but control)", len(rep.Workloads), len(Workloads)-1)
+	}
+
+	t.Run("control", func(t *testing.T) {
+		for _, c := range rep.Control {
+			if c.Path != Userspace && c.Path != IPTables && c.Path != IPVS {
+				if c.Skipped == "" {
+					t.Errorf("%s: control plane measured, want skipped with a reason", c.Path)
+				}
+				continue
+			}
+			r := c.Result
+			if r == nil || len(r.Syncs) != 1 || r.Syncs[0].Syncs == 0 || r.Syncs[0].SyncSeconds <= 0 || len(r.EndpointChangeMs) != 1 {
+				t.Errorf("%s: control result %+v, want one sync of 10 Service ports and one endpoint change", c.Path, r)
+			}
+		}
+	})
+
+	t.Run("outputs", func(t *testing.T) {
+		var js, table, svg bytes.Buffer
+		if err := rep.WriteJSON(&js); err != nil {
+			t.Fatal(err)
+		}
+		var back Report
+		if err := json.Unmarshal(js.Bytes(), &back); err != nil {
+			t.Fatalf("JSON does not decode: %v", err)
+		}
+		if err := rep.WriteTable(&table); err != nil {
+			t.Fatal(err)
+		}
+		for p := range available {
+			if !strings.Contains(table.String(), p) {
+				t.Errorf("table does not mention %s", p)
+			}
+		}
+		if err := rep.WriteChart(&svg); err != nil {
+			t.Fatal(err)
+		}
+		if err := wellFormed(&svg); err != nil {
+			t.Errorf("SVG is not well-formed XML: %v", err)
+		}
+		if !strings.Contains(progress.String(), "latency") {
+			t.Errorf("progress: got %q, want a line per step", progress.String())
+		}
+	})
+
+	out, err := exec.Command("ip", "netns", "list").CombinedOutput()
+	if err != nil {
+		t.Fatalf("ip netns list: %v", err)
+	}
+	if strings.Contains(string(out), prefix) {
+		t.Errorf("namespaces left after Run:\n%s", out)
+	}
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+func wellFormed(r io.Reader) error {
+	d := xml.NewDecoder(r)
+	for {
+		_, err := d.Token()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+func TestRunRejectsUnknownNames(t *testing.T) {
+	tests := []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"path", Config{Paths: []string{"direct", "envoy"}}, `unknown path "envoy"`},
+		{"workload", Config{Workloads: []string{"bulk", "http"}}, `unknown workload "http"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Run(context.Background(), tt.cfg)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Run: got %v, want an error containing %q", err, tt.want)
+			}
+		})
+	}
+}

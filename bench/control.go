@@ -1,0 +1,171 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+)
+
+// SyncResult is one full sync of many Service ports.
+type SyncResult struct {
+	// Ports is how many Service ports the sync added (beside the four the
+	// benchmark always has).
+	Ports int `json:"servicePorts"`
+	// SyncSeconds is the time the proxy's syncs spent on the change, from
+	// kubeproxy_sync_proxy_rules_duration_seconds; Syncs is how many there were.
+	SyncSeconds float64 `json:"syncSeconds"`
+	Syncs       uint64  `json:"syncs"`
+	// ToTrafficSeconds runs from the manifest's rename to the first round trip
+	// through the last of the new Services: decode, sync and rules together.
+	ToTrafficSeconds float64 `json:"toTrafficSeconds"`
+	// RemoveSyncSeconds is the sync time of removing them all again.
+	RemoveSyncSeconds float64 `json:"removeSyncSeconds"`
+}
+
+// ControlResult is the control-plane workload over one path.
+type ControlResult struct {
+	Syncs []SyncResult `json:"syncs"`
+	// EndpointChangeMs are the times from rewriting a Service's endpoints to the
+	// first new connection that reaches the new endpoint.
+	EndpointChangeMs     []float64 `json:"endpointChangeMs"`
+	EndpointChangeMedian float64   `json:"endpointChangeMedianMs"`
+	EndpointChangeMax    float64   `json:"endpointChangeMaxMs"`
+}
+
+// runControl measures syncs of sizes Service ports and changes endpoint
+// changes of one Service.
+func runControl(ctx context.Context, p *path, sizes []int, changes int) (*ControlResult, error) {
+	c := p.ctl
+	res := &ControlResult{}
+	for _, n := range sizes {
+		sr, err := c.scaleSync(ctx, n)
+		if err != nil {
+			return nil, fmt.Errorf("sync of %d Service ports over %s: %w", n, p.name, err)
+		}
+		res.Syncs = append(res.Syncs, *sr)
+	}
+	tag := byte('a')
+	for range changes {
+		tag ^= 'a' ^ 'b'
+		d, err := c.endpointChange(ctx, tag)
+		if err != nil {
+			return nil, fmt.Errorf("endpoint change over %s: %w", p.name, err)
+		}
+		res.EndpointChangeMs = append(res.EndpointChangeMs, float64(d)/1e6)
+	}
+	if len(res.EndpointChangeMs) > 0 {
+		s := slices.Clone(res.EndpointChangeMs)
+		slices.Sort(s)
+		res.EndpointChangeMedian = s[len(s)/2]
+		res.EndpointChangeMax = s[len(s)-1]
+	}
+	return res, nil
+}
+
+func (c *uproxyCtl) scaleSync(ctx context.Context, n int) (*SyncResult, error) {
+	var b bytes.Buffer
+	b.Grow(n * 700)
+	ep := c.w.backendAddr(c.w.ports.Echo)
+	for i := range n {
+		writeService(&b, fmt.Sprintf("scale-%d", i), "TCP", scaleVIP(i), ep)
+	}
+	sum0, count0, err := c.syncMetric()
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	if err := c.writeFile("scale.yaml", b.Bytes()); err != nil {
+		return nil, err
+	}
+	last := scaleVIP(n - 1)
+	timeout := 30*time.Second + time.Duration(n)*10*time.Millisecond
+	if err := c.w.waitTraffic(ctx, c.p, timeout, target{"tcp", last}); err != nil {
+		return nil, err
+	}
+	toTraffic := time.Since(start)
+	sum1, count1, err := c.waitSynced(ctx, count0, timeout)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Remove(filepath.Join(c.dir, "scale.yaml")); err != nil {
+		return nil, err
+	}
+	sum2, _, err := c.waitSynced(ctx, count1, timeout)
+	if err != nil {
+		return nil, fmt.Errorf("removing them: %w", err)
+	}
+	return &SyncResult{
+		Ports:             n,
+		SyncSeconds:       sum1 - sum0,
+		Syncs:             count1 - count0,
+		ToTrafficSeconds:  toTraffic.Seconds(),
+		RemoveSyncSeconds: sum2 - sum1,
+	}, nil
+}
+
+// waitSynced waits until the sync count passes count.
+func (c *uproxyCtl) waitSynced(ctx context.Context, count uint64, timeout time.Duration) (float64, uint64, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		sum, n, err := c.syncMetric()
+		if err == nil && n > count {
+			return sum, n, nil
+		}
+		if !c.p.running() {
+			return 0, 0, fmt.Errorf("uproxy exited: %s", c.p.logTail())
+		}
+		if time.Now().After(deadline) {
+			return 0, 0, fmt.Errorf("no sync within %v (metric error: %v)", timeout, err)
+		}
+		if !sleepCtx(ctx, 10*time.Millisecond) {
+			return 0, 0, ctx.Err()
+		}
+	}
+}
+
+// endpointChange points the flip Service at the backend answering tag and
+// returns the time until a new connection gets that answer.
+func (c *uproxyCtl) endpointChange(ctx context.Context, tag byte) (time.Duration, error) {
+	start := time.Now()
+	if err := c.writeBase(tag); err != nil {
+		return 0, err
+	}
+	deadline := start.Add(30 * time.Second)
+	for {
+		got, err := c.ask(flipVIP)
+		if err == nil && got == tag {
+			return time.Since(start), nil
+		}
+		if time.Now().After(deadline) {
+			return 0, fmt.Errorf("still answered %q (%v) 30s after the change to %q", got, err, tag)
+		}
+		if !sleepCtx(ctx, time.Millisecond) {
+			return 0, ctx.Err()
+		}
+	}
+}
+
+// ask sends one byte to a tag server and returns its answer.
+func (c *uproxyCtl) ask(to netip.AddrPort) (byte, error) {
+	var b [1]byte
+	err := c.w.inClient(func() error {
+		conn, err := dialer.Dial("tcp", to.String())
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		conn.SetDeadline(time.Now().Add(time.Second))
+		if _, err := conn.Write([]byte{'?'}); err != nil {
+			return err
+		}
+		_, err = io.ReadFull(conn, b[:])
+		return err
+	})
+	return b[0], err
+}

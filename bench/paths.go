@@ -1,0 +1,408 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Path names, as --paths takes them.
+const (
+	Direct    = "direct"    // client to backend, routed by the node: no proxy
+	Userspace = "userspace" // uproxy's userspace mode through the ClusterIP portal
+	IPTables  = "iptables"  // uproxy's iptables kernel mode (DNAT)
+	IPVS      = "ipvs"      // uproxy's IPVS kernel mode
+	HAProxy   = "haproxy"   // HAProxy, tcp mode with forced splice
+	Nginx     = "nginx"     // nginx stream
+)
+
+// Paths lists every path in the order the report shows them.
+var Paths = []string{Direct, Userspace, IPTables, IPVS, HAProxy, Nginx}
+
+// peers are the other userspace proxies uproxy is judged against.
+var peers = []string{HAProxy, Nginx}
+
+func isPeer(name string) bool { return name == HAProxy || name == Nginx }
+
+// Virtual IPs of the benchmark's Services; they exist only in the benchmark's
+// namespaces.
+var (
+	echoVIP = netip.MustParseAddrPort("10.96.0.10:80")
+	bulkVIP = netip.MustParseAddrPort("10.96.0.11:80")
+	flipVIP = netip.MustParseAddrPort("10.96.0.12:80")
+	udpVIP  = netip.MustParseAddrPort("10.96.0.53:53")
+)
+
+// Listening ports of the peers on the node's client-facing address. The node
+// namespace is the benchmark's own, so nothing else can hold them.
+const (
+	haproxyBase = 18080
+	nginxBase   = 19080
+)
+
+// path is one way from the client to the backends.
+type path struct {
+	name    string
+	w       *world
+	version string
+	echo    netip.AddrPort // TCP echo target as the client dials it
+	bulk    netip.AddrPort // TCP bulk source
+	udp     netip.AddrPort // UDP echo; zero when the path has none
+	noUDP   string         // why udp is zero
+	// proxy is the process whose CPU and memory are the proxy's; nil when the
+	// work happens in the kernel (direct, kernel modes).
+	proxy *process
+	// ctl drives the control-plane workload; nil unless uproxy programs the path.
+	ctl *uproxyCtl
+}
+
+// probe says why a path cannot run on this machine, or "" when it can.
+func probe(name, uproxy string) string {
+	switch name {
+	case Direct:
+		return ""
+	case Userspace:
+		if _, err := exec.LookPath("iptables-restore"); err != nil {
+			return "iptables-restore not installed (make deps)"
+		}
+		return ""
+	case IPTables:
+		return proxyModeProbe(uproxy, "iptables")
+	case IPVS:
+		if reason := ipvsKernelProbe(); reason != "" {
+			return reason
+		}
+		return proxyModeProbe(uproxy, "ipvs")
+	case HAProxy:
+		if _, err := exec.LookPath("haproxy"); err != nil {
+			return "not installed (make bench-deps)"
+		}
+		return ""
+	case Nginx:
+		if _, err := exec.LookPath("nginx"); err != nil {
+			return "not installed (make bench-deps)"
+		}
+		if _, err := nginxStreamModule(); err != nil {
+			return err.Error()
+		}
+		return ""
+	}
+	return "unknown path"
+}
+
+// proxyModeProbe checks that the uproxy binary has a --proxy-mode flag; the
+// kernel modes are selected with it.
+func proxyModeProbe(uproxy, mode string) string {
+	out, err := exec.Command(uproxy, "--help").CombinedOutput()
+	if err != nil {
+		return fmt.Sprintf("%s --help: %v", uproxy, err)
+	}
+	if !bytes.Contains(out, []byte("--proxy-mode")) {
+		return fmt.Sprintf("this uproxy binary has no --proxy-mode flag (the %s kernel mode is not built in yet)", mode)
+	}
+	return ""
+}
+
+// ipvsKernelProbe reports a kernel without IPVS: /proc/net/ip_vs appears once
+// the ip_vs module is loaded or built in.
+func ipvsKernelProbe() string {
+	if _, err := os.Stat("/proc/net/ip_vs"); err == nil {
+		return ""
+	}
+	out, err := exec.Command("modprobe", "ip_vs").CombinedOutput()
+	if _, serr := os.Stat("/proc/net/ip_vs"); serr == nil {
+		return ""
+	}
+	msg := strings.TrimSpace(string(out))
+	if err != nil && msg == "" {
+		msg = err.Error()
+	}
+	return fmt.Sprintf("kernel has no IPVS (no /proc/net/ip_vs; CONFIG_IP_VS off; modprobe ip_vs: %s)", msg)
+}
+
+// nginxStreamModule returns the load_module line nginx needs for stream, or ""
+// when stream is built in.
+func nginxStreamModule() (string, error) {
+	out, err := exec.Command("nginx", "-V").CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("nginx -V: %v", err)
+	}
+	v := string(out)
+	if strings.Contains(v, "--with-stream ") || strings.HasSuffix(strings.TrimSpace(v), "--with-stream") {
+		return "", nil
+	}
+	for _, dir := range []string{"/usr/lib/nginx/modules", "/usr/lib64/nginx/modules", "/usr/share/nginx/modules"} {
+		so := filepath.Join(dir, "ngx_stream_module.so")
+		if _, err := os.Stat(so); err == nil {
+			return "load_module " + so + ";", nil
+		}
+	}
+	return "", fmt.Errorf("nginx has no stream module (make bench-deps)")
+}
+
+func firstLine(b []byte) string {
+	s, _, _ := strings.Cut(strings.TrimSpace(string(b)), "\n")
+	return s
+}
+
+// setupDirect: the client dials the backends themselves.
+func setupDirect(w *world) *path {
+	return &path{
+		name: Direct, w: w, version: "kernel forwarding",
+		echo: w.backendAddr(w.ports.Echo),
+		bulk: w.backendAddr(w.ports.Bulk),
+		udp:  w.backendAddr(w.ports.UDP),
+	}
+}
+
+// setupUproxy starts uproxy in the node namespace (mode "" is the userspace
+// mode) on the benchmark's Services and waits until they carry traffic.
+func setupUproxy(ctx context.Context, w *world, name, mode, exe string) (*path, error) {
+	ctl := &uproxyCtl{w: w, dir: filepath.Join(w.dir, w.name+"-"+name+"-services"), metrics: "127.0.0.1:10249"}
+	if err := os.MkdirAll(ctl.dir, 0o755); err != nil {
+		return nil, err
+	}
+	if err := ctl.writeBase('a'); err != nil {
+		return nil, err
+	}
+	args := []string{exe,
+		"--services", ctl.dir,
+		"--metrics-bind-address", ctl.metrics,
+		"--healthz-bind-address", "127.0.0.1:10256",
+		// Only changes sync: a periodic resync during a measurement would be noise.
+		"--sync-period", "1h",
+		"--min-sync-period", "0",
+		"--shutdown-grace", "1s",
+	}
+	if mode == "" {
+		args = append(args, "--rules", "iptables")
+	} else {
+		args = append(args, "--proxy-mode", mode)
+	}
+	p, err := w.start("uproxy-"+name, nodeRole, nil, nil, nil, args...)
+	if err != nil {
+		return nil, err
+	}
+	ctl.p = p
+	ctl.http = &http.Client{
+		Timeout: 30 * time.Second,
+		Transport: &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			return w.tp.Dial(nodeRole, network, addr)
+		}},
+	}
+	pt := &path{name: name, w: w, echo: echoVIP, bulk: bulkVIP, udp: udpVIP, ctl: ctl}
+	if mode == "" {
+		pt.proxy = p
+	}
+	if out, err := exec.Command(exe, "version").Output(); err == nil {
+		pt.version = firstLine(out)
+	}
+	if err := w.waitTraffic(ctx, p, 20*time.Second, target{"tcp", echoVIP}, target{"udp", udpVIP}); err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	w.tuneConntrack()
+	return pt, nil
+}
+
+// setupHAProxy runs HAProxy in the node namespace: tcp mode, splice forced both
+// ways, its default of one thread per CPU. HAProxy does not proxy UDP.
+func setupHAProxy(ctx context.Context, w *world) (*path, error) {
+	listen := func(i int) netip.AddrPort { return netip.AddrPortFrom(w.ip.nodeClientSide, uint16(haproxyBase+i)) }
+	// HAProxy sizes its file limit from maxconn (two sockets per connection) and
+	// maxpipes (two descriptors per splice pipe, default maxconn/4), and refuses
+	// to start above the hard limit. Pipes are needed only by connections
+	// splicing at the same moment, so a fixed pool is plenty.
+	const maxpipes = 1024
+	maxconn := (w.fileLimit - 2*maxpipes - 500) / 2
+	var cfg strings.Builder
+	fmt.Fprintf(&cfg, `global
+	maxconn %[1]d
+	maxpipes %[2]d
+defaults
+	mode tcp
+	maxconn %[1]d
+	timeout connect 5s
+	timeout client 1h
+	timeout server 1h
+	option splice-request
+	option splice-response
+`, maxconn, maxpipes)
+	for i, be := range []uint16{w.ports.Echo, w.ports.Bulk} {
+		fmt.Fprintf(&cfg, "listen l%d\n\tbind %s\n\tserver b %s\n", i, listen(i), w.backendAddr(be))
+	}
+	file := filepath.Join(w.dir, "haproxy.cfg")
+	if err := os.WriteFile(file, []byte(cfg.String()), 0o644); err != nil {
+		return nil, err
+	}
+	p, err := w.start("haproxy", nodeRole, nil, nil, nil, "haproxy", "-db", "-f", file)
+	if err != nil {
+		return nil, err
+	}
+	pt := &path{name: HAProxy, w: w, echo: listen(0), bulk: listen(1), noUDP: "HAProxy does not proxy UDP", proxy: p}
+	if out, err := exec.Command("haproxy", "-v").CombinedOutput(); err == nil {
+		pt.version = firstLine(out)
+	}
+	if err := w.waitTraffic(ctx, p, 10*time.Second, target{"tcp", pt.echo}); err != nil {
+		return nil, fmt.Errorf("haproxy: %w", err)
+	}
+	return pt, nil
+}
+
+// setupNginx runs nginx's stream proxy in the node namespace with one worker per
+// CPU. UDP listens with reuseport so every datagram of a client reaches the
+// worker holding its session.
+func setupNginx(ctx context.Context, w *world) (*path, error) {
+	module, err := nginxStreamModule()
+	if err != nil {
+		return nil, err
+	}
+	listen := func(i int) netip.AddrPort { return netip.AddrPortFrom(w.ip.nodeClientSide, uint16(nginxBase+i)) }
+	prefix := filepath.Join(w.dir, "nginx")
+	if err := os.MkdirAll(filepath.Join(prefix, "logs"), 0o755); err != nil {
+		return nil, err
+	}
+	var cfg strings.Builder
+	fmt.Fprintf(&cfg, `%s
+daemon off;
+worker_processes auto;
+worker_rlimit_nofile %d;
+pid %s/nginx.pid;
+error_log %s/logs/error.log warn;
+events { worker_connections %d; }
+stream {
+	server { listen %s; proxy_pass %s; proxy_timeout 1h; }
+	server { listen %s; proxy_pass %s; proxy_timeout 1h; }
+	server { listen %s udp reuseport; proxy_pass %s; proxy_timeout 10s; }
+}
+`, module, w.fileLimit, prefix, prefix, w.fileLimit-200,
+		listen(0), w.backendAddr(w.ports.Echo),
+		listen(1), w.backendAddr(w.ports.Bulk),
+		listen(2), w.backendAddr(w.ports.UDP))
+	file := filepath.Join(prefix, "nginx.conf")
+	if err := os.WriteFile(file, []byte(cfg.String()), 0o644); err != nil {
+		return nil, err
+	}
+	p, err := w.start("nginx", nodeRole, nil, nil, nil, "nginx", "-p", prefix, "-e", filepath.Join(prefix, "logs", "error.log"), "-c", file)
+	if err != nil {
+		return nil, err
+	}
+	pt := &path{name: Nginx, w: w, echo: listen(0), bulk: listen(1), udp: listen(2), proxy: p}
+	if out, err := exec.Command("nginx", "-v").CombinedOutput(); err == nil {
+		pt.version = strings.TrimPrefix(firstLine(out), "nginx version: ")
+	}
+	if err := w.waitTraffic(ctx, p, 10*time.Second, target{"tcp", pt.echo}, target{"udp", pt.udp}); err != nil {
+		return nil, fmt.Errorf("nginx: %w", err)
+	}
+	return pt, nil
+}
+
+// uproxyCtl is the control side of a uproxy process: its manifests and metrics.
+type uproxyCtl struct {
+	w       *world
+	p       *process
+	dir     string
+	metrics string
+	http    *http.Client
+}
+
+// writeFile replaces a manifest atomically, so uproxy never reads half of one.
+func (c *uproxyCtl) writeFile(name string, content []byte) error {
+	tmp := filepath.Join(c.dir, "."+name+".tmp")
+	if err := os.WriteFile(tmp, content, 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(c.dir, name))
+}
+
+// writeBase writes the benchmark's Services; flip's endpoint is the backend that
+// answers tag.
+func (c *uproxyCtl) writeBase(tag byte) error {
+	ports := c.w.ports
+	flip := ports.TagA
+	if tag == 'b' {
+		flip = ports.TagB
+	}
+	var b bytes.Buffer
+	be := c.w.ip.backend
+	writeService(&b, "echo", "TCP", echoVIP, netip.AddrPortFrom(be, ports.Echo))
+	writeService(&b, "bulk", "TCP", bulkVIP, netip.AddrPortFrom(be, ports.Bulk))
+	writeService(&b, "flip", "TCP", flipVIP, netip.AddrPortFrom(be, flip))
+	writeService(&b, "udp", "UDP", udpVIP, netip.AddrPortFrom(be, ports.UDP))
+	return c.writeFile("base.yaml", b.Bytes())
+}
+
+// writeService renders a ClusterIP Service with one port and its EndpointSlice
+// with one ready endpoint.
+func writeService(b *bytes.Buffer, name, proto string, vip, ep netip.AddrPort) {
+	fmt.Fprintf(b, `---
+apiVersion: v1
+kind: Service
+metadata: {name: %[1]s, namespace: bench}
+spec: {type: ClusterIP, clusterIP: %[2]s, clusterIPs: [%[2]s], ports: [{name: p, protocol: %[3]s, port: %[4]d}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: %[1]s-1, namespace: bench, labels: {kubernetes.io/service-name: %[1]s}}
+addressType: IPv4
+ports: [{name: p, protocol: %[3]s, port: %[6]d}]
+endpoints: [{addresses: ["%[5]s"], conditions: {ready: true}}]
+`, name, vip.Addr(), proto, vip.Port(), ep.Addr(), ep.Port())
+}
+
+// scaleVIP is the virtual IP of the i-th Service of the control-plane workload.
+func scaleVIP(i int) netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 100, byte(i / 250), byte(i%250 + 1)}), 80)
+}
+
+// syncMetric reads the sum and count of kubeproxy_sync_proxy_rules_duration_seconds.
+func (c *uproxyCtl) syncMetric() (sum float64, count uint64, err error) {
+	resp, err := c.http.Get("http://" + c.metrics + "/metrics")
+	if err != nil {
+		return 0, 0, err
+	}
+	defer resp.Body.Close()
+	return parseSyncMetric(resp.Body)
+}
+
+func parseSyncMetric(r io.Reader) (sum float64, count uint64, err error) {
+	const name = "kubeproxy_sync_proxy_rules_duration_seconds"
+	found := 0
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		k, v, ok := strings.Cut(line, " ")
+		if !ok {
+			continue
+		}
+		switch k {
+		case name + "_sum":
+			sum, err = strconv.ParseFloat(v, 64)
+			found++
+		case name + "_count":
+			count, err = strconv.ParseUint(v, 10, 64)
+			found++
+		}
+		if err != nil {
+			return 0, 0, fmt.Errorf("%s: %w", line, err)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return 0, 0, err
+	}
+	if found != 2 {
+		return 0, 0, fmt.Errorf("no %s histogram in /metrics", name)
+	}
+	return sum, count, nil
+}

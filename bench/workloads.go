@@ -1,0 +1,478 @@
+package bench
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Workload names, as --workloads takes them.
+const (
+	Bulk        = "bulk"        // TCP bulk throughput, one stream from the backend
+	Connections = "connections" // short connections: connect, 64-byte request and reply, close
+	Latency     = "latency"     // 64-byte request/response on one persistent TCP connection
+	UDP         = "udp"         // 64-byte UDP request/response from several clients
+	Idle        = "idle"        // memory per idle proxied connection
+	Control     = "control"     // sync time at many Service ports, endpoint change to traffic
+)
+
+// Workloads lists every workload in the order they run and are reported.
+var Workloads = []string{Bulk, Connections, Latency, UDP, Idle, Control}
+
+// msgSize is the request and reply size of the small-message workloads.
+const msgSize = 64
+
+// workload is one of the measured kinds of traffic.
+type workload struct {
+	name  string
+	title string
+	// unit of Value, and whether more is better.
+	unit         string
+	higherBetter bool
+	// cpuUnit names the per-work CPU figure; cpuScale converts CPU seconds per
+	// unit of work into it.
+	cpuUnit  string
+	cpuScale float64
+	// workers is how many load generators run at once.
+	workers int
+	// loop is one load generator; it runs on a thread in the client namespace.
+	loop func(p *path, m *meter, g *generator) error
+	// value turns a round's totals into Value; units into units of CPU work.
+	value func(g *generator, seconds float64) float64
+	units func(g *generator) float64
+	// latency says Value comes with a latency distribution worth charting.
+	latency bool
+	// skip says why the workload does not apply to p ("" when it does).
+	skip func(p *path) string
+}
+
+var trafficWorkloads = map[string]*workload{
+	Bulk: {
+		name: Bulk, title: "TCP bulk throughput (1 stream, backend to client)",
+		unit: "MB/s", higherBetter: true, cpuUnit: "CPU-s/GB", cpuScale: 1,
+		workers: 1, loop: bulkLoop,
+		value: func(g *generator, s float64) float64 { return float64(g.bytes) / 1e6 / s },
+		units: func(g *generator) float64 { return float64(g.bytes) / 1e9 },
+	},
+	Connections: {
+		name: Connections, title: "Short connections (connect, 64 B request, 64 B reply, close; 4 clients)",
+		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
+		workers: 4, loop: connectionsLoop, latency: true,
+		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
+		units: func(g *generator) float64 { return float64(g.ops) },
+	},
+	Latency: {
+		name: Latency, title: "TCP request/response latency (64 B, 1 persistent connection)",
+		unit: "req/s", higherBetter: true, cpuUnit: "CPU-µs/req", cpuScale: 1e6,
+		workers: 1, loop: latencyLoop, latency: true,
+		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
+		units: func(g *generator) float64 { return float64(g.ops) },
+	},
+	UDP: {
+		name: UDP, title: "UDP request/response (64 B, 4 clients; CPU per datagram, 2 per exchange)",
+		unit: "req/s", higherBetter: true, cpuUnit: "CPU-µs/dgram", cpuScale: 1e6,
+		workers: 4, loop: udpLoop, latency: true,
+		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
+		units: func(g *generator) float64 { return 2 * float64(g.ops) },
+		skip: func(p *path) string {
+			if !p.udp.IsValid() {
+				return p.noUDP
+			}
+			return ""
+		},
+	},
+}
+
+// meter tells the generators when to count (the measurement window, after a
+// warm-up) and when to stop.
+type meter struct {
+	on       atomic.Bool
+	stop     atomic.Bool
+	deadline time.Time // an I/O deadline that outlasts the trial, so a stall ends it
+}
+
+// generator is one load generator's tally. Only its goroutine writes it until
+// the trial has joined every generator.
+type generator struct {
+	ops, bytes, errs, lost uint64
+	hist                   Histogram
+}
+
+// failed counts an error and says whether the generator should give up: a path
+// that fails this often is broken, and its numbers would mean nothing.
+func (g *generator) failed(err error) error {
+	g.errs++
+	if g.errs > 1000 {
+		return fmt.Errorf("more than 1000 errors, last: %w", err)
+	}
+	time.Sleep(time.Millisecond)
+	return nil
+}
+
+func bulkLoop(p *path, m *meter, g *generator) error {
+	c, err := dialer.Dial("tcp", p.bulk.String())
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(m.deadline)
+	buf := make([]byte, bulkChunk)
+	for !m.stop.Load() {
+		n, err := c.Read(buf)
+		if err != nil {
+			return fmt.Errorf("bulk read: %w", err)
+		}
+		if m.on.Load() {
+			g.bytes += uint64(n)
+		}
+	}
+	return nil
+}
+
+func connectionsLoop(p *path, m *meter, g *generator) error {
+	var req, resp [msgSize]byte
+	addr := p.echo.String()
+	for !m.stop.Load() {
+		start := time.Now()
+		err := func() error {
+			c, err := dialer.Dial("tcp", addr)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			c.SetDeadline(m.deadline)
+			if _, err := c.Write(req[:]); err != nil {
+				return err
+			}
+			_, err = io.ReadFull(c, resp[:])
+			return err
+		}()
+		if err != nil {
+			if ferr := g.failed(err); ferr != nil {
+				return ferr
+			}
+			continue
+		}
+		if m.on.Load() {
+			g.ops++
+			g.hist.Record(time.Since(start))
+		}
+	}
+	return nil
+}
+
+func latencyLoop(p *path, m *meter, g *generator) error {
+	var req, resp [msgSize]byte
+	var c net.Conn
+	defer func() {
+		if c != nil {
+			c.Close()
+		}
+	}()
+	for !m.stop.Load() {
+		if c == nil {
+			var err error
+			if c, err = dialer.Dial("tcp", p.echo.String()); err != nil {
+				if ferr := g.failed(err); ferr != nil {
+					return ferr
+				}
+				continue
+			}
+			c.SetDeadline(m.deadline)
+		}
+		start := time.Now()
+		_, err := c.Write(req[:])
+		if err == nil {
+			_, err = io.ReadFull(c, resp[:])
+		}
+		if err != nil {
+			c.Close()
+			c = nil
+			if ferr := g.failed(err); ferr != nil {
+				return ferr
+			}
+			continue
+		}
+		if m.on.Load() {
+			g.ops++
+			g.hist.Record(time.Since(start))
+		}
+	}
+	return nil
+}
+
+// udpTimeout is how long a UDP client waits for a reply before counting the
+// exchange lost.
+const udpTimeout = 200 * time.Millisecond
+
+func udpLoop(p *path, m *meter, g *generator) error {
+	c, err := dialer.Dial("udp", p.udp.String())
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	var req, resp [msgSize]byte
+	for seq := uint64(1); !m.stop.Load(); seq++ {
+		binary.BigEndian.PutUint64(req[:], seq)
+		start := time.Now()
+		if _, err := c.Write(req[:]); err != nil {
+			if ferr := g.failed(err); ferr != nil {
+				return ferr
+			}
+			continue
+		}
+		c.SetReadDeadline(start.Add(udpTimeout))
+		// A late reply to an exchange already counted lost is read and dropped.
+		for {
+			n, err := c.Read(resp[:])
+			if err != nil {
+				if !errors.Is(err, os.ErrDeadlineExceeded) {
+					if ferr := g.failed(err); ferr != nil {
+						return ferr
+					}
+				} else if m.on.Load() {
+					g.lost++
+				}
+				break
+			}
+			if n == msgSize && binary.BigEndian.Uint64(resp[:]) == seq {
+				if m.on.Load() {
+					g.ops++
+					g.hist.Record(time.Since(start))
+				}
+				break
+			}
+		}
+	}
+	return nil
+}
+
+// sample is the CPU (and memory) of everything that works during a trial.
+type sample struct {
+	proxy, backend   usage
+	client, machine  time.Duration
+	hasProxy, failed bool
+}
+
+func takeSample(p *path) (sample, error) {
+	var s sample
+	var err error
+	if p.proxy != nil {
+		s.hasProxy = true
+		if s.proxy, err = treeUsage(p.proxy.pid); err != nil {
+			return s, fmt.Errorf("proxy usage: %w", err)
+		}
+	}
+	if s.backend, err = treeUsage(p.w.backend.pid); err != nil {
+		return s, fmt.Errorf("backend usage: %w", err)
+	}
+	self, err := readProcStat(os.Getpid())
+	if err != nil {
+		return s, err
+	}
+	s.client = self.cpu
+	if s.machine, err = machineBusy(); err != nil {
+		return s, err
+	}
+	return s, nil
+}
+
+// Round is one measurement of one workload over one path.
+type Round struct {
+	Value   float64 `json:"value"`
+	Ops     uint64  `json:"ops"`
+	Bytes   uint64  `json:"bytes,omitempty"`
+	Seconds float64 `json:"seconds"`
+	// CPU seconds spent during the window by the proxy process tree (absent when
+	// the kernel does the work), the load generators (this process), the backend
+	// servers, and the whole machine.
+	ProxyCPU   *float64 `json:"proxyCPUSeconds,omitempty"`
+	ClientCPU  float64  `json:"clientCPUSeconds"`
+	BackendCPU float64  `json:"backendCPUSeconds"`
+	MachineCPU float64  `json:"machineCPUSeconds"`
+	Errors     uint64   `json:"errors,omitempty"`
+	Lost       uint64   `json:"lost,omitempty"`
+
+	units float64
+	hist  *Histogram
+}
+
+// runTrial runs wl's generators over p for warmup+d and measures the window d.
+func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duration) (*Round, error) {
+	m := &meter{deadline: time.Now().Add(warmup + d + 10*time.Second)}
+	gens := make([]*generator, wl.workers)
+	errc := make(chan error, wl.workers)
+	var wg sync.WaitGroup
+	for i := range gens {
+		g := &generator{}
+		gens[i] = g
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := p.w.inClient(func() error { return wl.loop(p, m, g) }); err != nil {
+				errc <- err
+				m.stop.Store(true)
+			}
+		}()
+	}
+	finish := func() error {
+		m.stop.Store(true)
+		wg.Wait()
+		select {
+		case err := <-errc:
+			return fmt.Errorf("%s over %s: %w", wl.name, p.name, err)
+		default:
+			return nil
+		}
+	}
+	if !sleepCtx(ctx, warmup) {
+		finish()
+		return nil, ctx.Err()
+	}
+	s0, err := takeSample(p)
+	if err != nil {
+		finish()
+		return nil, err
+	}
+	m.on.Store(true)
+	start := time.Now()
+	ok := sleepCtx(ctx, d)
+	m.on.Store(false)
+	elapsed := time.Since(start)
+	s1, serr := takeSample(p)
+	if err := finish(); err != nil {
+		return nil, err
+	}
+	if !ok {
+		return nil, ctx.Err()
+	}
+	if serr != nil {
+		return nil, serr
+	}
+	total := &generator{}
+	for _, g := range gens {
+		total.ops += g.ops
+		total.bytes += g.bytes
+		total.errs += g.errs
+		total.lost += g.lost
+		total.hist.Merge(&g.hist)
+	}
+	secs := elapsed.Seconds()
+	r := &Round{
+		Value:      wl.value(total, secs),
+		Ops:        total.ops,
+		Bytes:      total.bytes,
+		Seconds:    secs,
+		ClientCPU:  (s1.client - s0.client).Seconds(),
+		BackendCPU: (s1.backend.cpu - s0.backend.cpu).Seconds(),
+		MachineCPU: (s1.machine - s0.machine).Seconds(),
+		Errors:     total.errs,
+		Lost:       total.lost,
+		units:      wl.units(total),
+	}
+	if s0.hasProxy {
+		v := (s1.proxy.cpu - s0.proxy.cpu).Seconds()
+		r.ProxyCPU = &v
+	}
+	if wl.latency {
+		r.hist = &total.hist
+	}
+	return r, nil
+}
+
+// sleepCtx sleeps d and reports false when ctx ended first.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// IdleResult is the memory that n idle proxied connections cost the proxy.
+type IdleResult struct {
+	Conns      int     `json:"connections"`
+	RSSBefore  int64   `json:"rssBeforeBytes"`
+	RSSAfter   int64   `json:"rssAfterBytes"`
+	KiBPerConn float64 `json:"kibPerConnection"`
+}
+
+// runIdle opens n connections through p, each with one round trip so both legs
+// exist, reads the proxy's RSS before and after, and closes them.
+func runIdle(ctx context.Context, p *path, n int) (*IdleResult, error) {
+	before, err := treeUsage(p.proxy.pid)
+	if err != nil {
+		return nil, err
+	}
+	const openers = 8
+	conns := make([][]net.Conn, openers)
+	defer func() {
+		for _, cs := range conns {
+			for _, c := range cs {
+				c.Close()
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	errc := make(chan error, openers)
+	for i := range openers {
+		share := n / openers
+		if i < n%openers {
+			share++
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			err := p.w.inClient(func() error {
+				b := []byte{'i'}
+				for range share {
+					if ctx.Err() != nil {
+						return ctx.Err()
+					}
+					c, err := dialer.Dial("tcp", p.echo.String())
+					if err != nil {
+						return err
+					}
+					conns[i] = append(conns[i], c)
+					c.SetDeadline(time.Now().Add(10 * time.Second))
+					if _, err := c.Write(b); err != nil {
+						return err
+					}
+					if _, err := io.ReadFull(c, b); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				errc <- err
+			}
+		}()
+	}
+	wg.Wait()
+	select {
+	case err := <-errc:
+		return nil, fmt.Errorf("idle connections over %s: %w; proxy log: %s", p.name, err, p.proxy.logTail())
+	default:
+	}
+	after, err := treeUsage(p.proxy.pid)
+	if err != nil {
+		return nil, err
+	}
+	return &IdleResult{
+		Conns:      n,
+		RSSBefore:  before.rss,
+		RSSAfter:   after.rss,
+		KiBPerConn: float64(after.rss-before.rss) / 1024 / float64(n),
+	}, nil
+}

@@ -1,0 +1,339 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// Roles of the benchmark's namespaces, mapped onto testbed's: the client sits
+// where a pod would (routed through the node), the backends where testbed puts
+// the external host (the node reaches it directly, and it routes back through
+// the node, so kernel-mode DNAT is undone on the way back).
+const (
+	clientRole  = testbed.Pod
+	nodeRole    = testbed.Node
+	backendRole = testbed.External
+)
+
+// fatal carries a testbed failure out of the code that called t.Fatal.
+type fatal struct{ err error }
+
+// teardown adapts a benchmark run to the testing.TB that testbed builds
+// topologies with: Fatal and Skip panic with a fatal value, which guard turns
+// back into an error, and Cleanup collects the functions that close runs in
+// reverse order. Methods testbed does not call are left to the nil embedded
+// interface and would panic: a bug, seen at once.
+type teardown struct {
+	testing.TB
+	log io.Writer
+
+	mu       sync.Mutex
+	cleanups []func()
+	failed   bool
+}
+
+func (t *teardown) Helper()      {}
+func (t *teardown) Name() string { return "uproxy-bench" }
+func (t *teardown) Failed() bool { t.mu.Lock(); defer t.mu.Unlock(); return t.failed }
+func (t *teardown) Cleanup(f func()) {
+	t.mu.Lock()
+	t.cleanups = append(t.cleanups, f)
+	t.mu.Unlock()
+}
+func (t *teardown) Logf(format string, args ...any) { fmt.Fprintf(t.log, format+"\n", args...) }
+func (t *teardown) Log(args ...any)                 { fmt.Fprintln(t.log, args...) }
+func (t *teardown) Errorf(format string, args ...any) {
+	t.mu.Lock()
+	t.failed = true
+	t.mu.Unlock()
+	t.Logf(format, args...)
+}
+func (t *teardown) Fatalf(format string, args ...any) {
+	panic(fatal{fmt.Errorf(format, args...)})
+}
+func (t *teardown) Fatal(args ...any) { panic(fatal{errors.New(fmt.Sprint(args...))}) }
+func (t *teardown) Skip(args ...any)  { panic(fatal{errors.New(fmt.Sprint(args...))}) }
+func (t *teardown) Skipf(format string, args ...any) {
+	panic(fatal{fmt.Errorf(format, args...)})
+}
+
+// run calls every cleanup, newest first.
+func (t *teardown) run() {
+	t.mu.Lock()
+	fs := t.cleanups
+	t.cleanups = nil
+	t.mu.Unlock()
+	for i := len(fs) - 1; i >= 0; i-- {
+		fs[i]()
+	}
+}
+
+// guard runs fn and returns the error of a t.Fatal inside it.
+func guard(fn func()) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			f, ok := r.(fatal)
+			if !ok {
+				panic(r)
+			}
+			err = f.err
+		}
+	}()
+	fn()
+	return nil
+}
+
+// launcher starts child processes from one OS thread that lives as long as the
+// run: children get SIGKILL when the thread that forked them ends
+// (PR_SET_PDEATHSIG), so a benchmark killed outright still takes its proxies and
+// backends with it, while a thread Go retires mid-run (the namespace-locked
+// load generators end theirs) never does.
+type launcher struct {
+	reqs chan func()
+}
+
+func newLauncher() *launcher {
+	l := &launcher{reqs: make(chan func())}
+	go l.loop()
+	return l
+}
+
+func (l *launcher) loop() {
+	// Never unlocked: the thread ends with the goroutine, after every child has
+	// been stopped.
+	runtime.LockOSThread()
+	for f := range l.reqs {
+		f()
+	}
+}
+
+func (l *launcher) start(cmd *exec.Cmd) error {
+	done := make(chan error, 1)
+	l.reqs <- func() { done <- cmd.Start() }
+	return <-done
+}
+
+func (l *launcher) close() { close(l.reqs) }
+
+// process is a child running in one of the namespaces.
+type process struct {
+	name    string
+	cmd     *exec.Cmd
+	pid     int
+	logPath string
+	exited  chan struct{}
+	once    sync.Once
+}
+
+// stop ends the process group (the child and anything it forked) with SIGTERM,
+// then SIGKILL after grace.
+func (p *process) stop(grace time.Duration) {
+	p.once.Do(func() {
+		syscall.Kill(-p.pid, syscall.SIGTERM)
+		select {
+		case <-p.exited:
+		case <-time.After(grace):
+			syscall.Kill(-p.pid, syscall.SIGKILL)
+			<-p.exited
+		}
+	})
+}
+
+func (p *process) running() bool {
+	select {
+	case <-p.exited:
+		return false
+	default:
+		return true
+	}
+}
+
+// logTail is the end of the process's log, for error messages.
+func (p *process) logTail() string {
+	b, _ := os.ReadFile(p.logPath)
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) > 15 {
+		lines = lines[len(lines)-15:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// world is one topology: client, node and backend namespaces, the backend
+// servers, and the processes started in it.
+type world struct {
+	name    string
+	t       *teardown
+	tp      *testbed.Topology
+	dir     string
+	launch  *launcher
+	backend *process
+	ports   backendPorts
+	// fileLimit is the open-file limit every process of the run has.
+	fileLimit int
+	ip        struct{ client, node, nodeClientSide, backend netip.Addr }
+}
+
+// sysctls make many short connections sustainable in every namespace: TIME_WAIT
+// sockets are reused for new outgoing connections, the whole port range is
+// available, and conntrack forgets closed connections sooner than its default
+// two minutes (a full run opens several hundred thousand connections).
+var sysctls = []string{
+	"net.ipv4.tcp_tw_reuse=1",
+	"net.ipv4.ip_local_port_range=1024 65000",
+}
+
+var conntrackSysctls = []string{
+	"net.netfilter.nf_conntrack_tcp_timeout_time_wait=10",
+}
+
+// newWorld builds a topology and starts the backend servers in it. Everything
+// it creates is registered with t, also when it fails halfway.
+func newWorld(name string, t *teardown, launch *launcher, exe, dir string, fileLimit int) (*world, error) {
+	w := &world{name: name, t: t, launch: launch, dir: dir, fileLimit: fileLimit}
+	err := guard(func() { w.tp = testbed.New(t) })
+	if err != nil {
+		return nil, fmt.Errorf("build topology %s: %w", name, err)
+	}
+	w.ip.client = w.tp.NS(clientRole).IPv4
+	w.ip.nodeClientSide = w.tp.NS(clientRole).GatewayIPv4
+	w.ip.node = w.tp.NS(nodeRole).IPv4
+	w.ip.backend = w.tp.NS(backendRole).IPv4
+	for _, role := range []string{clientRole, nodeRole, backendRole} {
+		for _, s := range sysctls {
+			if out, err := w.tp.Exec(role, "sysctl", "-q", "-w", s); err != nil {
+				return nil, fmt.Errorf("sysctl %s in %s: %w: %s", s, role, err, out)
+			}
+		}
+	}
+	if err := w.startBackend(exe); err != nil {
+		return nil, err
+	}
+	return w, nil
+}
+
+// tuneConntrack applies conntrackSysctls in the node namespace; they exist only
+// once something there uses conntrack, so it is called after a proxy started.
+func (w *world) tuneConntrack() {
+	for _, s := range conntrackSysctls {
+		w.tp.Exec(nodeRole, "sysctl", "-q", "-w", s)
+	}
+}
+
+// start runs args in role's namespace, in its own process group (a Ctrl-C at
+// the terminal reaches only the benchmark, which stops its children in order),
+// with output in a log file. stdout, if not nil, receives the child's stdout
+// instead, and stdin, if not nil, feeds it. The process is stopped at teardown.
+func (w *world) start(name, role string, env []string, stdin io.Reader, stdout io.Writer, args ...string) (*process, error) {
+	logPath := filepath.Join(w.dir, w.name+"-"+name+".log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command("ip", append([]string{"netns", "exec", w.tp.NS(role).Name}, args...)...)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, logf, logf
+	if stdout != nil {
+		cmd.Stdout = stdout
+	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := w.launch.start(cmd); err != nil {
+		logf.Close()
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	// `ip netns exec` execs the command in place, so this pid is the proxy's.
+	p := &process{name: name, cmd: cmd, pid: cmd.Process.Pid, logPath: logPath, exited: make(chan struct{})}
+	go func() {
+		cmd.Wait()
+		logf.Close()
+		close(p.exited)
+	}()
+	w.t.Cleanup(func() { p.stop(5 * time.Second) })
+	return p, nil
+}
+
+// dialer is the load generators' dialer: keepalive off, as in the proxies, so
+// the client spends no syscalls the measurement does not need.
+var dialer = net.Dialer{KeepAlive: -1, Timeout: testbed.DialTimeout}
+
+// inClient runs fn on a thread inside the client namespace; sockets fn opens
+// are the client's.
+func (w *world) inClient(fn func() error) error { return w.tp.Run(clientRole, fn) }
+
+// probeDialer gives up on a connection attempt soon. A SYN sent before the
+// rules exist creates a conntrack entry without NAT, and its retransmissions
+// match that entry instead of the new rules, so waiting for them would hide the
+// moment the path starts working; a new attempt has a new source port.
+var probeDialer = net.Dialer{KeepAlive: -1, Timeout: 250 * time.Millisecond}
+
+// roundTrip sends msg on a fresh connection and checks the echo: the probe that
+// a path carries traffic.
+func (w *world) roundTrip(network string, to netip.AddrPort, msg string) error {
+	var c net.Conn
+	err := w.inClient(func() (err error) {
+		c, err = probeDialer.Dial(network, to.String())
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(time.Second))
+	if _, err := io.WriteString(c, msg); err != nil {
+		return err
+	}
+	buf := make([]byte, len(msg)+1)
+	n, err := io.ReadAtLeast(c, buf, len(msg))
+	if err != nil {
+		return err
+	}
+	if string(buf[:n]) != msg {
+		return fmt.Errorf("echo: got %q, want %q", buf[:n], msg)
+	}
+	return nil
+}
+
+// waitTraffic waits until every target carries a round trip, or p (if not nil)
+// exits, or timeout passes.
+func (w *world) waitTraffic(ctx context.Context, p *process, timeout time.Duration, targets ...target) error {
+	deadline := time.Now().Add(timeout)
+	for _, tg := range targets {
+		var last error
+		for {
+			if last = w.roundTrip(tg.network, tg.addr, "ready?"); last == nil {
+				break
+			}
+			if p != nil && !p.running() {
+				return fmt.Errorf("%s exited: %s", p.name, p.logTail())
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("no traffic through %s %s within %v: %w", tg.network, tg.addr, timeout, last)
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}
+	return nil
+}
+
+type target struct {
+	network string
+	addr    netip.AddrPort
+}

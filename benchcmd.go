@@ -1,0 +1,110 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/spf13/cobra"
+
+	"github.com/uproxy/uproxy/bench"
+)
+
+// newBenchCommand is `uproxy bench`: the A/B benchmark of the bench package.
+func newBenchCommand() *cobra.Command {
+	var (
+		cfg       bench.Config
+		output    string
+		chart     string
+		paths     string
+		workloads string
+	)
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Measure the same traffic direct, through uproxy's modes and through HAProxy/nginx (root)",
+		Long: `bench builds its own network namespaces (client, node, backends) and runs the
+same workloads over every available path, interleaved round by round: TCP bulk
+throughput, short connections, request/response latency on a persistent
+connection, UDP request/response, memory per idle connection, and the control
+plane (sync time at many Service ports, endpoint change to traffic).
+
+Every figure comes with the proxy's own CPU per unit of work, read from /proc,
+and ratios against the direct path and the best of HAProxy and nginx. Paths
+whose prerequisites are missing are listed as unavailable with the reason
+(install the peers with make bench-deps).
+
+Paths:     ` + strings.Join(bench.Paths, ",") + `
+Workloads: ` + strings.Join(bench.Workloads, ","),
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if output != "table" && output != "json" {
+				return fmt.Errorf("-o %q: want table or json", output)
+			}
+			cfg.Paths = splitList(paths)
+			cfg.Workloads = splitList(workloads)
+			cfg.Progress = cmd.ErrOrStderr()
+			cfg.Log = cmd.ErrOrStderr()
+			ctx := cmd.Context()
+			if ctx == nil {
+				ctx = context.Background()
+			}
+			ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			rep, err := bench.Run(ctx, cfg)
+			if err != nil {
+				return fmt.Errorf("bench: %w", err)
+			}
+			out := cmd.OutOrStdout()
+			if output == "json" {
+				err = rep.WriteJSON(out)
+			} else {
+				err = rep.WriteTable(out)
+			}
+			if err != nil {
+				return err
+			}
+			if chart != "" {
+				f, err := os.Create(chart)
+				if err != nil {
+					return fmt.Errorf("--chart: %w", err)
+				}
+				if err := rep.WriteChart(f); err != nil {
+					f.Close()
+					return fmt.Errorf("--chart: %w", err)
+				}
+				if err := f.Close(); err != nil {
+					return fmt.Errorf("--chart: %w", err)
+				}
+			}
+			if failed := rep.Failed(); len(failed) > 0 {
+				return fmt.Errorf("bench: %d failures:\n  %s", len(failed), strings.Join(failed, "\n  "))
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.BoolVar(&cfg.Quick, "quick", false, "short run (under two minutes): 1s rounds, 2 rounds, 1000 idle connections")
+	f.DurationVar(&cfg.Duration, "duration", 0, "measurement window of each round of each workload over each path (default 5s, --quick 1s)")
+	f.IntVar(&cfg.Rounds, "rounds", 0, "rounds per workload and path, interleaved across paths (default 3, --quick 2)")
+	f.IntVar(&cfg.IdleConns, "idle-connections", 0, "idle connections of the memory workload (default 10000, --quick 1000)")
+	f.IntSliceVar(&cfg.SyncSizes, "sync-sizes", nil, "Service-port counts of the control-plane syncs (default 1000,10000)")
+	f.StringVarP(&output, "output", "o", "table", "output format: table or json")
+	f.StringVar(&chart, "chart", "", "write the latency distributions as an SVG chart to this file")
+	f.StringVar(&paths, "paths", "", "comma-separated paths to run (default all)")
+	f.StringVar(&workloads, "workloads", "", "comma-separated workloads to run (default all)")
+	f.StringVar(&cfg.Uproxy, "uproxy", "", "uproxy binary for the uproxy paths (default this executable)")
+	return cmd
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
