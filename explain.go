@@ -681,7 +681,7 @@ func (x *explanation) writeText(w io.Writer) error {
 			var state []string
 			switch {
 			case e.Ejected:
-				state = append(state, "EJECTED until "+e.EjectedUntil)
+				state = append(state, "EJECTED"+ejectedFor(e.EjectedUntil))
 			case !e.Usable:
 				state = append(state, "not used")
 			default:
@@ -773,4 +773,13 @@ func (x *explanation) writeText(w io.Writer) error {
 		p("\n")
 	}
 	return tw.Flush()
+}
+
+// ejectedFor words the rest of an ejection: " for another 1.2s (until 15:04:05)".
+func ejectedFor(until string) string {
+	t, err := time.Parse(time.RFC3339Nano, until)
+	if err != nil {
+		return " until " + until
+	}
+	return fmt.Sprintf(" for another %s (until %s)", time.Until(t).Round(100*time.Millisecond), t.Local().Format("15:04:05"))
 }

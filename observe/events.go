@@ -209,7 +209,7 @@ func (r *record) event() Event {
 		Reason:     r.reason,
 	}
 	if r.client.IsValid() {
-		ev.Client = r.client.String()
+		ev.Client = unmap(r.client).String()
 	}
 	if r.endpoint.IsValid() {
 		ev.Endpoint = r.endpoint.String()
@@ -248,3 +248,6 @@ func outcome(served netip.AddrPort, attempts int) string {
 }
 
 func outcomeOf(c *socket.Conn) string { return outcome(c.Endpoint, len(c.Attempts)) }
+
+// unmap shows an IPv4 client of a dual-stack listener as IPv4.
+func unmap(ap netip.AddrPort) netip.AddrPort { return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()) }

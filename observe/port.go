@@ -203,7 +203,7 @@ func logConn(v klog.Verbose, c *socket.Conn) {
 		fmt.Fprintf(&b, "%s %s %s", a.Endpoint, resultNames[dialResult(a.Err)], a.Duration.Round(time.Microsecond))
 	}
 	kv := []any{
-		"service", c.Service, "protocol", c.Protocol, "client", c.Client.String(),
+		"service", c.Service, "protocol", c.Protocol, "client", unmap(c.Client).String(),
 		"outcome", outcomeOf(c), "attempts", b.String(),
 		"bytesIn", c.BytesIn, "bytesOut", c.BytesOut, "duration", c.Duration,
 	}
