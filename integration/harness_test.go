@@ -99,6 +99,7 @@ func startProxy(t *testing.T, tp *testbed.Topology, manifests string, want int, 
 			t.Logf("uproxy log:\n%s", tail(string(b), 60))
 		}
 	})
+	seen := time.Now()
 	p.waitFor(func(s []serviceState) bool {
 		n := 0
 		for _, st := range s {
@@ -108,7 +109,32 @@ func startProxy(t *testing.T, tp *testbed.Topology, manifests string, want int, 
 		}
 		return n == want
 	}, fmt.Sprintf("%d Service ports with proxy ports", want))
+	// Proxy ports appear before the sync that opened them has written the
+	// portals; a client that raced the rules would pin an un-NATed conntrack entry.
+	p.waitSynced(seen)
 	return p
+}
+
+// waitSynced waits until a sync has completed after t, read from
+// kubeproxy_sync_proxy_rules_last_timestamp_seconds.
+func (p *proxy) waitSynced(t time.Time) {
+	p.t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for time.Now().Before(deadline) {
+		metrics, err := p.get("/metrics")
+		if err == nil {
+			for _, line := range strings.Split(metrics, "\n") {
+				if v, ok := strings.CutPrefix(line, "kubeproxy_sync_proxy_rules_last_timestamp_seconds "); ok {
+					var ts float64
+					if _, err := fmt.Sscan(v, &ts); err == nil && ts > float64(t.UnixNano())/1e9 {
+						return
+					}
+				}
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	p.t.Fatalf("no sync completed after %v within 15s", t)
 }
 
 func tail(s string, lines int) string {
