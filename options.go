@@ -34,8 +34,10 @@ type options struct {
 	hostnameOverride   string
 	shutdownGrace      time.Duration
 	cleanup            bool
+	cleanupOnExit      bool
 	debug              bool
 	events             int
+	ejectAfter         int
 }
 
 func defaultOptions() *options {
@@ -54,6 +56,7 @@ func defaultOptions() *options {
 		shutdownGrace:      5 * time.Second,
 		debug:              true,
 		events:             256,
+		ejectAfter:         3,
 	}
 }
 
@@ -76,8 +79,10 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
 	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit")
+	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")
 	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve /debug/services and /debug/events on the metrics address")
-	f.IntVar(&o.events, "events", o.events, "how many recent retried or failed connections /debug/events keeps")
+	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
+	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
 
 // config is the validated form of options.
@@ -142,6 +147,10 @@ func (o *options) validate() (*config, error) {
 		}
 		c.prefixes = append(c.prefixes, p.Masked())
 	}
+	if o.ejectAfter < 0 {
+		return nil, fmt.Errorf("--eject-after %d: must not be negative", o.ejectAfter)
+	}
+	c.proxier.EjectAfter = o.ejectAfter
 	if o.shutdownGrace < 0 {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)
 	}

@@ -31,6 +31,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	if o.services == "" {
 		return errors.New("no source of Services: give --services PATH (manifests on disk)")
 	}
+	raiseFileLimit()
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -51,6 +52,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		return err
 	}
 
+	changes := &observe.Changes{}
 	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	runner := &loop.Runner{
 		Mode:          px,
@@ -62,6 +64,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 				observe.SyncObserved(start, took, err)
 				if err == nil {
 					health.Synced(start)
+					changes.Synced(s)
 				}
 				if synced != nil {
 					synced(px, s)
@@ -90,6 +93,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			for _, e := range s.Errors {
 				klog.ErrorS(e, "Ignoring invalid object")
 			}
+			changes.Queued(s)
 			runner.Update(s)
 		})
 	}()
@@ -108,6 +112,13 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	defer cancel()
 	if serr := px.Shutdown(sctx); serr != nil {
 		klog.ErrorS(serr, "Shutdown")
+	}
+	if o.cleanupOnExit {
+		if cerr := px.Cleanup(); cerr != nil {
+			klog.ErrorS(cerr, "Removing the portal rules on exit (--cleanup-on-exit)")
+		} else {
+			klog.InfoS("Removed the portal rules on exit (--cleanup-on-exit)")
+		}
 	}
 	return err
 }

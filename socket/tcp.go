@@ -163,6 +163,7 @@ func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 				return fmt.Errorf("accept on %s for %s: %w", ln.Addr(), p.Service, err)
 			}
 			delay = nextBackoff(delay)
+			acceptBackoffs.Add(1)
 			if p.acceptBackoff != nil {
 				p.acceptBackoff(err, delay)
 			} else {

@@ -926,6 +926,7 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	}
 	fill()
 
+	backoffsBefore := AcceptBackoffs()
 	served := make(chan error, 1)
 	go func() { served <- p.Serve(ln) }()
 	const backoffs = 4
@@ -941,6 +942,9 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		t.Fatalf("round trip once descriptors are back: got %q, %v, want \"ping\"", got, err)
 	}
 	mu.Lock()
+	if got := AcceptBackoffs() - backoffsBefore; got < uint64(len(delays)) {
+		t.Errorf("AcceptBackoffs grew by %d, want at least the %d backoffs seen", got, len(delays))
+	}
 	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
 	if !slices.Equal(delays[:backoffs], want) {
 		t.Errorf("backoff delays: got %v, want %v", delays[:backoffs], want)

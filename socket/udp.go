@@ -152,6 +152,7 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 				return fmt.Errorf("read from %s for %s: %w", conn.LocalAddr(), p.Service, err)
 			}
 			delay = nextBackoff(delay)
+			acceptBackoffs.Add(1)
 			klog.ErrorS(err, "UDP read failed, backing off", "service", p.Service, "delay", delay)
 			if !sleep(delay, p.stop) {
 				return nil
