@@ -6,7 +6,7 @@ PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
 TESTFLAGS ?= -race -count=1 -timeout 30m
 
-.PHONY: all build run demo test unit lint deps kube-bins bench clean
+.PHONY: all build run demo demo-retry test unit lint deps kube-bins bench clean
 
 all: build
 
@@ -34,7 +34,7 @@ lint:
 # iptables, iproute2 and conntrack for the integration tests (idempotent; root only).
 deps:
 	@missing=""; \
-	for c in iptables:iptables ip:iproute2 conntrack:conntrack; do \
+	for c in iptables:iptables ip:iproute2 conntrack:conntrack chromium:chromium; do \
 		command -v $${c%%:*} >/dev/null 2>&1 || missing="$$missing $${c#*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -46,6 +46,10 @@ deps:
 # kube-apiserver and etcd for the Kubernetes source tests, built from pinned modules (cached in bin/).
 kube-bins:
 	bash hack/build-kube.sh $(BIN)
+
+# Retry semantics side by side: userspace vs iptables mode while backends fail (root).
+demo-retry: build
+	bash hack/demo-retry.sh $(UPROXY)
 
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)

@@ -66,6 +66,7 @@ and retries another when a dial fails.`,
 			},
 		},
 		newDemoCommand(opts),
+		newExplainCommand(),
 		&cobra.Command{
 			Use:   "version",
 			Short: "Print the version",
