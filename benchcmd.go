@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -54,6 +55,9 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 			ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			rep, err := bench.Run(ctx, cfg)
+			if errors.Is(err, context.Canceled) {
+				return errors.New("bench: interrupted (everything it built has been removed)")
+			}
 			if err != nil {
 				return fmt.Errorf("bench: %w", err)
 			}

@@ -48,6 +48,9 @@ type Config struct {
 	// EndpointChanges is how many endpoint changes the control plane times.
 	// 0: 5 (quick 3).
 	EndpointChanges int
+	// StepLimit bounds each control-plane step (plus 1ms per Service port): a
+	// proxy that takes longer fails the step. 0: 2m (quick 20s).
+	StepLimit time.Duration
 	// Uproxy is the uproxy binary for the uproxy paths; "": this executable.
 	Uproxy string
 	// Progress, if not nil, receives a progress line rewritten in place.
@@ -91,6 +94,12 @@ func (c Config) withDefaults() (Config, error) {
 	c.Rounds = pick(c.Rounds, 3, 2)
 	c.IdleConns = pick(c.IdleConns, 10000, 1000)
 	c.EndpointChanges = pick(c.EndpointChanges, 5, 3)
+	if c.StepLimit <= 0 {
+		c.StepLimit = 2 * time.Minute
+		if c.Quick {
+			c.StepLimit = 20 * time.Second
+		}
+	}
 	if len(c.SyncSizes) == 0 {
 		c.SyncSizes = []int{1000, 10000}
 	}
@@ -342,7 +351,7 @@ func runControlWorkload(ctx context.Context, cfg Config, rep *Report, paths []*p
 			rep.Control = append(rep.Control, e)
 			continue
 		}
-		res, err := runControl(ctx, p, cfg.SyncSizes, cfg.EndpointChanges)
+		res, err := runControl(ctx, p, cfg.SyncSizes, cfg.EndpointChanges, cfg.StepLimit)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}

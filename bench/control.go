@@ -3,6 +3,7 @@ package bench
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/netip"
@@ -24,8 +25,10 @@ type SyncResult struct {
 	// ToTrafficSeconds runs from the manifest's rename to the first round trip
 	// through the last of the new Services: decode, sync and rules together.
 	ToTrafficSeconds float64 `json:"toTrafficSeconds"`
-	// RemoveSyncSeconds is the sync time of removing them all again.
-	RemoveSyncSeconds float64 `json:"removeSyncSeconds"`
+	// RemoveSyncSeconds is the sync time of removing them all again; absent
+	// when the removal did not finish within the step's time limit (Error).
+	RemoveSyncSeconds *float64 `json:"removeSyncSeconds,omitempty"`
+	Error             string   `json:"error,omitempty"`
 }
 
 // ControlResult is the control-plane workload over one path.
@@ -38,24 +41,19 @@ type ControlResult struct {
 	EndpointChangeMax    float64   `json:"endpointChangeMaxMs"`
 }
 
-// runControl measures syncs of sizes Service ports and changes endpoint
-// changes of one Service.
-func runControl(ctx context.Context, p *path, sizes []int, changes int) (*ControlResult, error) {
+// runControl times changes endpoint changes of one Service, then syncs of
+// sizes Service ports, each added and removed again. Every step waits at most
+// limit (plus a little per Service port); a step that does not finish ends the
+// workload with the results so far, since the proxy is still busy with it.
+func runControl(ctx context.Context, p *path, sizes []int, changes int, limit time.Duration) (*ControlResult, error) {
 	c := p.ctl
 	res := &ControlResult{}
-	for _, n := range sizes {
-		sr, err := c.scaleSync(ctx, n)
-		if err != nil {
-			return nil, fmt.Errorf("sync of %d Service ports over %s: %w", n, p.name, err)
-		}
-		res.Syncs = append(res.Syncs, *sr)
-	}
 	tag := byte('a')
 	for range changes {
 		tag ^= 'a' ^ 'b'
-		d, err := c.endpointChange(ctx, tag)
+		d, err := c.endpointChange(ctx, tag, limit)
 		if err != nil {
-			return nil, fmt.Errorf("endpoint change over %s: %w", p.name, err)
+			return res, fmt.Errorf("endpoint change over %s: %w", p.name, err)
 		}
 		res.EndpointChangeMs = append(res.EndpointChangeMs, float64(d)/1e6)
 	}
@@ -65,10 +63,19 @@ func runControl(ctx context.Context, p *path, sizes []int, changes int) (*Contro
 		res.EndpointChangeMedian = s[len(s)/2]
 		res.EndpointChangeMax = s[len(s)-1]
 	}
+	for _, n := range sizes {
+		sr, err := c.scaleSync(ctx, n, limit+time.Duration(n)*time.Millisecond)
+		if sr != nil {
+			res.Syncs = append(res.Syncs, *sr)
+		}
+		if err != nil {
+			return res, fmt.Errorf("%d Service ports over %s: %w", n, p.name, err)
+		}
+	}
 	return res, nil
 }
 
-func (c *uproxyCtl) scaleSync(ctx context.Context, n int) (*SyncResult, error) {
+func (c *uproxyCtl) scaleSync(ctx context.Context, n int, limit time.Duration) (*SyncResult, error) {
 	var b bytes.Buffer
 	b.Grow(n * 700)
 	ep := c.w.backendAddr(c.w.ports.Echo)
@@ -83,30 +90,25 @@ func (c *uproxyCtl) scaleSync(ctx context.Context, n int) (*SyncResult, error) {
 	if err := c.writeFile("scale.yaml", b.Bytes()); err != nil {
 		return nil, err
 	}
-	last := scaleVIP(n - 1)
-	timeout := 30*time.Second + time.Duration(n)*10*time.Millisecond
-	if err := c.w.waitTraffic(ctx, c.p, timeout, target{"tcp", last}); err != nil {
-		return nil, err
+	if err := c.w.waitTraffic(ctx, c.p, limit, target{"tcp", scaleVIP(n - 1)}); err != nil {
+		return nil, fmt.Errorf("adding them: %w", err)
 	}
 	toTraffic := time.Since(start)
-	sum1, count1, err := c.waitSynced(ctx, count0, timeout)
+	sum1, count1, err := c.waitSynced(ctx, count0, limit)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("adding them: %w", err)
 	}
+	res := &SyncResult{Ports: n, SyncSeconds: sum1 - sum0, Syncs: count1 - count0, ToTrafficSeconds: toTraffic.Seconds()}
 	if err := os.Remove(filepath.Join(c.dir, "scale.yaml")); err != nil {
-		return nil, err
+		return res, err
 	}
-	sum2, _, err := c.waitSynced(ctx, count1, timeout)
+	sum2, _, err := c.waitSynced(ctx, count1, limit)
 	if err != nil {
-		return nil, fmt.Errorf("removing them: %w", err)
+		res.Error = fmt.Sprintf("removing them: %v", err)
+		return res, errors.New(res.Error)
 	}
-	return &SyncResult{
-		Ports:             n,
-		SyncSeconds:       sum1 - sum0,
-		Syncs:             count1 - count0,
-		ToTrafficSeconds:  toTraffic.Seconds(),
-		RemoveSyncSeconds: sum2 - sum1,
-	}, nil
+	res.RemoveSyncSeconds = ptr(sum2 - sum1)
+	return res, nil
 }
 
 // waitSynced waits until the sync count passes count.
@@ -131,19 +133,19 @@ func (c *uproxyCtl) waitSynced(ctx context.Context, count uint64, timeout time.D
 
 // endpointChange points the flip Service at the backend answering tag and
 // returns the time until a new connection gets that answer.
-func (c *uproxyCtl) endpointChange(ctx context.Context, tag byte) (time.Duration, error) {
+func (c *uproxyCtl) endpointChange(ctx context.Context, tag byte, limit time.Duration) (time.Duration, error) {
 	start := time.Now()
 	if err := c.writeBase(tag); err != nil {
 		return 0, err
 	}
-	deadline := start.Add(30 * time.Second)
+	deadline := start.Add(limit)
 	for {
 		got, err := c.ask(flipVIP)
 		if err == nil && got == tag {
 			return time.Since(start), nil
 		}
 		if time.Now().After(deadline) {
-			return 0, fmt.Errorf("still answered %q (%v) 30s after the change to %q", got, err, tag)
+			return 0, fmt.Errorf("still answered %q (%v) %v after the change to %q", got, err, limit, tag)
 		}
 		if !sleepCtx(ctx, time.Millisecond) {
 			return 0, ctx.Err()

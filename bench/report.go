@@ -328,11 +328,15 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintln(tw, "path\tService ports\tsync ms\tsyncs\tto traffic ms\tremoval sync ms\t")
 		var changes []string
 		for _, c := range r.Control {
-			if c.Skipped != "" || c.Error != "" || c.Result == nil {
+			if c.Result == nil {
 				continue
 			}
 			for _, s := range c.Result.Syncs {
-				fmt.Fprintf(tw, "%s\t%d\t%.1f\t%d\t%.1f\t%.1f\t\n", c.Path, s.Ports, s.SyncSeconds*1e3, s.Syncs, s.ToTrafficSeconds*1e3, s.RemoveSyncSeconds*1e3)
+				removal := "not done"
+				if s.RemoveSyncSeconds != nil {
+					removal = fmt.Sprintf("%.1f", *s.RemoveSyncSeconds*1e3)
+				}
+				fmt.Fprintf(tw, "%s\t%d\t%.1f\t%d\t%.1f\t%s\t\n", c.Path, s.Ports, s.SyncSeconds*1e3, s.Syncs, s.ToTrafficSeconds*1e3, removal)
 			}
 			if len(c.Result.EndpointChangeMs) > 0 {
 				changes = append(changes, fmt.Sprintf("  %s: endpoint change to traffic: median %.1f ms, max %.1f ms over %d changes",
