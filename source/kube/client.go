@@ -1,0 +1,118 @@
+package kube
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+)
+
+// Defaults of the client connection, as kube-proxy's.
+const (
+	DefaultQPS         = 5
+	DefaultBurst       = 10
+	DefaultContentType = "application/vnd.kubernetes.protobuf"
+)
+
+// ClientOptions say how to reach the API server.
+type ClientOptions struct {
+	// Kubeconfig is a kubeconfig file; Master overrides its server address. With
+	// neither, the in-cluster configuration (the Pod's ServiceAccount) is used.
+	Kubeconfig string
+	Master     string
+	// QPS and Burst limit the client's request rate; if zero, DefaultQPS and
+	// DefaultBurst.
+	QPS   float32
+	Burst int
+	// ContentType is the encoding of requests and preferred for responses; if
+	// empty, DefaultContentType. AcceptContentTypes, if set, replaces the Accept
+	// header.
+	ContentType        string
+	AcceptContentTypes string
+	// UserAgent, if set, names the client in the API server's logs and audit.
+	UserAgent string
+}
+
+// ErrNoConfig is returned by ClientConfig when no way to reach an API server is
+// given and the process does not run in a cluster.
+var ErrNoConfig = errors.New("no API server: give --kubeconfig or --master, or run in a cluster")
+
+// ClientConfig builds the client configuration that opts describe.
+func ClientConfig(opts ClientOptions) (*rest.Config, error) {
+	var cfg *rest.Config
+	var err error
+	if opts.Kubeconfig == "" && opts.Master == "" {
+		cfg, err = rest.InClusterConfig()
+		if errors.Is(err, rest.ErrNotInCluster) {
+			return nil, ErrNoConfig
+		}
+		if err != nil {
+			return nil, fmt.Errorf("in-cluster config: %w", err)
+		}
+	} else {
+		cfg, err = clientcmd.BuildConfigFromFlags(opts.Master, opts.Kubeconfig)
+		if err != nil {
+			return nil, fmt.Errorf("kubeconfig %q, master %q: %w", opts.Kubeconfig, opts.Master, err)
+		}
+	}
+	cfg.QPS, cfg.Burst = opts.QPS, opts.Burst
+	if cfg.QPS == 0 {
+		cfg.QPS = DefaultQPS
+	}
+	if cfg.Burst == 0 {
+		cfg.Burst = DefaultBurst
+	}
+	cfg.ContentType = opts.ContentType
+	if cfg.ContentType == "" {
+		cfg.ContentType = DefaultContentType
+	}
+	cfg.AcceptContentTypes = opts.AcceptContentTypes
+	if opts.UserAgent != "" {
+		cfg.UserAgent = opts.UserAgent
+	}
+	return cfg, nil
+}
+
+// LabelZone is the Node label that names its topology zone.
+const LabelZone = v1.LabelTopologyZone
+
+// NodeZone returns the topology zone of the Node named name, "" when it has none
+// or does not exist (a proxy can run before its Node is registered).
+func NodeZone(ctx context.Context, client kubernetes.Interface, name string) (string, error) {
+	n, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("get node %s: %w", name, err)
+	}
+	return n.Labels[LabelZone], nil
+}
+
+// ToBeDeletedTaint is the taint the cluster autoscaler puts on a Node it is about
+// to remove.
+const ToBeDeletedTaint = "ToBeDeletedByClusterAutoscaler"
+
+// NodeEligible reports whether load balancers should keep sending traffic to node,
+// as kube-proxy's /healthz reports it: not when the Node is being deleted or is
+// tainted for removal. A node whose Node object is unknown (nil) is eligible.
+func NodeEligible(node *v1.Node) bool {
+	if node == nil {
+		return true
+	}
+	if node.DeletionTimestamp != nil {
+		return false
+	}
+	for _, t := range node.Spec.Taints {
+		if t.Key == ToBeDeletedTaint {
+			return false
+		}
+	}
+	return true
+}
