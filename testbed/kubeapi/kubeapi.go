@@ -356,6 +356,10 @@ func (s *Server) startAPIServer() error {
 			// "kubernetes" Service, which endpoint validation rejects as
 			// loopback; nothing here needs that endpoint.
 			"--endpoint-reconciler-type=none",
+			// Otherwise an open watch (any informer) holds SIGTERM for the
+			// whole request timeout (60s), longer than stopGrace: with it, the
+			// server closes remaining connections 2s after draining requests.
+			"--shutdown-send-retry-after=true",
 		}
 		p, err := s.runAPIServer()
 		if err == nil {
