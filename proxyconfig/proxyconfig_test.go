@@ -1,0 +1,132 @@
+package proxyconfig
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+)
+
+const header = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+
+func TestParse(t *testing.T) {
+	tests := []struct {
+		name        string
+		doc         string
+		want        []string // Setting.String()
+		wantIgnored []string
+	}{{
+		name: "every mapped field",
+		doc: header + `
+bindAddress: 127.0.0.1
+healthzBindAddress: 0.0.0.0:10256
+metricsBindAddress: 127.0.0.1:10249
+clientConnection: {kubeconfig: /var/lib/kube-proxy/kubeconfig.conf, qps: 50, burst: 100, contentType: application/json}
+hostnameOverride: node-1
+nodePortAddresses: [10.0.0.0/8, 192.168.0.0/16]
+iptables: {syncPeriod: 30s, minSyncPeriod: 1s}
+ipvs: {scheduler: lc}
+udpIdleTimeout: 250ms
+portRange: 30000-31000
+configSyncPeriod: 15m
+`,
+		want: []string{
+			"bindAddress -> --bind-address=127.0.0.1",
+			"clientConnection.burst -> --kube-api-burst=100",
+			"clientConnection.contentType -> --kube-api-content-type=application/json",
+			"clientConnection.kubeconfig -> --kubeconfig=/var/lib/kube-proxy/kubeconfig.conf",
+			"clientConnection.qps -> --kube-api-qps=50",
+			"configSyncPeriod -> --config-sync-period=15m0s",
+			"healthzBindAddress -> --healthz-bind-address=0.0.0.0:10256",
+			"hostnameOverride -> --hostname-override=node-1",
+			"iptables.minSyncPeriod -> --min-sync-period=1s",
+			"iptables.syncPeriod -> --sync-period=30s",
+			"ipvs.scheduler -> --scheduler=lc",
+			"metricsBindAddress -> --metrics-bind-address=127.0.0.1:10249",
+			"nodePortAddresses -> --nodeport-addresses=10.0.0.0/8,192.168.0.0/16",
+			"portRange -> --proxy-port-range=30000-31000",
+			"udpIdleTimeout -> --udp-timeout=250ms",
+		},
+	}, {
+		name: "sync periods come from the mode's section",
+		doc:  header + "mode: ipvs\niptables: {syncPeriod: 30s}\nipvs: {syncPeriod: 10s, minSyncPeriod: 0s}\n",
+		want: []string{
+			"ipvs.minSyncPeriod -> --min-sync-period=0s",
+			"ipvs.syncPeriod -> --sync-period=10s",
+			"mode -> --mode=ipvs",
+		},
+		wantIgnored: []string{"iptables.syncPeriod"},
+	}, {
+		name: "kube-proxy fields uproxy does not use are reported when set",
+		doc: header + `
+conntrack: {maxPerCore: 32768, min: 0, tcpBeLiberal: false}
+iptables: {masqueradeBit: 14, masqueradeAll: false}
+featureGates: {SomeGate: true}
+clusterCIDR: ""
+`,
+		wantIgnored: []string{"conntrack.maxPerCore", "featureGates", "iptables.masqueradeBit"},
+	}, {
+		name: "JSON and nulls",
+		doc:  `{"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration", "bindAddress": null, "hostnameOverride": "n"}`,
+		want: []string{"hostnameOverride -> --hostname-override=n"},
+	}}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			settings, ignored, err := Parse([]byte(tt.doc))
+			if err != nil {
+				t.Fatalf("got error %v, want none", err)
+			}
+			var got []string
+			for _, s := range settings {
+				got = append(got, s.String())
+			}
+			if !slices.Equal(got, tt.want) {
+				t.Errorf("got settings\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(tt.want, "\n"))
+			}
+			if !slices.Equal(ignored, tt.wantIgnored) {
+				t.Errorf("got ignored %q, want %q", ignored, tt.wantIgnored)
+			}
+		})
+	}
+}
+
+func TestParseErrors(t *testing.T) {
+	tests := []struct {
+		name, doc, want string
+	}{
+		{"unknown top-level field", header + "bindAdress: 1.2.3.4\n", `unknown field "bindAdress"`},
+		{"unknown nested field", header + "ipvs: {schedular: rr}\n", `unknown field "ipvs.schedular"`},
+		{"wrong kind", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeletConfiguration\n", "want kubeproxy.config.k8s.io/v1alpha1, KubeProxyConfiguration"},
+		{"wrong version", "apiVersion: kubeproxy.config.k8s.io/v1alpha2\nkind: KubeProxyConfiguration\n", "want kubeproxy.config.k8s.io/v1alpha1"},
+		{"duplicate key", header + "bindAddress: 1.2.3.4\nbindAddress: 1.2.3.5\n", "bindAddress"},
+		{"bad duration", header + "iptables: {syncPeriod: 30}\n", `field "iptables.syncPeriod": want a duration`},
+		{"unparsable duration", header + "iptables: {syncPeriod: soon}\n", `field "iptables.syncPeriod"`},
+		{"number as string", header + "clientConnection: {qps: fast}\n", `field "clientConnection.qps": want a number`},
+		{"list of numbers", header + "nodePortAddresses: [1]\n", `field "nodePortAddresses"[0]: want a string`},
+		{"object expected", header + "ipvs: rr\n", `field "ipvs": want an object`},
+		{"not YAML", "{", "parse"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, _, err := Parse([]byte(tt.doc))
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("got error %v, want one containing %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestLoadNamesTheFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "config.conf")
+	if err := os.WriteFile(path, []byte(header+"oops: 1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := Load(path)
+	if err == nil || !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), `"oops"`) {
+		t.Errorf("got %v, want an error naming %s and the field", err, path)
+	}
+	if _, _, err := Load(filepath.Join(t.TempDir(), "absent")); err == nil {
+		t.Errorf("Load of a missing file: got nil error, want one")
+	}
+}
