@@ -9,10 +9,14 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/proxyconfig"
 	"github.com/uproxy/uproxy/socket"
+	"github.com/uproxy/uproxy/source/kube"
 )
 
 // options are the command-line flags, named as kube-proxy names them where it has them.
@@ -38,6 +42,19 @@ type options struct {
 	debug              bool
 	events             int
 	ejectAfter         int
+
+	// The Kubernetes source, used when --services is not given.
+	kubeconfig         string
+	master             string
+	kubeAPIQPS         float32
+	kubeAPIBurst       int
+	kubeAPIContentType string
+	serviceProxyName   string
+	configSyncPeriod   time.Duration
+	// configFile is a KubeProxyConfiguration whose values apply to the flags not
+	// given on the command line.
+	configFile string
+	flags      *pflag.FlagSet // the flags, to tell given from default ones
 }
 
 func defaultOptions() *options {
@@ -56,12 +73,17 @@ func defaultOptions() *options {
 		shutdownGrace:      5 * time.Second,
 		debug:              true,
 		events:             256,
+		kubeAPIQPS:         kube.DefaultQPS,
+		kubeAPIBurst:       kube.DefaultBurst,
+		kubeAPIContentType: kube.DefaultContentType,
+		configSyncPeriod:   15 * time.Minute,
 		ejectAfter:         3,
 	}
 }
 
 func (o *options) addFlags(cmd *cobra.Command) {
 	f := cmd.Flags()
+	o.flags = f
 	f.StringVar(&o.services, "services", o.services, "Service and EndpointSlice manifests (a YAML/JSON file or a directory of them), reloaded on change")
 	f.StringVar(&o.rules, "rules", o.rules, "how virtual IPs reach the proxy ports: iptables, none, or auto (iptables when running as root)")
 	f.StringVar(&o.bindAddress, "bind-address", o.bindAddress, "address the proxy ports listen on (0.0.0.0: every address of both families)")
@@ -81,6 +103,14 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit")
 	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")
 	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve /debug/services and /debug/events on the metrics address")
+	f.StringVar(&o.kubeconfig, "kubeconfig", o.kubeconfig, "kubeconfig file of the API server to follow Services and EndpointSlices from (without --services; neither this nor --master: in-cluster config)")
+	f.StringVar(&o.master, "master", o.master, "address of the API server (overrides the kubeconfig's)")
+	f.Float32Var(&o.kubeAPIQPS, "kube-api-qps", o.kubeAPIQPS, "requests per second to the API server")
+	f.IntVar(&o.kubeAPIBurst, "kube-api-burst", o.kubeAPIBurst, "burst of requests to the API server")
+	f.StringVar(&o.kubeAPIContentType, "kube-api-content-type", o.kubeAPIContentType, "content type of requests to the API server")
+	f.StringVar(&o.serviceProxyName, "service-proxy-name", o.serviceProxyName, "handle only the Services labelled "+kube.LabelServiceProxyName+"=NAME (empty: only those without the label, as kube-proxy)")
+	f.DurationVar(&o.configSyncPeriod, "config-sync-period", o.configSyncPeriod, "how often the Service and EndpointSlice caches are replayed (0: never)")
+	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags given explicitly win")
 	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
 	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
@@ -165,6 +195,15 @@ func (o *options) validate() (*config, error) {
 	default:
 		return nil, fmt.Errorf("--rules %q: want iptables, none or auto", o.rules)
 	}
+	if err := kube.ValidateProxyName(o.serviceProxyName); err != nil {
+		return nil, fmt.Errorf("--service-proxy-name: %w", err)
+	}
+	if o.kubeAPIQPS <= 0 || o.kubeAPIBurst <= 0 {
+		return nil, fmt.Errorf("--kube-api-qps %v, --kube-api-burst %d: must be positive", o.kubeAPIQPS, o.kubeAPIBurst)
+	}
+	if o.configSyncPeriod < 0 {
+		return nil, fmt.Errorf("--config-sync-period %v: must not be negative", o.configSyncPeriod)
+	}
 	c.nodeName = o.hostnameOverride
 	if c.nodeName == "" {
 		if c.nodeName, err = os.Hostname(); err != nil {
@@ -173,4 +212,33 @@ func (o *options) validate() (*config, error) {
 	}
 	c.nodeName = strings.ToLower(strings.TrimSpace(c.nodeName))
 	return c, nil
+}
+
+// applyConfigFile sets, from --config, every flag not given on the command line.
+func (o *options) applyConfigFile() error {
+	if o.configFile == "" || o.flags == nil {
+		return nil
+	}
+	settings, ignored, err := proxyconfig.Load(o.configFile)
+	if err != nil {
+		return fmt.Errorf("--config: %w", err)
+	}
+	for _, field := range ignored {
+		klog.InfoS("Ignoring a kube-proxy setting uproxy does not use", "config", o.configFile, "field", field)
+	}
+	for _, st := range settings {
+		if o.flags.Lookup(st.Flag) == nil {
+			if st.Flag == "mode" && (st.Value == "" || st.Value == "userspace") {
+				continue // the only mode of this command
+			}
+			return fmt.Errorf("--config %s: field %s: %q is not supported (no --%s flag)", o.configFile, st.Field, st.Value, st.Flag)
+		}
+		if o.flags.Changed(st.Flag) {
+			continue
+		}
+		if err := o.flags.Set(st.Flag, st.Value); err != nil {
+			return fmt.Errorf("--config %s: field %s: %w", o.configFile, st.Field, err)
+		}
+	}
+	return nil
 }

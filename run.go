@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/loop"
@@ -19,17 +21,18 @@ import (
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/source/file"
+	"github.com/uproxy/uproxy/source/kube"
 )
 
 // runProxy runs the userspace mode until SIGINT/SIGTERM. synced, if not nil, is
 // called after every sync (the demo uses it to print the proxy ports).
 func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *service.Snapshot)) error {
+	if err := o.applyConfigFile(); err != nil {
+		return err
+	}
 	cfg, err := o.validate()
 	if err != nil {
 		return err
-	}
-	if o.services == "" {
-		return errors.New("no source of Services: give --services PATH (manifests on disk)")
 	}
 	raiseFileLimit()
 	if ctx == nil {
@@ -38,7 +41,16 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	src := &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName}}
+	// Manifests on disk when --services is given, else the API server.
+	var src loop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName}}
+	srcName := o.services
+	if o.services == "" {
+		ks, err := newKubeSource(ctx, o, cfg)
+		if err != nil {
+			return err
+		}
+		src, srcName = ks, "kubernetes"
+	}
 
 	portals, err := newPortals(cfg, o.chainPrefix)
 	if err != nil {
@@ -86,7 +98,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	}
 	defer srv.Stop(context.Background())
 
-	klog.InfoS("Starting uproxy", "version", version, "mode", "userspace", "rules", cfg.rules, "services", o.services, "scheduler", cfg.proxier.Scheduler)
+	klog.InfoS("Starting uproxy", "version", version, "mode", "userspace", "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
 	srcErr := make(chan error, 1)
 	go func() {
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
@@ -103,7 +115,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	case <-ctx.Done():
 	case err = <-srcErr:
 		if err != nil {
-			err = fmt.Errorf("source %s: %w", o.services, err)
+			err = fmt.Errorf("source %s: %w", srcName, err)
 		}
 	}
 	stop()
@@ -192,4 +204,56 @@ func runCleanup(o *options) error {
 	}
 	klog.InfoS("Removed uproxy's rules", "prefix", o.chainPrefix)
 	return nil
+}
+
+// newKubeSource connects to the API server that the flags (or the Pod) name and
+// sets this node's topology zone from its Node, when it is known at start.
+func newKubeSource(ctx context.Context, o *options, cfg *config) (*kube.Source, error) {
+	rc, err := kube.ClientConfig(kube.ClientOptions{
+		Kubeconfig:  o.kubeconfig,
+		Master:      o.master,
+		QPS:         o.kubeAPIQPS,
+		Burst:       o.kubeAPIBurst,
+		ContentType: o.kubeAPIContentType,
+		UserAgent:   "uproxy/" + version,
+	})
+	if errors.Is(err, kube.ErrNoConfig) {
+		return nil, errors.New("no source of Services: give --services PATH (manifests on disk), or --kubeconfig/--master, or run in a cluster")
+	}
+	if err != nil {
+		return nil, err
+	}
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("API client: %w", err)
+	}
+	zctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	// A proxy must start even while the API server is away or its Node is not
+	// registered yet; topology hints then stay off until a restart.
+	if cfg.proxier.Zone, err = kube.NodeZone(zctx, client, cfg.nodeName); err != nil {
+		klog.ErrorS(err, "Reading this node's zone; topology hints are off", "node", cfg.nodeName)
+	}
+	zone := cfg.proxier.Zone
+	seenZone := zone // NodeChanged runs on one goroutine
+	klog.InfoS("Following the API server", "host", rc.Host, "node", cfg.nodeName, "zone", zone, "serviceProxyName", o.serviceProxyName)
+	return &kube.Source{
+		Client:           client,
+		NodeName:         cfg.nodeName,
+		ServiceProxyName: o.serviceProxyName,
+		ResyncPeriod:     o.configSyncPeriod,
+		NodeChanged: func(n *v1.Node) {
+			if n == nil {
+				klog.InfoS("This node's Node was deleted", "node", cfg.nodeName)
+				return
+			}
+			if z := n.Labels[kube.LabelZone]; z != seenZone {
+				seenZone = z
+				if z != zone {
+					klog.InfoS("This node's zone changed; restart to apply it to topology hints", "node", cfg.nodeName, "zone", z, "using", zone)
+				}
+			}
+			klog.V(2).InfoS("Node changed", "node", n.Name, "eligible", kube.NodeEligible(n))
+		},
+	}, nil
 }
