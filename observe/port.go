@@ -230,10 +230,20 @@ func (o *PortObserver) Retain(eps []netip.AddrPort) {
 			continue
 		}
 		delete(o.endpoints, ep)
-		for _, vec := range []*prometheus.MetricVec{DialAttempts.MetricVec, DialDuration.MetricVec, Ejections.MetricVec, Readmissions.MetricVec} {
-			vec.DeletePartialMatch(prometheus.Labels{"service": o.service, "endpoint": em.name})
-		}
+		o.deleteEndpointSeries(em.name)
 	}
+}
+
+// deleteEndpointSeries drops the series of one endpoint by their exact labels.
+// DeletePartialMatch would be simpler but scans every series of a vector, which
+// made removing 10k Service ports quadratic.
+func (o *PortObserver) deleteEndpointSeries(name string) {
+	for _, r := range resultNames {
+		DialAttempts.DeleteLabelValues(o.service, name, r)
+	}
+	DialDuration.DeleteLabelValues(o.service, name)
+	Ejections.DeleteLabelValues(o.service, name)
+	Readmissions.DeleteLabelValues(o.service, name)
 }
 
 // Forget drops every metric series of the Service port (when it is removed), so
@@ -242,15 +252,19 @@ func (o *PortObserver) Forget() {
 	livePorts.Lock()
 	delete(livePorts.m, o)
 	livePorts.Unlock()
-	match := prometheus.Labels{"service": o.service}
-	for _, vec := range []*prometheus.MetricVec{
-		ActiveConnections.MetricVec, Retries.MetricVec, Bytes.MetricVec, Connections.MetricVec,
-		DialAttempts.MetricVec, DialDuration.MetricVec, ConnectionDuration.MetricVec,
-		UDPExpiries.MetricVec, Ejections.MetricVec, Readmissions.MetricVec,
-	} {
-		vec.DeletePartialMatch(match)
+	ActiveConnections.DeleteLabelValues(o.service)
+	Retries.DeleteLabelValues(o.service)
+	Bytes.DeleteLabelValues(o.service, "in")
+	Bytes.DeleteLabelValues(o.service, "out")
+	for _, outcome := range []string{"success", "retried", "failed"} {
+		Connections.DeleteLabelValues(o.service, o.protocol, outcome)
 	}
+	ConnectionDuration.DeleteLabelValues(o.service)
+	UDPExpiries.DeleteLabelValues(o.service)
 	o.mu.Lock()
+	for _, em := range o.endpoints {
+		o.deleteEndpointSeries(em.name)
+	}
 	clear(o.endpoints)
 	o.mu.Unlock()
 }

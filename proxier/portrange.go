@@ -3,6 +3,7 @@ package proxier
 import (
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"strconv"
 	"strings"
 )
@@ -63,16 +64,34 @@ type allocator struct {
 	used map[int]bool
 }
 
+// newAllocator returns an allocator over r; the zero PortRange means the kernel's
+// ephemeral range. Ports are chosen here rather than by binding port 0: the
+// kernel's search for a free port gets slower with every port held (10k proxy
+// ports took 10-20 s to open that way, against 1.4 s with explicit ports).
 func newAllocator(r PortRange) *allocator {
+	if r.First == 0 {
+		r = ephemeralRange()
+	}
 	return &allocator{r: r, used: make(map[int]bool)}
+}
+
+// ephemeralRange reads net.ipv4.ip_local_port_range (Linux's default when unreadable).
+func ephemeralRange() PortRange {
+	r := PortRange{First: 32768, Last: 60999}
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return r
+	}
+	var first, last int
+	if _, err := fmt.Sscan(string(b), &first, &last); err == nil && first >= 1 && last <= 65535 && first <= last {
+		r = PortRange{First: first, Last: last}
+	}
+	return r
 }
 
 // each calls try with free ports until try returns true (the port is then held)
 // or the range is exhausted.
 func (a *allocator) each(try func(port int) bool) bool {
-	if a.r.First == 0 {
-		return try(0)
-	}
 	n := a.r.Last - a.r.First + 1
 	start := rand.IntN(n)
 	for i := 0; i < n; i++ {

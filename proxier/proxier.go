@@ -28,7 +28,7 @@ type Config struct {
 	// BindAddress is where proxy listeners bind. Unset or unspecified (0.0.0.0, ::)
 	// binds every address of both families, which REDIRECT portals need.
 	BindAddress netip.Addr
-	// PortRange bounds the proxy ports; zero: ports chosen by the kernel.
+	// PortRange bounds the proxy ports; zero: the kernel's ephemeral port range.
 	PortRange PortRange
 	// Scheduler is the backend scheduler name (affinity.Schedulers); "": rr.
 	Scheduler string
@@ -168,7 +168,11 @@ func (p *Proxier) listenHost() string {
 
 // listenConfig disables Go's default TCP keepalive on accepted sockets: it costs
 // several setsockopt calls per connection, and the backend side decides liveness.
-var listenConfig = net.ListenConfig{KeepAlive: -1}
+var listenConfig = func() net.ListenConfig {
+	lc := net.ListenConfig{KeepAlive: -1}
+	lc.SetMultipathTCP(false)
+	return lc
+}()
 
 func (p *Proxier) ejection() affinity.Ejection {
 	e := affinity.Ejection{After: p.cfg.EjectAfter, Base: p.cfg.EjectBase, Max: p.cfg.EjectMax}
@@ -237,7 +241,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 	})
 	if !ok {
 		if lastErr == nil {
-			lastErr = fmt.Errorf("every port of range %s is in use", p.cfg.PortRange)
+			lastErr = fmt.Errorf("every port of range %s is in use", p.alloc.r)
 		}
 		return nil, fmt.Errorf("open proxy port for %s/%s: %w", port.Name, port.Protocol, lastErr)
 	}
