@@ -6,7 +6,7 @@ PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
 TESTFLAGS ?= -race -count=1 -timeout 30m
 
-.PHONY: all build run demo demo-retry test unit lint deps kube-bins bench clean
+.PHONY: all build run demo demo-retry test unit lint deps kube-bins bench bench-deps microbench clean
 
 all: build
 
@@ -51,7 +51,26 @@ kube-bins:
 demo-retry: build
 	bash hack/demo-retry.sh $(UPROXY)
 
-bench: build
+# HAProxy and nginx with its stream module, the peers of `uproxy bench` (root; Debian packages).
+bench-deps:
+	@missing=""; \
+	command -v haproxy >/dev/null 2>&1 || missing="$$missing haproxy"; \
+	command -v nginx >/dev/null 2>&1 || missing="$$missing nginx"; \
+	[ -e /usr/lib/nginx/modules/ngx_stream_module.so ] || missing="$$missing libnginx-mod-stream"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then echo "need root to install:$$missing"; exit 1; fi; \
+		echo "installing:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+# A/B benchmark of every path (root): table on stdout, latency chart in bench.svg.
+# BENCHFLAGS=--quick: under 2 minutes.
+BENCHFLAGS ?=
+bench: build deps bench-deps
+	$(UPROXY) bench $(BENCHFLAGS) --chart bench.svg
+
+# Go microbenchmarks of the packages.
+microbench: build
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
 
 clean:

@@ -67,6 +67,7 @@ and retries another when a dial fails.`,
 		},
 		newDemoCommand(opts),
 		newExplainCommand(),
+		newBenchCommand(),
 		&cobra.Command{
 			Use:   "version",
 			Short: "Print the version",
