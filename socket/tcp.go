@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"sync"
@@ -322,14 +321,14 @@ func (s *tcpSession) serve() {
 	}
 	s.pending.Store(2)
 	go s.copyToClient(backend)
-	n, err := io.Copy(backend, s.client)
+	n, err := spliceStream(backend, s.client)
 	s.rec.BytesIn = n
 	s.endDirection(err, backend, "client to backend")
 }
 
 // copyToClient copies backend to client; it is the connection's second goroutine.
 func (s *tcpSession) copyToClient(backend *net.TCPConn) {
-	n, err := io.Copy(s.client, backend)
+	n, err := spliceStream(s.client, backend)
 	s.rec.BytesOut = n
 	s.endDirection(err, s.client, "backend to client")
 }
@@ -375,12 +374,18 @@ func (s *tcpSession) dial() (*net.TCPConn, error) {
 
 // endDirection ends one copy direction: a clean EOF from the source is passed on as
 // a half-close of dst; anything else aborts the connection, resetting both sides.
+//
+// The direction ending last skips the half-close: the Close that follows sends the
+// same FIN (dst's send side is still open and its receive side has already seen
+// EOF, so nothing unread turns the close into a reset), one syscall fewer.
 func (s *tcpSession) endDirection(err error, dst *net.TCPConn, what string) {
-	if err == nil {
+	if err != nil && s.err.Load() == nil {
+		s.abort(fmt.Errorf("copy %s: %w", what, err))
+	}
+	// pending is 1 only when the other direction has ended already.
+	if err == nil && s.pending.Load() > 1 {
 		// Errors are ignored: if dst is gone, the other direction fails and aborts.
 		dst.CloseWrite()
-	} else if s.err.Load() == nil {
-		s.abort(fmt.Errorf("copy %s: %w", what, err))
 	}
 	if s.pending.Add(-1) == 0 {
 		s.client.Close()

@@ -8,7 +8,6 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -27,13 +26,6 @@ const (
 	// IPv6 without jumbograms) without truncation.
 	maxDatagram = 64 << 10
 )
-
-// datagramBuffers lends reply buffers only for the span of one read and its write,
-// so a thousand idle clients do not hold a thousand 64 KiB buffers.
-var datagramBuffers = sync.Pool{New: func() any {
-	b := make([]byte, maxDatagram)
-	return &b
-}}
 
 // UDPProxy proxies the UDP traffic of one Service port. Each client address gets an
 // entry with its own connected socket to an endpoint; replies go back through the
@@ -120,31 +112,40 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 		p.mu.Unlock()
 	}()
 
-	// One buffer per socket: the datagram is written to the backend before the
-	// next read, so it is never shared.
-	buf := make([]byte, maxDatagram)
-	var oob []byte
-	if enablePktinfo(conn) {
-		oob = make([]byte, pktinfoSpace)
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("socket of %s: %w", p.Service, err)
 	}
+	// Each batch is forwarded before the next read, so its buffers are never shared.
+	enablePktinfo(conn)
+	r := newBatchReader(true)
+	defer r.release()
+	// forwardAll runs inside rc.Read and returns only on a read error (errno), so
+	// the reader's drained state stays valid between batches (see begin).
 	var delay time.Duration
-	for {
-		var (
-			n     int
-			from  netip.AddrPort
-			local netip.Addr
-			err   error
-		)
-		if oob != nil {
-			var oobn int
-			n, oobn, _, from, err = conn.ReadMsgUDPAddrPort(buf, oob)
-			if err == nil {
-				local = datagramDestination(oob[:oobn])
+	forwardAll := func(fd uintptr) bool {
+		for {
+			if !r.read(fd) {
+				return false
 			}
-		} else {
-			n, from, err = conn.ReadFromUDPAddrPort(buf)
+			if r.errno != nil {
+				return true
+			}
+			delay = 0
+			for i := range r.n {
+				from, local := r.source(i)
+				p.forward(conn, from, local, r.datagram(i))
+			}
+		}
+	}
+	for {
+		r.begin()
+		err := rc.Read(forwardAll)
+		if err == nil && r.errno != nil {
+			err = os.NewSyscallError("recvmmsg", r.errno)
 		}
 		if err != nil {
+			r.release()
 			if p.isClosed() {
 				return nil
 			}
@@ -159,8 +160,6 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 			}
 			continue
 		}
-		delay = 0
-		p.forward(conn, from, local, buf[:n])
 	}
 }
 
@@ -269,6 +268,7 @@ func (p *UDPProxy) open(svc *net.UDPConn, client netip.AddrPort, local netip.Add
 	c.rec.Endpoint = ep
 	c.backend = backend
 	c.readFn = c.readReplies
+	c.replies = newBatchReader(false)
 	c.touch()
 	return c, nil
 }
@@ -326,6 +326,7 @@ type udpClient struct {
 	ep        netip.AddrPort
 	backend   *net.UDPConn
 	readFn    func(fd uintptr) bool // readReplies, bound once rather than per wait
+	replies   *batchReader          // reads backend; used only by the reply goroutine
 
 	// last is the time (UDPProxy.now) of the latest datagram either way.
 	last              atomic.Int64
@@ -372,6 +373,7 @@ func (c *udpClient) serveReplies() {
 	} else {
 		c.backend.SetReadDeadline(time.Now().Add(timeout))
 		for {
+			c.replies.begin()
 			err := rc.Read(c.readFn)
 			switch {
 			case err == nil:
@@ -404,24 +406,23 @@ func (c *udpClient) serveReplies() {
 // through the Service socket. It runs inside RawConn.Read: returning false waits
 // for the socket to become readable again (or the deadline), true stops on readErr.
 func (c *udpClient) readReplies(fd uintptr) bool {
-	bp := datagramBuffers.Get().(*[]byte)
-	defer datagramBuffers.Put(bp)
+	r := c.replies
 	for {
-		n, err := syscall.Read(int(fd), *bp)
-		switch err {
-		case nil:
-		case syscall.EAGAIN:
+		if !r.read(fd) {
 			return false
-		case syscall.EINTR:
-			continue
-		default:
-			c.readErr = err
+		}
+		if r.errno != nil {
+			c.readErr = r.errno
+			r.release()
 			return true
 		}
 		c.touch()
-		c.bytesOut.Add(int64(n))
-		// A failed send to the client (buffer full, client gone) loses one datagram,
-		// as the network may; the entry lives on until it idles out.
-		c.svc.WriteMsgUDPAddrPort((*bp)[:n], c.replyFrom, c.addr)
+		for i := range r.n {
+			b := r.datagram(i)
+			c.bytesOut.Add(int64(len(b)))
+			// A failed send to the client (buffer full, client gone) loses one
+			// datagram, as the network may; the entry lives on until it idles out.
+			c.svc.WriteMsgUDPAddrPort(b, c.replyFrom, c.addr)
+		}
 	}
 }
