@@ -211,7 +211,7 @@ type Result struct {
 	Protocol   string
 	Start, End time.Time
 	Sent, Got  int
-	Backend    string // as the backend named itself; "" if none answered
+	Backend    string // as the backend named itself ("SERVICE NAME"); "" if none answered
 	Err        error
 	// Corrupt is set when a received byte differs from the byte sent at its offset,
 	// Misrouted when the answering backend belongs to another Service.
@@ -347,7 +347,7 @@ func Classify(r Result, backendOf func(name string) *Backend, flushed func(from,
 		if r.Protocol == "UDP" && isTimeout(r.Err) {
 			return Lost
 		}
-		if flushed(r.Start, r.Start) {
+		if flushed(r.Start, r.End) {
 			return RulesFlushed
 		}
 		if isTimeout(r.Err) {
@@ -357,7 +357,8 @@ func Classify(r Result, backendOf func(name string) *Backend, flushed func(from,
 		}
 		return NoBackend
 	default:
-		if b := backendOf(r.Backend); b != nil && b.KilledBetween(r.Start, r.End) {
+		_, name, _ := strings.Cut(r.Backend, " ")
+		if b := backendOf(name); b != nil && b.KilledBetween(r.Start, r.End) {
 			return BackendDied
 		}
 		// Connections in flight when the nat table is flushed depend on the
