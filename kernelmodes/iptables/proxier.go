@@ -106,6 +106,8 @@ type family struct {
 	udp map[portKey]udpState
 	// lastFull, lastPartial describe the most recent write, for tests and logs.
 	lastWasFull bool
+	// shared is the shared chains' text as last written (valid with written).
+	shared []byte
 }
 
 type portKey struct {
@@ -256,9 +258,11 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 		slices.Sort(stale)
 	}
 
+	sharedFilter := fam.r.sharedFilter(nil, &sh)
+	sharedNAT := fam.r.sharedNATRules(nil, &sh)
 	b := make([]byte, 0, 4096+len(order)*600)
 	b = append(b, "*filter\n"...)
-	b = fam.r.sharedFilter(b, &sh)
+	b = append(b, sharedFilter...)
 	b = append(b, "COMMIT\n*nat\n"...)
 	b = fam.r.sharedNATDecl(b)
 	var changed []*portRules
@@ -279,7 +283,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	for _, pr := range changed {
 		b = append(b, pr.body[:pr.declLen]...)
 	}
-	b = fam.r.sharedNATRules(b, &sh)
+	b = append(b, sharedNAT...)
 	for _, pr := range changed {
 		b = append(b, pr.body[pr.declLen:]...)
 	}
@@ -287,6 +291,13 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 		b = append(b, "-X "+c+"\n"...)
 	}
 	b = append(b, "COMMIT\n"...)
+	shared := slices.Concat(sharedFilter, sharedNAT)
+	if !full && len(changed) == 0 && len(stale) == 0 && bytes.Equal(shared, fam.shared) {
+		// Nothing to write: the canary says the kernel still has it all.
+		fam.lastWasFull = false
+		fam.written = cur
+		return p.syncConntrack(fam, order)
+	}
 
 	fam.written = nil
 	if err := p.cfg.Kernel.RunRestore(fam.v6, b); err != nil {
@@ -299,9 +310,14 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 			return err
 		}
 	}
-	fam.written = cur
+	fam.written, fam.shared = cur, shared
 	klog.V(3).InfoS("Wrote iptables-mode rules", "family", familyName(fam.v6), "full", full, "ports", len(order), "changedPorts", len(changed), "deletedChains", len(stale), "bytes", len(b))
 
+	return p.syncConntrack(fam, order)
+}
+
+// syncConntrack deletes the UDP flows the sync made stale.
+func (p *Proxier) syncConntrack(fam *family, order []*portRules) error {
 	udp := udpStateOf(order)
 	if stale := staleUDP(fam.udp, udp); !stale.empty() {
 		// On failure fam.udp keeps the old view, so the next sync tries again.

@@ -428,16 +428,23 @@ func TestPartialSync(t *testing.T) {
 		t.Errorf("kernel chains after the partial sync still hold gone's SVC: %v", k.chains[0])
 	}
 
-	// Nothing changed: only the shared chains are written.
+	// Nothing changed: nothing is written.
 	n := len(k.restores[0])
 	if err := p.Sync(snapshot(&web2, api)); err != nil {
 		t.Fatal(err)
 	}
-	if got := added(k.last(0), k.restores[0][n-1]); strings.TrimSpace(got) != "" {
-		t.Errorf("unchanged sync: got new lines %q, want none", got)
+	if got := k.restores[0][n:]; len(got) != 0 {
+		t.Errorf("unchanged sync: got restores %q, want none", got)
 	}
-	if strings.Contains(k.last(0), ":"+chain("SVC", web, "")) {
-		t.Errorf("unchanged sync rewrote web's chains:\n%s", k.last(0))
+	// Only a shared chain changes (a new ExternalIP without endpoints): the
+	// shared chains are written, no port chain.
+	api2 := *api
+	api2.Endpoints = nil
+	if err := p.Sync(snapshot(&web2, &api2)); err != nil {
+		t.Fatal(err)
+	}
+	if in := k.last(0); strings.Contains(in, ":"+chain("SVC", web, "")) || !strings.Contains(in, "shop/api has no endpoints") {
+		t.Errorf("sync after api lost its endpoints: want the REJECT and no web chain, got:\n%s", in)
 	}
 }
 
@@ -465,7 +472,9 @@ func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 		{"after the full one", func() {}, false},
 		{"after a failed restore", func() {
 			k.failNext[0] = errors.New("boom")
-			if err := p.Sync(s); err == nil {
+			moved := *web
+			moved.Endpoints = eps("10.244.1.3:8080")
+			if err := p.Sync(snapshot(&moved)); err == nil {
 				t.Errorf("sync with a failing restore: got nil error")
 			}
 		}, true},
@@ -473,14 +482,19 @@ func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 	for _, st := range steps {
 		st.before()
 		inserts := k.inserts
+		n := len(k.restores[0])
 		if err := p.Sync(s); err != nil {
 			t.Fatalf("%s: %v", st.name, err)
 		}
 		if got := p.fams[0].lastWasFull; got != st.full {
 			t.Errorf("%s: full sync got %v, want %v", st.name, got, st.full)
 		}
-		if got := strings.Contains(k.last(0), ":"+p.n.portChain("SVC", web.Name, web.Protocol, "")); got != st.full {
-			t.Errorf("%s: web's chains written: got %v, want %v", st.name, got, st.full)
+		written := false
+		for _, in := range k.restores[0][n:] {
+			written = written || strings.Contains(in, ":"+p.n.portChain("SVC", web.Name, web.Protocol, ""))
+		}
+		if written != st.full {
+			t.Errorf("%s: web's chains written: got %v, want %v", st.name, written, st.full)
 		}
 		if st.full && st.name == "after iptables -t nat -F" && k.inserts == inserts {
 			t.Errorf("%s: jumps not re-inserted", st.name)
