@@ -13,8 +13,10 @@
 //
 // Every field of TCPProxy and UDPProxy has a working zero value except Picker.
 //
-// Costs are part of the contract: the TCP copy runs on the raw *net.TCPConn values so
-// the kernel splices (no user-space copy), a connection uses at most two goroutines,
+// Costs are part of the contract: the TCP copy splices between the raw sockets (no
+// user-space copy; see spliceStream, which holds a pipe only while data is in
+// flight, so an idle connection costs two descriptors), a connection uses at most
+// two goroutines,
 // and no socket option is set beyond what Go sets on its own (TCP_NODELAY) - in
 // particular keepalive is off on both sockets (see ListenTCP).
 package socket
