@@ -97,6 +97,7 @@ type Server struct {
 
 	binDir    string
 	apiArgs   []string
+	extra     []string // added to apiArgs
 	caData    []byte
 	etcd      *process
 	apiserver *process
@@ -108,7 +109,11 @@ type Server struct {
 //
 // Without the binaries the test is skipped, or fails when CI=true, so that a
 // CI run never passes by skipping it.
-func Start(t testing.TB) *Server {
+//
+// extraArgs are added to kube-apiserver's flags (and kept across Restart), for
+// a test that needs a server configured otherwise, such as an older cluster's
+// feature gates.
+func Start(t testing.TB, extraArgs ...string) *Server {
 	t.Helper()
 	binDir := requireBinaries(t)
 	dir := t.TempDir()
@@ -116,6 +121,7 @@ func Start(t testing.TB) *Server {
 		Dir:     dir,
 		CertDir: filepath.Join(dir, "certs"),
 		binDir:  binDir,
+		extra:   extraArgs,
 	}
 	// Registered after TempDir, so it runs before the directory is removed.
 	t.Cleanup(func() { s.shutdown(t) })
@@ -361,6 +367,7 @@ func (s *Server) startAPIServer() error {
 			// server closes remaining connections 2s after draining requests.
 			"--shutdown-send-retry-after=true",
 		}
+		s.apiArgs = append(s.apiArgs, s.extra...)
 		p, err := s.runAPIServer()
 		if err == nil {
 			s.apiserver = p
