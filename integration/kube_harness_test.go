@@ -39,10 +39,10 @@ type kubeWorld struct {
 	kubeconfig string // admin, valid in the node namespace
 }
 
-func newKubeWorld(t *testing.T) *kubeWorld {
+func newKubeWorld(t *testing.T, apiArgs ...string) *kubeWorld {
 	t.Helper()
 	tp := testbed.New(t)
-	srv := kubeapi.Start(t)
+	srv := kubeapi.Start(t, apiArgs...)
 	w := &kubeWorld{srv: srv, tp: tp}
 	w.apiURL = "https://" + relay(t, tp, strings.TrimPrefix(srv.URL, "https://"))
 	w.kubeconfig = writeKubeconfig(t, srv, w.apiURL, srv.AdminToken)
