@@ -21,7 +21,6 @@ func raiseFileLimit() {
 		klog.ErrorS(err, "Reading the open file limit (RLIMIT_NOFILE)")
 		return
 	}
-	raised := false
 	if lim.Cur < lim.Max {
 		want := lim
 		want.Cur = lim.Max
@@ -29,9 +28,9 @@ func raiseFileLimit() {
 			klog.ErrorS(err, "Raising the open file limit (RLIMIT_NOFILE) failed", "soft", limitString(lim.Cur), "hard", limitString(lim.Max))
 			return
 		}
-		lim, raised = want, true
+		lim = want
 	}
-	klog.InfoS("Open file limit (RLIMIT_NOFILE)", "soft", limitString(lim.Cur), "hard", limitString(lim.Max), "raised", raised)
+	klog.InfoS("Open file limit (RLIMIT_NOFILE)", "soft", limitString(lim.Cur), "hard", limitString(lim.Max))
 }
 
 func limitString(v uint64) string {
