@@ -6,7 +6,7 @@ PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
 TESTFLAGS ?= -race -count=1 -timeout 30m
 
-.PHONY: all build run demo demo-retry test unit lint deps kube-bins bench bench-deps microbench clean
+.PHONY: all build run demo demo-retry test unit lint deps kube-bins bench bench-deps microbench soak clean
 
 all: build
 
@@ -68,6 +68,11 @@ bench-deps:
 BENCHFLAGS ?=
 bench: build deps bench-deps
 	$(UPROXY) bench $(BENCHFLAGS) --chart bench.svg
+
+# Mixed TCP/UDP load with checksums while endpoints churn, backends die and the rules are flushed (root).
+SOAK ?= 60s
+soak: deps
+	$(GO) test -count=1 -timeout 20m -run '^TestSoak$$' -v ./soak -soak.duration=$(SOAK)
 
 # Go microbenchmarks of the packages.
 microbench: build

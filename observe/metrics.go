@@ -116,6 +116,10 @@ func init() {
 		Connections, DialAttempts, DialDuration, Retries, ActiveConnections, ConnectionDuration,
 		Bytes, UDPExpiries, Ejections, Readmissions,
 		portsCollector{},
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "uproxy_accept_backoffs_total",
+			Help: "Times an accept (TCP) or read (UDP) loop backed off after running short of descriptors, buffers or memory.",
+		}, func() float64 { return float64(socket.AcceptBackoffs()) }),
 	)
 }
 

@@ -63,6 +63,8 @@ type Proxier struct {
 	// dialing or writing rules, so debug readers do not wait on the kernel.
 	mu    sync.RWMutex
 	ports map[service.PortName]*servicePort
+	// portErrors are the per-Service-port problems of the last sync.
+	portErrors []error
 }
 
 // servicePort is the running state of one Service port.
@@ -90,10 +92,13 @@ func New(cfg Config) (*Proxier, error) {
 	return &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), ports: make(map[service.PortName]*servicePort)}, nil
 }
 
-// Sync makes the listeners and portals match s. Errors of single Service ports
-// are collected; every other port is still programmed.
+// Sync makes the listeners and portals match s. A problem confined to one
+// Service port (its proxy port cannot be opened, its NodePort is taken) is logged
+// and leaves that port out until a later sync; it does not fail the sync, so one
+// bad Service never marks the whole node unhealthy. Sync fails only when the
+// portals as a whole could not be written.
 func (p *Proxier) Sync(s *service.Snapshot) error {
-	var errs *multierror.Error
+	var errs, portErrs *multierror.Error
 	desired := make(map[service.PortName]*service.Port, len(s.Ports))
 	for _, port := range s.Ports {
 		desired[port.Name] = port
@@ -126,7 +131,7 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 		if sp == nil {
 			var err error
 			if sp, err = p.openPort(port); err != nil {
-				errs = multierror.Append(errs, err)
+				portErrs = multierror.Append(portErrs, err)
 				continue
 			}
 			p.mu.Lock()
@@ -137,10 +142,43 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
 	}
 	if err := p.cfg.Portals.Sync(portals); err != nil {
-		observe.IPTablesRestoreFailures.Inc()
-		errs = multierror.Append(errs, fmt.Errorf("portals: %w", err))
+		for _, e := range flatten(err) {
+			var pe *rules.PortalError
+			if errors.As(e, &pe) {
+				portErrs = multierror.Append(portErrs, e)
+				continue
+			}
+			observe.IPTablesRestoreFailures.Inc()
+			errs = multierror.Append(errs, fmt.Errorf("portals: %w", e))
+		}
 	}
+	var left []error
+	if portErrs != nil {
+		left = portErrs.Errors
+		for _, e := range left {
+			klog.ErrorS(e, "Service port left out of this sync; retried on the next")
+		}
+	}
+	p.mu.Lock()
+	p.portErrors = left
+	p.mu.Unlock()
 	return errs.ErrorOrNil()
+}
+
+// PortErrors returns the problems of single Service ports found by the last sync.
+func (p *Proxier) PortErrors() []error {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	return p.portErrors
+}
+
+// flatten returns the errors inside a *multierror.Error, or err itself.
+func flatten(err error) []error {
+	var m *multierror.Error
+	if errors.As(err, &m) {
+		return m.Errors
+	}
+	return []error{err}
 }
 
 // updatePort hands the port's current endpoints and affinity settings to its balancer.

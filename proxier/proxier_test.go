@@ -233,9 +233,11 @@ func TestPortRange(t *testing.T) {
 	}
 	r := PortRange{First: free[0], Last: free[1]}
 	p := newProxier(t, Config{PortRange: r})
-	err := p.Sync(snapshot(port("one", service.TCP, a), port("three", service.TCP, a), port("two", service.TCP, a)))
-	if err == nil || !strings.Contains(err.Error(), "default/two:p") {
-		t.Fatalf("third port in a range of two: got error %v, want one naming default/two:p", err)
+	if err := p.Sync(snapshot(port("one", service.TCP, a), port("three", service.TCP, a), port("two", service.TCP, a))); err != nil {
+		t.Fatalf("Sync: got %v, want nil: one Service port's problem must not fail the sync", err)
+	}
+	if errs := p.PortErrors(); len(errs) != 1 || !strings.Contains(errs[0].Error(), "default/two:p") {
+		t.Fatalf("third port in a range of two: got port errors %v, want one naming default/two:p", errs)
 	}
 	for _, n := range []string{"one", "three"} {
 		pp := p.ProxyPort(service.PortName{Namespace: "default", Name: n, Port: "p"})
