@@ -44,7 +44,7 @@ func TestMain(m *testing.M) {
 
 // proxy is a uproxy process running in a topology's node namespace.
 type proxy struct {
-	t        *testing.T
+	t        testing.TB
 	tp       *testbed.Topology
 	dir      string // manifests
 	cmd      *exec.Cmd
@@ -239,7 +239,7 @@ func (p *proxy) waitFor(ok func([]serviceState) bool, what string) []serviceStat
 // namedTCP starts a TCP backend in role's namespace that answers every
 // connection with "name\n", then echoes until the client closes. It returns the
 // listener so a test can kill the backend.
-func namedTCP(t *testing.T, tp *testbed.Topology, role, addr, name string) net.Listener {
+func namedTCP(t testing.TB, tp *testbed.Topology, role, addr, name string) net.Listener {
 	ln := tp.Listen(role, "tcp", addr)
 	go func() {
 		for {

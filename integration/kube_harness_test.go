@@ -39,7 +39,7 @@ type kubeWorld struct {
 	kubeconfig string // admin, valid in the node namespace
 }
 
-func newKubeWorld(t *testing.T, apiArgs ...string) *kubeWorld {
+func newKubeWorld(t testing.TB, apiArgs ...string) *kubeWorld {
 	t.Helper()
 	tp := testbed.New(t)
 	srv := kubeapi.Start(t, apiArgs...)
@@ -52,7 +52,7 @@ func newKubeWorld(t *testing.T, apiArgs ...string) *kubeWorld {
 // relay listens on 127.0.0.1 in the node namespace and forwards every
 // connection to target on the host. Connections made while target is down fail
 // like a refused connection would.
-func relay(t *testing.T, tp *testbed.Topology, target string) string {
+func relay(t testing.TB, tp *testbed.Topology, target string) string {
 	ln := tp.Listen(testbed.Node, "tcp", "127.0.0.1:0")
 	go func() {
 		for {
@@ -82,7 +82,7 @@ func relay(t *testing.T, tp *testbed.Topology, target string) string {
 // startKubeProxy runs uproxy in the node namespace following the API server
 // through kubeconfig, with iptables portals, and returns once the first sync
 // has programmed want Service ports.
-func (w *kubeWorld) startKubeProxy(t *testing.T, kubeconfig string, want int, flags ...string) *proxy {
+func (w *kubeWorld) startKubeProxy(t testing.TB, kubeconfig string, want int, flags ...string) *proxy {
 	t.Helper()
 	tp := w.tp
 	p := &proxy{t: t, tp: tp, exited: make(chan struct{}), metrics: "127.0.0.1:10249"}
@@ -157,7 +157,7 @@ type backend struct {
 	port int32
 }
 
-func (w *kubeWorld) backend(t *testing.T, name string) *backend {
+func (w *kubeWorld) backend(t testing.TB, name string) *backend {
 	ln := namedTCP(t, w.tp, testbed.Pod, w.tp.NS(testbed.Pod).IPv4.String()+":0", name)
 	t.Cleanup(func() { ln.Close() })
 	a := ln.Addr().(*net.TCPAddr)
@@ -185,7 +185,7 @@ func (w *kubeWorld) served(addr string, n int) []string {
 
 // awaitServed polls until the connections to addr are answered by exactly want
 // ("error" for failures), or fails the test.
-func (w *kubeWorld) awaitServed(t *testing.T, addr string, want ...string) {
+func (w *kubeWorld) awaitServed(t testing.TB, addr string, want ...string) {
 	t.Helper()
 	slices.Sort(want)
 	deadline := time.Now().Add(30 * time.Second)
@@ -201,13 +201,13 @@ func (w *kubeWorld) awaitServed(t *testing.T, addr string, want ...string) {
 
 // cluster is a namespace of a test API server and the objects a test makes in it.
 type cluster struct {
-	t      *testing.T
+	t      testing.TB
 	srv    *kubeapi.Server
 	client kubernetes.Interface
 	ns     string
 }
 
-func newCluster(t *testing.T, srv *kubeapi.Server, ns string) *cluster {
+func newCluster(t testing.TB, srv *kubeapi.Server, ns string) *cluster {
 	t.Helper()
 	client := srv.Client(t)
 	if _, err := client.CoreV1().Namespaces().Create(context.Background(), &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
@@ -298,7 +298,7 @@ func clusterAddr(svc *v1.Service) string {
 }
 
 // writeKubeconfig writes a kubeconfig for srv that authenticates with token.
-func writeKubeconfig(t *testing.T, srv *kubeapi.Server, server, token string) string {
+func writeKubeconfig(t testing.TB, srv *kubeapi.Server, server, token string) string {
 	t.Helper()
 	ca, err := os.ReadFile(filepath.Join(srv.CertDir, "apiserver.crt"))
 	if err != nil {
