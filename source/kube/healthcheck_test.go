@@ -85,7 +85,11 @@ func TestHealthCheckServer(t *testing.T) {
 		{"no local endpoint", []*service.Port{localPort(port, ep("10.0.0.3:80", false, true))}, false, 503, 0},
 		{"one pod serving two ports counts once", []*service.Port{
 			localPort(port, ep("10.0.0.1:80", true, true)),
-			func() *service.Port { p := localPort(port, ep("10.0.0.1:443", true, true)); p.Name.Port = "q"; return p }(),
+			func() *service.Port {
+				p := localPort(port, ep("10.0.0.1:443", true, true))
+				p.Name.Port = "q"
+				return p
+			}(),
 		}, false, 200, 1},
 	}
 	for _, tt := range tests {
