@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
 	"github.com/uproxy/uproxy/socket"
@@ -29,6 +31,7 @@ type options struct {
 	udpMaxClients      int
 	dialTimeouts       string
 	scheduler          string
+	proxyMode          string
 	metricsBindAddress string
 	healthzBindAddress string
 	syncPeriod         time.Duration
@@ -65,6 +68,7 @@ func defaultOptions() *options {
 		udpMaxClients:      4096,
 		dialTimeouts:       "250ms,500ms,1s,2s",
 		scheduler:          "rr",
+		proxyMode:          "userspace",
 		metricsBindAddress: "127.0.0.1:10249",
 		healthzBindAddress: "0.0.0.0:10256",
 		syncPeriod:         30 * time.Second,
@@ -91,7 +95,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.udpTimeout, "udp-timeout", o.udpTimeout, "how long an idle UDP client keeps its backend")
 	f.IntVar(&o.udpMaxClients, "udp-max-clients", o.udpMaxClients, "most UDP clients tracked per Service port")
 	f.StringVar(&o.dialTimeouts, "dial-timeouts", o.dialTimeouts, "per-attempt TCP dial timeouts; one attempt per entry, each to another endpoint while any remains")
-	f.StringVar(&o.scheduler, "scheduler", o.scheduler, "backend scheduler: "+strings.Join(affinity.Schedulers, ", "))
+	f.StringVar(&o.scheduler, "scheduler", o.scheduler, "backend scheduler: "+strings.Join(affinity.Schedulers, ", ")+" (ipvs mode: also wrr, wlc)")
+	f.StringVar(&o.proxyMode, "proxy-mode", o.proxyMode, "userspace (proxy ports, retries), iptables (kernel DNAT), ipvs, or auto (ipvs, else iptables, else userspace)")
 	f.StringVar(&o.metricsBindAddress, "metrics-bind-address", o.metricsBindAddress, "address of /metrics and /debug (empty: off)")
 	f.StringVar(&o.healthzBindAddress, "healthz-bind-address", o.healthzBindAddress, "address of /healthz and /livez (empty: off)")
 	f.DurationVar(&o.syncPeriod, "sync-period", o.syncPeriod, "most time between two syncs")
@@ -146,8 +151,8 @@ func (o *options) validate() (*config, error) {
 	if c.proxier.DialTimeouts, err = socket.ParseDialTimeouts(o.dialTimeouts); err != nil {
 		return nil, fmt.Errorf("--dial-timeouts: %w", err)
 	}
-	if err := affinity.ValidScheduler(o.scheduler); err != nil {
-		return nil, fmt.Errorf("--scheduler: %w", err)
+	if !slices.Contains(affinity.Schedulers, o.scheduler) && !slices.Contains(ipvs.Schedulers, o.scheduler) {
+		return nil, fmt.Errorf("--scheduler %q: want one of %s (ipvs mode: also wrr, wlc)", o.scheduler, strings.Join(affinity.Schedulers, ", "))
 	}
 	c.proxier.Scheduler = o.scheduler
 	for _, a := range []struct{ flag, v string }{{"--metrics-bind-address", o.metricsBindAddress}, {"--healthz-bind-address", o.healthzBindAddress}} {
@@ -228,9 +233,6 @@ func (o *options) applyConfigFile() error {
 	}
 	for _, st := range settings {
 		if o.flags.Lookup(st.Flag) == nil {
-			if st.Flag == "mode" && (st.Value == "" || st.Value == "userspace") {
-				continue // the only mode of this command
-			}
 			return fmt.Errorf("--config %s: field %s: %q is not supported (no --%s flag)", o.configFile, st.Field, st.Value, st.Flag)
 		}
 		if o.flags.Changed(st.Flag) {

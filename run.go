@@ -52,14 +52,8 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		src, srcName = ks, "kubernetes"
 	}
 
-	portals, err := newPortals(cfg, o.chainPrefix)
-	if err != nil {
-		return err
-	}
 	events := observe.NewEvents(o.events)
-	cfg.proxier.Portals = portals
-	cfg.proxier.Events = events
-	px, err := proxier.New(cfg.proxier)
+	modeName, mode, px, err := newProxyMode(o, cfg, events)
 	if err != nil {
 		return err
 	}
@@ -67,7 +61,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	changes := &observe.Changes{}
 	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	runner := &loop.Runner{
-		Mode:          px,
+		Mode:          mode,
 		MinSyncPeriod: o.minSyncPeriod,
 		SyncPeriod:    o.syncPeriod,
 		Hooks: loop.Hooks{
@@ -78,7 +72,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 					health.Synced(start)
 					changes.Synced(s)
 				}
-				if synced != nil {
+				if synced != nil && px != nil {
 					synced(px, s)
 				}
 			},
@@ -87,8 +81,8 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	srv := &observe.Server{
 		MetricsAddr: cfg.metricsAddr,
 		HealthzAddr: cfg.healthzAddr,
-		Mode:        "userspace",
-		Services:    px,
+		Mode:        modeName,
+		Services:    mode,
 		Events:      events,
 		Health:      health,
 		Debug:       o.debug,
@@ -98,7 +92,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	}
 	defer srv.Stop(context.Background())
 
-	klog.InfoS("Starting uproxy", "version", version, "mode", "userspace", "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
+	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
 	srcErr := make(chan error, 1)
 	go func() {
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
@@ -119,14 +113,17 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		}
 	}
 	stop()
-	klog.InfoS("Shutting down", "grace", o.shutdownGrace)
-	sctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
-	defer cancel()
-	if serr := px.Shutdown(sctx); serr != nil {
-		klog.ErrorS(serr, "Shutdown")
+	if px != nil {
+		klog.InfoS("Shutting down", "grace", o.shutdownGrace)
+		sctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
+		defer cancel()
+		if serr := px.Shutdown(sctx); serr != nil {
+			klog.ErrorS(serr, "Shutdown")
+		}
 	}
+	// Kernel modes keep serving from the kernel after exit unless asked not to.
 	if o.cleanupOnExit {
-		if cerr := px.Cleanup(); cerr != nil {
+		if cerr := mode.Cleanup(); cerr != nil {
 			klog.ErrorS(cerr, "Removing the portal rules on exit (--cleanup-on-exit)")
 		} else {
 			klog.InfoS("Removed the portal rules on exit (--cleanup-on-exit)")
@@ -196,14 +193,6 @@ func nodeIPs(bind netip.Addr) []netip.Addr {
 		}
 	}
 	return out
-}
-
-func runCleanup(o *options) error {
-	if err := rules.Cleanup(o.chainPrefix); err != nil {
-		return fmt.Errorf("cleanup: %w", err)
-	}
-	klog.InfoS("Removed uproxy's rules", "prefix", o.chainPrefix)
-	return nil
 }
 
 // newKubeSource connects to the API server that the flags (or the Pod) name and

@@ -4,7 +4,6 @@ package integration
 
 import (
 	"bufio"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -55,68 +54,19 @@ type proxy struct {
 	stopOnce bool
 }
 
-// startProxy runs uproxy in the node namespace on the given manifests, with
-// extra flags, and waits until its first sync has programmed want Service ports.
+// startProxy runs uproxy's userspace mode with iptables portals in the node
+// namespace on the given manifests, with extra flags, and waits until a sync
+// has programmed want Service ports.
 func startProxy(t *testing.T, tp *testbed.Topology, manifests string, want int, flags ...string) *proxy {
 	t.Helper()
-	p := &proxy{t: t, tp: tp, dir: t.TempDir(), exited: make(chan struct{}), metrics: "127.0.0.1:10249"}
-	p.write("services.yaml", manifests)
-	p.log = filepath.Join(t.TempDir(), "uproxy.log")
-	logf, err := os.Create(p.log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	args := append([]string{"netns", "exec", tp.NS(testbed.Node).Name, uproxyBin,
-		"--services", p.dir,
-		"--rules", "iptables",
-		"--metrics-bind-address", p.metrics,
-		"--healthz-bind-address", "127.0.0.1:10256",
-		"--sync-period", "1s",
-		"--min-sync-period", "0",
-		"--shutdown-grace", "1s",
-		"-v", "2",
-	}, flags...)
-	p.cmd = exec.Command("ip", args...)
-	p.cmd.Stdout, p.cmd.Stderr = logf, logf
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		p.cmd.Wait()
-		logf.Close()
-		close(p.exited)
-	}()
-	p.client = &http.Client{
-		Timeout: 5 * time.Second,
-		Transport: &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			return tp.Dial(testbed.Node, network, addr)
-		}},
-	}
-	t.Cleanup(func() {
-		p.stop()
-		if t.Failed() {
-			b, _ := os.ReadFile(p.log)
-			t.Logf("uproxy log:\n%s", tail(string(b), 60))
-		}
-	})
-	seen := time.Now()
-	p.waitFor(func(s []serviceState) bool {
-		n := 0
-		for _, st := range s {
-			if st.ProxyPort != 0 {
-				n++
-			}
-		}
-		return n == want
-	}, fmt.Sprintf("%d Service ports with proxy ports", want))
-	// Proxy ports appear before the sync that opened them has written the
-	// portals; a client that raced the rules would pin an un-NATed conntrack entry.
-	p.waitSynced(seen)
-	return p
+	return runUproxy(t, tp, manifests, launch{want: want,
+		flags: append([]string{"--rules", "iptables", "--shutdown-grace", "1s"}, flags...)})
 }
 
 // waitSynced waits until a sync has completed after t, read from
-// kubeproxy_sync_proxy_rules_last_timestamp_seconds.
+// kubeproxy_sync_proxy_rules_last_timestamp_seconds: proxy ports appear before
+// the sync that opened them has written the portals, and a client that raced
+// the rules would pin an un-NATed conntrack entry.
 func (p *proxy) waitSynced(t time.Time) {
 	p.t.Helper()
 	deadline := time.Now().Add(15 * time.Second)

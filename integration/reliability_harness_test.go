@@ -36,9 +36,6 @@ type launch struct {
 	// defaultAddrs leaves --metrics-bind-address and --healthz-bind-address to
 	// their defaults.
 	defaultAddrs bool
-	// noSyncWait skips waiting for a successful sync, for manifests whose syncs
-	// report a Service's error (the sync timestamp only moves on success).
-	noSyncWait bool
 }
 
 // runUproxy starts uproxy in the node namespace like startProxy does, but with
@@ -105,9 +102,7 @@ func runUproxy(t *testing.T, tp *testbed.Topology, manifests string, l launch) *
 			return n == l.want
 		}, fmt.Sprintf("%d Service ports with proxy ports", l.want))
 	}
-	if !l.noSyncWait {
-		p.waitSynced(seen)
-	}
+	p.waitSynced(seen)
 	return p
 }
 

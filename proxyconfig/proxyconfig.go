@@ -78,7 +78,7 @@ var schema = map[string]any{
 	"bindAddress":        field{kind: str, flag: "bind-address"},
 	"healthzBindAddress": field{kind: str, flag: "healthz-bind-address"},
 	"metricsBindAddress": field{kind: str, flag: "metrics-bind-address"},
-	"mode":               field{kind: str, flag: "mode"},
+	"mode":               field{kind: str, flag: "proxy-mode"},
 	"nodePortAddresses":  field{kind: strList, flag: "nodeport-addresses"},
 	"configSyncPeriod":   field{kind: duration, flag: "config-sync-period"},
 	// portRange and udpIdleTimeout configured kube-proxy's own userspace mode,

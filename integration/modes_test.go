@@ -1,0 +1,134 @@
+package integration
+
+import (
+	"fmt"
+	"net"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/kernelmodes"
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// webService starts three named backends in the pod namespace and returns the
+// manifest of a NodePort Service over them.
+func webService(t *testing.T, tp *testbed.Topology) string {
+	pod := tp.NS(testbed.Pod)
+	var ports []int
+	for i := 1; i <= 3; i++ {
+		ln := namedTCP(t, tp, testbed.Pod, pod.IPv4.String()+":0", fmt.Sprintf("web-%d", i))
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	}
+	ip := pod.IPv4.String()
+	return svc{name: "web", proto: "TCP", clusterIPs: []string{"10.96.0.10"}, port: 80, nodePort: 30080,
+		endpoints: []string{ip, ip, ip}, endpointPorts: ports}.yaml()
+}
+
+// TestIPTablesModeEndToEnd runs the binary in the iptables kernel mode: the
+// Service is served by the kernel, so it keeps working while uproxy is stopped.
+func TestIPTablesModeEndToEnd(t *testing.T) {
+	tp := testbed.New(t)
+	px := runUproxy(t, tp, webService(t, tp), launch{want: -1, flags: []string{"--proxy-mode", "iptables"}})
+	if mode, err := px.get("/proxyMode"); err != nil || mode != "iptables" {
+		t.Fatalf("/proxyMode: got %q (%v), want iptables", mode, err)
+	}
+	seen := map[string]int{}
+	for i := 0; i < 60; i++ {
+		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
+		if err != nil {
+			t.Fatalf("connection %d from pod: %v", i, err)
+		}
+		seen[name]++
+	}
+	if len(seen) != 3 {
+		t.Errorf("backends over 60 connections: got %v, want all three", seen)
+	}
+	node := tp.NS(testbed.Node)
+	if name, err := whoTCP(tp, testbed.External, node.IPv4.String()+":30080"); err != nil || !strings.HasPrefix(name, "web-") {
+		t.Errorf("NodePort from external: got %q (%v), want a web backend", name, err)
+	}
+
+	px.signal(syscall.SIGSTOP)
+	defer px.signal(syscall.SIGCONT)
+	for i := 0; i < 10; i++ {
+		if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+			t.Fatalf("connection %d with uproxy stopped: got %q (%v), want a web backend", i, name, err)
+		}
+	}
+}
+
+// TestModeSwitchLeavesNoStaleState switches userspace -> iptables -> userspace
+// on one node: each start removes the other mode's chains, and cleanup
+// returns iptables-save to what it was.
+func TestModeSwitchLeavesNoStaleState(t *testing.T) {
+	tp := testbed.New(t)
+	// Create the (empty) tables, so the baseline has them as cleanup leaves them.
+	for _, table := range []string{"nat", "filter"} {
+		for _, op := range []string{"-N", "-X"} {
+			if out, err := tp.Exec(testbed.Node, "iptables", "-t", table, op, "BASELINE"); err != nil {
+				t.Fatalf("iptables -t %s %s: %v: %s", table, op, err, out)
+			}
+		}
+	}
+	before := normalizedSave(t, tp, "iptables-save")
+	manifests := webService(t, tp)
+	steps := []struct {
+		flags      []string
+		want       int
+		has, lacks string
+	}{
+		{[]string{"--proxy-mode", "userspace", "--rules", "iptables"}, 1, "UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES"},
+		{[]string{"--proxy-mode", "iptables"}, -1, "UPROXY-SERVICES", "UPROXY-PORTALS-CONTAINER"},
+		{[]string{"--proxy-mode", "userspace", "--rules", "iptables"}, 1, "UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES"},
+	}
+	for i, st := range steps {
+		px := runUproxy(t, tp, manifests, launch{want: st.want, flags: st.flags})
+		if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+			t.Fatalf("step %d (%v): got %q (%v), want a web backend", i, st.flags, name, err)
+		}
+		px.stop()
+		saved := normalizedSave(t, tp, "iptables-save")
+		if !strings.Contains(saved, ":"+st.has) || strings.Contains(saved, ":"+st.lacks) {
+			t.Errorf("step %d (%v): iptables-save should have %s and lack %s:\n%s", i, st.flags, st.has, st.lacks, saved)
+		}
+	}
+	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {
+		t.Fatalf("uproxy cleanup: %v: %s", err, out)
+	}
+	if got := normalizedSave(t, tp, "iptables-save"); got != before {
+		t.Errorf("iptables-save after cleanup:\n%s\nwant:\n%s", got, before)
+	}
+}
+
+// TestIPVSModeOnThisKernel: where the kernel lacks IPVS (as on our machines),
+// --proxy-mode ipvs exits at once, non-zero, naming what is missing.
+func TestIPVSModeOnThisKernel(t *testing.T) {
+	tp := testbed.New(t)
+	var verdict kernelmodes.Verdict
+	tp.Run(testbed.Node, func() error { verdict = kernelmodes.Probe("rr"); return nil })
+	if verdict.IPVS() {
+		t.Logf("this kernel offers IPVS; checking that ipvs mode starts instead")
+		px := runUproxy(t, tp, webService(t, tp), launch{want: -1, flags: []string{"--proxy-mode", "ipvs"}})
+		px.stop()
+		return
+	}
+	start := time.Now()
+	cmd := exec.Command("ip", "netns", "exec", tp.NS(testbed.Node).Name, uproxyBin,
+		"--proxy-mode", "ipvs", "--services", t.TempDir(), "--metrics-bind-address", "", "--healthz-bind-address", "")
+	out, err := cmd.CombinedOutput()
+	took := time.Since(start)
+	if err == nil {
+		t.Fatalf("--proxy-mode ipvs without IPVS: exit 0, want non-zero; output:\n%s", out)
+	}
+	for _, want := range append([]string{"ipvs mode unavailable on this kernel", "--proxy-mode iptables"}, verdict.IPVSMissing...) {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	if took > 10*time.Second {
+		t.Errorf("took %v to fail, want it to fail fast", took)
+	}
+}

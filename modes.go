@@ -1,0 +1,102 @@
+package main
+
+import (
+	"fmt"
+
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/kernelmodes"
+	kiptables "github.com/uproxy/uproxy/kernelmodes/iptables"
+	"github.com/uproxy/uproxy/kernelmodes/ipvs"
+	"github.com/uproxy/uproxy/loop"
+	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxier"
+)
+
+// proxyMode is what runProxy drives: the userspace proxier or a kernel mode.
+type proxyMode interface {
+	loop.Mode
+	observe.ServicesView
+	// Cleanup removes what the mode programmed into the kernel.
+	Cleanup() error
+}
+
+// newProxyMode resolves --proxy-mode, removes what other modes left behind and
+// builds the chosen mode. px is the proxier when the mode is userspace, else nil.
+func newProxyMode(o *options, cfg *config, events *observe.Events) (name string, mode proxyMode, px *proxier.Proxier, err error) {
+	name, reason, err := kernelmodes.Choose(o.proxyMode, o.scheduler)
+	if err != nil {
+		return "", nil, nil, err
+	}
+	klog.InfoS("Proxy mode", "mode", name, "reason", reason)
+
+	// Switching modes must not leave the previous mode's rules steering traffic.
+	// Only when uproxy may touch the kernel: --rules none runs unprivileged.
+	if name != kernelmodes.Userspace || cfg.rules == "iptables" {
+		if err := kernelmodes.CleanupOthers(name, o.chainPrefix); err != nil {
+			klog.ErrorS(err, "Removing other modes' leftovers", "mode", name)
+		}
+	}
+
+	ips := nodeIPs(cfg.proxier.BindAddress)
+	switch name {
+	case kernelmodes.Userspace:
+		if err := checkUserspaceScheduler(o.scheduler); err != nil {
+			return "", nil, nil, err
+		}
+		portals, err := newPortals(cfg, o.chainPrefix)
+		if err != nil {
+			return "", nil, nil, err
+		}
+		cfg.proxier.Portals = portals
+		cfg.proxier.Events = events
+		px, err := proxier.New(cfg.proxier)
+		if err != nil {
+			return "", nil, nil, err
+		}
+		return name, px, px, nil
+	case kernelmodes.IPTables:
+		m, err := kiptables.New(kiptables.Config{
+			ChainPrefix:       o.chainPrefix,
+			IPv6:              hasIPv6(ips),
+			NodePortAddresses: cfg.prefixes,
+			Zone:              cfg.proxier.Zone,
+		})
+		if err != nil {
+			return "", nil, nil, fmt.Errorf("--proxy-mode iptables: %w", err)
+		}
+		return name, m, nil, nil
+	case kernelmodes.IPVS:
+		m, err := ipvs.New(ipvs.Config{
+			ChainPrefix:       o.chainPrefix,
+			Scheduler:         o.scheduler,
+			IPv6:              hasIPv6(ips),
+			NodeIPs:           ips,
+			NodePortAddresses: cfg.prefixes,
+			Zone:              cfg.proxier.Zone,
+		})
+		if err != nil {
+			return "", nil, nil, fmt.Errorf("--proxy-mode ipvs: %w", err)
+		}
+		return name, m, nil, nil
+	}
+	return "", nil, nil, fmt.Errorf("--proxy-mode %q: unknown mode %q", o.proxyMode, name)
+}
+
+// runCleanup removes every mode's rules, links and virtual servers.
+func runCleanup(o *options) error {
+	if err := kernelmodes.CleanupAll(o.chainPrefix); err != nil {
+		return fmt.Errorf("cleanup: %w", err)
+	}
+	klog.InfoS("Removed uproxy's rules of every mode", "prefix", o.chainPrefix)
+	return nil
+}
+
+// checkUserspaceScheduler rejects the schedulers only IPVS has.
+func checkUserspaceScheduler(name string) error {
+	if err := affinity.ValidScheduler(name); err != nil {
+		return fmt.Errorf("--scheduler %q is an IPVS-only scheduler; the userspace mode offers %v", name, affinity.Schedulers)
+	}
+	return nil
+}
