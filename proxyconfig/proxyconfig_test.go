@@ -54,7 +54,7 @@ configSyncPeriod: 15m
 		want: []string{
 			"ipvs.minSyncPeriod -> --min-sync-period=0s",
 			"ipvs.syncPeriod -> --sync-period=10s",
-			"mode -> --mode=ipvs",
+			"mode -> --proxy-mode=ipvs",
 		},
 		wantIgnored: []string{"iptables.syncPeriod"},
 	}, {
