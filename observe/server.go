@@ -64,6 +64,12 @@ type EndpointState struct {
 	// picks, until EjectedUntil (RFC3339, UTC).
 	Ejected      bool   `json:"ejected"`
 	EjectedUntil string `json:"ejectedUntil,omitempty"`
+	// Packets and Bytes are the kernel's counters of the endpoint's DNAT rules
+	// (iptables mode). Only a connection's first packet passes the nat table, so
+	// Packets counts the connections (UDP flows) the kernel sent to the endpoint,
+	// whether or not they succeeded, and Bytes the size of those first packets.
+	Packets uint64 `json:"packets,omitempty"`
+	Bytes   uint64 `json:"bytes,omitempty"`
 }
 
 // AffinityCounters count ClientIP affinity decisions of one Service port.

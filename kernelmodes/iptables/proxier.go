@@ -408,14 +408,27 @@ func (p *Proxier) Cleanup() error {
 }
 
 // DebugServices implements observe.ServicesView: every Service port of the last
-// sync with the endpoints some rule sends traffic to marked usable. Counters
-// reports the kernel's per-endpoint counters.
+// sync with the endpoints some rule sends traffic to marked usable, and each
+// endpoint's DNAT counters (one iptables-save -c per family per call; the
+// counters of a family that cannot be read are left zero and logged).
 func (p *Proxier) DebugServices() []observe.ServiceState {
 	p.mu.Lock()
 	s, programmed := p.last, p.programmed
 	p.mu.Unlock()
 	if s == nil {
 		return nil
+	}
+	type counted struct {
+		key portKey
+		ep  netip.AddrPort
+	}
+	cs, err := p.Counters()
+	if err != nil {
+		klog.V(2).InfoS("Reading the DNAT counters for /debug/services", "err", err)
+	}
+	counters := make(map[counted]EndpointCounters, len(cs))
+	for _, c := range cs {
+		counters[counted{portKey{c.Service, c.Protocol}, c.Endpoint}] = c
 	}
 	out := make([]observe.ServiceState, 0, len(s.Ports))
 	for _, sp := range s.Ports {
@@ -437,12 +450,16 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 			st.AffinityTimeout = int(sp.AffinityTimeout.Seconds())
 		}
 		for _, e := range sp.Endpoints {
+			ep := netip.AddrPortFrom(e.Addr.Addr().Unmap(), e.Addr.Port())
+			c := counters[counted{portKey{sp.Name, sp.Protocol}, ep}]
 			st.Endpoints = append(st.Endpoints, observe.EndpointState{
 				Address:     e.Addr.String(),
 				Ready:       e.Ready,
 				Serving:     e.Serving,
 				Terminating: e.Terminating,
-				Usable:      programmed[sp.Name][netip.AddrPortFrom(e.Addr.Addr().Unmap(), e.Addr.Port())],
+				Usable:      programmed[sp.Name][ep],
+				Packets:     c.Packets,
+				Bytes:       c.Bytes,
 			})
 		}
 		out = append(out, st)
