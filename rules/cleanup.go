@@ -24,104 +24,105 @@ func Cleanup(prefix string) error {
 }
 
 func cleanup(k *Kernel, c chains) error {
+	nat, filter := c.nat(), c.filter()
+	return RemoveChains(k, func(table, chain string) bool {
+		switch table {
+		case "nat":
+			return slices.Contains(nat, chain)
+		case "filter":
+			return slices.Contains(filter, chain)
+		}
+		return false
+	})
+}
+
+// RemoveChains deletes, in both families, the chains ours accepts and every rule
+// elsewhere that jumps to them. Each family's tables are read once and changed in
+// one restore. What is already gone, including a missing ip6tables, is not an
+// error; the families' errors are collected. Every mode's cleanup uses it.
+func RemoveChains(k *Kernel, ours func(table, chain string) bool) error {
 	var errs []error
 	for f := v4; f <= v6; f++ {
-		if err := cleanupFamily(k, c, f == v6); err != nil {
-			errs = append(errs, err)
+		saved, err := k.save(f == v6)
+		if err != nil {
+			if missingCommand(err) {
+				continue
+			}
+			errs = append(errs, fmt.Errorf("read rules for cleanup: %w", err))
+			continue
+		}
+		input := RemovalInput(saved, ours)
+		if len(input) == 0 {
+			continue
+		}
+		if err := k.restore(f == v6, input); err != nil {
+			errs = append(errs, fmt.Errorf("cleanup: %w", err))
 		}
 	}
 	return multierror.Append(nil, errs...).ErrorOrNil()
 }
 
-// cleanupFamily reads the family's tables once and, in one restore, deletes the
-// rules that jump to our chains and then the chains. Only what exists is named:
-// a -D or -X of something absent would fail the whole restore, and declaring a
-// chain in a table that does not exist would create the table.
-func cleanupFamily(k *Kernel, c chains, v6 bool) error {
-	saved, err := k.save(v6)
-	if err != nil {
-		if missingCommand(err) {
-			return nil
-		}
-		return fmt.Errorf("read rules for cleanup: %w", err)
-	}
-	input := cleanupInput(saved, map[string][]string{"nat": c.nat(), "filter": c.filter()})
-	if len(input) == 0 {
-		return nil
-	}
-	if err := k.restore(v6, input); err != nil {
-		return fmt.Errorf("cleanup: %w", err)
-	}
-	return nil
-}
-
-// cleanupInput returns the restore input removing ours[table] chains from the
-// iptables-save output saved, or nothing when none of them is there.
-func cleanupInput(saved []byte, ours map[string][]string) []byte {
+// RemovalInput returns the restore input that deletes, from the iptables-save
+// output saved, the chains ours accepts and the rules elsewhere that jump to
+// them; nothing when none is there. Only what exists is named: a -D or -X of
+// something absent would fail the whole restore, and declaring a chain in a
+// table that does not exist would create the table.
+func RemovalInput(saved []byte, ours func(table, chain string) bool) []byte {
 	type tableState struct {
+		name    string
 		present []string // our chains declared in the table
 		jumps   []string // "-D ..." lines for rules elsewhere that jump to them
 	}
-	var order []string
-	tables := map[string]*tableState{}
+	var tables []*tableState
 	var cur *tableState
-	var curOurs []string
 	sc := bufio.NewScanner(bytes.NewReader(saved))
 	sc.Buffer(make([]byte, 0, 64*1024), 16*1024*1024)
 	for sc.Scan() {
 		line := sc.Text()
 		switch {
 		case strings.HasPrefix(line, "*"):
-			name := line[1:]
-			curOurs = ours[name]
-			cur = nil
-			if curOurs != nil {
-				cur = &tableState{}
-				tables[name] = cur
-				order = append(order, name)
-			}
+			cur = &tableState{name: line[1:]}
+			tables = append(tables, cur)
 		case cur == nil:
 		case strings.HasPrefix(line, ":"):
 			name, _, _ := strings.Cut(line[1:], " ")
-			if slices.Contains(curOurs, name) {
+			if ours(cur.name, name) {
 				cur.present = append(cur.present, name)
 			}
 		case strings.HasPrefix(line, "-A "):
 			chain, rest, _ := strings.Cut(line[3:], " ")
-			if slices.Contains(curOurs, chain) || !jumpsTo(rest, curOurs) {
+			if ours(cur.name, chain) || !jumpsTo(rest, func(c string) bool { return ours(cur.name, c) }) {
 				continue
 			}
 			cur.jumps = append(cur.jumps, "-D "+chain+" "+rest)
 		}
 	}
-
 	var b strings.Builder
-	for _, name := range order {
-		t := tables[name]
+	for _, t := range tables {
 		if len(t.present) == 0 && len(t.jumps) == 0 {
 			continue
 		}
-		b.WriteString("*" + name + "\n")
+		b.WriteString("*" + t.name + "\n")
 		// Declaring a chain flushes it, so -X finds it empty.
-		for _, ch := range t.present {
-			b.WriteString(":" + ch + " - [0:0]\n")
+		for _, c := range t.present {
+			b.WriteString(":" + c + " - [0:0]\n")
 		}
 		for _, j := range t.jumps {
 			b.WriteString(j + "\n")
 		}
-		for _, ch := range t.present {
-			b.WriteString("-X " + ch + "\n")
+		for _, c := range t.present {
+			b.WriteString("-X " + c + "\n")
 		}
 		b.WriteString("COMMIT\n")
 	}
 	return []byte(b.String())
 }
 
-// jumpsTo reports whether the rule text targets (-j or -g) one of chains.
-func jumpsTo(rule string, chains []string) bool {
+// jumpsTo reports whether the rule text targets (-j or -g) a chain ours accepts.
+func jumpsTo(rule string, ours func(string) bool) bool {
 	fields := strings.Fields(rule)
 	for i := 0; i+1 < len(fields); i++ {
-		if (fields[i] == "-j" || fields[i] == "-g") && slices.Contains(chains, fields[i+1]) {
+		if (fields[i] == "-j" || fields[i] == "-g") && ours(fields[i+1]) {
 			return true
 		}
 	}

@@ -26,10 +26,13 @@ func FuzzCleanupInput(f *testing.F) {
 	} {
 		f.Add([]byte(s))
 	}
-	ours := map[string][]string{"nat": c.nat(), "filter": c.filter()}
+	nat, filter := c.nat(), c.filter()
+	ours := func(table, chain string) bool {
+		return table == "nat" && slices.Contains(nat, chain) || table == "filter" && slices.Contains(filter, chain)
+	}
 	all := append(c.nat(), c.filter()...)
 	f.Fuzz(func(t *testing.T, saved []byte) {
-		out := cleanupInput(saved, ours)
+		out := RemovalInput(saved, ours)
 		if len(out) == 0 {
 			return
 		}
@@ -44,7 +47,7 @@ func FuzzCleanupInput(f *testing.F) {
 					t.Fatalf("table %s opened before %s was committed:\n%s", line, table, out)
 				}
 				table = line[1:]
-				if ours[table] == nil {
+				if table != "nat" && table != "filter" {
 					t.Fatalf("got a block for table %q, want only nat and filter:\n%s", table, out)
 				}
 			case line == "COMMIT":
@@ -56,16 +59,16 @@ func FuzzCleanupInput(f *testing.F) {
 				t.Fatalf("line %q outside a table:\n%s", line, out)
 			case strings.HasPrefix(line, ":"):
 				name, _, _ := strings.Cut(line[1:], " ")
-				if !slices.Contains(ours[table], name) {
+				if !ours(table, name) {
 					t.Fatalf("declares chain %q in %s, want only ours:\n%s", name, table, out)
 				}
 			case strings.HasPrefix(line, "-X "):
-				if !slices.Contains(ours[table], line[3:]) {
+				if !ours(table, line[3:]) {
 					t.Fatalf("deletes chain %q in %s, want only ours:\n%s", line[3:], table, out)
 				}
 			case strings.HasPrefix(line, "-D "):
 				chain, rest, _ := strings.Cut(line[3:], " ")
-				if slices.Contains(all, chain) || !jumpsTo(rest, ours[table]) {
+				if slices.Contains(all, chain) || !jumpsTo(rest, func(c string) bool { return ours(table, c) }) {
 					t.Fatalf("deletes rule %q, want only jumps from other chains to ours:\n%s", line, out)
 				}
 			default:
