@@ -41,11 +41,12 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
+	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	// Manifests on disk when --services is given, else the API server.
 	var src loop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName}}
 	srcName := o.services
 	if o.services == "" {
-		ks, err := newKubeSource(ctx, o, cfg)
+		ks, err := newKubeSource(ctx, o, cfg, health)
 		if err != nil {
 			return err
 		}
@@ -59,7 +60,12 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	}
 
 	changes := &observe.Changes{}
-	health := &observe.Health{Timeout: 2 * o.syncPeriod}
+	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
+	hc := &kube.HealthCheckServer{IPs: nodePortIPs(cfg.prefixes), Healthy: func() bool {
+		ok, _ := health.Healthy(time.Now())
+		return ok
+	}}
+	defer hc.Close(context.Background())
 	runner := &loop.Runner{
 		Mode:          mode,
 		MinSyncPeriod: o.minSyncPeriod,
@@ -71,6 +77,9 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 				if err == nil {
 					health.Synced(start)
 					changes.Synced(s)
+					if herr := hc.Sync(s); herr != nil {
+						klog.ErrorS(herr, "Health check node ports")
+					}
 				}
 				if synced != nil && px != nil {
 					synced(px, s)
@@ -197,7 +206,7 @@ func nodeIPs(bind netip.Addr) []netip.Addr {
 
 // newKubeSource connects to the API server that the flags (or the Pod) name and
 // sets this node's topology zone from its Node, when it is known at start.
-func newKubeSource(ctx context.Context, o *options, cfg *config) (*kube.Source, error) {
+func newKubeSource(ctx context.Context, o *options, cfg *config, health *observe.Health) (*kube.Source, error) {
 	rc, err := kube.ClientConfig(kube.ClientOptions{
 		Kubeconfig:  o.kubeconfig,
 		Master:      o.master,
@@ -232,6 +241,7 @@ func newKubeSource(ctx context.Context, o *options, cfg *config) (*kube.Source, 
 		ServiceProxyName: o.serviceProxyName,
 		ResyncPeriod:     o.configSyncPeriod,
 		NodeChanged: func(n *v1.Node) {
+			health.SetNodeEligible(kube.NodeEligible(n))
 			if n == nil {
 				klog.InfoS("This node's Node was deleted", "node", cfg.nodeName)
 				return
@@ -245,4 +255,36 @@ func newKubeSource(ctx context.Context, o *options, cfg *config) (*kube.Source, 
 			klog.V(2).InfoS("Node changed", "node", n.Name, "eligible", kube.NodeEligible(n))
 		},
 	}, nil
+}
+
+// nodePortIPs returns the node addresses inside prefixes (--nodeport-addresses);
+// nil, meaning every address, when there are no prefixes.
+func nodePortIPs(prefixes []netip.Prefix) []netip.Addr {
+	if len(prefixes) == 0 {
+		return nil
+	}
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		klog.ErrorS(err, "Listing node addresses")
+		return nil
+	}
+	var out []netip.Addr
+	for _, a := range addrs {
+		n, ok := a.(*net.IPNet)
+		if !ok {
+			continue
+		}
+		ip, ok := netip.AddrFromSlice(n.IP)
+		if !ok {
+			continue
+		}
+		ip = ip.Unmap()
+		for _, p := range prefixes {
+			if p.Contains(ip) {
+				out = append(out, ip)
+				break
+			}
+		}
+	}
+	return out
 }

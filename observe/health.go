@@ -17,6 +17,7 @@ type Health struct {
 	mu          sync.Mutex
 	lastUpdated time.Time // last successful sync
 	oldestQueue time.Time // first update queued since the last sync; zero when none
+	ineligible  bool      // the Node is being deleted or drained
 }
 
 // Queued records that an update is waiting for a sync.
@@ -55,12 +56,37 @@ func (h *Health) Healthy(now time.Time) (bool, time.Time) {
 	return ok, h.lastUpdated
 }
 
-// ServeHTTP answers /healthz and /livez: 200 when healthy, 503 otherwise.
+// SetNodeEligible records whether this node should receive external traffic
+// (false while its Node is being deleted or drained by the cluster autoscaler).
+func (h *Health) SetNodeEligible(eligible bool) {
+	h.mu.Lock()
+	h.ineligible = !eligible
+	h.mu.Unlock()
+}
+
+// ServeHTTP answers /healthz: 200 when healthy and the node is eligible, 503
+// otherwise, with kube-proxy's body.
 func (h *Health) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	h.serve(w, true)
+}
+
+// Livez answers /livez: like /healthz, but only about the proxy itself (a node
+// being drained is still alive), and without nodeEligible, as kube-proxy.
+func (h *Health) Livez() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h.serve(w, false) })
+}
+
+func (h *Health) serve(w http.ResponseWriter, withNode bool) {
 	now := time.Now()
 	ok, last := h.Healthy(now)
-	eligible := true
-	body := healthStatus{LastUpdated: last.String(), CurrentTime: now.String(), NodeEligible: &eligible}
+	body := healthStatus{LastUpdated: last.String(), CurrentTime: now.String()}
+	if withNode {
+		h.mu.Lock()
+		eligible := !h.ineligible
+		h.mu.Unlock()
+		body.NodeEligible = &eligible
+		ok = ok && eligible
+	}
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	if !ok {

@@ -123,7 +123,7 @@ func (s *Server) MetricsHandler() http.Handler {
 	})
 	if s.Health != nil {
 		mux.Handle("/healthz", s.Health)
-		mux.Handle("/livez", s.Health)
+		mux.Handle("/livez", s.Health.Livez())
 	}
 	if s.Debug {
 		mux.HandleFunc("/debug/services", s.serveServices)
@@ -235,7 +235,7 @@ func (s *Server) Start() error {
 	if s.HealthzAddr != "" && s.Health != nil {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", s.Health)
-		mux.Handle("/livez", s.Health)
+		mux.Handle("/livez", s.Health.Livez())
 		binds = append(binds, struct {
 			addr string
 			h    http.Handler

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"slices"
 
-
 	"github.com/uproxy/uproxy/rules"
 )
 
