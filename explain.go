@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -11,6 +12,7 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -29,6 +31,9 @@ type explainOptions struct {
 	output       string
 	iptablesSave string // file with iptables-save output; "" runs the command
 	events       int
+	// recentDir holds the kernel's xt_recent lists (ClientIP affinity of the
+	// iptables mode); "" is /proc/net/xt_recent.
+	recentDir string
 }
 
 func newExplainCommand() *cobra.Command {
@@ -117,6 +122,10 @@ type verdict struct {
 	// Via is the index in Steps of the rule that decided.
 	Via     int  `json:"via"`
 	Certain bool `json:"certain"`
+	// Chance is the share of connections that get this verdict, when the only
+	// uncertainty on the way is a random choice (-m statistic); 0 when other
+	// state (marks, sources the trace does not know) decides too.
+	Chance float64 `json:"chance,omitempty"`
 }
 
 func runExplain(w io.Writer, arg string, o *explainOptions) error {
@@ -174,7 +183,7 @@ func runExplain(w io.Writer, arg string, o *explainOptions) error {
 		x.RulesError = err.Error()
 	} else {
 		t := parseNAT(save)
-		pkt := packet{dst: dst, proto: strings.ToLower(proto), client: client, local: local}
+		pkt := packet{dst: dst, proto: strings.ToLower(proto), client: client, local: local, recent: recentLists(o.recentDir)}
 		hooks := []string{"PREROUTING", "OUTPUT"}
 		if client.IsValid() {
 			// A client on this node goes through OUTPUT, any other through PREROUTING.
@@ -186,6 +195,12 @@ func runExplain(w io.Writer, arg string, o *explainOptions) error {
 		for _, h := range hooks {
 			x.Rules = append(x.Rules, t.trace(h, pkt))
 		}
+		if client.IsValid() {
+			x.kernelChoices()
+		}
+	}
+	if len(x.Services) > 0 && x.Mode != "userspace" {
+		x.Notes = append(x.Notes, fmt.Sprintf("in the %s mode the kernel forwards each connection itself: uproxy never sees it, so it cannot retry a failed dial and records no connection events; only the connection's client sees a failure", x.Mode))
 	}
 
 	if o.output == "json" {
@@ -424,6 +439,9 @@ type packet struct {
 	proto  string // tcp, udp
 	client netip.Addr
 	local  map[netip.Addr]bool
+	// recent reports whether the kernel's recent list holds ip; nil, or an
+	// error, leaves a recent match undecided.
+	recent func(list string, ip netip.Addr) (bool, error)
 }
 
 type tri int
@@ -437,9 +455,10 @@ const (
 func and(a, b tri) tri { return min(a, b) }
 
 // match evaluates a rule's matches for p coming through hook; note says why a
-// maybe is a maybe.
-func (p packet) match(args []string, hook string) (m tri, note string) {
-	m = yes
+// maybe is a maybe. prob is the chance a maybe matches when only a random
+// choice (-m statistic) makes it one, else -1.
+func (p packet) match(args []string, hook string) (m tri, note string, prob float64) {
+	m, prob = yes, 1
 	var notes []string
 	neg := false
 	for i := 0; i < len(args); i++ {
@@ -486,10 +505,24 @@ func (p packet) match(args []string, hook string) (m tri, note string) {
 			r = p.addrType(next(), hook == "OUTPUT" || (p.client.IsValid() && p.local[p.client]))
 		case "--probability":
 			r = maybe
-			notes = append(notes, "taken with probability "+next())
+			v := next()
+			notes = append(notes, "taken with probability "+v)
+			if f, err := strconv.ParseFloat(v, 64); err == nil && prob >= 0 && !neg {
+				prob *= f
+			} else {
+				prob = -1
+			}
 		case "--rcheck", "--update":
 			r = maybe
-			notes = append(notes, "only for clients the recent list holds (ClientIP affinity)")
+			list := optionValue(args, "--name")
+			if in, err := p.inRecent(list, hook); err == nil {
+				r = boolTri(in)
+				if in {
+					notes = append(notes, fmt.Sprintf("client %s is in the recent list %s (ClientIP affinity, kept while it connects within --seconds)", p.client, list))
+				}
+			} else {
+				notes = append(notes, "only for clients the recent list holds (ClientIP affinity)")
+			}
 		case "--mark", "--ctstate", "--sport", "--source-port", "-i", "-o", "--in-interface", "--out-interface":
 			r = maybe
 			notes = append(notes, a+" "+next())
@@ -508,12 +541,65 @@ func (p packet) match(args []string, hook string) (m tri, note string) {
 			r = yes - r // yes<->no, maybe stays
 			neg = false
 		}
+		if r == maybe && a != "--probability" {
+			prob = -1
+		}
 		m = and(m, r)
 		if m == no {
-			return no, ""
+			return no, "", 0
 		}
 	}
-	return m, strings.Join(notes, "; ")
+	if m == yes {
+		prob = 1
+	}
+	return m, strings.Join(notes, "; "), prob
+}
+
+// inRecent reports whether the client is in the recent list: it fails when the
+// trace has no client, or the list cannot be read.
+func (p packet) inRecent(list, hook string) (bool, error) {
+	if p.recent == nil || list == "" || !p.client.IsValid() {
+		return false, errors.New("no client or no recent lists")
+	}
+	if hook == "OUTPUT" && !p.local[p.client] {
+		return false, errors.New("the node's source address is not known")
+	}
+	return p.recent(list, p.client)
+}
+
+// optionValue returns the value that follows option in a rule's words.
+func optionValue(args []string, option string) string {
+	for i := 0; i+1 < len(args); i++ {
+		if args[i] == option {
+			return args[i+1]
+		}
+	}
+	return ""
+}
+
+// recentLists reads the kernel's xt_recent lists from dir (default
+// /proc/net/xt_recent, of the calling process's network namespace): each line
+// of a list starts with "src=IP".
+func recentLists(dir string) func(list string, ip netip.Addr) (bool, error) {
+	if dir == "" {
+		dir = "/proc/net/xt_recent"
+	}
+	return func(list string, ip netip.Addr) (bool, error) {
+		if strings.ContainsAny(list, "/.") {
+			return false, fmt.Errorf("recent list %q: not a list name", list)
+		}
+		b, err := os.ReadFile(filepath.Join(dir, list))
+		if err != nil {
+			return false, fmt.Errorf("read recent list: %w", err)
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			f, _, _ := strings.Cut(line, " ")
+			if a, err := netip.ParseAddr(strings.TrimPrefix(f, "src=")); err == nil && a.Unmap() == ip.Unmap() {
+				return true, nil
+			}
+		}
+		return false, nil
+	}
 }
 
 func boolTri(b bool) tri {
@@ -577,23 +663,42 @@ func target(args []string) (name, to string) {
 // trace follows p through the nat table from hook.
 func (t *natTable) trace(hook string, p packet) rulePath {
 	rp := rulePath{Hook: hook, Steps: []ruleStep{}, Verdicts: []verdict{}}
-	t.walk(&rp, hook, hook, p, true, 0)
-	if len(rp.Verdicts) == 0 || !rp.Verdicts[len(rp.Verdicts)-1].Certain {
-		rp.Verdicts = append(rp.Verdicts, verdict{Target: "none", Via: -1, Certain: len(rp.Verdicts) == 0})
+	done, decided := t.walk(&rp, hook, hook, p, true, 1, 0)
+	if !done {
+		v := verdict{Target: "none", Via: -1, Certain: len(rp.Verdicts) == 0}
+		if decided >= 0 {
+			v.Chance = 1 - decided
+		}
+		rp.Verdicts = append(rp.Verdicts, v)
 	}
 	return rp
 }
 
-// walk evaluates chain's rules in order; it returns true when a certain
-// terminating verdict ended the traversal.
-func (t *natTable) walk(rp *rulePath, chain, hook string, p packet, certain bool, depth int) bool {
+// walk evaluates chain's rules in order for the packets that reach it (a share
+// reach of all, -1 when not known). It returns done when a certain terminating
+// verdict ended the traversal, and the share of all packets that a verdict in
+// the chain (or below) took (-1 when not known).
+func (t *natTable) walk(rp *rulePath, chain, hook string, p packet, certain bool, reach float64, depth int) (done bool, decided float64) {
 	if depth > 16 {
-		return false
+		return false, -1
+	}
+	// took adds to decided a share of packets a verdict took.
+	took := func(share float64) {
+		if share < 0 || decided < 0 {
+			decided, reach = -1, -1
+			return
+		}
+		decided += share
+		reach -= share
 	}
 	for _, r := range t.chains[chain] {
-		m, note := p.match(r.args, hook)
+		m, note, prob := p.match(r.args, hook)
 		if m == no {
 			continue
+		}
+		share := -1.0
+		if reach >= 0 && prob >= 0 {
+			share = reach * prob
 		}
 		name, to := target(r.args)
 		sure := certain && m == yes
@@ -601,23 +706,33 @@ func (t *natTable) walk(rp *rulePath, chain, hook string, p packet, certain bool
 		switch name {
 		case "DNAT", "REDIRECT", "ACCEPT", "DROP", "REJECT":
 			rp.Steps = append(rp.Steps, step)
-			rp.Verdicts = append(rp.Verdicts, verdict{Target: name, To: to, Via: len(rp.Steps) - 1, Certain: sure})
-			if sure {
-				return true
+			v := verdict{Target: name, To: to, Via: len(rp.Steps) - 1, Certain: sure}
+			if share >= 0 {
+				v.Chance = share
 			}
+			rp.Verdicts = append(rp.Verdicts, v)
+			if sure {
+				return true, decided + share
+			}
+			took(share)
 		case "RETURN":
 			if m == yes {
-				return false
+				return false, decided
 			}
+			// A RETURN taken at random hands those packets back unexamined; the
+			// trace does not follow them, so the shares below are unknown.
+			reach = -1
 		default:
 			if _, ok := t.chains[name]; !ok {
 				continue // MARK, MASQUERADE, LOG...: the packet goes on
 			}
 			rp.Steps = append(rp.Steps, step)
 			mark, vmark := len(rp.Steps), len(rp.Verdicts)
-			if t.walk(rp, name, hook, p, sure, depth+1) {
-				return true
+			done, sub := t.walk(rp, name, hook, p, sure, share, depth+1)
+			if done {
+				return true, -1 // only reached on a certain path: no share to report
 			}
+			took(sub)
 			// A chain that only marked (KUBE-MARK-MASQ style) or returned:
 			// drop its entry step unless something under it decided.
 			if len(rp.Steps) == mark && len(rp.Verdicts) == vmark {
@@ -625,7 +740,58 @@ func (t *natTable) walk(rp *rulePath, chain, hook string, p packet, certain bool
 			}
 		}
 	}
-	return false
+	return false, decided
+}
+
+// kernelChoices sets, for each Service port the kernel serves, the choice the
+// client gets from the traced rules: the endpoint its affinity entry (recent
+// list) pins it to, or the random split among the endpoints' DNAT rules.
+func (x *explanation) kernelChoices() {
+	for i := range x.Services {
+		st := &x.Services[i].Service
+		if st.ProxyPort != 0 || st.NextForClient != nil {
+			continue
+		}
+		eps := map[string]bool{}
+		for _, e := range st.Endpoints {
+			eps[e.Address] = true
+		}
+		c := &observe.Choice{Client: x.Client}
+		var split []string
+		for _, rp := range x.Rules {
+			for _, v := range rp.Verdicts {
+				if v.Target != "DNAT" || !eps[v.To] {
+					continue
+				}
+				if v.Certain && len(split) == 0 {
+					c.Endpoint = v.To
+					c.Reason = fmt.Sprintf("%s rule %d sends every new connection there", rp.Steps[v.Via].Chain, rp.Steps[v.Via].Rule)
+					for _, s := range rp.Steps[:v.Via+1] {
+						if list := optionValue(splitRule(s.Text), "--name"); list != "" && !s.Maybe && strings.Contains(s.Text, "--rcheck") {
+							c.Sticky = true
+							c.Reason = fmt.Sprintf("ClientIP affinity: the kernel's recent list %s holds the client (%s rule %d)", list, s.Chain, s.Rule)
+						}
+					}
+					break
+				}
+				share := "a share the rules alone do not tell"
+				if v.Chance > 0 {
+					share = fmt.Sprintf("%.0f%%", 100*v.Chance)
+				}
+				split = append(split, v.To+" "+share)
+			}
+		}
+		switch {
+		case c.Endpoint != "":
+		case len(split) > 0:
+			c.Reason = "the kernel picks at random for each new connection (-m statistic): " + strings.Join(split, ", ")
+		case x.Mode == "ipvs":
+			c.Reason = fmt.Sprintf("the kernel's IPVS scheduler %s picks for each new connection", st.Scheduler)
+		default:
+			c.Reason = "no rule sends it to an endpoint"
+		}
+		st.NextForClient = c
+	}
 }
 
 // describe words a verdict, naming the Service port whose proxy port it reaches.
@@ -698,12 +864,19 @@ func (x *explanation) writeText(w io.Writer) error {
 			if e.Terminating {
 				state = append(state, "terminating")
 			}
+			if st.ProxyPort == 0 && x.Mode == "iptables" {
+				// The kernel keeps no per-endpoint state but its rule counters.
+				p("    %s\t%s\tconnections sent %d (DNAT rule counter)\n", e.Address, strings.Join(state, ", "), e.Packets)
+				continue
+			}
 			p("    %s\t%s\tactive %d\tconsecutive failures %d\n", e.Address, strings.Join(state, ", "), e.ActiveConnections, e.ConsecutiveFailures)
 		}
 		switch {
 		case st.NextForClient != nil:
 			c := st.NextForClient
-			if c.Endpoint == "" {
+			if c.Endpoint == "" && st.ProxyPort == 0 {
+				p("  Next for client %s: %s.\n", c.Client, c.Reason)
+			} else if c.Endpoint == "" {
 				p("  Next for client %s: none (%s).\n", c.Client, c.Reason)
 			} else {
 				p("  Next for client %s: %s, because %s.\n", c.Client, c.Endpoint, c.Reason)
@@ -735,7 +908,7 @@ func (x *explanation) writeText(w io.Writer) error {
 			}
 			p("    %s rule %d (line %d)%s:\n      %s\n", s.Chain, s.Rule, s.Line, mark, s.Text)
 		}
-		for _, v := range rp.Verdicts {
+		for i, v := range rp.Verdicts {
 			switch {
 			case v.Target == "none" && v.Certain:
 				p("    => no rule rewrites it: the packet goes to %s itself\n", x.Destination)
@@ -743,17 +916,28 @@ func (x *explanation) writeText(w io.Writer) error {
 				p("    => otherwise: no rule rewrites it\n")
 			default:
 				how := "always"
-				if !v.Certain {
+				switch {
+				case !v.Certain:
 					how = "sometimes"
+				case i > 0:
+					how = "otherwise"
 				}
-				p("    => %s %s (%s rule %d)\n", how, x.describe(v), rp.Steps[v.Via].Chain, rp.Steps[v.Via].Rule)
+				share := ""
+				if v.Chance > 0 && v.Chance < 1 {
+					share = fmt.Sprintf(", %.0f%% of new connections", 100*v.Chance)
+				}
+				p("    => %s %s (%s rule %d%s)\n", how, x.describe(v), rp.Steps[v.Via].Chain, rp.Steps[v.Via].Rule, share)
 			}
 		}
 	}
 	tw.Flush()
 
 	p("\nRecent retried or failed connections, newest first:\n")
-	if len(x.RecentFailures) == 0 {
+	switch {
+	case len(x.RecentFailures) > 0:
+	case x.Mode != "userspace" && len(x.Services) > 0:
+		p("  none recorded: in the %s mode uproxy does not see connections\n", x.Mode)
+	default:
 		p("  none\n")
 	}
 	for _, ev := range x.RecentFailures {

@@ -132,7 +132,7 @@ COMMIT
 }
 
 // kernelRules is iptables-save output of a DNAT mode: a Service chain choosing
-// among endpoint chains at random, with ClientIP affinity through recent.
+// among endpoint chains at random, and one with ClientIP affinity through recent.
 const kernelRules = `*nat
 :PREROUTING ACCEPT [0:0]
 :OUTPUT ACCEPT [0:0]
@@ -141,6 +141,9 @@ const kernelRules = `*nat
 :UPROXY-SVC-WEB - [0:0]
 :UPROXY-SEP-A - [0:0]
 :UPROXY-SEP-B - [0:0]
+:UPROXY-SVC-STICKY - [0:0]
+:UPROXY-SEP-C - [0:0]
+:UPROXY-SEP-D - [0:0]
 -A PREROUTING -m comment --comment "uproxy service portals" -j UPROXY-SERVICES
 -A OUTPUT -m comment --comment "uproxy service portals" -j UPROXY-SERVICES
 -A UPROXY-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
@@ -153,6 +156,13 @@ const kernelRules = `*nat
 -A UPROXY-SEP-A -p tcp -m tcp -j DNAT --to-destination 10.244.1.5:8080
 -A UPROXY-SEP-B -s 10.244.2.6/32 -j UPROXY-MARK-MASQ
 -A UPROXY-SEP-B -p tcp -m tcp -j DNAT --to-destination 10.244.2.6:8080
+-A UPROXY-SERVICES -d 10.96.0.11/32 -p tcp -m comment --comment "shop/sticky:http cluster IP" -m tcp --dport 80 -j UPROXY-SVC-STICKY
+-A UPROXY-SVC-STICKY -m comment --comment "shop/sticky:http -> 10.244.1.5:8080" -m recent --rcheck --seconds 10800 --reap --name UPROXY-SEP-C --mask 255.255.255.255 --rsource -j UPROXY-SEP-C
+-A UPROXY-SVC-STICKY -m comment --comment "shop/sticky:http -> 10.244.2.6:8080" -m recent --rcheck --seconds 10800 --reap --name UPROXY-SEP-D --mask 255.255.255.255 --rsource -j UPROXY-SEP-D
+-A UPROXY-SVC-STICKY -m comment --comment "shop/sticky:http -> 10.244.1.5:8080" -m statistic --mode random --probability 0.50000000000 -j UPROXY-SEP-C
+-A UPROXY-SVC-STICKY -m comment --comment "shop/sticky:http -> 10.244.2.6:8080" -j UPROXY-SEP-D
+-A UPROXY-SEP-C -p tcp -m comment --comment "shop/sticky:http" -m recent --set --name UPROXY-SEP-C --mask 255.255.255.255 --rsource -m tcp -j DNAT --to-destination 10.244.1.5:8080
+-A UPROXY-SEP-D -p tcp -m comment --comment "shop/sticky:http" -m recent --set --name UPROXY-SEP-D --mask 255.255.255.255 --rsource -m tcp -j DNAT --to-destination 10.244.2.6:8080
 COMMIT
 `
 
@@ -282,26 +292,59 @@ func TestExplainErrors(t *testing.T) {
 }
 
 // The trace through a DNAT mode's chains: the Service chain, a branch per
-// endpoint chosen at random, the marking chain left out.
+// endpoint chosen at random with its share of connections, the marking chain
+// left out; the recent lists (as /proc/net/xt_recent shows them) decide the
+// affinity rules for a given client, and so the client's next endpoint.
 func TestTraceKernelRules(t *testing.T) {
 	tbl := parseNAT([]byte(kernelRules))
+	recentDir := t.TempDir()
+	for list, text := range map[string]string{
+		"UPROXY-SEP-C": "src=10.244.9.9 ttl: 64 last_seen: 4296190348 oldest_pkt: 1 4296190348\n",
+		"UPROXY-SEP-D": "src=10.244.7.7 ttl: 64 last_seen: 4296190001 oldest_pkt: 1 4296190001\nsrc=10.244.3.3 ttl: 64 last_seen: 4296190348 oldest_pkt: 2 4296190100, 4296190348\n",
+	} {
+		if err := os.WriteFile(filepath.Join(recentDir, list), []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	endpoints := []observe.EndpointState{{Address: "10.244.1.5:8080"}, {Address: "10.244.2.6:8080"}}
 	for _, tc := range []struct {
-		name     string
-		hook     string
-		client   string
-		dst      string
-		steps    []string // chain:rule
-		verdicts []string // target to certain
+		name      string
+		hook      string
+		client    string
+		dst       string
+		recentDir string   // "": no recent lists to read
+		steps     []string // chain:rule
+		verdicts  []string // target to certain chance
+		choice    string   // endpoint sticky: reason
 	}{
 		{
 			name: "cluster IP from a pod", hook: "PREROUTING", client: "10.244.3.3", dst: "10.96.0.10:80",
 			steps:    []string{"PREROUTING:1", "UPROXY-SERVICES:2", "UPROXY-SVC-WEB:2", "UPROXY-SEP-A:2", "UPROXY-SVC-WEB:3", "UPROXY-SEP-B:2"},
-			verdicts: []string{"DNAT 10.244.1.5:8080 false", "DNAT 10.244.2.6:8080 true"},
+			verdicts: []string{"DNAT 10.244.1.5:8080 false 0.50", "DNAT 10.244.2.6:8080 true 0.50"},
+			choice:   " false: the kernel picks at random for each new connection (-m statistic): 10.244.1.5:8080 50%, 10.244.2.6:8080 50%",
 		},
 		{
 			name: "other port is not caught", hook: "OUTPUT", dst: "10.96.0.10:443",
 			steps:    []string{},
-			verdicts: []string{"none  true"},
+			verdicts: []string{"none  true 1.00"},
+		},
+		{
+			name: "affinity: the client is in an endpoint's recent list", hook: "PREROUTING", client: "10.244.3.3", dst: "10.96.0.11:80", recentDir: recentDir,
+			steps:    []string{"PREROUTING:1", "UPROXY-SERVICES:3", "UPROXY-SVC-STICKY:2", "UPROXY-SEP-D:1"},
+			verdicts: []string{"DNAT 10.244.2.6:8080 true 1.00"},
+			choice:   "10.244.2.6:8080 true: ClientIP affinity: the kernel's recent list UPROXY-SEP-D holds the client (UPROXY-SVC-STICKY rule 2)",
+		},
+		{
+			name: "affinity: a new client is split at random", hook: "PREROUTING", client: "10.244.3.4", dst: "10.96.0.11:80", recentDir: recentDir,
+			steps:    []string{"PREROUTING:1", "UPROXY-SERVICES:3", "UPROXY-SVC-STICKY:3", "UPROXY-SEP-C:1", "UPROXY-SVC-STICKY:4", "UPROXY-SEP-D:1"},
+			verdicts: []string{"DNAT 10.244.1.5:8080 false 0.50", "DNAT 10.244.2.6:8080 true 0.50"},
+			choice:   " false: the kernel picks at random for each new connection (-m statistic): 10.244.1.5:8080 50%, 10.244.2.6:8080 50%",
+		},
+		{
+			name: "affinity: without the recent lists the shares are unknown", hook: "PREROUTING", client: "10.244.3.3", dst: "10.96.0.11:80", recentDir: filepath.Join(recentDir, "missing"),
+			steps:    []string{"PREROUTING:1", "UPROXY-SERVICES:3", "UPROXY-SVC-STICKY:1", "UPROXY-SEP-C:1", "UPROXY-SVC-STICKY:2", "UPROXY-SEP-D:1", "UPROXY-SVC-STICKY:3", "UPROXY-SEP-C:1", "UPROXY-SVC-STICKY:4", "UPROXY-SEP-D:1"},
+			verdicts: []string{"DNAT 10.244.1.5:8080 false 0.00", "DNAT 10.244.2.6:8080 false 0.00", "DNAT 10.244.1.5:8080 false 0.00", "DNAT 10.244.2.6:8080 true 0.00"},
+			choice:   " false: the kernel picks at random for each new connection (-m statistic): 10.244.1.5:8080 a share the rules alone do not tell, 10.244.2.6:8080 a share the rules alone do not tell, 10.244.1.5:8080 a share the rules alone do not tell, 10.244.2.6:8080 a share the rules alone do not tell",
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -309,19 +352,35 @@ func TestTraceKernelRules(t *testing.T) {
 			if tc.client != "" {
 				p.client = netip.MustParseAddr(tc.client)
 			}
+			if tc.recentDir != "" {
+				p.recent = recentLists(tc.recentDir)
+			}
 			rp := tbl.trace(tc.hook, p)
 			var steps, verdicts []string
 			for _, s := range rp.Steps {
 				steps = append(steps, fmt.Sprintf("%s:%d", s.Chain, s.Rule))
 			}
 			for _, v := range rp.Verdicts {
-				verdicts = append(verdicts, fmt.Sprintf("%s %s %v", v.Target, v.To, v.Certain))
+				verdicts = append(verdicts, fmt.Sprintf("%s %s %v %.2f", v.Target, v.To, v.Certain, v.Chance))
 			}
 			if strings.Join(steps, " ") != strings.Join(tc.steps, " ") {
 				t.Errorf("steps: got %v, want %v", steps, tc.steps)
 			}
 			if strings.Join(verdicts, ",") != strings.Join(tc.verdicts, ",") {
 				t.Errorf("verdicts: got %v, want %v", verdicts, tc.verdicts)
+			}
+			if tc.choice == "" {
+				return
+			}
+			x := &explanation{Mode: "iptables", Client: tc.client, Rules: []rulePath{rp},
+				Services: []serviceMatch{{Service: observe.ServiceState{Name: "shop/x:http", Endpoints: endpoints}}}}
+			x.kernelChoices()
+			c := x.Services[0].Service.NextForClient
+			if c == nil {
+				t.Fatalf("next for client: got none, want %q", tc.choice)
+			}
+			if got := fmt.Sprintf("%s %v: %s", c.Endpoint, c.Sticky, c.Reason); got != tc.choice {
+				t.Errorf("next for client: got %q, want %q", got, tc.choice)
 			}
 		})
 	}
