@@ -128,7 +128,7 @@ func load(target string, n int, every, timeout time.Duration) {
 		if len(ok) == 0 {
 			return "-"
 		}
-		return ok[int(f*float64(len(ok)-1))].Round(time.Millisecond).String()
+		return ok[int(f*float64(len(ok)-1))].Round(100 * time.Microsecond).String()
 	}
 	fmt.Printf("connections=%d ok=%d failed=%d refused=%d reset=%d timeout=%d other=%d p50=%s p99=%s max=%s\n",
 		n, count["ok"], n-count["ok"], count["refused"], count["reset"], count["timeout"], count["other"], q(0.5), q(0.99), q(1))
@@ -140,6 +140,7 @@ func events(addr string) {
 	resp, err := http.Get("http://" + addr + "/metrics")
 	check(err)
 	count := map[string]float64{}
+	sent := map[string]float64{} // dials (userspace) or DNATs (iptables) per backend
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
 		line := sc.Text()
@@ -153,6 +154,11 @@ func events(addr string) {
 					count[r] += v
 				}
 			}
+		case "uproxy_dial_attempts_total":
+			if _, ep, ok := strings.Cut(labels, `endpoint="`); ok {
+				ep, _, _ = strings.Cut(ep, `"`)
+				sent[ep] += v
+			}
 		case "uproxy_endpoint_ejections_total":
 			count["ejection"] += v
 		case "uproxy_retries_total":
@@ -162,6 +168,34 @@ func events(addr string) {
 	resp.Body.Close()
 	fmt.Printf("events success=%.0f retried=%.0f failed=%.0f ejection=%.0f retries=%.0f\n",
 		count["success"], count["retried"], count["failed"], count["ejection"], count["retries"])
+
+	// A kernel mode dials nothing: its DNAT rule counters, in /debug/services,
+	// count the connections the kernel sent to each backend.
+	if len(sent) == 0 {
+		var svcs struct {
+			Services []struct {
+				Endpoints []struct {
+					Address string
+					Packets float64
+				}
+			}
+		}
+		resp, err = http.Get("http://" + addr + "/debug/services")
+		check(err)
+		check(json.NewDecoder(resp.Body).Decode(&svcs))
+		resp.Body.Close()
+		for _, s := range svcs.Services {
+			for _, e := range s.Endpoints {
+				sent[e.Address] += e.Packets
+			}
+		}
+	}
+	fmt.Print("sent")
+	for ep, n := range sent {
+		host, _, _ := strings.Cut(ep, ":")
+		fmt.Printf(" to%s=%.0f", host[strings.LastIndexByte(host, '.')+1:], n)
+	}
+	fmt.Println()
 
 	var body struct {
 		Events []struct {
@@ -294,8 +328,8 @@ run_mode() {
 	wait "$load"
 	RESULT[$mode]=$(cat "$WORK/load-$mode")
 	EVENTS[$mode]=$(ip netns exec "$P-node" "$T" events "$METRICS" 2>/dev/null || echo "events unavailable")
-	if [ "$mode" = userspace ] && "$UPROXY" explain --help >/dev/null 2>&1; then
-		ip netns exec "$P-node" "$UPROXY" explain "$VIP:80" --client 10.99.1.2 --metrics-address "$METRICS" --events 3 >"$WORK/explain" 2>&1 || true
+	if [ "$mode" != no-eject ] && "$UPROXY" explain --help >/dev/null 2>&1; then
+		ip netns exec "$P-node" "$UPROXY" explain "$VIP:80" --client 10.99.1.2 --metrics-address "$METRICS" --events 3 >"$WORK/explain-$mode" 2>&1 || true
 	fi
 	kill "$up"; wait "$up" 2>/dev/null || true
 }
@@ -308,13 +342,15 @@ done
 
 field() { grep -o "$2=[^ ]*" <<<"$1" | cut -d= -f2 || true; }
 echo
-printf "%-38s" ""; for m in "${MODES[@]}"; do printf "%14s" "$m"; done; echo
+printf "%-46s" ""; for m in "${MODES[@]}"; do printf "%14s" "$m"; done; echo
 row() { # LABEL KEY [events]
-	printf "%-38s" "$1"
+	printf "%-46s" "$1"
 	local m src v
 	for m in "${MODES[@]}"; do
 		src=${RESULT[$m]}
-		if [ "${3:-}" = events ]; then
+		if [ "${3:-}" = sent ]; then
+			src=${EVENTS[$m]}
+		elif [ "${3:-}" = events ]; then
 			# Kernel modes have no data path in uproxy, so no events to count.
 			src=""
 			[ "$m" = iptables ] || src=${EVENTS[$m]}
@@ -333,6 +369,10 @@ row "    timed out (blackholed backend)" timeout
 row "  p50 latency of answered" p50
 row "  p99 latency of answered" p99
 row "  slowest answered" max
+echo "tries per backend (uproxy's dials; the kernel's DNATs)"
+row "  backend-11 (alive)" to11 sent
+row "  backend-12 (killed)" to12 sent
+row "  backend-13 (blackholed)" to13 sent
 row "uproxy: served by the first dial" success events
 row "uproxy: retried, then served" retried events
 row "uproxy: failed (client reset)" failed events
@@ -340,8 +380,9 @@ row "uproxy: dial attempts retried" retries events
 row "uproxy: endpoint ejections" ejection events
 echo
 grep -h "sample-" <<<"${EVENTS[userspace]}" | sed 's/^sample-retried/a retried connection, as \/debug\/events shows it:\n /; s/^sample-ejection/an ejection, as \/debug\/events shows it:\n /'
-if [ -s "$WORK/explain" ]; then
+for m in "${MODES[@]}"; do
+	[ -s "$WORK/explain-$m" ] || continue
 	echo
-	echo "uproxy explain $VIP:80 --client 10.99.1.2, right after the load:"
-	sed 's/^/  /' "$WORK/explain"
-fi
+	echo "$m mode: uproxy explain $VIP:80 --client 10.99.1.2, right after the load:"
+	sed 's/^/  /' "$WORK/explain-$m"
+done
