@@ -1,0 +1,358 @@
+package integration
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"net"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// explained is the part of `uproxy explain -o json` these tests read.
+type explained struct {
+	Mode     string
+	Notes    []string
+	Services []struct {
+		MatchedAs string
+		ServedBy  string
+		Service   struct {
+			Name      string
+			ProxyPort int
+			Endpoints []struct {
+				Address             string
+				Ready, Usable       bool
+				ConsecutiveFailures int
+				Packets             uint64
+			}
+			NextForClient *struct {
+				Client, Endpoint, Reason string
+				Sticky                   bool
+			}
+		}
+	}
+	Rules []struct {
+		Hook  string
+		Steps []struct {
+			Chain string
+			Rule  int
+			Line  int
+			Text  string
+		}
+		Verdicts []struct {
+			Target, To string
+			Via        int
+			Certain    bool
+			Chance     float64
+		}
+	}
+	RulesError     string
+	RecentFailures []struct {
+		Kind, Outcome, Client string
+		Attempts              []struct{ Endpoint, Result string }
+	}
+}
+
+// explainWorld is one run of explain's end-to-end test: three named backends on
+// the external host, one of them killed, behind two Services (one with ClientIP
+// affinity), and uproxy in the node namespace in the mode under test.
+type explainWorld struct {
+	tp     *testbed.Topology
+	px     *proxy
+	names  map[string]string // endpoint address -> backend name
+	killed string            // the killed backend's address
+	client string            // the pod's IP
+}
+
+func newExplainWorld(t *testing.T, flags ...string) *explainWorld {
+	tp := testbed.New(t)
+	ext := tp.NS(testbed.External).IPv4.String()
+	w := &explainWorld{tp: tp, names: map[string]string{}, client: tp.NS(testbed.Pod).IPv4.String()}
+	var lns []net.Listener
+	var eps []string
+	var ports []int
+	for i := 1; i <= 3; i++ {
+		ln := namedTCP(t, tp, testbed.External, ext+":0", fmt.Sprintf("web-%d", i))
+		t.Cleanup(func() { ln.Close() })
+		lns = append(lns, ln)
+		w.names[ln.Addr().String()] = fmt.Sprintf("web-%d", i)
+		eps = append(eps, ext)
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	}
+	// Killed: its address refuses connections from now on.
+	w.killed = lns[1].Addr().String()
+	lns[1].Close()
+	manifests := join(
+		svc{name: "web", proto: "TCP", clusterIPs: []string{"10.96.0.10"}, port: 80, endpoints: eps, endpointPorts: ports}.yaml(),
+		svc{name: "sticky", proto: "TCP", clusterIPs: []string{"10.96.0.11"}, port: 80, affinity: true, endpoints: eps, endpointPorts: ports}.yaml(),
+	)
+	want := -1
+	if strings.Contains(strings.Join(flags, " "), "userspace") {
+		want = 2
+	}
+	w.px = runUproxy(t, tp, manifests, launch{want: want, flags: flags})
+	return w
+}
+
+// connect makes n connections from the pod to vip and returns how many each
+// backend answered, and how many were refused.
+func (w *explainWorld) connect(t *testing.T, vip string, n int) (answered map[string]int, refused int) {
+	t.Helper()
+	answered = map[string]int{}
+	for i := range n {
+		name, err := whoTCP(w.tp, testbed.Pod, vip)
+		switch {
+		case err == nil:
+			answered[name]++
+		case isRefused(err):
+			refused++
+		default:
+			t.Fatalf("connection %d to %s: %v", i, vip, err)
+		}
+	}
+	return answered, refused
+}
+
+// explain runs `uproxy explain` in the node namespace, as a user on the node
+// would, and returns its text and its -o json form.
+func (w *explainWorld) explain(t *testing.T, dst string) (string, explained) {
+	t.Helper()
+	args := []string{"netns", "exec", w.tp.NS(testbed.Node).Name, uproxyBin, "explain", dst, "--client", w.client, "--metrics-address", w.px.metrics}
+	text, err := exec.Command("ip", args...).Output()
+	if err != nil {
+		t.Fatalf("uproxy explain %s: %v: %s", dst, err, stderrOf(err))
+	}
+	js, err := exec.Command("ip", append(args, "-o", "json")...).Output()
+	if err != nil {
+		t.Fatalf("uproxy explain %s -o json: %v: %s", dst, err, stderrOf(err))
+	}
+	var x explained
+	if err := json.Unmarshal(js, &x); err != nil {
+		t.Fatalf("decode explain -o json: %v\n%s", err, js)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("uproxy explain %s:\n%s", dst, text)
+		}
+	})
+	return string(text), x
+}
+
+func stderrOf(err error) string {
+	if ee, ok := err.(*exec.ExitError); ok {
+		return string(ee.Stderr)
+	}
+	return ""
+}
+
+// checkRulesAreReal checks that every rule explain names is at its line of the
+// node's iptables-save, with its chain and number as iptables counts them.
+func (w *explainWorld) checkRulesAreReal(t *testing.T, x explained) {
+	t.Helper()
+	saved, err := w.tp.Exec(testbed.Node, "iptables-save")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(string(saved), "\n")
+	for _, rp := range x.Rules {
+		for _, s := range rp.Steps {
+			if s.Line < 1 || s.Line > len(lines) || lines[s.Line-1] != s.Text {
+				t.Errorf("%s step %s rule %d: line %d of iptables-save is not %q", rp.Hook, s.Chain, s.Rule, s.Line, s.Text)
+				continue
+			}
+			n := 0
+			for _, l := range lines[:s.Line] {
+				if strings.HasPrefix(l, "-A "+s.Chain+" ") {
+					n++
+				}
+			}
+			if n != s.Rule {
+				t.Errorf("%s step %q: got rule %d, want %d (its position in %s)", rp.Hook, s.Text, s.Rule, n, s.Chain)
+			}
+		}
+	}
+}
+
+func contains(t *testing.T, text string, wants ...string) {
+	t.Helper()
+	for _, want := range wants {
+		if !strings.Contains(text, want) {
+			t.Errorf("explain text: missing %q", want)
+		}
+	}
+}
+
+// TestExplainUserspaceMode: explain against the userspace mode with iptables
+// portals, after traffic while a backend is killed, names the REDIRECT rule to
+// the proxy port, the endpoints with their failures, the client's next endpoint
+// (which the next connection then gets) and the retried connections.
+func TestExplainUserspaceMode(t *testing.T) {
+	w := newExplainWorld(t, "--proxy-mode", "userspace", "--rules", "iptables", "--shutdown-grace", "1s")
+	answered, refused := w.connect(t, "10.96.0.10:80", 12)
+	if refused != 0 || answered["web-2"] != 0 {
+		t.Fatalf("userspace mode with web-2 killed: got %v and %d refused, want every connection answered by web-1 or web-3", answered, refused)
+	}
+	svcs := w.px.waitFor(func([]serviceState) bool { return true }, "services")
+	proxyPort := map[string]int{}
+	for _, s := range svcs {
+		proxyPort[s.Name] = s.ProxyPort
+	}
+
+	text, x := w.explain(t, "10.96.0.10:80/tcp")
+	pp := proxyPort["it/web:p"]
+	contains(t, text,
+		"Destination 10.96.0.10:80/TCP from client "+w.client,
+		"Proxy mode: userspace",
+		"Service port it/web:p (TCP, matched as clusterIP)",
+		fmt.Sprintf("Served by uproxy's proxy port %d (userspace mode)", pp),
+		"From pods and other hosts (PREROUTING):",
+		fmt.Sprintf("=> always REDIRECT to local port %d, the proxy port of it/web:p", pp),
+		"Recent retried or failed connections, newest first:",
+		w.killed+" refused after",
+	)
+	if strings.Contains(text, "From this node") {
+		t.Errorf("explain text: a pod client must be traced from PREROUTING only")
+	}
+	if x.Mode != "userspace" || len(x.Services) != 1 || x.Services[0].Service.ProxyPort != pp {
+		t.Fatalf("json: got mode %q and %d services, want userspace and it/web:p on proxy port %d", x.Mode, len(x.Services), pp)
+	}
+	st := x.Services[0].Service
+	for _, e := range st.Endpoints {
+		wantFailures := e.Address == w.killed
+		if !e.Ready || (e.ConsecutiveFailures > 0) != wantFailures {
+			t.Errorf("endpoint %s (%s): got ready %v, %d consecutive failures; want ready, failures only for the killed one", e.Address, w.names[e.Address], e.Ready, e.ConsecutiveFailures)
+		}
+	}
+	if c := st.NextForClient; c == nil || w.names[c.Endpoint] == "" || !strings.Contains(c.Reason, "scheduler rr") {
+		t.Errorf("next for client: got %+v, want one of the endpoints by the rr scheduler", c)
+	}
+	if len(x.Rules) != 1 || len(x.Rules[0].Verdicts) != 1 {
+		t.Fatalf("rules: got %+v, want one PREROUTING path with one verdict", x.Rules)
+	}
+	v := x.Rules[0].Verdicts[0]
+	if v.Target != "REDIRECT" || v.To != fmt.Sprint(pp) || !v.Certain {
+		t.Errorf("verdict: got %+v, want a certain REDIRECT to %d", v, pp)
+	}
+	if s := x.Rules[0].Steps[v.Via]; s.Chain != "UPROXY-PORTALS-CONTAINER" || !strings.Contains(s.Text, "-d 10.96.0.10/32") {
+		t.Errorf("deciding rule: got %s %q, want the UPROXY-PORTALS-CONTAINER rule of 10.96.0.10", s.Chain, s.Text)
+	}
+	w.checkRulesAreReal(t, x)
+	retried := 0
+	for _, ev := range x.RecentFailures {
+		if ev.Kind == "connection" && ev.Outcome == "retried" && len(ev.Attempts) == 2 &&
+			ev.Attempts[0].Endpoint == w.killed && ev.Attempts[0].Result == "refused" && ev.Attempts[1].Result == "success" &&
+			strings.HasPrefix(ev.Client, w.client+":") {
+			retried++
+		}
+	}
+	if retried == 0 {
+		t.Errorf("recent failures: got %+v, want connections from %s retried after %s refused", x.RecentFailures, w.client, w.killed)
+	}
+
+	t.Run("ClientIP affinity: the next connection gets the endpoint explain names", func(t *testing.T) {
+		first, _ := w.connect(t, "10.96.0.11:80", 1)
+		_, x := w.explain(t, "10.96.0.11:80")
+		if len(x.Services) != 1 || x.Services[0].Service.NextForClient == nil {
+			t.Fatalf("json: got %+v, want it/sticky:p with a next choice", x.Services)
+		}
+		c := x.Services[0].Service.NextForClient
+		if !c.Sticky || first[w.names[c.Endpoint]] != 1 {
+			t.Errorf("next for client: got %+v, want the affinity entry to the endpoint that answered (%v)", c, first)
+		}
+		if next, _ := w.connect(t, "10.96.0.11:80", 1); next[w.names[c.Endpoint]] != 1 {
+			t.Errorf("next connection: answered by %v, want %s as explain said", next, w.names[c.Endpoint])
+		}
+	})
+}
+
+// TestExplainIPTablesMode: explain against the iptables kernel mode names the
+// Service chain and the endpoint chains with each one's share, the DNAT
+// counters (which match what the clients saw, refusals included), the client's
+// pinned endpoint from the kernel's recent list, and says that uproxy records
+// no failures because it never sees these connections.
+func TestExplainIPTablesMode(t *testing.T) {
+	w := newExplainWorld(t, "--proxy-mode", "iptables")
+	const n = 30
+	answered, refused := w.connect(t, "10.96.0.10:80", n)
+	if refused == 0 || answered["web-2"] != 0 {
+		t.Fatalf("iptables mode with web-2 killed: got %v and %d refused, want some refused and none from web-2", answered, refused)
+	}
+
+	text, x := w.explain(t, "10.96.0.10:80/tcp")
+	contains(t, text,
+		"Proxy mode: iptables",
+		"Service port it/web:p (TCP, matched as clusterIP)",
+		"Served by the kernel (iptables mode)",
+		"in the iptables mode the kernel forwards each connection itself",
+		"Next for client "+w.client+": the kernel picks at random for each new connection (-m statistic)",
+		"UPROXY-SERVICES rule",
+		"% of new connections)",
+		"none recorded: in the iptables mode uproxy does not see connections",
+	)
+	if x.Mode != "iptables" || len(x.Services) != 1 || len(x.Rules) != 1 {
+		t.Fatalf("json: got mode %q, %d services, %d rule paths; want iptables, it/web:p, PREROUTING", x.Mode, len(x.Services), len(x.Rules))
+	}
+	st := x.Services[0].Service
+	if st.ProxyPort != 0 {
+		t.Errorf("proxy port: got %d, want none", st.ProxyPort)
+	}
+	for _, e := range st.Endpoints {
+		want := uint64(answered[w.names[e.Address]])
+		if e.Address == w.killed {
+			want = uint64(refused)
+		}
+		if e.Packets != want || !e.Usable {
+			t.Errorf("endpoint %s (%s): got %d connections by the DNAT counter (usable %v), want %d (what the clients saw), usable", e.Address, w.names[e.Address], e.Packets, e.Usable, want)
+		}
+	}
+	rp := x.Rules[0]
+	dnat := map[string]float64{}
+	for _, v := range rp.Verdicts {
+		if v.Target != "DNAT" {
+			t.Errorf("verdict %+v: want DNAT to an endpoint", v)
+			continue
+		}
+		dnat[v.To] = v.Chance
+		chain := rp.Steps[v.Via].Chain
+		if !strings.HasPrefix(chain, "UPROXY-SEP-") {
+			t.Errorf("DNAT to %s in chain %s, want an UPROXY-SEP- chain", v.To, chain)
+		}
+	}
+	for ep := range w.names {
+		if math.Abs(dnat[ep]-1.0/3) > 0.01 {
+			t.Errorf("share of new connections to %s: got %.3f, want 1/3 (all verdicts %v)", ep, dnat[ep], dnat)
+		}
+	}
+	svcChain := false
+	for _, s := range rp.Steps {
+		svcChain = svcChain || strings.HasPrefix(s.Chain, "UPROXY-SVC-")
+	}
+	if !svcChain {
+		t.Errorf("steps: got %+v, want the Service's UPROXY-SVC- chain", rp.Steps)
+	}
+	w.checkRulesAreReal(t, x)
+	if len(x.RecentFailures) != 0 {
+		t.Errorf("recent failures: got %+v, want none (the kernel forwards)", x.RecentFailures)
+	}
+
+	t.Run("ClientIP affinity: the recent list pins the client, refused or not", func(t *testing.T) {
+		first, refused := w.connect(t, "10.96.0.11:80", 1)
+		text, x := w.explain(t, "10.96.0.11:80")
+		if len(x.Services) != 1 || x.Services[0].Service.NextForClient == nil {
+			t.Fatalf("json: got %+v, want it/sticky:p with a next choice", x.Services)
+		}
+		c := x.Services[0].Service.NextForClient
+		name := w.names[c.Endpoint]
+		if !c.Sticky || (first[name] != 1 && !(refused == 1 && c.Endpoint == w.killed)) {
+			t.Errorf("next for client: got %+v, want the endpoint the first connection went to (answered %v, refused %d)", c, first, refused)
+		}
+		contains(t, text, "because ClientIP affinity: the kernel's recent list UPROXY-SEP-")
+		next, refusedNext := w.connect(t, "10.96.0.11:80", 1)
+		if c.Endpoint == w.killed && refusedNext != 1 || c.Endpoint != w.killed && next[name] != 1 {
+			t.Errorf("next connection: answered by %v, refused %d; want it to go to %s (%s) as explain said", next, refusedNext, c.Endpoint, name)
+		}
+	})
+}
