@@ -103,6 +103,14 @@ func (r *Runner) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-r.kick:
+			// A kick left over from updates that the previous sync already took
+			// in (it syncs the latest snapshot) needs no sync of its own.
+			r.mu.Lock()
+			pending := r.pending
+			r.mu.Unlock()
+			if !pending {
+				continue
+			}
 		case <-periodic.C:
 		}
 		if wait := r.MinSyncPeriod - time.Since(last); !last.IsZero() && wait > 0 {
