@@ -30,15 +30,64 @@ type objectKey struct{ namespace, name string }
 // its arguments, which may come straight from an informer cache, and accepts nil
 // entries.
 func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts BuildOptions) *Snapshot {
-	snap := &Snapshot{Built: time.Now()}
+	return NewBuilder(opts).Build(svcs, epSlices)
+}
 
-	bySvc := make(map[objectKey][]*discoveryv1.EndpointSlice)
+// Builder builds Snapshots like Build, but reuses the work of its previous Build
+// for every object it is given again: an unchanged object is not validated again,
+// and a Service whose object and slices are all unchanged keeps its Ports (the same
+// pointers, which consumers may compare to skip unchanged ports).
+//
+// Objects are recognized by pointer: an object handed to Build must never be
+// modified afterwards, and a changed object must be a new object. Informer caches
+// (whose objects are replaced, never modified) and decoders meet this. A Builder
+// is used by one goroutine.
+type Builder struct {
+	opts BuildOptions
+	// svcErrs and sliceErrs are the validation errors (nil: valid) of the objects
+	// of the previous Build. Holding the pointers keeps the objects alive, so an
+	// address cannot be reused by another object while it is a key here.
+	svcErrs   map[*v1.Service][]error
+	sliceErrs map[*discoveryv1.EndpointSlice][]error
+	// built are the Services of the previous Build, by object key.
+	built map[objectKey]*builtService
+}
+
+// builtService is one Service as last built: its object, its slices sorted by
+// name, and its Ports in name order.
+type builtService struct {
+	svc    *v1.Service
+	slices []*discoveryv1.EndpointSlice
+	ports  []*Port
+}
+
+// NewBuilder returns a Builder that has built nothing yet.
+func NewBuilder(opts BuildOptions) *Builder {
+	return &Builder{opts: opts}
+}
+
+// Build returns the Snapshot of svcs and epSlices, exactly as the package-level
+// Build would.
+func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice) *Snapshot {
+	snap := &Snapshot{Built: time.Now()}
+	svcErrs := make(map[*v1.Service][]error, len(svcs))
+	sliceErrs := make(map[*discoveryv1.EndpointSlice][]error, len(epSlices))
+	built := make(map[objectKey]*builtService, len(svcs))
+
+	bySvc := make(map[objectKey][]*discoveryv1.EndpointSlice, len(svcs))
 	seenSlices := make(map[objectKey]bool, len(epSlices))
 	for _, s := range epSlices {
 		if s == nil || s.AddressType == discoveryv1.AddressTypeFQDN {
 			continue
 		}
-		if errs := ValidateEndpointSlice(s); len(errs) > 0 {
+		errs, ok := sliceErrs[s]
+		if !ok {
+			if errs, ok = b.sliceErrs[s]; !ok {
+				errs = ValidateEndpointSlice(s)
+			}
+			sliceErrs[s] = errs
+		}
+		if len(errs) > 0 {
 			snap.Errors = append(snap.Errors, errs...)
 			continue
 		}
@@ -51,12 +100,19 @@ func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts Build
 		bySvc[k] = append(bySvc[k], s)
 	}
 
-	seenSvcs := make(map[objectKey]bool, len(svcs))
+	var reused []*builtService // in the order of svcs, for the merge below
 	for _, svc := range svcs {
 		if svc == nil {
 			continue
 		}
-		if errs := ValidateService(svc); len(errs) > 0 {
+		errs, ok := svcErrs[svc]
+		if !ok {
+			if errs, ok = b.svcErrs[svc]; !ok {
+				errs = ValidateService(svc)
+			}
+			svcErrs[svc] = errs
+		}
+		if len(errs) > 0 {
 			snap.Errors = append(snap.Errors, errs...)
 			continue
 		}
@@ -64,23 +120,36 @@ func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts Build
 			continue
 		}
 		k := objectKey{svc.Namespace, svc.Name}
-		if seenSvcs[k] {
+		if built[k] != nil {
 			snap.Errors = append(snap.Errors, duplicate("Service", svc.Namespace, svc.Name))
 			continue
 		}
-		seenSvcs[k] = true
-		snap.Ports = append(snap.Ports, servicePorts(svc, bySvc[k], opts)...)
-	}
-
-	slices.SortFunc(snap.Ports, func(a, b *Port) int {
-		switch {
-		case a.Name.Less(b.Name):
-			return -1
-		case b.Name.Less(a.Name):
-			return 1
+		eps := sortedByName(bySvc[k])
+		bs := b.built[k]
+		if bs == nil || bs.svc != svc || !slices.Equal(bs.slices, eps) {
+			bs = &builtService{svc: svc, slices: eps, ports: servicePorts(svc, eps, b.opts)}
+			slices.SortFunc(bs.ports, comparePorts)
 		}
-		return 0
+		built[k] = bs
+		reused = append(reused, bs)
+	}
+	b.svcErrs, b.sliceErrs, b.built = svcErrs, sliceErrs, built
+
+	// Each Service's Ports are in name order and share their namespace and name, so
+	// ordering the Services by key orders every Port.
+	slices.SortFunc(reused, func(x, y *builtService) int {
+		return cmp.Or(cmp.Compare(x.svc.Namespace, y.svc.Namespace), cmp.Compare(x.svc.Name, y.svc.Name))
 	})
+	n := 0
+	for _, bs := range reused {
+		n += len(bs.ports)
+	}
+	if n > 0 {
+		snap.Ports = make([]*Port, 0, n)
+	}
+	for _, bs := range reused {
+		snap.Ports = append(snap.Ports, bs.ports...)
+	}
 	// Sources hand objects over in no particular order (informer caches are maps);
 	// ordering by object keeps Errors stable between identical Snapshots while each
 	// object's own errors stay in field order.
@@ -95,6 +164,29 @@ func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts Build
 	return snap
 }
 
+func comparePorts(a, b *Port) int {
+	switch {
+	case a.Name.Less(b.Name):
+		return -1
+	case b.Name.Less(a.Name):
+		return 1
+	}
+	return 0
+}
+
+// sortedByName returns eps ordered by name (a copy when it had to be reordered).
+// Merging slices in name order makes which of two equally ready duplicates wins
+// independent of the order the source listed them in.
+func sortedByName(eps []*discoveryv1.EndpointSlice) []*discoveryv1.EndpointSlice {
+	byName := func(a, b *discoveryv1.EndpointSlice) int { return cmp.Compare(a.Name, b.Name) }
+	if slices.IsSortedFunc(eps, byName) {
+		return eps
+	}
+	eps = slices.Clone(eps)
+	slices.SortFunc(eps, byName)
+	return eps
+}
+
 func asFieldError(err error) *FieldError {
 	if fe, ok := err.(*FieldError); ok {
 		return fe
@@ -107,8 +199,8 @@ func duplicate(kind, namespace, name string) error {
 		Msg: "defined more than once; the first definition is used"}
 }
 
-// servicePorts converts a valid, proxyable Service and its valid slices into one Port
-// per ServicePort. The Ports of one Service share their address slices: a Snapshot is
+// servicePorts converts a valid, proxyable Service and its valid slices (sorted by
+// name) into one Port per ServicePort. The Ports of one Service share their address slices: a Snapshot is
 // never modified, so sharing is safe and saves copies for many-port Services.
 func servicePorts(svc *v1.Service, eps []*discoveryv1.EndpointSlice, opts BuildOptions) []*Port {
 	spec := &svc.Spec
@@ -145,10 +237,6 @@ func servicePorts(svc *v1.Service, eps []*discoveryv1.EndpointSlice, opts BuildO
 		}
 	}
 
-	// Merge slices in name order so that which of two equally ready duplicates wins
-	// does not depend on the order the source listed them.
-	eps = slices.Clone(eps)
-	slices.SortFunc(eps, func(a, b *discoveryv1.EndpointSlice) int { return cmp.Compare(a.Name, b.Name) })
 	for _, s := range eps {
 		t, err := time.Parse(time.RFC3339, s.Annotations[v1.EndpointsLastChangeTriggerTime])
 		// An unparsable trigger time only costs a latency measurement; it is ignored

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -479,4 +480,147 @@ func BenchmarkBuild(b *testing.B) {
 	for b.Loop() {
 		Build(svcs, slices, BuildOptions{NodeName: "node-1"})
 	}
+}
+
+// TestBuilderMatchesBuild: whatever a Builder built before, its Snapshot equals
+// Build's for the same objects, Ports and Errors alike.
+func TestBuilderMatchesBuild(t *testing.T) {
+	web := testService("ns", "web", withPorts(v1.ServicePort{Name: "a", Port: 80}, v1.ServicePort{Name: "b", Port: 81}))
+	web2 := web.DeepCopy()
+	web2.Spec.ClusterIP = "10.96.0.11"
+	db := testService("ns", "db")
+	dbBad := db.DeepCopy()
+	dbBad.Spec.Ports[0].Port = 0
+	dbDup := testService("ns", "db", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "10.96.0.12" }))
+	headless := testService("ns", "headless", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = v1.ClusterIPNone }))
+	ports := slicePorts("a:8080", "b:8081", ":5432")
+	webZ := testSlice("ns", "web-z", "web", discoveryv1.AddressTypeIPv4, ports, testEndpoint(addrs("10.0.0.1")))
+	webA := testSlice("ns", "web-a", "web", discoveryv1.AddressTypeIPv4, ports, testEndpoint(addrs("10.0.0.2")))
+	webA2 := testSlice("ns", "web-a", "web", discoveryv1.AddressTypeIPv4, ports, testEndpoint(addrs("10.0.0.3")))
+	webABad := testSlice("ns", "web-a", "web", discoveryv1.AddressTypeIPv4, ports, testEndpoint(addrs("not-an-ip")))
+	dbS := testSlice("ns", "db-1", "db", discoveryv1.AddressTypeIPv4, ports, testEndpoint(addrs("10.0.1.1")))
+
+	type state struct {
+		svcs   []*v1.Service
+		slices []*discoveryv1.EndpointSlice
+	}
+	steps := []struct {
+		name string
+		state
+	}{
+		{"first", state{[]*v1.Service{web, db, headless}, []*discoveryv1.EndpointSlice{webZ, webA, dbS}}},
+		{"same objects", state{[]*v1.Service{web, db, headless}, []*discoveryv1.EndpointSlice{webZ, webA, dbS}}},
+		{"other order", state{[]*v1.Service{headless, db, web}, []*discoveryv1.EndpointSlice{dbS, webA, webZ}}},
+		{"new slice version", state{[]*v1.Service{web, db}, []*discoveryv1.EndpointSlice{webZ, webA2, dbS}}},
+		{"invalid slice", state{[]*v1.Service{web, db}, []*discoveryv1.EndpointSlice{webZ, webABad, dbS}}},
+		{"slice removed", state{[]*v1.Service{web, db}, []*discoveryv1.EndpointSlice{webZ, dbS}}},
+		{"new service version", state{[]*v1.Service{web2, db}, []*discoveryv1.EndpointSlice{webZ, webA2, dbS}}},
+		{"invalid service", state{[]*v1.Service{web2, dbBad}, []*discoveryv1.EndpointSlice{webZ, webA2, dbS}}},
+		{"duplicate service", state{[]*v1.Service{dbDup, web2, db}, []*discoveryv1.EndpointSlice{webZ, webA2, dbS}}},
+		{"duplicate slice", state{[]*v1.Service{db, web2}, []*discoveryv1.EndpointSlice{webA2, webZ, dbS, webA}}},
+		{"nil entries", state{[]*v1.Service{nil, db}, []*discoveryv1.EndpointSlice{nil, dbS}}},
+		{"empty", state{}},
+		{"back", state{[]*v1.Service{web, db, headless}, []*discoveryv1.EndpointSlice{webZ, webA, dbS}}},
+	}
+	b := NewBuilder(BuildOptions{NodeName: "node-1"})
+	for _, st := range steps {
+		t.Run(st.name, func(t *testing.T) {
+			got := b.Build(st.svcs, st.slices)
+			want := Build(st.svcs, st.slices, BuildOptions{NodeName: "node-1"})
+			if !reflect.DeepEqual(got.Ports, want.Ports) {
+				t.Errorf("got ports %s, want %s", dump(got.Ports), dump(want.Ports))
+			}
+			if g, w := fmt.Sprint(got.Errors), fmt.Sprint(want.Errors); g != w {
+				t.Errorf("got errors %s, want %s", g, w)
+			}
+		})
+	}
+}
+
+// TestBuilderReusesUnchangedPorts: a Service whose object and slices are the same
+// objects keeps its Port pointers; any changed object gives its Service new Ports.
+func TestBuilderReusesUnchangedPorts(t *testing.T) {
+	web := testService("ns", "web")
+	db := testService("ns", "db")
+	webS := testSlice("ns", "web-1", "web", discoveryv1.AddressTypeIPv4, slicePorts(":8080"), testEndpoint(addrs("10.0.0.1")))
+	dbS := testSlice("ns", "db-1", "db", discoveryv1.AddressTypeIPv4, slicePorts(":5432"), testEndpoint(addrs("10.0.1.1")))
+	dbS2 := testSlice("ns", "db-1", "db", discoveryv1.AddressTypeIPv4, slicePorts(":5432"), testEndpoint(addrs("10.0.1.2")))
+	web2 := web.DeepCopy()
+
+	tests := []struct {
+		name            string
+		svcs            []*v1.Service
+		slices          []*discoveryv1.EndpointSlice
+		sameWeb, sameDB bool
+	}{
+		{"nothing changed", []*v1.Service{web, db}, []*discoveryv1.EndpointSlice{webS, dbS}, true, true},
+		{"db slice replaced", []*v1.Service{web, db}, []*discoveryv1.EndpointSlice{webS, dbS2}, true, false},
+		{"web object replaced by an equal copy", []*v1.Service{web2, db}, []*discoveryv1.EndpointSlice{webS, dbS}, false, true},
+		{"web slice removed", []*v1.Service{web, db}, []*discoveryv1.EndpointSlice{dbS}, false, true},
+	}
+	webName, dbName := PortName{Namespace: "ns", Name: "web"}, PortName{Namespace: "ns", Name: "db"}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			b := NewBuilder(BuildOptions{})
+			first := b.Build([]*v1.Service{web, db}, []*discoveryv1.EndpointSlice{webS, dbS})
+			second := b.Build(tt.svcs, tt.slices)
+			for _, c := range []struct {
+				name PortName
+				same bool
+			}{{webName, tt.sameWeb}, {dbName, tt.sameDB}} {
+				p1, p2 := first.Lookup(c.name), second.Lookup(c.name)
+				if p1 == nil || p2 == nil {
+					t.Fatalf("%s: got ports %v and %v, want both", c.name, p1, p2)
+				}
+				if got := p1 == p2; got != c.same {
+					t.Errorf("%s: got same Port pointer %v, want %v", c.name, got, c.same)
+				}
+			}
+		})
+	}
+}
+
+// benchObjects returns n single-port Services with one slice of three endpoints
+// each: n Service ports.
+func benchObjects(n int) ([]*v1.Service, []*discoveryv1.EndpointSlice) {
+	svcs := make([]*v1.Service, n)
+	eps := make([]*discoveryv1.EndpointSlice, n)
+	for i := range n {
+		name := fmt.Sprintf("svc-%05d", i)
+		svcs[i] = testService("default", name, withSpec(func(s *v1.ServiceSpec) {
+			s.ClusterIP = fmt.Sprintf("10.96.%d.%d", i/256, i%256)
+		}), withPorts(v1.ServicePort{Name: "http", Port: 80}))
+		var e []discoveryv1.Endpoint
+		for k := range 3 {
+			e = append(e, testEndpoint(addrs(fmt.Sprintf("10.%d.%d.%d", k, i/256, i%256)), onNode(fmt.Sprintf("node-%d", k), "z")))
+		}
+		eps[i] = testSlice("default", name+"-1", name, discoveryv1.AddressTypeIPv4, slicePorts("http:8080"), e...)
+	}
+	return svcs, eps
+}
+
+// BenchmarkBuilderEndpointChange measures one slice changing among 10k Service
+// ports: "full" builds everything with Build, "incremental" with a Builder that
+// built the previous state.
+func BenchmarkBuilderEndpointChange(b *testing.B) {
+	const n = 10000
+	svcs, eps := benchObjects(n)
+	changed := eps[n/2].DeepCopy()
+	changed.Endpoints[0].Addresses = []string{"10.200.0.1"}
+	states := [2][]*discoveryv1.EndpointSlice{eps, slices.Clone(eps)}
+	states[1][n/2] = changed
+	b.Run("full", func(b *testing.B) {
+		b.ReportAllocs()
+		for i := 0; b.Loop(); i++ {
+			Build(svcs, states[i%2], BuildOptions{NodeName: "node-1"})
+		}
+	})
+	b.Run("incremental", func(b *testing.B) {
+		bl := NewBuilder(BuildOptions{NodeName: "node-1"})
+		bl.Build(svcs, states[1])
+		b.ReportAllocs()
+		for i := 0; b.Loop(); i++ {
+			bl.Build(svcs, states[i%2])
+		}
+	})
 }
