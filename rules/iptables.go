@@ -36,6 +36,11 @@ type family struct {
 	// nil means the kernel's state is unknown and the next Sync rewrites everything
 	// and re-checks the jumps.
 	written []byte
+	// entries are the portals (after validation and NodePort holding) that
+	// written and udp were made from; nil when unknown. While the canary holds,
+	// equal entries would render the same text and find no stale flows, so a
+	// sync that brings equal entries does neither.
+	entries []entry
 	// udp is where UDP portals led after the last sync whose stale flows were
 	// deleted; nil means unknown, so every UDP destination gets checked.
 	udp *udpTargets
@@ -108,11 +113,15 @@ func (p *IPTables) Sync(portals []Portal) error {
 }
 
 func (p *IPTables) syncFamily(fam *family, entries []entry) error {
-	text := fam.renderer.render(entries)
 	if fam.written != nil && !p.canaryIntact(fam) {
 		klog.InfoS("Portal rules were flushed or deleted by someone else; rewriting them", "family", familyName(fam.f))
 		fam.written = nil
 	}
+	if fam.written != nil && fam.udp != nil && fam.entries != nil && equalEntries(fam.entries, entries) {
+		return nil
+	}
+	fam.entries = nil
+	text := fam.renderer.render(entries)
 	if !bytes.Equal(text, fam.written) {
 		newJumps := fam.written == nil
 		fam.written = nil
@@ -137,7 +146,26 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 		}
 	}
 	fam.udp = &cur
+	fam.entries = entries
 	return nil
+}
+
+// equalEntries reports whether a and b hold the same portals, field by field.
+func equalEntries(a, b []entry) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		x, y := &a[i], &b[i]
+		if x.name != y.name || x.protocol != y.protocol || x.proto != y.proto || x.port != y.port ||
+			x.proxyPort != y.proxyPort || x.nodePort != y.nodePort ||
+			x.families != y.families || x.nodePortHeld != y.nodePortHeld ||
+			!slices.Equal(x.clusterIPs, y.clusterIPs) || !slices.Equal(x.externalIPs, y.externalIPs) ||
+			!slices.Equal(x.lbIPs, y.lbIPs) {
+			return false
+		}
+	}
+	return true
 }
 
 // canaryIntact reports whether the canary chain still holds its rule: a flush of
@@ -186,6 +214,7 @@ func (p *IPTables) Cleanup() error {
 	for _, fam := range p.fams {
 		fam.written = nil
 		fam.udp = nil
+		fam.entries = nil
 	}
 	return cleanup(p.cfg.Kernel, p.chains)
 }
@@ -268,7 +297,15 @@ func familiesOf(e *entry, enabled [2]bool) [2]bool {
 	return [2]bool{fams[v4] && enabled[v4], fams[v6] && enabled[v6]}
 }
 
+// cleanIPs returns the usable addresses of ips, unmapped and zoneless. It returns
+// ips itself when it is already clean (the common case, which saves a copy per
+// Service on every sync); entries never modify their addresses.
 func cleanIPs(ips []netip.Addr) []netip.Addr {
+	if !slices.ContainsFunc(ips, func(ip netip.Addr) bool {
+		return !ip.IsValid() || ip.IsUnspecified() || ip.Is4In6() || ip.Zone() != ""
+	}) {
+		return ips
+	}
 	out := make([]netip.Addr, 0, len(ips))
 	for _, ip := range ips {
 		if ip.IsValid() && !ip.IsUnspecified() {

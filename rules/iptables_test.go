@@ -229,6 +229,60 @@ func TestSyncUnchangedWritesNothing(t *testing.T) {
 	}
 }
 
+// TestSyncAfterQuietSyncSeesEveryChange: once a sync found nothing to do, a change
+// of any portal input is still written, exactly as a fresh IPTables writes it.
+func TestSyncAfterQuietSyncSeesEveryChange(t *testing.T) {
+	base := func() *service.Port {
+		p := port("ns", "svc", "p", service.TCP, 80)
+		p.ClusterIPs = ips("10.96.0.1")
+		p.ExternalIPs = ips("10.250.0.1")
+		p.LoadBalancerIPs = ips("192.0.2.1")
+		return p
+	}
+	tests := []struct {
+		name      string
+		change    func(*testing.T, *service.Port)
+		proxyPort int
+	}{
+		{"proxy port", func(*testing.T, *service.Port) {}, 40002},
+		{"port", func(_ *testing.T, p *service.Port) { p.Port = 81 }, 40001},
+		{"protocol", func(_ *testing.T, p *service.Port) { p.Protocol = service.UDP }, 40001},
+		{"ClusterIP", func(_ *testing.T, p *service.Port) { p.ClusterIPs = ips("10.96.0.2") }, 40001},
+		{"ExternalIP added", func(_ *testing.T, p *service.Port) { p.ExternalIPs = ips("10.250.0.1", "10.250.0.2") }, 40001},
+		{"LoadBalancer IP", func(_ *testing.T, p *service.Port) { p.LoadBalancerIPs = ips("192.0.2.2") }, 40001},
+		{"mapped ClusterIP", func(_ *testing.T, p *service.Port) { p.ClusterIPs = ips("::ffff:10.96.0.3") }, 40001},
+		{"NodePort", func(t *testing.T, p *service.Port) { p.NodePort = freePort(t, "tcp4") }, 40001},
+		{"name", func(_ *testing.T, p *service.Port) { p.Name.Port = "q" }, 40001},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			k := newFakeKernel()
+			p := newTestIPTables(t, k, Config{})
+			for range 2 {
+				if err := p.Sync([]Portal{{base(), 40001}}); err != nil {
+					t.Fatalf("Sync: %v", err)
+				}
+			}
+			changed := base()
+			tt.change(t, changed)
+			if err := p.Sync([]Portal{{changed, tt.proxyPort}}); err != nil {
+				t.Fatalf("Sync after change: %v", err)
+			}
+			p.holder.close() // frees the NodePort for the fresh IPTables
+			fresh := newFakeKernel()
+			if err := newTestIPTables(t, fresh, Config{}).Sync([]Portal{{changed, tt.proxyPort}}); err != nil {
+				t.Fatalf("fresh Sync: %v", err)
+			}
+			if got := len(k.restores[v4]); got != 2 {
+				t.Fatalf("restores: got %d, want 2", got)
+			}
+			if got, want := k.restores[v4][1], fresh.restores[v4][0]; got != want {
+				t.Errorf("write after change:\ngot:\n%s\nwant:\n%s", got, want)
+			}
+		})
+	}
+}
+
 func TestJumpRulesPlacement(t *testing.T) {
 	k := newFakeKernel()
 	p := newTestIPTables(t, k, Config{ChainPrefix: "UPX"})
