@@ -3,6 +3,7 @@ package proxier
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"syscall"
 	"testing"
 
@@ -57,6 +58,22 @@ func BenchmarkSync(b *testing.B) {
 				moved[i] = &c
 			}
 			alt := snapshot(moved...)
+			for i := 0; b.Loop(); i++ {
+				if i%2 == 0 {
+					mustSync(b, p, alt)
+				} else {
+					mustSync(b, p, full)
+				}
+			}
+		})
+		// One Service's endpoints change and every other Port is the same pointer,
+		// as a Snapshot from service.Builder gives.
+		b.Run(fmt.Sprintf("one-endpoint-change/%d", n), func(b *testing.B) {
+			p := newProxier(b, Config{})
+			mustSync(b, p, full)
+			c := *ports[n/2]
+			c.Endpoints = []service.Endpoint{{Addr: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.3"), 80), Ready: true}}
+			alt := snapshot(slices.Concat(ports[:n/2], []*service.Port{&c}, ports[n/2+1:])...)
 			for i := 0; b.Loop(); i++ {
 				if i%2 == 0 {
 					mustSync(b, p, alt)

@@ -138,7 +138,13 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 			p.ports[port.Name] = sp
 			p.mu.Unlock()
 		}
-		p.updatePort(sp, port)
+		// Snapshots are never modified, so a port whose Port is the one it last
+		// synced with has nothing new: with a builder that reuses the Ports of
+		// unchanged Services, an endpoint change costs one balancer update, not
+		// one per Service port.
+		if sp.port != port {
+			p.updatePort(sp, port)
+		}
 		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
 	}
 	if err := p.cfg.Portals.Sync(portals); err != nil {
