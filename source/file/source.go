@@ -156,9 +156,16 @@ type objectKey struct {
 type loader struct {
 	path  string
 	isDir bool
-	opts  service.BuildOptions
 
-	files      map[string]*fileState // by file path
+	files map[string]*fileState // by file path
+	// snaps builds incrementally: the objects of a file whose content did not
+	// change are the same objects on every reload, and a reread file's objects are
+	// new ones, never modified, which is what service.Builder relies on.
+	snaps *service.Builder
+	// svcErrs and sliceErrs are the validation errors of the objects of the
+	// previous load, by object, so that unchanged objects are not validated again.
+	svcErrs    map[*v1.Service][]error
+	sliceErrs  map[*discoveryv1.EndpointSlice][]error
 	goodSvcs   map[objectKey]*v1.Service
 	goodSlices map[objectKey]*discoveryv1.EndpointSlice
 	// logged holds the errors of the previous load, so that a broken file is logged
@@ -176,8 +183,8 @@ func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
 	return &loader{
 		path:       path,
 		isDir:      isDir,
-		opts:       opts,
 		files:      make(map[string]*fileState),
+		snaps:      service.NewBuilder(opts),
 		goodSvcs:   make(map[objectKey]*v1.Service),
 		goodSlices: make(map[objectKey]*discoveryv1.EndpointSlice),
 		logged:     make(map[string]bool),
@@ -242,7 +249,7 @@ func (l *loader) load() *service.Snapshot {
 	}
 	errs = append(errs, verrs...)
 
-	snap := service.Build(svcs, epSlices, l.opts)
+	snap := l.snaps.Build(svcs, epSlices)
 	snap.Errors = append(errs, snap.Errors...)
 	l.log(snap.Errors)
 	return snap
@@ -297,6 +304,8 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 	var epSlices []*discoveryv1.EndpointSlice
 	var errs []error
 	first := make(map[objectKey]DocumentError)
+	svcErrs := make(map[*v1.Service][]error, len(l.svcErrs))
+	sliceErrs := make(map[*discoveryv1.EndpointSlice][]error, len(l.sliceErrs))
 	for _, name := range names {
 		st := l.files[name]
 		if st == nil || !present[name] {
@@ -316,9 +325,17 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 
 			var verrs []error
 			if o.svc != nil {
-				verrs = service.ValidateService(o.svc)
+				var ok bool
+				if verrs, ok = l.svcErrs[o.svc]; !ok {
+					verrs = service.ValidateService(o.svc)
+				}
+				svcErrs[o.svc] = verrs
 			} else {
-				verrs = service.ValidateEndpointSlice(o.slice)
+				var ok bool
+				if verrs, ok = l.sliceErrs[o.slice]; !ok {
+					verrs = service.ValidateEndpointSlice(o.slice)
+				}
+				sliceErrs[o.slice] = verrs
 			}
 			for _, err := range verrs {
 				at := o.at
@@ -343,6 +360,7 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 			}
 		}
 	}
+	l.svcErrs, l.sliceErrs = svcErrs, sliceErrs
 	// An object that is gone is forgotten: should it come back invalid, there is no
 	// earlier version of it to fall back to.
 	for k := range l.goodSvcs {

@@ -18,7 +18,13 @@ import (
 // than taking it away; the problem is still reported in Snapshot.Errors. It is used
 // by one goroutine.
 type builder struct {
-	opts       service.BuildOptions
+	// snaps builds incrementally: informer caches replace an object on every
+	// change and never modify one, which is what service.Builder relies on.
+	snaps *service.Builder
+	// svcErrs and sliceErrs are the validation errors of the objects of the
+	// previous build, by object, so that unchanged objects are not validated again.
+	svcErrs    map[*v1.Service][]error
+	sliceErrs  map[*discoveryv1.EndpointSlice][]error
 	goodSvcs   map[types.NamespacedName]*v1.Service
 	goodSlices map[types.NamespacedName]*discoveryv1.EndpointSlice
 	// logged holds the errors of the previous build, so that each problem is logged
@@ -28,7 +34,7 @@ type builder struct {
 
 func newBuilder(nodeName string) *builder {
 	return &builder{
-		opts:       service.BuildOptions{NodeName: nodeName},
+		snaps:      service.NewBuilder(service.BuildOptions{NodeName: nodeName}),
 		goodSvcs:   make(map[types.NamespacedName]*v1.Service),
 		goodSlices: make(map[types.NamespacedName]*discoveryv1.EndpointSlice),
 		logged:     make(map[string]bool),
@@ -40,12 +46,18 @@ func newBuilder(nodeName string) *builder {
 // belong to no Service and are ignored silently, as kube-proxy ignores them.
 func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice) *service.Snapshot {
 	var errs []error
+	svcErrs := make(map[*v1.Service][]error, len(svcs))
+	sliceErrs := make(map[*discoveryv1.EndpointSlice][]error, len(epSlices))
 	seenSvcs := make(map[types.NamespacedName]bool, len(svcs))
 	useSvcs := make([]*v1.Service, 0, len(svcs))
 	for _, svc := range svcs {
 		k := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
 		seenSvcs[k] = true
-		verrs := service.ValidateService(svc)
+		verrs, ok := b.svcErrs[svc]
+		if !ok {
+			verrs = service.ValidateService(svc)
+		}
+		svcErrs[svc] = verrs
 		errs = append(errs, verrs...)
 		if len(verrs) == 0 {
 			b.goodSvcs[k] = svc
@@ -64,7 +76,11 @@ func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		}
 		k := types.NamespacedName{Namespace: s.Namespace, Name: s.Name}
 		seenSlices[k] = true
-		verrs := service.ValidateEndpointSlice(s)
+		verrs, ok := b.sliceErrs[s]
+		if !ok {
+			verrs = service.ValidateEndpointSlice(s)
+		}
+		sliceErrs[s] = verrs
 		errs = append(errs, verrs...)
 		if len(verrs) == 0 {
 			b.goodSlices[k] = s
@@ -73,6 +89,8 @@ func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			useSlices = append(useSlices, good)
 		}
 	}
+
+	b.svcErrs, b.sliceErrs = svcErrs, sliceErrs
 
 	// An object that is gone is forgotten: should it come back invalid, there is no
 	// earlier version of it to fall back to.
@@ -93,7 +111,7 @@ func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		fx, fy := fieldError(x), fieldError(y)
 		return cmp.Or(cmp.Compare(fx.Kind, fy.Kind), cmp.Compare(fx.Namespace, fy.Namespace), cmp.Compare(fx.Name, fy.Name))
 	})
-	snap := service.Build(useSvcs, useSlices, b.opts)
+	snap := b.snaps.Build(useSvcs, useSlices)
 	// Build found no errors in the objects it was given, all valid; the errors are
 	// those of the versions it was not given.
 	snap.Errors = append(errs, snap.Errors...)
