@@ -37,8 +37,11 @@ func TestTinyRun(t *testing.T) {
 	var progress bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
+	// Rounds are short, but long enough that a loaded machine (CI runs the
+	// packages in parallel) still completes some work in each: at 50ms a
+	// persistent-connection round through a peer sometimes measured nothing.
 	rep, err := Run(ctx, Config{
-		Duration:        50 * time.Millisecond,
+		Duration:        250 * time.Millisecond,
 		Rounds:          2,
 		IdleConns:       20,
 		SyncSizes:       []int{10},
