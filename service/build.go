@@ -2,6 +2,7 @@ package service
 
 import (
 	"cmp"
+	"maps"
 	"net/netip"
 	"slices"
 	"time"
@@ -44,112 +45,186 @@ func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts Build
 // is used by one goroutine.
 type Builder struct {
 	opts BuildOptions
-	// svcErrs and sliceErrs are the validation errors (nil: valid) of the objects
-	// of the previous Build. Holding the pointers keeps the objects alive, so an
-	// address cannot be reused by another object while it is a key here.
-	svcErrs   map[*v1.Service][]error
-	sliceErrs map[*discoveryv1.EndpointSlice][]error
-	// built are the Services of the previous Build, by object key.
-	built map[objectKey]*builtService
+	// gen numbers the Builds; every state below records the last Build that used
+	// it, and what the current Build did not use is dropped at its end.
+	gen uint64
+	// svcs and slices hold what is known of every object of the previous Build.
+	// Holding the pointers keeps the objects alive, so an address cannot be reused
+	// by another object while it is a key here.
+	svcs   map[*v1.Service]*objectState
+	slices map[*discoveryv1.EndpointSlice]*objectState
+	// sliceNames records the last Build that took a slice of each name, to find
+	// repeated ones.
+	sliceNames map[objectKey]*nameState
+	services   map[objectKey]*serviceState
+	// order holds the Services of the previous Build in key order: when the set of
+	// Services is unchanged, the Ports need no sorting.
+	order []*serviceState
 }
 
-// builtService is one Service as last built: its object, its slices sorted by
-// name, and its Ports in name order.
-type builtService struct {
-	svc    *v1.Service
-	slices []*discoveryv1.EndpointSlice
-	ports  []*Port
+// objectState is what Build learnt of one object.
+type objectState struct {
+	gen  uint64
+	errs []error // validation errors; nil when valid
+	// skip is true for the Services and slices Build leaves out silently.
+	skip bool
+	// service is the Service the object is or belongs to; name is a slice's own key.
+	service, name objectKey
+	// ss and ns cache the states of service and name, to save the lookups by
+	// key; a state that was dropped is looked up again.
+	ss *serviceState
+	ns *nameState
+}
+
+// nameState records the last Build that took a slice of one name.
+type nameState struct {
+	gen     uint64
+	dropped bool
+}
+
+// serviceState is one Service key's share of the current Build, and how its Ports
+// were last built.
+type serviceState struct {
+	// slices are the valid slices of the current Build for this Service; valid
+	// only when slicesGen is the current Build.
+	slices    []*discoveryv1.EndpointSlice
+	slicesGen uint64
+	// svcGen is the last Build that took a Service of this key.
+	svcGen  uint64
+	dropped bool
+	// The Ports last built, and the Service object and slices (a copy, in name
+	// order) they were built from.
+	svc      *v1.Service
+	epSlices []*discoveryv1.EndpointSlice
+	ports    []*Port
 }
 
 // NewBuilder returns a Builder that has built nothing yet.
 func NewBuilder(opts BuildOptions) *Builder {
-	return &Builder{opts: opts}
+	return &Builder{
+		opts:       opts,
+		svcs:       make(map[*v1.Service]*objectState),
+		slices:     make(map[*discoveryv1.EndpointSlice]*objectState),
+		sliceNames: make(map[objectKey]*nameState),
+		services:   make(map[objectKey]*serviceState),
+	}
 }
 
 // Build returns the Snapshot of svcs and epSlices, exactly as the package-level
 // Build would.
 func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice) *Snapshot {
 	snap := &Snapshot{Built: time.Now()}
-	svcErrs := make(map[*v1.Service][]error, len(svcs))
-	sliceErrs := make(map[*discoveryv1.EndpointSlice][]error, len(epSlices))
-	built := make(map[objectKey]*builtService, len(svcs))
+	b.gen++
+	gen := b.gen
+	// used counts the entries of each map that this Build touched: when it
+	// equals the map's size, nothing is left to drop.
+	var usedSvcs, usedSlices, usedNames, usedServices int
 
-	bySvc := make(map[objectKey][]*discoveryv1.EndpointSlice, len(svcs))
-	seenSlices := make(map[objectKey]bool, len(epSlices))
 	for _, s := range epSlices {
-		if s == nil || s.AddressType == discoveryv1.AddressTypeFQDN {
+		if s == nil {
 			continue
 		}
-		errs, ok := sliceErrs[s]
-		if !ok {
-			if errs, ok = b.sliceErrs[s]; !ok {
-				errs = ValidateEndpointSlice(s)
+		st := b.slices[s]
+		if st == nil {
+			st = &objectState{skip: s.AddressType == discoveryv1.AddressTypeFQDN,
+				service: objectKey{s.Namespace, s.Labels[discoveryv1.LabelServiceName]},
+				name:    objectKey{s.Namespace, s.Name}}
+			if !st.skip {
+				st.errs = ValidateEndpointSlice(s)
 			}
-			sliceErrs[s] = errs
+			b.slices[s] = st
 		}
-		if len(errs) > 0 {
-			snap.Errors = append(snap.Errors, errs...)
+		if st.gen != gen {
+			st.gen = gen
+			usedSlices++
+		}
+		if st.skip {
 			continue
 		}
-		if seenSlices[objectKey{s.Namespace, s.Name}] {
+		if len(st.errs) > 0 {
+			snap.Errors = append(snap.Errors, st.errs...)
+			continue
+		}
+		if st.ns == nil || st.ns.dropped {
+			if st.ns = b.sliceNames[st.name]; st.ns == nil {
+				st.ns = &nameState{}
+				b.sliceNames[st.name] = st.ns
+			}
+		}
+		if st.ns.gen == gen {
 			snap.Errors = append(snap.Errors, duplicate("EndpointSlice", s.Namespace, s.Name))
 			continue
 		}
-		seenSlices[objectKey{s.Namespace, s.Name}] = true
-		k := objectKey{s.Namespace, s.Labels[discoveryv1.LabelServiceName]}
-		bySvc[k] = append(bySvc[k], s)
+		st.ns.gen = gen
+		usedNames++
+		svc := b.service(st, &usedServices)
+		if svc.slicesGen != gen {
+			svc.slices, svc.slicesGen = svc.slices[:0], gen
+		}
+		svc.slices = append(svc.slices, s)
 	}
 
-	var reused []*builtService // in the order of svcs, for the merge below
+	taken := make([]*serviceState, 0, len(svcs))
 	for _, svc := range svcs {
 		if svc == nil {
 			continue
 		}
-		errs, ok := svcErrs[svc]
-		if !ok {
-			if errs, ok = b.svcErrs[svc]; !ok {
-				errs = ValidateService(svc)
-			}
-			svcErrs[svc] = errs
+		st := b.svcs[svc]
+		if st == nil {
+			st = &objectState{errs: ValidateService(svc), service: objectKey{svc.Namespace, svc.Name}}
+			st.skip = len(st.errs) == 0 && skipService(svc)
+			b.svcs[svc] = st
 		}
-		if len(errs) > 0 {
-			snap.Errors = append(snap.Errors, errs...)
+		if st.gen != gen {
+			st.gen = gen
+			usedSvcs++
+		}
+		if len(st.errs) > 0 {
+			snap.Errors = append(snap.Errors, st.errs...)
 			continue
 		}
-		if skipService(svc) {
+		if st.skip {
 			continue
 		}
-		k := objectKey{svc.Namespace, svc.Name}
-		if built[k] != nil {
+		ss := b.service(st, &usedServices)
+		if ss.svcGen == gen {
 			snap.Errors = append(snap.Errors, duplicate("Service", svc.Namespace, svc.Name))
 			continue
 		}
-		eps := sortedByName(bySvc[k])
-		bs := b.built[k]
-		if bs == nil || bs.svc != svc || !slices.Equal(bs.slices, eps) {
-			bs = &builtService{svc: svc, slices: eps, ports: servicePorts(svc, eps, b.opts)}
-			slices.SortFunc(bs.ports, comparePorts)
+		ss.svcGen = gen
+		var eps []*discoveryv1.EndpointSlice
+		if ss.slicesGen == gen {
+			eps = sortedByName(ss.slices)
 		}
-		built[k] = bs
-		reused = append(reused, bs)
+		if ss.svc != svc || !slices.Equal(ss.epSlices, eps) {
+			// A copy: ss.slices is reused by the next Build.
+			ss.svc, ss.epSlices = svc, slices.Clone(eps)
+			ss.ports = servicePorts(svc, ss.epSlices, b.opts)
+			slices.SortFunc(ss.ports, comparePorts)
+		}
+		taken = append(taken, ss)
 	}
-	b.svcErrs, b.sliceErrs, b.built = svcErrs, sliceErrs, built
 
 	// Each Service's Ports are in name order and share their namespace and name, so
 	// ordering the Services by key orders every Port.
-	slices.SortFunc(reused, func(x, y *builtService) int {
-		return cmp.Or(cmp.Compare(x.svc.Namespace, y.svc.Namespace), cmp.Compare(x.svc.Name, y.svc.Name))
-	})
+	if !b.sameServices(taken) {
+		slices.SortFunc(taken, func(x, y *serviceState) int {
+			return cmp.Or(cmp.Compare(x.svc.Namespace, y.svc.Namespace), cmp.Compare(x.svc.Name, y.svc.Name))
+		})
+		b.order = taken
+	}
 	n := 0
-	for _, bs := range reused {
-		n += len(bs.ports)
+	for _, ss := range b.order {
+		n += len(ss.ports)
 	}
 	if n > 0 {
 		snap.Ports = make([]*Port, 0, n)
 	}
-	for _, bs := range reused {
-		snap.Ports = append(snap.Ports, bs.ports...)
+	for _, ss := range b.order {
+		snap.Ports = append(snap.Ports, ss.ports...)
 	}
+	b.forget(usedSvcs, usedSlices, usedNames, usedServices)
+
 	// Sources hand objects over in no particular order (informer caches are maps);
 	// ordering by object keeps Errors stable between identical Snapshots while each
 	// object's own errors stay in field order.
@@ -162,6 +237,58 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		)
 	})
 	return snap
+}
+
+// service returns the state of the Service that st is or belongs to, counting it
+// as used by this Build the first time it is asked for.
+func (b *Builder) service(st *objectState, used *int) *serviceState {
+	if st.ss == nil || st.ss.dropped {
+		if st.ss = b.services[st.service]; st.ss == nil {
+			st.ss = &serviceState{}
+			b.services[st.service] = st.ss
+		}
+	}
+	ss := st.ss
+	if ss.svcGen != b.gen && ss.slicesGen != b.gen {
+		*used++
+	}
+	return ss
+}
+
+// sameServices reports whether taken, the Services of this Build (each once), are
+// those of the previous one, whose order then still holds.
+func (b *Builder) sameServices(taken []*serviceState) bool {
+	if len(taken) != len(b.order) {
+		return false
+	}
+	for _, ss := range b.order {
+		if ss.svcGen != b.gen {
+			return false
+		}
+	}
+	return true
+}
+
+// forget drops the states this Build did not use, unless every one was used.
+func (b *Builder) forget(usedSvcs, usedSlices, usedNames, usedServices int) {
+	if usedSvcs != len(b.svcs) {
+		maps.DeleteFunc(b.svcs, func(_ *v1.Service, st *objectState) bool { return st.gen != b.gen })
+	}
+	if usedSlices != len(b.slices) {
+		maps.DeleteFunc(b.slices, func(_ *discoveryv1.EndpointSlice, st *objectState) bool { return st.gen != b.gen })
+	}
+	if usedNames != len(b.sliceNames) {
+		maps.DeleteFunc(b.sliceNames, func(_ objectKey, ns *nameState) bool {
+			ns.dropped = ns.gen != b.gen
+			return ns.dropped
+		})
+	}
+	if usedServices != len(b.services) {
+		maps.DeleteFunc(b.services, func(_ objectKey, ss *serviceState) bool {
+			ss.dropped = ss.svcGen != b.gen && ss.slicesGen != b.gen
+			return ss.dropped
+		})
+	}
 }
 
 func comparePorts(a, b *Port) int {

@@ -3,6 +3,7 @@ package service
 import (
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"reflect"
 	"slices"
@@ -623,4 +624,60 @@ func BenchmarkBuilderEndpointChange(b *testing.B) {
 			bl.Build(svcs, states[i%2])
 		}
 	})
+}
+
+// TestBuilderMatchesBuildRandom: random sequences of object sets, drawn from a pool
+// with several versions (valid, invalid, duplicates, headless) per name, give the
+// same Snapshots from one Builder as from Build.
+func TestBuilderMatchesBuildRandom(t *testing.T) {
+	var svcPool []*v1.Service
+	var slicePool []*discoveryv1.EndpointSlice
+	for _, name := range []string{"a", "b", "c"} {
+		for v := range 3 {
+			svc := testService("ns", name, withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = fmt.Sprintf("10.96.0.%d", v+1) }),
+				withPorts(v1.ServicePort{Name: "x", Port: 80}, v1.ServicePort{Name: "y", Port: 81}))
+			switch v {
+			case 1:
+				svc.Spec.Ports[1].Port = 0 // invalid
+			case 2:
+				svc.Spec.ClusterIP = v1.ClusterIPNone // headless
+			}
+			svcPool = append(svcPool, svc, svc.DeepCopy())
+			for sl := range 2 {
+				addr := fmt.Sprintf("10.0.%d.%d", sl, v)
+				if v == 1 && sl == 1 {
+					addr = "bad"
+				}
+				slicePool = append(slicePool, testSlice("ns", fmt.Sprintf("%s-%d", name, sl), name, discoveryv1.AddressTypeIPv4,
+					slicePorts("x:8080", "y:8081"), testEndpoint(addrs(addr))))
+			}
+		}
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	// pick draws up to n/2 indexes into a pool of n, repeats allowed.
+	pick := func(n int) []int {
+		var out []int
+		for range rng.IntN(n/2 + 1) {
+			out = append(out, rng.IntN(n))
+		}
+		return out
+	}
+	b := NewBuilder(BuildOptions{})
+	for step := range 500 {
+		var svcs []*v1.Service
+		var eps []*discoveryv1.EndpointSlice
+		for _, i := range pick(len(svcPool)) {
+			svcs = append(svcs, svcPool[i])
+		}
+		for _, i := range pick(len(slicePool)) {
+			eps = append(eps, slicePool[i])
+		}
+		got, want := b.Build(svcs, eps), Build(svcs, eps, BuildOptions{})
+		if !reflect.DeepEqual(got.Ports, want.Ports) {
+			t.Fatalf("step %d: got ports %s, want %s", step, dump(got.Ports), dump(want.Ports))
+		}
+		if g, w := fmt.Sprint(got.Errors), fmt.Sprint(want.Errors); g != w {
+			t.Fatalf("step %d: got errors %s, want %s", step, g, w)
+		}
+	}
 }
