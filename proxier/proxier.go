@@ -65,6 +65,16 @@ type Proxier struct {
 	ports map[service.PortName]*servicePort
 	// portErrors are the per-Service-port problems of the last sync.
 	portErrors []error
+	// synced holds, for each Port of the last Sync's Snapshot in order, its
+	// running state (nil for a protocol not proxied). It is nil when that Sync
+	// left a port without a listener, or after Shutdown: the next Sync then
+	// takes the long way, which retries what failed.
+	synced []syncedPort
+}
+
+type syncedPort struct {
+	port *service.Port
+	sp   *servicePort
 }
 
 // servicePort is the running state of one Service port.
@@ -99,53 +109,9 @@ func New(cfg Config) (*Proxier, error) {
 // portals as a whole could not be written.
 func (p *Proxier) Sync(s *service.Snapshot) error {
 	var errs, portErrs *multierror.Error
-	desired := make(map[service.PortName]*service.Port, len(s.Ports))
-	for _, port := range s.Ports {
-		desired[port.Name] = port
-	}
-
-	// Close what is gone or changed identity first, so a re-opened port may reuse
-	// the proxy port range.
-	p.mu.Lock()
-	var closing []*servicePort
-	for name, sp := range p.ports {
-		if d := desired[name]; d == nil || !service.IdentityEqual(sp.port, d) {
-			closing = append(closing, sp)
-			delete(p.ports, name)
-		}
-	}
-	p.mu.Unlock()
-	for _, sp := range closing {
-		p.closePort(sp)
-	}
-
-	portals := make([]rules.Portal, 0, len(s.Ports))
-	for _, port := range s.Ports {
-		if port.Protocol != service.TCP && port.Protocol != service.UDP {
-			klog.V(2).InfoS("Skipping Service port: protocol not proxied in userspace", "service", port.Name, "protocol", port.Protocol)
-			continue
-		}
-		p.mu.RLock()
-		sp := p.ports[port.Name]
-		p.mu.RUnlock()
-		if sp == nil {
-			var err error
-			if sp, err = p.openPort(port); err != nil {
-				portErrs = multierror.Append(portErrs, err)
-				continue
-			}
-			p.mu.Lock()
-			p.ports[port.Name] = sp
-			p.mu.Unlock()
-		}
-		// Snapshots are never modified, so a port whose Port is the one it last
-		// synced with has nothing new: with a builder that reuses the Ports of
-		// unchanged Services, an endpoint change costs one balancer update, not
-		// one per Service port.
-		if sp.port != port {
-			p.updatePort(sp, port)
-		}
-		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
+	portals, ok := p.syncSameListeners(s)
+	if !ok {
+		portals, portErrs = p.syncListeners(s)
 	}
 	if err := p.cfg.Portals.Sync(portals); err != nil {
 		for _, e := range flatten(err) {
@@ -169,6 +135,117 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	p.portErrors = left
 	p.mu.Unlock()
 	return errs.ErrorOrNil()
+}
+
+// syncSameListeners is Sync's short way, for the common case of a Snapshot with
+// the same Service ports as the last one (names and protocols, in the same
+// order), every one of which has its listener: it hands the Ports that changed to
+// their balancers without any lookup by name. It reports false, having changed
+// nothing, when the long way is needed.
+func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) {
+	p.mu.RLock()
+	synced := p.synced
+	p.mu.RUnlock()
+	if synced == nil || len(synced) != len(s.Ports) {
+		return nil, false
+	}
+	for i, port := range s.Ports {
+		if prev := synced[i].port; prev != port && !service.IdentityEqual(prev, port) {
+			return nil, false
+		}
+	}
+	portals := make([]rules.Portal, 0, len(s.Ports))
+	for i, port := range s.Ports {
+		synced[i].port = port
+		sp := synced[i].sp
+		if sp == nil {
+			klog.V(2).InfoS("Skipping Service port: protocol not proxied in userspace", "service", port.Name, "protocol", port.Protocol)
+			continue
+		}
+		// Snapshots are never modified, so a port whose Port is the one it last
+		// synced with has nothing new: with a builder that reuses the Ports of
+		// unchanged Services, an endpoint change costs one balancer update, not
+		// one per Service port.
+		if sp.port != port {
+			p.updatePort(sp, port)
+		}
+		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
+	}
+	return portals, true
+}
+
+// syncListeners is Sync's long way: it closes the listeners of Service ports that
+// are gone or changed identity, opens the missing ones and updates the rest.
+func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierror.Error) {
+	var portErrs *multierror.Error
+	synced := make([]syncedPort, len(s.Ports))
+	desired := make(map[service.PortName]*service.Port, len(s.Ports))
+	for _, port := range s.Ports {
+		desired[port.Name] = port
+	}
+
+	// Close what is gone or changed identity first, so a re-opened port may reuse
+	// the proxy port range.
+	p.mu.Lock()
+	var closing []*servicePort
+	for name, sp := range p.ports {
+		if d := desired[name]; d == nil || !service.IdentityEqual(sp.port, d) {
+			closing = append(closing, sp)
+			delete(p.ports, name)
+		}
+	}
+	p.mu.Unlock()
+	for _, sp := range closing {
+		p.closePort(sp)
+	}
+
+	portals := make([]rules.Portal, 0, len(s.Ports))
+	complete := true
+	for i, port := range s.Ports {
+		synced[i].port = port
+		if port.Protocol != service.TCP && port.Protocol != service.UDP {
+			klog.V(2).InfoS("Skipping Service port: protocol not proxied in userspace", "service", port.Name, "protocol", port.Protocol)
+			continue
+		}
+		p.mu.RLock()
+		sp := p.ports[port.Name]
+		p.mu.RUnlock()
+		if sp == nil {
+			var err error
+			if sp, err = p.openPort(port); err != nil {
+				portErrs = multierror.Append(portErrs, err)
+				complete = false
+				continue
+			}
+			p.mu.Lock()
+			p.ports[port.Name] = sp
+			p.mu.Unlock()
+		}
+		if sp.port != port { // see syncSameListeners
+			p.updatePort(sp, port)
+		}
+		synced[i].sp = sp
+		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
+	}
+	p.mu.Lock()
+	if complete && sortedByName(s.Ports) {
+		p.synced = synced
+	} else {
+		p.synced = nil
+	}
+	p.mu.Unlock()
+	return portals, portErrs
+}
+
+// sortedByName reports whether ports are in strictly increasing name order, as
+// Snapshots promise: only then does an equal sequence of names mean an equal set.
+func sortedByName(ports []*service.Port) bool {
+	for i := 1; i < len(ports); i++ {
+		if !ports[i-1].Name.Less(ports[i].Name) {
+			return false
+		}
+	}
+	return true
 }
 
 // PortErrors returns the problems of single Service ports found by the last sync.
@@ -337,6 +414,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 	p.mu.Lock()
 	ports := p.ports
 	p.ports = make(map[service.PortName]*servicePort)
+	p.synced = nil
 	p.mu.Unlock()
 	var wg sync.WaitGroup
 	var mu sync.Mutex

@@ -317,3 +317,35 @@ func TestDebugServices(t *testing.T) {
 		t.Errorf("affinity: got %+v, want 127.0.0.1 -> %s", s.Affinity, a)
 	}
 }
+
+// TestFailedPortRetriedWithSameServices: a listener that could not be opened is
+// retried by the next Sync even when the Snapshot names the same Service ports.
+func TestFailedPortRetriedWithSameServices(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	b := w.tcpBackend("b", "127.0.0.3")
+	// The whole proxy port range is one port, taken by someone else at first.
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pn := taken.Addr().(*net.TCPAddr).Port
+	p := newProxier(t, Config{PortRange: PortRange{First: pn, Last: pn}})
+	name := service.PortName{Namespace: "default", Name: "web", Port: "p"}
+
+	mustSync(t, p, snapshot(port("web", service.TCP, a)))
+	if errs := p.PortErrors(); len(errs) != 1 {
+		t.Fatalf("with the only proxy port taken: got port errors %v, want one", errs)
+	}
+	taken.Close()
+	mustSync(t, p, snapshot(port("web", service.TCP, b)))
+	if got := p.ProxyPort(name); got != pn {
+		t.Fatalf("after the port was freed: got proxy port %d, want %d", got, pn)
+	}
+	if errs := p.PortErrors(); len(errs) != 0 {
+		t.Errorf("after the port was freed: got port errors %v, want none", errs)
+	}
+	if got, err := getTCP(t, pn); err != nil || got != "b" {
+		t.Errorf("after the retry: got %q, %v; want b", got, err)
+	}
+}
