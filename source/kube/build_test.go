@@ -205,3 +205,24 @@ func TestValidateProxyName(t *testing.T) {
 		}
 	}
 }
+
+// TestBuilderRepeatsErrorsOfUnchangedObjects: an invalid object handed over again
+// unchanged (validated once, remembered) is still reported on every build, and
+// its last valid version still serves.
+func TestBuilderRepeatsErrorsOfUnchangedObjects(t *testing.T) {
+	b := newBuilder("")
+	good := testService("a", "10.96.0.1", nil)
+	bad := good.DeepCopy()
+	bad.Spec.ExternalIPs = []string{"010.1.2.3"}
+	slice := testSlice("a-1", "a", "10.0.0.1")
+	b.build([]*v1.Service{good}, []*discoveryv1.EndpointSlice{slice})
+	for i := range 3 {
+		snap := b.build([]*v1.Service{bad}, []*discoveryv1.EndpointSlice{slice})
+		if got, want := portsOf(snap), []string{"ns/a:p=10.0.0.1:8080"}; !slices.Equal(got, want) {
+			t.Errorf("build %d: got %q, want %q (last valid version)", i, got, want)
+		}
+		if len(snap.Errors) != 1 || !strings.Contains(snap.Errors[0].Error(), "spec.externalIPs") {
+			t.Errorf("build %d: got errors %v, want one about spec.externalIPs", i, snap.Errors)
+		}
+	}
+}
