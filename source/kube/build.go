@@ -2,6 +2,7 @@ package kube
 
 import (
 	"cmp"
+	"maps"
 	"slices"
 
 	v1 "k8s.io/api/core/v1"
@@ -17,93 +18,147 @@ import (
 // accepts some values the proxy cannot program) keeps the Service as it was rather
 // than taking it away; the problem is still reported in Snapshot.Errors. It is used
 // by one goroutine.
+//
+// Informer caches replace an object on every change and never modify one, so an
+// object is known by its pointer: what the builder learnt of it (its validation,
+// its key) is kept while the object is in the cache, and a build costs a few
+// pointer lookups per unchanged object.
 type builder struct {
-	// snaps builds incrementally: informer caches replace an object on every
-	// change and never modify one, which is what service.Builder relies on.
+	// snaps builds incrementally, by the same rule.
 	snaps *service.Builder
-	// svcErrs and sliceErrs are the validation errors of the objects of the
-	// previous build, by object, so that unchanged objects are not validated again.
-	svcErrs    map[*v1.Service][]error
-	sliceErrs  map[*discoveryv1.EndpointSlice][]error
-	goodSvcs   map[types.NamespacedName]*v1.Service
-	goodSlices map[types.NamespacedName]*discoveryv1.EndpointSlice
+	// gen numbers the builds; every state records the last build that saw it,
+	// and what a build did not see is dropped at its end.
+	gen    uint64
+	svcs   map[*v1.Service]*objectState
+	slices map[*discoveryv1.EndpointSlice]*objectState
+	// svcKeys and sliceKeys hold, per object key, the last build that saw an
+	// object of that key and its last valid version.
+	svcKeys, sliceKeys map[types.NamespacedName]*keyState
 	// logged holds the errors of the previous build, so that each problem is logged
 	// when it appears rather than on every change.
 	logged map[string]bool
 }
 
+// objectState is what the builder learnt of one object.
+type objectState struct {
+	gen  uint64
+	errs []error // validation errors; nil when valid
+	key  types.NamespacedName
+	// owner is a slice's kubernetes.io/service-name ("": none).
+	owner string
+	// ks and ownerKS cache the states of key and of the owner's key; a dropped
+	// state is looked up again.
+	ks, ownerKS *keyState
+}
+
+// keyState is one object key's share of the builds.
+type keyState struct {
+	gen uint64
+	// good is the last valid version of the object (nil: none), kept until a
+	// build no longer sees the key.
+	good    any
+	dropped bool
+}
+
 func newBuilder(nodeName string) *builder {
 	return &builder{
-		snaps:      service.NewBuilder(service.BuildOptions{NodeName: nodeName}),
-		goodSvcs:   make(map[types.NamespacedName]*v1.Service),
-		goodSlices: make(map[types.NamespacedName]*discoveryv1.EndpointSlice),
-		logged:     make(map[string]bool),
+		snaps:     service.NewBuilder(service.BuildOptions{NodeName: nodeName}),
+		svcs:      make(map[*v1.Service]*objectState),
+		slices:    make(map[*discoveryv1.EndpointSlice]*objectState),
+		svcKeys:   make(map[types.NamespacedName]*keyState),
+		sliceKeys: make(map[types.NamespacedName]*keyState),
+		logged:    make(map[string]bool),
 	}
+}
+
+// keyOf returns the state of key k in keys, from the cache c when it holds a live one.
+func keyOf(keys map[types.NamespacedName]*keyState, k types.NamespacedName, c *keyState) *keyState {
+	if c != nil && !c.dropped {
+		return c
+	}
+	ks := keys[k]
+	if ks == nil {
+		ks = &keyState{}
+		keys[k] = ks
+	}
+	return ks
 }
 
 // build makes a Snapshot of the selected Services svcs and of the slices among
 // epSlices that belong to them. Slices without a kubernetes.io/service-name label
 // belong to no Service and are ignored silently, as kube-proxy ignores them.
 func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice) *service.Snapshot {
+	b.gen++
+	gen := b.gen
 	var errs []error
-	svcErrs := make(map[*v1.Service][]error, len(svcs))
-	sliceErrs := make(map[*discoveryv1.EndpointSlice][]error, len(epSlices))
-	seenSvcs := make(map[types.NamespacedName]bool, len(svcs))
+	var usedSvcs, usedSlices, usedSvcKeys, usedSliceKeys int
 	useSvcs := make([]*v1.Service, 0, len(svcs))
 	for _, svc := range svcs {
-		k := types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}
-		seenSvcs[k] = true
-		verrs, ok := b.svcErrs[svc]
-		if !ok {
-			verrs = service.ValidateService(svc)
+		st := b.svcs[svc]
+		if st == nil {
+			st = &objectState{errs: service.ValidateService(svc), key: types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}}
+			b.svcs[svc] = st
 		}
-		svcErrs[svc] = verrs
-		errs = append(errs, verrs...)
-		if len(verrs) == 0 {
-			b.goodSvcs[k] = svc
+		if st.gen != gen {
+			st.gen = gen
+			usedSvcs++
+		}
+		st.ks = keyOf(b.svcKeys, st.key, st.ks)
+		if st.ks.gen != gen {
+			st.ks.gen = gen
+			usedSvcKeys++
+		}
+		errs = append(errs, st.errs...)
+		if len(st.errs) == 0 {
+			st.ks.good = svc
 			useSvcs = append(useSvcs, svc)
-		} else if good := b.goodSvcs[k]; good != nil {
+		} else if good, _ := st.ks.good.(*v1.Service); good != nil {
 			useSvcs = append(useSvcs, good)
 		}
 	}
 
-	seenSlices := make(map[types.NamespacedName]bool, len(epSlices))
 	useSlices := make([]*discoveryv1.EndpointSlice, 0, len(epSlices))
 	for _, s := range epSlices {
-		owner := s.Labels[discoveryv1.LabelServiceName]
-		if owner == "" || !seenSvcs[types.NamespacedName{Namespace: s.Namespace, Name: owner}] {
+		st := b.slices[s]
+		if st == nil {
+			st = &objectState{key: types.NamespacedName{Namespace: s.Namespace, Name: s.Name},
+				owner: s.Labels[discoveryv1.LabelServiceName]}
+			b.slices[s] = st
+		}
+		if st.gen != gen {
+			st.gen = gen
+			usedSlices++
+		}
+		if st.owner == "" {
+			continue // no Service
+		}
+		if st.ownerKS == nil || st.ownerKS.dropped {
+			st.ownerKS = b.svcKeys[types.NamespacedName{Namespace: s.Namespace, Name: st.owner}]
+		}
+		if st.ownerKS == nil || st.ownerKS.gen != gen {
 			continue // no Service, or one another proxy handles
 		}
-		k := types.NamespacedName{Namespace: s.Namespace, Name: s.Name}
-		seenSlices[k] = true
-		verrs, ok := b.sliceErrs[s]
-		if !ok {
-			verrs = service.ValidateEndpointSlice(s)
+		if st.ks == nil {
+			// Validated only once it belongs to a selected Service.
+			st.errs = service.ValidateEndpointSlice(s)
 		}
-		sliceErrs[s] = verrs
-		errs = append(errs, verrs...)
-		if len(verrs) == 0 {
-			b.goodSlices[k] = s
+		st.ks = keyOf(b.sliceKeys, st.key, st.ks)
+		if st.ks.gen != gen {
+			st.ks.gen = gen
+			usedSliceKeys++
+		}
+		errs = append(errs, st.errs...)
+		if len(st.errs) == 0 {
+			st.ks.good = s
 			useSlices = append(useSlices, s)
-		} else if good := b.goodSlices[k]; good != nil && good.Labels[discoveryv1.LabelServiceName] == owner {
+		} else if good, _ := st.ks.good.(*discoveryv1.EndpointSlice); good != nil && good.Labels[discoveryv1.LabelServiceName] == st.owner {
 			useSlices = append(useSlices, good)
 		}
 	}
 
-	b.svcErrs, b.sliceErrs = svcErrs, sliceErrs
-
 	// An object that is gone is forgotten: should it come back invalid, there is no
 	// earlier version of it to fall back to.
-	for k := range b.goodSvcs {
-		if !seenSvcs[k] {
-			delete(b.goodSvcs, k)
-		}
-	}
-	for k := range b.goodSlices {
-		if !seenSlices[k] {
-			delete(b.goodSlices, k)
-		}
-	}
+	b.forget(usedSvcs, usedSlices, usedSvcKeys, usedSliceKeys)
 
 	// Listers return objects in map order: sorting by object keeps the errors of
 	// identical states identical, and each object's errors in field order.
@@ -117,6 +172,26 @@ func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 	snap.Errors = append(errs, snap.Errors...)
 	b.log(snap.Errors)
 	return snap
+}
+
+// forget drops the states this build did not use, unless every one was used.
+func (b *builder) forget(usedSvcs, usedSlices, usedSvcKeys, usedSliceKeys int) {
+	stale := func(_ types.NamespacedName, ks *keyState) bool {
+		ks.dropped = ks.gen != b.gen
+		return ks.dropped
+	}
+	if usedSvcs != len(b.svcs) {
+		maps.DeleteFunc(b.svcs, func(_ *v1.Service, st *objectState) bool { return st.gen != b.gen })
+	}
+	if usedSlices != len(b.slices) {
+		maps.DeleteFunc(b.slices, func(_ *discoveryv1.EndpointSlice, st *objectState) bool { return st.gen != b.gen })
+	}
+	if usedSvcKeys != len(b.svcKeys) {
+		maps.DeleteFunc(b.svcKeys, stale)
+	}
+	if usedSliceKeys != len(b.sliceKeys) {
+		maps.DeleteFunc(b.sliceKeys, stale)
+	}
 }
 
 // log reports the errors that the previous build did not have.
