@@ -238,6 +238,19 @@ func TestSource(t *testing.T) {
 		}
 
 		w := runSource(t, &Source{Client: client, NodeName: "node-z"})
+		// The Node informer's first event must be the Node as created: changing it
+		// before the informer has listed it would let the list see the change first.
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			w.mu.Lock()
+			seen := len(w.nodes)
+			w.mu.Unlock()
+			if seen > 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("no Node event within 30s")
+			}
+		}
 		n, err := client.CoreV1().Nodes().Get(context.Background(), "node-z", metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
