@@ -317,25 +317,3 @@ endpoints: [{addresses: [%q], conditions: {ready: true}}]
 
 func join(docs ...string) string { return strings.Join(docs, "---\n") }
 
-// normalizedSave returns iptables-save (or ip6tables-save) output of the node
-// without comments and counters, for before/after comparisons.
-func normalizedSave(t *testing.T, tp *testbed.Topology, cmd string) string {
-	t.Helper()
-	out, err := tp.Exec(testbed.Node, cmd)
-	if err != nil {
-		t.Fatalf("%s: %v: %s", cmd, err, out)
-	}
-	var keep []string
-	for _, line := range strings.Split(string(out), "\n") {
-		if strings.HasPrefix(line, "#") || line == "" {
-			continue
-		}
-		if strings.HasPrefix(line, ":") {
-			if i := strings.LastIndex(line, " ["); i > 0 {
-				line = line[:i]
-			}
-		}
-		keep = append(keep, line)
-	}
-	return strings.Join(keep, "\n")
-}

@@ -73,7 +73,7 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 			}
 		}
 	}
-	before := normalizedSave(t, tp, "iptables-save")
+	before := tp.SavedRules(t, false)
 	manifests := webService(t, tp)
 	steps := []struct {
 		flags      []string
@@ -90,7 +90,7 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 			t.Fatalf("step %d (%v): got %q (%v), want a web backend", i, st.flags, name, err)
 		}
 		px.stop()
-		saved := normalizedSave(t, tp, "iptables-save")
+		saved := tp.SavedRules(t, false)
 		if !strings.Contains(saved, ":"+st.has) || strings.Contains(saved, ":"+st.lacks) {
 			t.Errorf("step %d (%v): iptables-save should have %s and lack %s:\n%s", i, st.flags, st.has, st.lacks, saved)
 		}
@@ -98,7 +98,7 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {
 		t.Fatalf("uproxy cleanup: %v: %s", err, out)
 	}
-	if got := normalizedSave(t, tp, "iptables-save"); got != before {
+	if got := tp.SavedRules(t, false); got != before {
 		t.Errorf("iptables-save after cleanup:\n%s\nwant:\n%s", got, before)
 	}
 }

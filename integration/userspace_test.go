@@ -219,7 +219,7 @@ func TestCleanupLeavesIPTablesAsBefore(t *testing.T) {
 			}
 		}
 	}
-	before4, before6 := normalizedSave(t, tp, "iptables-save"), normalizedSave(t, tp, "ip6tables-save")
+	before4, before6 := tp.SavedRules(t, false), tp.SavedRules(t, true)
 
 	pod := tp.NS(testbed.Pod)
 	ln := namedTCP(t, tp, testbed.Pod, pod.IPv4.String()+":0", "web-1")
@@ -229,7 +229,7 @@ func TestCleanupLeavesIPTablesAsBefore(t *testing.T) {
 		t.Fatalf("through the proxy: got %q (%v), want web-1", name, err)
 	}
 	px.stop()
-	if got := normalizedSave(t, tp, "iptables-save"); !strings.Contains(got, "UPROXY-PORTALS-CONTAINER") {
+	if got := tp.SavedRules(t, false); !strings.Contains(got, "UPROXY-PORTALS-CONTAINER") {
 		t.Errorf("rules removed on plain SIGTERM; want them kept until cleanup")
 	}
 	for i := 0; i < 2; i++ { // cleanup is idempotent
@@ -237,10 +237,10 @@ func TestCleanupLeavesIPTablesAsBefore(t *testing.T) {
 			t.Fatalf("uproxy cleanup (run %d): %v: %s", i+1, err, out)
 		}
 	}
-	if got := normalizedSave(t, tp, "iptables-save"); got != before4 {
+	if got := tp.SavedRules(t, false); got != before4 {
 		t.Errorf("iptables-save after cleanup:\n%s\nwant:\n%s", got, before4)
 	}
-	if got := normalizedSave(t, tp, "ip6tables-save"); got != before6 {
+	if got := tp.SavedRules(t, true); got != before6 {
 		t.Errorf("ip6tables-save after cleanup:\n%s\nwant:\n%s", got, before6)
 	}
 }

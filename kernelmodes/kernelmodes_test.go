@@ -7,7 +7,6 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -153,27 +152,6 @@ func TestChoose(t *testing.T) {
 	}
 }
 
-var counterRE = regexp.MustCompile(`\[\d+:\d+\]`)
-
-func saved(t *testing.T, tp *testbed.Topology, v6 bool) string {
-	t.Helper()
-	cmd := "iptables-save"
-	if v6 {
-		cmd = "ip6tables-save"
-	}
-	out, err := tp.Exec(testbed.Node, cmd)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var b strings.Builder
-	for _, line := range strings.Split(string(out), "\n") {
-		if !strings.HasPrefix(line, "#") {
-			b.WriteString(counterRE.ReplaceAllString(line, "[0:0]") + "\n")
-		}
-	}
-	return b.String()
-}
-
 // TestModeSwitches programs the userspace portals, the iptables mode and
 // leftovers of the IPVS mode's chains in one namespace, then checks that
 // CleanupOthers removes exactly the other modes' state and CleanupAll all of it.
@@ -197,7 +175,7 @@ func TestModeSwitches(t *testing.T) {
 		must(t, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
 		must(t, ipt, "-t", "filter", "-A", "INPUT", "-j", "ACCEPT")
 	}
-	before := [2]string{saved(t, tp, false), saved(t, tp, true)}
+	before := [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
 
 	web := &service.Port{Name: service.PortName{Namespace: "shop", Name: "web"}, Protocol: service.TCP, Port: 80,
 		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")}, NodePort: 30080,
@@ -232,7 +210,7 @@ func TestModeSwitches(t *testing.T) {
 		must(t, "iptables", "-t", "filter", "-I", "INPUT", "-j", "UPROXY-IPVS-FILTER")
 	}
 	has := func(chains ...string) map[string]bool {
-		s := saved(t, tp, false)
+		s := tp.SavedRules(t, false)
 		got := map[string]bool{}
 		for _, c := range chains {
 			got[c] = strings.Contains(s, ":"+c+" ")
@@ -268,7 +246,7 @@ func TestModeSwitches(t *testing.T) {
 				t.Fatalf("CleanupAll: %v", err)
 			}
 			for i, v6 := range []bool{false, true} {
-				if got := saved(t, tp, v6); got != before[i] {
+				if got := tp.SavedRules(t, v6); got != before[i] {
 					t.Errorf("after CleanupAll (v6=%v):\ngot:\n%s\nwant:\n%s", v6, got, before[i])
 				}
 			}

@@ -1,14 +1,10 @@
 package rules
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
-	"os"
-	"os/exec"
-	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -17,41 +13,6 @@ import (
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
 )
-
-// requireIPTables skips (fails under CI=true) unless a topology can be built and
-// the iptables commands exist.
-func requireIPTables(t testing.TB) {
-	t.Helper()
-	testbed.Require(t)
-	for _, c := range []string{"iptables-restore", "ip6tables-restore", "iptables-save", "ip6tables-save"} {
-		if _, err := exec.LookPath(c); err != nil {
-			if os.Getenv("CI") == "true" {
-				t.Fatalf("%s: %v", c, err)
-			}
-			t.Skipf("%s: %v", c, err)
-		}
-	}
-}
-
-var counters = regexp.MustCompile(`\[\d+:\d+\]`)
-
-// saved returns iptables-save (ip6tables-save) output of the namespace without
-// its timestamp comments and counters, for exact before/after comparison.
-func saved(t *testing.T, tp *testbed.Topology, ipv6 bool) string {
-	t.Helper()
-	out, err := tp.Exec(testbed.Node, command(ipv6, "-save"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var b strings.Builder
-	sc := bufio.NewScanner(strings.NewReader(string(out)))
-	for sc.Scan() {
-		if line := sc.Text(); !strings.HasPrefix(line, "#") {
-			b.WriteString(counters.ReplaceAllString(line, "[0:0]") + "\n")
-		}
-	}
-	return b.String()
-}
 
 func mustExec(t *testing.T, tp *testbed.Topology, role string, args ...string) {
 	t.Helper()
@@ -108,11 +69,11 @@ func exchange(c net.Conn, msg string, replyLen int) (string, error) {
 }
 
 func TestRealPortals(t *testing.T) {
-	requireIPTables(t)
+	testbed.RequireIPTables(t)
 	tp := testbed.New(t, testbed.WithIPv6())
 	node := tp.NS(testbed.Node)
 	kubeChains(t, tp)
-	before := [2]string{saved(t, tp, false), saved(t, tp, true)}
+	before := [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
 
 	// Stand-ins for the proxy: a TCP echo server and two tagged UDP servers.
 	tcpProxy := tp.EchoTCP(testbed.Node, ":0")
@@ -155,7 +116,7 @@ func TestRealPortals(t *testing.T) {
 
 	t.Run("iptables-save shows every written rule and the jumps", func(t *testing.T) {
 		for f := v4; f <= v6; f++ {
-			got := saved(t, tp, f == v6)
+			got := tp.SavedRules(t, f == v6)
 			for _, line := range strings.Split(string(p.fams[f].written), "\n") {
 				if strings.HasPrefix(line, "-A ") && !strings.Contains(got, line+"\n") {
 					t.Errorf("%s: rule %q missing from iptables-save:\n%s", familyName(f), line, got)
@@ -305,7 +266,7 @@ func TestRealPortals(t *testing.T) {
 			t.Fatalf("Cleanup: %v", err)
 		}
 		for f := v4; f <= v6; f++ {
-			if got := saved(t, tp, f == v6); got != before[f] {
+			if got := tp.SavedRules(t, f == v6); got != before[f] {
 				t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", familyName(f), got, before[f])
 			}
 		}
@@ -319,10 +280,10 @@ func TestRealPortals(t *testing.T) {
 }
 
 func TestRealStandaloneCleanup(t *testing.T) {
-	requireIPTables(t)
+	testbed.RequireIPTables(t)
 	tp := testbed.New(t)
 	kubeChains(t, tp)
-	before := [2]string{saved(t, tp, false), saved(t, tp, true)}
+	before := [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
 	node := tp.NS(testbed.Node)
 	p, err := NewIPTables(Config{ChainPrefix: "UPX", NodeIPs: []netip.Addr{node.IPv4}})
 	if err != nil {
@@ -334,7 +295,7 @@ func TestRealStandaloneCleanup(t *testing.T) {
 	if err := tp.Run(testbed.Node, func() error { return p.Sync([]Portal{{svc, 40000}}) }); err != nil {
 		t.Fatal(err)
 	}
-	if got := saved(t, tp, false); !strings.Contains(got, "UPX-PORTALS-CONTAINER") {
+	if got := tp.SavedRules(t, false); !strings.Contains(got, "UPX-PORTALS-CONTAINER") {
 		t.Fatalf("Sync wrote nothing:\n%s", got)
 	}
 	for i := range 2 { // the second run finds nothing to remove
@@ -342,7 +303,7 @@ func TestRealStandaloneCleanup(t *testing.T) {
 			t.Fatalf("Cleanup run %d: %v", i, err)
 		}
 		for f := v4; f <= v6; f++ {
-			if got := saved(t, tp, f == v6); got != before[f] {
+			if got := tp.SavedRules(t, f == v6); got != before[f] {
 				t.Errorf("run %d %s:\ngot:\n%s\nwant:\n%s", i, familyName(f), got, before[f])
 			}
 		}
@@ -357,7 +318,7 @@ func BenchmarkSync(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		for _, mode := range []string{"full", "unchanged"} {
 			b.Run(fmt.Sprintf("portals=%d/%s", n, mode), func(b *testing.B) {
-				requireIPTables(b)
+				testbed.RequireIPTables(b)
 				tp := testbed.New(b)
 				node := tp.NS(testbed.Node)
 				sets := [2][]Portal{benchPortals(n, 20000), benchPortals(n, 40000)}

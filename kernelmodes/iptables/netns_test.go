@@ -1,14 +1,10 @@
 package iptables
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
-	"os"
-	"os/exec"
-	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -17,45 +13,6 @@ import (
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
 )
-
-// requireIPTables skips (fails under CI=true) unless a topology can be built and
-// the iptables commands exist.
-func requireIPTables(t testing.TB) {
-	t.Helper()
-	testbed.Require(t)
-	for _, c := range []string{"iptables-restore", "ip6tables-restore", "iptables-save", "ip6tables-save"} {
-		if _, err := exec.LookPath(c); err != nil {
-			if os.Getenv("CI") == "true" {
-				t.Fatalf("%s: %v", c, err)
-			}
-			t.Skipf("%s: %v", c, err)
-		}
-	}
-}
-
-var counterRE = regexp.MustCompile(`\[\d+:\d+\]`)
-
-// saved returns the node's iptables-save (ip6tables-save) output without
-// comments and counters, for exact before/after comparison.
-func saved(t *testing.T, tp *testbed.Topology, v6 bool) string {
-	t.Helper()
-	cmd := "iptables-save"
-	if v6 {
-		cmd = "ip6tables-save"
-	}
-	out, err := tp.Exec(testbed.Node, cmd)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var b strings.Builder
-	sc := bufio.NewScanner(strings.NewReader(string(out)))
-	for sc.Scan() {
-		if line := sc.Text(); !strings.HasPrefix(line, "#") {
-			b.WriteString(counterRE.ReplaceAllString(line, "[0:0]") + "\n")
-		}
-	}
-	return b.String()
-}
 
 func mustExec(t testing.TB, tp *testbed.Topology, role string, args ...string) {
 	t.Helper()
@@ -174,7 +131,7 @@ func newWorld(t *testing.T) *world {
 		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-N", "KUBE-FIREWALL")
 		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL")
 	}
-	w.before = [2]string{saved(t, tp, false), saved(t, tp, true)}
+	w.before = [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
 	// REJECT answers with ICMP, which the node rate-limits per destination host;
 	// the redirects hairpinned traffic triggers would use up the pod's budget.
 	mustExec(t, tp, testbed.Node, "sysctl", "-q", "-w", "net.ipv4.icmp_ratelimit=0")
@@ -249,7 +206,7 @@ func (w *world) sync(t testing.TB, p *Proxier, s *service.Snapshot) {
 }
 
 func TestRealIPTablesMode(t *testing.T) {
-	requireIPTables(t)
+	testbed.RequireIPTables(t)
 	w := newWorld(t)
 	tp := w.tp
 	var p *Proxier
@@ -414,7 +371,7 @@ func TestRealIPTablesMode(t *testing.T) {
 	t.Run("partial sync rewrites one Service and removes its stale chain", func(t *testing.T) {
 		removed := w.web.Endpoints[2]
 		gone := p.n.portChain("SEP", w.web.Name, w.web.Protocol, removed.Addr.String())
-		if !strings.Contains(saved(t, tp, false), ":"+gone+" ") {
+		if !strings.Contains(tp.SavedRules(t, false), ":"+gone+" ") {
 			t.Fatalf("SEP chain %s of %s not in iptables-save before", gone, removed)
 		}
 		cut := *w.web
@@ -423,7 +380,7 @@ func TestRealIPTablesMode(t *testing.T) {
 		if p.fams[0].lastWasFull {
 			t.Errorf("sync after an endpoint change: got full, want partial")
 		}
-		if s := saved(t, tp, false); strings.Contains(s, gone) {
+		if s := tp.SavedRules(t, false); strings.Contains(s, gone) {
 			t.Errorf("SEP chain %s still present after its endpoint went", gone)
 		}
 		for range 30 {
@@ -453,7 +410,7 @@ func TestRealIPTablesMode(t *testing.T) {
 			t.Fatalf("Cleanup: %v", err)
 		}
 		for i, v6 := range []bool{false, true} {
-			if got := saved(t, tp, v6); got != w.before[i] {
+			if got := tp.SavedRules(t, v6); got != w.before[i] {
 				t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", familyName(v6), got, w.before[i])
 			}
 		}
@@ -466,7 +423,7 @@ func TestRealIPTablesMode(t *testing.T) {
 				t.Fatalf("Cleanup: %v", err)
 			}
 			for i, v6 := range []bool{false, true} {
-				if got := saved(t, tp, v6); got != w.before[i] {
+				if got := tp.SavedRules(t, v6); got != w.before[i] {
 					t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", familyName(v6), got, w.before[i])
 				}
 			}

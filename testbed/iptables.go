@@ -1,0 +1,48 @@
+package testbed
+
+import (
+	"os"
+	"os/exec"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// RequireIPTables is Require plus the iptables-restore and -save commands of both
+// families: the test is skipped without them, or fails when CI=true.
+func RequireIPTables(t testing.TB) {
+	t.Helper()
+	Require(t)
+	for _, c := range []string{"iptables-restore", "ip6tables-restore", "iptables-save", "ip6tables-save"} {
+		if _, err := exec.LookPath(c); err != nil {
+			if os.Getenv("CI") == "true" {
+				t.Fatalf("%s: %v", c, err)
+			}
+			t.Skipf("%s: %v", c, err)
+		}
+	}
+}
+
+var ruleCounters = regexp.MustCompile(`\[\d+:\d+\]`)
+
+// SavedRules returns the node's iptables-save output (ip6tables-save when v6)
+// without its timestamp comments and with every counter zeroed, for exact
+// before/after comparisons.
+func (tp *Topology) SavedRules(t testing.TB, v6 bool) string {
+	t.Helper()
+	cmd := "iptables-save"
+	if v6 {
+		cmd = "ip6tables-save"
+	}
+	out, err := tp.Exec(Node, cmd)
+	if err != nil {
+		t.Fatalf("%s: %v: %s", cmd, err, out)
+	}
+	var b strings.Builder
+	for _, line := range strings.Split(string(out), "\n") {
+		if line != "" && !strings.HasPrefix(line, "#") {
+			b.WriteString(ruleCounters.ReplaceAllString(line, "[0:0]") + "\n")
+		}
+	}
+	return b.String()
+}
