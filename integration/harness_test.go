@@ -316,4 +316,3 @@ endpoints: [{addresses: [%q], conditions: {ready: true}}]
 }
 
 func join(docs ...string) string { return strings.Join(docs, "---\n") }
-
