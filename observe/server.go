@@ -50,6 +50,15 @@ type Choice struct {
 	Reason   string `json:"reason"`
 }
 
+// AddrStrings formats addresses for a ServiceState (never nil, so JSON shows []).
+func AddrStrings(addrs []netip.Addr) []string {
+	out := make([]string, len(addrs))
+	for i, a := range addrs {
+		out[i] = a.String()
+	}
+	return out
+}
+
 // EndpointState is one endpoint in ServiceState.
 type EndpointState struct {
 	Address           string `json:"address"`

@@ -466,9 +466,9 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	st := observe.ServiceState{
 		Name:            port.Name.String(),
 		Protocol:        string(port.Protocol),
-		ClusterIPs:      addrStrings(port.ClusterIPs),
-		ExternalIPs:     addrStrings(port.ExternalIPs),
-		LoadBalancerIPs: addrStrings(port.LoadBalancerIPs),
+		ClusterIPs:      observe.AddrStrings(port.ClusterIPs),
+		ExternalIPs:     observe.AddrStrings(port.ExternalIPs),
+		LoadBalancerIPs: observe.AddrStrings(port.LoadBalancerIPs),
 		Port:            port.Port,
 		NodePort:        port.NodePort,
 		ProxyPort:       sp.proxyPort,
@@ -559,11 +559,3 @@ func (p *Proxier) NextChoice(service string, client netip.Addr) (observe.Choice,
 }
 
 var _ observe.ChoiceView = (*Proxier)(nil)
-
-func addrStrings(addrs []netip.Addr) []string {
-	out := make([]string, len(addrs))
-	for i, a := range addrs {
-		out[i] = a.String()
-	}
-	return out
-}

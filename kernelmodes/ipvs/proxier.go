@@ -600,9 +600,9 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 		st := observe.ServiceState{
 			Name:            sp.Name.String(),
 			Protocol:        string(sp.Protocol),
-			ClusterIPs:      addrStrings(sp.ClusterIPs),
-			ExternalIPs:     addrStrings(sp.ExternalIPs),
-			LoadBalancerIPs: addrStrings(sp.LoadBalancerIPs),
+			ClusterIPs:      observe.AddrStrings(sp.ClusterIPs),
+			ExternalIPs:     observe.AddrStrings(sp.ExternalIPs),
+			LoadBalancerIPs: observe.AddrStrings(sp.LoadBalancerIPs),
 			Port:            sp.Port,
 			NodePort:        sp.NodePort,
 			SessionAffinity: "None",
@@ -642,14 +642,6 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 			})
 		}
 		out = append(out, st)
-	}
-	return out
-}
-
-func addrStrings(ips []netip.Addr) []string {
-	var out []string
-	for _, ip := range ips {
-		out = append(out, ip.String())
 	}
 	return out
 }
