@@ -2,12 +2,9 @@ package integration
 
 import (
 	"context"
-	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -84,51 +81,12 @@ func relay(t testing.TB, tp *testbed.Topology, target string) string {
 // has programmed want Service ports.
 func (w *kubeWorld) startKubeProxy(t testing.TB, kubeconfig string, want int, flags ...string) *proxy {
 	t.Helper()
-	tp := w.tp
-	p := &proxy{t: t, tp: tp, exited: make(chan struct{}), metrics: "127.0.0.1:10249"}
-	p.log = filepath.Join(t.TempDir(), "uproxy.log")
-	logf, err := os.Create(p.log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	args := append([]string{"netns", "exec", tp.NS(testbed.Node).Name, uproxyBin,
-		"--kubeconfig", kubeconfig,
-		"--hostname-override", kubeNode,
-		"--rules", "iptables",
-		"--metrics-bind-address", p.metrics,
-		"--healthz-bind-address", "127.0.0.1:10256",
-		"--sync-period", "10s",
-		"--min-sync-period", "0",
-		"--dial-timeouts", "200ms",
-		"--shutdown-grace", "1s",
-		"-v", "2",
-	}, flags...)
-	p.cmd = exec.Command("ip", args...)
-	p.cmd.Stdout, p.cmd.Stderr = logf, logf
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		p.cmd.Wait()
-		logf.Close()
-		close(p.exited)
-	}()
-	p.client = &http.Client{
-		Timeout: 5 * time.Second,
-		Transport: &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			return tp.Dial(testbed.Node, network, addr)
-		}},
-	}
-	t.Cleanup(func() {
-		p.stop()
-		if t.Failed() {
-			b, _ := os.ReadFile(p.log)
-			t.Logf("uproxy log:\n%s", tail(string(b), 60))
-		}
+	return runUproxy(t, w.tp, "", launch{
+		source: []string{"--kubeconfig", kubeconfig, "--hostname-override", kubeNode},
+		flags: append([]string{"--rules", "iptables", "--sync-period", "10s", "--dial-timeouts", "200ms",
+			"--shutdown-grace", "1s"}, flags...),
+		ready: func(s []serviceState) bool { return len(withProxyPorts(s)) == want },
 	})
-	p.waitFor(func(s []serviceState) bool { return len(withProxyPorts(s)) == want },
-		fmt.Sprintf("%d Service ports with proxy ports", want))
-	return p
 }
 
 // withProxyPorts names the Service ports that have a proxy port, leaving out

@@ -36,17 +36,26 @@ type launch struct {
 	// defaultAddrs leaves --metrics-bind-address and --healthz-bind-address to
 	// their defaults.
 	defaultAddrs bool
+	// source replaces "--services DIR" (e.g. --kubeconfig FILE); manifests are
+	// then not written.
+	source []string
+	// ready, when set, replaces want: the state /debug/services must reach.
+	ready func([]serviceState) bool
 }
 
-// runUproxy starts uproxy in the node namespace like startProxy does, but with
-// a wrapper command and without presetting --rules, so each test states it.
-func runUproxy(t *testing.T, tp *testbed.Topology, manifests string, l launch) *proxy {
+// runUproxy starts uproxy in the node namespace, as l says, and waits until it
+// has completed a sync with the state l asks for.
+func runUproxy(t testing.TB, tp *testbed.Topology, manifests string, l launch) *proxy {
 	t.Helper()
 	p := &proxy{t: t, tp: tp, dir: l.dir, exited: make(chan struct{}), metrics: "127.0.0.1:10249"}
-	if p.dir == "" {
-		p.dir = t.TempDir()
+	source := l.source
+	if source == nil {
+		if p.dir == "" {
+			p.dir = t.TempDir()
+		}
+		p.write("services.yaml", manifests)
+		source = []string{"--services", p.dir}
 	}
-	p.write("services.yaml", manifests)
 	p.log = filepath.Join(t.TempDir(), "uproxy.log")
 	logf, err := os.Create(p.log)
 	if err != nil {
@@ -58,8 +67,9 @@ func runUproxy(t *testing.T, tp *testbed.Topology, manifests string, l launch) *
 	}
 	args := []string{"netns", "exec", tp.NS(testbed.Node).Name}
 	args = append(args, l.wrapper...)
-	args = append(args, bin,
-		"--services", p.dir,
+	args = append(args, bin)
+	args = append(args, source...)
+	args = append(args,
 		"--sync-period", "1s",
 		"--min-sync-period", "0",
 		"-v", "2",
@@ -91,7 +101,9 @@ func runUproxy(t *testing.T, tp *testbed.Topology, manifests string, l launch) *
 		}
 	})
 	seen := time.Now()
-	if l.want >= 0 {
+	if l.ready != nil {
+		p.waitFor(l.ready, "the expected Service ports")
+	} else if l.want >= 0 {
 		p.waitFor(func(s []serviceState) bool {
 			n := 0
 			for _, st := range s {
