@@ -145,9 +145,21 @@ func TestFailedSyncIsRetriedBeforeThePeriod(t *testing.T) {
 	start(t, r)
 	r.Update(snap(1))
 	rec.await(t, 2) // the retry comes after about a second, not after the hour
+	// The hook runs after Sync returns: wait for the second call too.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		mu.Lock()
+		n := len(errs)
+		mu.Unlock()
+		if n >= 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Synced hook: %d calls, want 2", n)
+		}
+	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(errs) < 2 || errs[0] == nil || errs[1] != nil {
+	if errs[0] == nil || errs[1] != nil {
 		t.Errorf("Synced hook errors: got %v, want [failure, nil]", errs)
 	}
 }

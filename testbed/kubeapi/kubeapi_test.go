@@ -233,10 +233,17 @@ func TestKubeconfigReachesServer(t *testing.T) {
 		t.Fatalf("client from kubeconfig: %v", err)
 	}
 	// The "kubernetes" Service is created by kube-apiserver itself, with the
-	// first address of the service range.
-	svc, err := client.CoreV1().Services(metav1.NamespaceDefault).Get(ctx, "kubernetes", metav1.GetOptions{})
-	if err != nil {
-		t.Fatalf("get default/kubernetes: %v", err)
+	// first address of the service range, by a controller that may run a moment
+	// after /readyz first answers.
+	var svc *corev1.Service
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		svc, err = client.CoreV1().Services(metav1.NamespaceDefault).Get(ctx, "kubernetes", metav1.GetOptions{})
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("get default/kubernetes: %v", err)
+		}
 	}
 	if got, want := svc.Spec.ClusterIP, "10.96.0.1"; got != want {
 		t.Errorf("default/kubernetes ClusterIP: got %s, want %s", got, want)
