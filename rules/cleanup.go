@@ -14,10 +14,8 @@ import (
 // install, in both families, through the real iptables commands. What is already
 // gone, including a missing ip6tables, is not an error. It is `uproxy cleanup`.
 func Cleanup(prefix string) error {
-	if prefix == "" {
-		prefix = DefaultChainPrefix
-	}
-	if err := checkPrefix(prefix); err != nil {
+	prefix, err := ChainPrefix(prefix)
+	if err != nil {
 		return err
 	}
 	return cleanup(nil, chainNames(prefix))

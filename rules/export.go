@@ -18,9 +18,18 @@ func (k *Kernel) OpenTables(v6 bool) (Tables, error) { return k.tables(v6) }
 // thread's namespace.
 func (k *Kernel) ConntrackHandle() ConntrackDeleter { return k.conntrack() }
 
-// CheckChainPrefix reports whether prefix is usable as a chain prefix (1 to 9
-// letters, digits, '_' or '-'), the same bound for every mode.
-func CheckChainPrefix(prefix string) error { return checkPrefix(prefix) }
+// ChainPrefix returns prefix, or DefaultChainPrefix when it is empty, once it
+// has checked that every chain name built on it fits iptables' limit (1 to 9
+// letters, digits, '_' or '-'). Every mode resolves its prefix through it.
+func ChainPrefix(prefix string) (string, error) {
+	if prefix == "" {
+		prefix = DefaultChainPrefix
+	}
+	if err := checkPrefix(prefix); err != nil {
+		return "", err
+	}
+	return prefix, nil
+}
 
 // IsMissingCommand reports whether err says an iptables binary is absent.
 func IsMissingCommand(err error) bool { return missingCommand(err) }

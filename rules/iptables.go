@@ -61,8 +61,8 @@ func checkPrefix(prefix string) error {
 // NewIPTables returns the iptables Portals for cfg. It changes nothing in the
 // kernel until the first Sync.
 func NewIPTables(cfg Config) (*IPTables, error) {
-	prefix := cfg.prefix()
-	if err := checkPrefix(prefix); err != nil {
+	prefix, err := ChainPrefix(cfg.ChainPrefix)
+	if err != nil {
 		return nil, err
 	}
 	p := &IPTables{

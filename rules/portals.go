@@ -63,13 +63,6 @@ type Config struct {
 	Kernel *Kernel
 }
 
-func (c *Config) prefix() string {
-	if c.ChainPrefix == "" {
-		return DefaultChainPrefix
-	}
-	return c.ChainPrefix
-}
-
 // Portals programs the portal rules of the userspace mode.
 type Portals interface {
 	// Sync makes the rules match portals, the whole desired state. It writes

@@ -13,10 +13,8 @@ import (
 // including a missing ip6tables, is not an error. The userspace mode's portal
 // chains share the prefix but not the names, and are left alone.
 func Cleanup(prefix string) error {
-	if prefix == "" {
-		prefix = rules.DefaultChainPrefix
-	}
-	if err := rules.CheckChainPrefix(prefix); err != nil {
+	prefix, err := rules.ChainPrefix(prefix)
+	if err != nil {
 		return err
 	}
 	return cleanup(nil, namesOf(prefix))

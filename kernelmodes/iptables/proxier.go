@@ -118,11 +118,8 @@ type portKey struct {
 // New returns the iptables mode for cfg. It changes nothing in the kernel
 // until the first Sync.
 func New(cfg Config) (*Proxier, error) {
-	prefix := cfg.ChainPrefix
-	if prefix == "" {
-		prefix = rules.DefaultChainPrefix
-	}
-	if err := rules.CheckChainPrefix(prefix); err != nil {
+	prefix, err := rules.ChainPrefix(cfg.ChainPrefix)
+	if err != nil {
 		return nil, err
 	}
 	bit := cfg.MasqueradeBit

@@ -136,11 +136,8 @@ func protoNumber(p service.Protocol) uint16 {
 // New returns the IPVS mode. It opens the IPVS netlink socket when cfg.Kernel
 // is nil but changes nothing until the first Sync.
 func New(cfg Config) (*Proxier, error) {
-	prefix := cfg.ChainPrefix
-	if prefix == "" {
-		prefix = rules.DefaultChainPrefix
-	}
-	if err := rules.CheckChainPrefix(prefix); err != nil {
+	prefix, err := rules.ChainPrefix(cfg.ChainPrefix)
+	if err != nil {
 		return nil, err
 	}
 	sched := cfg.Scheduler
@@ -524,10 +521,8 @@ func (p *Proxier) Cleanup() error {
 // the virtual servers on the dummy link's addresses; the dummy link. A kernel
 // without IPVS or dummy links has nothing of it, which is not an error.
 func Cleanup(prefix string) error {
-	if prefix == "" {
-		prefix = rules.DefaultChainPrefix
-	}
-	if err := rules.CheckChainPrefix(prefix); err != nil {
+	prefix, err := rules.ChainPrefix(prefix)
+	if err != nil {
 		return err
 	}
 	var k Kernel
