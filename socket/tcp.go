@@ -6,24 +6,20 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
-	"sync/atomic"
 	"time"
+	"unsafe"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 )
 
 // ErrShutdown is the Err of connections reset because Shutdown's grace period ended.
 var ErrShutdown = errors.New("proxy shut down")
 
-// ListenTCP opens a TCP proxy listener on addr with keepalive off for every accepted
-// connection. A listener from net.ListenTCP instead enables keepalive on each accepted
-// socket, which costs four setsockopt calls per connection.
-//
-// Keepalive is off on both sides of a proxied connection because the proxy relays
-// bytes, not liveness: the endpoints keep their own keepalive settings, and a dead
-// peer's connection ends through the other peer (its timeout or close) rather than
-// through probes the proxy would pay for on every connection.
+// ListenTCP opens a TCP proxy listener on addr. Serve takes the socket over from the
+// returned listener; the listener only carries it there.
 func ListenTCP(ctx context.Context, addr netip.AddrPort) (*net.TCPListener, error) {
 	network := "tcp4"
 	if addr.Addr().Is6() && !addr.Addr().Is4In6() {
@@ -37,27 +33,6 @@ func ListenTCP(ctx context.Context, addr netip.AddrPort) (*net.TCPListener, erro
 	return ln.(*net.TCPListener), nil
 }
 
-// backendDialer dials backends with keepalive off (see ListenTCP). Dialer.DialTCP is
-// avoided on purpose: given no local address it binds to 0.0.0.0:0 before connecting,
-// an extra syscall that also takes the ephemeral port from the bind range, shared by
-// every destination, instead of the per-destination connect range.
-var backendDialer = net.Dialer{KeepAlive: -1}
-
-// dialTCP is the default TCPProxy.Dial.
-func dialTCP(ctx context.Context, addr netip.AddrPort) (*net.TCPConn, error) {
-	// A family-specific network spares the dialer its IPv4/IPv6 split of the
-	// (single) address.
-	network := "tcp4"
-	if !addr.Addr().Unmap().Is4() {
-		network = "tcp6"
-	}
-	c, err := backendDialer.DialContext(ctx, network, addr.String())
-	if err != nil {
-		return nil, err
-	}
-	return c.(*net.TCPConn), nil
-}
-
 // TCPProxy proxies the TCP connections of one Service port to its endpoints. Set the
 // fields before the first Serve and do not change them afterwards.
 type TCPProxy struct {
@@ -69,20 +44,12 @@ type TCPProxy struct {
 	DialTimeouts []time.Duration
 	// Observer is told about every connection and attempt; nil means NopObserver.
 	Observer Observer
-	// Dial connects to a backend and must honour ctx (its deadline is the attempt's
-	// timeout). Nil means a plain TCP dial with keepalive off.
-	Dial func(ctx context.Context, addr netip.AddrPort) (*net.TCPConn, error)
 
 	// acceptBackoff, when set, is told about each temporary accept error and the wait
-	// it causes (tests use it; the default logs).
+	// it causes (tests use it; the default logs). It runs on an event loop.
 	acceptBackoff func(err error, delay time.Duration)
 
 	initOnce sync.Once
-	// ctx is the parent of every dial; Shutdown cancels it once the grace period ends.
-	ctx    context.Context
-	cancel context.CancelFunc
-	// stop is closed by Close, interrupting accept backoff waits.
-	stop chan struct{}
 	// drained is closed once the proxy is closed, no Serve loop runs and no
 	// connection is open.
 	drained chan struct{}
@@ -93,16 +60,14 @@ type TCPProxy struct {
 	forced    bool // Shutdown's grace ended: connections accepted from now on are reset
 	isDrained bool
 	serving   int
-	listeners map[*net.TCPListener]struct{}
+	listeners map[*tcpListener]struct{}
 	conns     map[*tcpSession]struct{}
 }
 
 func (p *TCPProxy) init() {
 	p.initOnce.Do(func() {
-		p.ctx, p.cancel = context.WithCancel(context.Background())
-		p.stop = make(chan struct{})
 		p.drained = make(chan struct{})
-		p.listeners = make(map[*net.TCPListener]struct{})
+		p.listeners = make(map[*tcpListener]struct{})
 		p.conns = make(map[*tcpSession]struct{})
 	})
 }
@@ -121,63 +86,70 @@ func (p *TCPProxy) dialTimeouts() []time.Duration {
 	return p.DialTimeouts
 }
 
-func (p *TCPProxy) dial(ctx context.Context, addr netip.AddrPort) (*net.TCPConn, error) {
-	if p.Dial != nil {
-		return p.Dial(ctx, addr)
-	}
-	return dialTCP(ctx, addr)
-}
-
-// Serve accepts connections on ln and proxies each in its own goroutines until Close
-// or Shutdown, after which it returns nil. ln is closed when Serve returns. Use
-// ListenTCP to create ln so accepted sockets carry no keepalive setup.
+// Serve accepts connections on ln and proxies them on the event loops until Close
+// or Shutdown, after which it returns nil; it returns an error if accepting fails
+// for good. Serve takes ln's socket over: ln itself is closed at once, and the
+// socket when Serve returns. Use ListenTCP to create ln.
 func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 	p.init()
+	all, err := eventLoops()
+	if err != nil {
+		ln.Close()
+		return fmt.Errorf("serve %s: %w", p.Service, err)
+	}
+	tl, err := takeListener(p, ln)
+	if err != nil {
+		return fmt.Errorf("serve %s: %w", p.Service, err)
+	}
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
-		ln.Close()
+		unix.Close(tl.fd)
 		return nil
 	}
-	p.listeners[ln] = struct{}{}
+	p.listeners[tl] = struct{}{}
 	p.serving++
 	p.mu.Unlock()
-	defer func() {
-		ln.Close()
-		p.mu.Lock()
-		delete(p.listeners, ln)
-		p.serving--
-		p.checkDrainedLocked()
-		p.mu.Unlock()
-	}()
 
-	var delay time.Duration
-	for {
-		c, err := ln.AcceptTCP()
-		if err != nil {
-			if p.isClosed() {
-				return nil
-			}
-			if !isTemporary(err) {
-				return fmt.Errorf("accept on %s for %s: %w", ln.Addr(), p.Service, err)
-			}
-			delay = nextBackoff(delay)
-			acceptBackoffs.Add(1)
-			if p.acceptBackoff != nil {
-				p.acceptBackoff(err, delay)
-			} else {
-				klog.ErrorS(err, "Accept failed, backing off", "service", p.Service, "delay", delay)
-			}
-			if !sleep(delay, p.stop) {
-				return nil
-			}
-			continue
-		}
-		delay = 0
-		if s := p.track(c); s != nil {
-			go s.serve()
-		}
+	tl.register(all)
+	<-tl.done
+
+	p.mu.Lock()
+	delete(p.listeners, tl)
+	p.serving--
+	p.checkDrainedLocked()
+	closed := p.closed
+	p.mu.Unlock()
+	if tl.err != nil && !closed {
+		return fmt.Errorf("accept on %s for %s: %w", tl.addr, p.Service, tl.err)
 	}
+	return nil
+}
+
+// takeListener moves ln's socket out of Go's poller: it keeps a duplicate of the
+// descriptor and closes ln. The listening socket gets TCP_NODELAY, which every
+// accepted socket inherits, sparing a setsockopt per connection.
+func takeListener(p *TCPProxy, ln *net.TCPListener) (*tcpListener, error) {
+	defer ln.Close()
+	rc, err := ln.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	fd := -1
+	var dupErr error
+	if err := rc.Control(func(s uintptr) {
+		fd, dupErr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
+	}); err != nil {
+		return nil, err
+	}
+	if dupErr != nil {
+		return nil, os.NewSyscallError("fcntl", dupErr)
+	}
+	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+		unix.Close(fd)
+		return nil, os.NewSyscallError("setsockopt", err)
+	}
+	return &tcpListener{p: p, fd: fd, addr: ln.Addr().String(), done: make(chan struct{})}, nil
 }
 
 func (p *TCPProxy) isClosed() bool {
@@ -186,23 +158,16 @@ func (p *TCPProxy) isClosed() bool {
 	return p.closed
 }
 
-// track registers a newly accepted connection; it returns nil (after resetting c)
-// when Shutdown has already given up on open connections.
-func (p *TCPProxy) track(c *net.TCPConn) *tcpSession {
-	s := &tcpSession{p: p, client: c}
-	s.rec = Conn{Service: p.Service, Protocol: "TCP", Start: time.Now()}
-	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
-		s.rec.Client = a.AddrPort()
-	}
-	s.rec.Attempts = s.attempts[:0]
+// track registers a newly accepted connection; it reports false when Shutdown has
+// already given up on open connections.
+func (p *TCPProxy) track(s *tcpSession) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.forced {
-		resetConn(c)
-		return nil
+		return false
 	}
 	p.conns[s] = struct{}{}
-	return s
+	return true
 }
 
 func (p *TCPProxy) untrack(s *tcpSession) {
@@ -229,8 +194,7 @@ func (p *TCPProxy) Close() error {
 		return nil
 	}
 	p.closed = true
-	close(p.stop)
-	lns := make([]*net.TCPListener, 0, len(p.listeners))
+	lns := make([]*tcpListener, 0, len(p.listeners))
 	for ln := range p.listeners {
 		lns = append(lns, ln)
 	}
@@ -239,8 +203,8 @@ func (p *TCPProxy) Close() error {
 
 	var errs []error
 	for _, ln := range lns {
-		if err := ln.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
-			errs = append(errs, fmt.Errorf("close listener %s of %s: %w", ln.Addr(), p.Service, err))
+		if err := ln.close(); err != nil {
+			errs = append(errs, fmt.Errorf("close listener %s of %s: %w", ln.addr, p.Service, err))
 		}
 	}
 	return errors.Join(errs...)
@@ -248,7 +212,7 @@ func (p *TCPProxy) Close() error {
 
 // Shutdown closes the proxy and waits until every open connection has ended or ctx is
 // done; then it resets the connections still open (and abandons dials in progress),
-// waits for their goroutines to finish and returns ctx's error.
+// waits for them to be gone and returns ctx's error.
 func (p *TCPProxy) Shutdown(ctx context.Context) error {
 	err := p.Close()
 	select {
@@ -258,14 +222,10 @@ func (p *TCPProxy) Shutdown(ctx context.Context) error {
 	}
 	p.mu.Lock()
 	p.forced = true
-	// Marking the sessions before cancelling their dials lets a failing dial see
-	// that the cause is the shutdown.
 	for s := range p.conns {
-		s.abort(ErrShutdown)
+		s.l.post(func(*loop) { s.abort(ErrShutdown) })
 	}
-	p.cancel()
 	p.mu.Unlock()
-	// Every socket is closed now, so each connection's goroutines end promptly.
 	<-p.drained
 	return errors.Join(err, ctx.Err())
 }
@@ -278,149 +238,178 @@ func (p *TCPProxy) Active() int {
 	return len(p.conns)
 }
 
-// tcpSession is one proxied connection. Its goroutines: serve (dial, then copy client
-// to backend) and copyToClient.
-type tcpSession struct {
-	p      *TCPProxy
-	client *net.TCPConn
-	// backend is set once dialed; abort reads it from other goroutines.
-	backend atomic.Pointer[net.TCPConn]
-	// err holds the reason of the first abort; non-nil once the session is aborted.
-	err atomic.Pointer[error]
-	// pending counts copy directions still running; the one ending last ends the
-	// session, so rec's byte counts are complete when it does.
-	pending atomic.Int32
-	rec     Conn
+// tcpListener is one listening socket served on every event loop.
+type tcpListener struct {
+	p    *TCPProxy
+	fd   int
+	addr string
+	// done is closed once the socket is out of every loop and closed.
+	done chan struct{}
+	// err is why accepting stopped for good (nil after Close); set before done closes.
+	err error
 
-	// Inline storage for the common case of at most four attempts.
-	tried    [4]netip.AddrPort
-	attempts [4]Attempt
+	// mu orders register and close: a listener is never watched after close began.
+	mu      sync.Mutex
+	closing bool
+	handles []*listenHandle
 }
 
-// serve runs in the connection's first goroutine: it dials, then copies client to
-// backend while copyToClient copies the other way.
-func (s *tcpSession) serve() {
-	p := s.p
-	p.observer().ConnOpened(p.Service, "TCP")
-	backend, err := s.dial()
-	if err != nil {
-		if e := s.err.Load(); e != nil {
-			err = *e
-		}
-		// A reset tells the client at once that nobody will answer, rather than
-		// an accepted connection that closes as if the backend had.
-		resetConn(s.client)
-		s.end(err)
+// listenHandle is a listener's presence on one loop, with that loop's accept backoff.
+type listenHandle struct {
+	ln      *tcpListener
+	delay   time.Duration
+	watched bool
+	t       timer
+}
+
+const listenEvents = unix.EPOLLIN | unix.EPOLLEXCLUSIVE
+
+func (tl *tcpListener) register(all []*loop) {
+	tl.mu.Lock()
+	defer tl.mu.Unlock()
+	if tl.closing {
 		return
 	}
-	s.backend.Store(backend)
-	// abort may have run between the dial and the Store, seeing no backend (the
-	// atomics order it: either it saw the backend or this Load sees its mark).
-	if s.err.Load() != nil {
-		resetConn(backend)
-	}
-	s.pending.Store(2)
-	go s.copyToClient(backend)
-	n, err := spliceStream(backend, s.client)
-	s.rec.BytesIn = n
-	s.endDirection(err, backend, "client to backend")
-}
-
-// copyToClient copies backend to client; it is the connection's second goroutine.
-func (s *tcpSession) copyToClient(backend *net.TCPConn) {
-	n, err := spliceStream(s.client, backend)
-	s.rec.BytesOut = n
-	s.endDirection(err, s.client, "backend to client")
-}
-
-// dial tries endpoints until one connects, one attempt per dial timeout.
-func (s *tcpSession) dial() (*net.TCPConn, error) {
-	p := s.p
-	obs := p.observer()
-	client := s.rec.Client.Addr().Unmap()
-	tried := s.tried[:0]
-	var lastErr error
-	for _, timeout := range p.dialTimeouts() {
-		ep, err := p.Picker.Pick(client, tried)
-		if err != nil {
-			if n := len(s.rec.Attempts); n > 0 {
-				return nil, fmt.Errorf("pick endpoint after %d failed dial attempts (last: %v): %w", n, lastErr, err)
-			}
-			return nil, fmt.Errorf("pick endpoint: %w", err)
-		}
-		tried = append(tried, ep)
-		// start precedes the context so Duration >= timeout whenever it fires.
-		start := time.Now()
-		ctx, cancel := context.WithTimeout(p.ctx, timeout)
-		c, err := p.dial(ctx, ep)
-		a := Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
-		cancel()
-		s.rec.Attempts = append(s.rec.Attempts, a)
-		obs.AttemptDone(p.Service, a)
-		if err == nil {
-			s.rec.Endpoint = ep
-			return c, nil
-		}
-		// The client's sticky endpoint just failed it: let the next pick move on.
-		p.Picker.ResetAffinity(client)
-		p.Picker.Release(ep)
-		lastErr = err
-		if s.err.Load() != nil || p.ctx.Err() != nil {
-			break
-		}
-	}
-	return nil, fmt.Errorf("%d dial attempts failed, last: %w", len(s.rec.Attempts), lastErr)
-}
-
-// endDirection ends one copy direction: a clean EOF from the source is passed on as
-// a half-close of dst; anything else aborts the connection, resetting both sides.
-//
-// The direction ending last skips the half-close: the Close that follows sends the
-// same FIN (dst's send side is still open and its receive side has already seen
-// EOF, so nothing unread turns the close into a reset), one syscall fewer.
-func (s *tcpSession) endDirection(err error, dst *net.TCPConn, what string) {
-	if err != nil && s.err.Load() == nil {
-		s.abort(fmt.Errorf("copy %s: %w", what, err))
-	}
-	// pending is 1 only when the other direction has ended already.
-	if err == nil && s.pending.Load() > 1 {
-		// Errors are ignored: if dst is gone, the other direction fails and aborts.
-		dst.CloseWrite()
-	}
-	if s.pending.Add(-1) == 0 {
-		s.client.Close()
-		s.backend.Load().Close()
-		s.p.Picker.Release(s.rec.Endpoint)
+	for _, l := range all {
+		h := &listenHandle{ln: tl}
+		h.t = timer{index: -1, target: h}
+		tl.handles = append(tl.handles, h)
 		var err error
-		if e := s.err.Load(); e != nil {
-			err = *e
+		l.postWait(func(l *loop) {
+			if err = l.watch(tl.fd, h, listenEvents); err == nil {
+				h.watched = true
+			}
+		})
+		if err != nil {
+			tl.err = err
+			go tl.close()
+			return
 		}
-		s.end(err)
 	}
 }
 
-// abort resets both sides once; later calls do nothing. Closing the sockets makes
-// both copy directions return.
-func (s *tcpSession) abort(err error) {
-	if !s.err.CompareAndSwap(nil, &err) {
+// close takes the socket out of every loop, closes it and ends Serve. It must not
+// run on a loop (it waits for each).
+func (tl *tcpListener) close() error {
+	tl.mu.Lock()
+	if tl.closing {
+		tl.mu.Unlock()
+		<-tl.done
+		return nil
+	}
+	tl.closing = true
+	tl.mu.Unlock()
+	all, _ := eventLoops()
+	for i, h := range tl.handles {
+		all[i].postWait(func(l *loop) {
+			if h.watched {
+				l.unwatch(tl.fd)
+				h.watched = false
+			}
+			l.cancel(&h.t)
+		})
+	}
+	err := unix.Close(tl.fd)
+	close(tl.done)
+	if err != nil {
+		return os.NewSyscallError("close", err)
+	}
+	return nil
+}
+
+// acceptBatch bounds the connections one event accepts, so one busy listener does
+// not starve the rest of the loop; the listener is level-triggered and comes back.
+const acceptBatch = 32
+
+func (h *listenHandle) handle(l *loop, _ uint32) {
+	tl := h.ln
+	for range acceptBatch {
+		fd, client, err := l.accept(tl.fd)
+		switch {
+		case err == nil:
+			h.delay = 0
+			newSession(l, tl.p, fd, client)
+			continue
+		case err == unix.EAGAIN:
+			return
+		case err == unix.EINTR:
+			continue
+		case isTemporary(err):
+			h.backoff(l, err)
+			return
+		}
+		// The socket itself is broken: Serve reports it.
+		if h.watched {
+			l.unwatch(tl.fd)
+			h.watched = false
+		}
+		tl.mu.Lock()
+		if tl.err == nil {
+			tl.err = os.NewSyscallError("accept4", err)
+		}
+		tl.mu.Unlock()
+		go tl.close()
 		return
 	}
-	resetConn(s.client)
-	if b := s.backend.Load(); b != nil {
-		resetConn(b)
+}
+
+// backoff stops accepting on this loop for a while after a temporary error: the
+// listener stays readable, and accepting at once would spin on the same error.
+func (h *listenHandle) backoff(l *loop, err error) {
+	h.delay = nextBackoff(h.delay)
+	acceptBackoffs.Add(1)
+	if f := h.ln.p.acceptBackoff; f != nil {
+		f(os.NewSyscallError("accept4", err), h.delay)
+	} else {
+		klog.ErrorS(err, "Accept failed, backing off", "service", h.ln.p.Service, "delay", h.delay)
 	}
+	if h.watched {
+		l.unwatch(h.ln.fd)
+		h.watched = false
+	}
+	l.schedule(&h.t, h.delay)
 }
 
-// end delivers the connection's record and forgets it.
-func (s *tcpSession) end(err error) {
-	s.rec.Err = err
-	s.rec.Duration = time.Since(s.rec.Start)
-	s.p.observer().ConnClosed(&s.rec)
-	s.p.untrack(s)
+// expire ends a backoff: the listener is watched again (unless it is closing, in
+// which case close cancels nothing more and closes it).
+func (h *listenHandle) expire(l *loop) {
+	h.ln.mu.Lock()
+	closing := h.ln.closing
+	h.ln.mu.Unlock()
+	if closing || h.watched {
+		return
+	}
+	if err := l.watch(h.ln.fd, h, listenEvents); err != nil {
+		l.schedule(&h.t, h.delay)
+		return
+	}
+	h.watched = true
 }
 
-// resetConn closes c with an RST instead of a FIN (SO_LINGER with a zero timeout).
-func resetConn(c *net.TCPConn) {
-	c.SetLinger(0)
-	c.Close()
+// accept takes one connection from the listening socket lfd, non-blocking, and
+// returns it with the client's address, decoded without allocating.
+func (l *loop) accept(lfd int) (int, netip.AddrPort, error) {
+	l.rsaLen = unix.SizeofSockaddrAny
+	fd, _, errno := unix.Syscall6(unix.SYS_ACCEPT4, uintptr(lfd),
+		uintptr(unsafe.Pointer(&l.rsa)), uintptr(unsafe.Pointer(&l.rsaLen)),
+		unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+	if errno != 0 {
+		return -1, netip.AddrPort{}, errno
+	}
+	var client netip.AddrPort
+	switch l.rsa.Addr.Family {
+	case unix.AF_INET:
+		sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&l.rsa))
+		client = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), ntohs(sa.Port))
+	case unix.AF_INET6:
+		sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&l.rsa))
+		client = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), ntohs(sa.Port))
+	}
+	return int(fd), client, nil
+}
+
+// ntohs reads a port as the kernel stores it (network byte order).
+func ntohs(p uint16) uint16 {
+	b := (*[2]byte)(unsafe.Pointer(&p))
+	return uint16(b[0])<<8 | uint16(b[1])
 }

@@ -329,3 +329,9 @@ func connectAndRead(addr netip.AddrPort) error {
 	_, err = c.Read(make([]byte, 1))
 	return err
 }
+
+// resetConn closes c with an RST instead of a FIN (SO_LINGER with a zero timeout).
+func resetConn(c *net.TCPConn) {
+	c.SetLinger(0)
+	c.Close()
+}

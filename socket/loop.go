@@ -1,0 +1,305 @@
+package socket
+
+import (
+	"container/heap"
+	"fmt"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The TCP data path runs on event loops rather than on goroutines per connection.
+// Each loop is one goroutine locked to its own thread, blocked in epoll_wait on its
+// own epoll set: it accepts, dials without blocking, moves bytes and runs the dial
+// timers of the connections it accepted, all from that thread. A connection then
+// costs no goroutine, no stack and no scheduler round trip per readiness event, and
+// none of the setup Go's net package does per socket (local and peer address
+// lookups, its own poller registration, keepalive and TCP_NODELAY per socket).
+//
+// Sockets are registered edge-triggered for input and output at once, so nothing
+// is ever re-armed; a handler remembers which side is readable or writable until a
+// call says otherwise (EAGAIN, or a short read). Listeners are registered in every
+// loop with EPOLLEXCLUSIVE, level-triggered: whichever loop is idle takes the next
+// connection, and a listener left with pending connections is reported again.
+
+// handler is what a loop calls for an event on a descriptor it watches.
+type handler interface {
+	handle(l *loop, events uint32)
+}
+
+// watched is one registration of a descriptor: its handler and generation.
+type watched struct {
+	h   handler
+	gen uint32
+}
+
+// timerTarget is told when its timer expires, on its loop's thread.
+type timerTarget interface {
+	expire(l *loop)
+}
+
+// timer is one pending expiry on a loop; index is its place in the loop's heap
+// (-1 when not scheduled). It is embedded in what it times, so arming it allocates
+// nothing.
+type timer struct {
+	when   int64 // monotonic nanoseconds, see loop.nanotime
+	index  int
+	target timerTarget
+}
+
+type timerHeap []*timer
+
+func (h timerHeap) Len() int           { return len(h) }
+func (h timerHeap) Less(i, j int) bool { return h[i].when < h[j].when }
+func (h timerHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].index, h[j].index = i, j
+}
+func (h *timerHeap) Push(x any) {
+	t := x.(*timer)
+	t.index = len(*h)
+	*h = append(*h, t)
+}
+func (h *timerHeap) Pop() any {
+	old := *h
+	t := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	t.index = -1
+	return t
+}
+
+// readBufSize is each loop's read buffer. A read that fills it marks a bulk
+// transfer, which switches that direction to splice (see tcpDirection).
+const readBufSize = 64 << 10
+
+// loop is one event loop: an epoll set, the thread that waits on it, and the state
+// only that thread touches.
+type loop struct {
+	epfd int
+	// wake is an eventfd other goroutines write to after queueing work in posted.
+	wake int
+
+	mu     sync.Mutex
+	posted []func(*loop)
+	// woken is set by post while a wake-up is outstanding, sparing writes to wake.
+	woken atomic.Bool
+
+	// Loop-thread state below.
+	handlers []watched // by descriptor
+	// gen numbers registrations; each event carries its registration's, so an event
+	// queued for a descriptor that was closed and whose number a new socket took
+	// within the same batch is recognised as stale and dropped. (A stale output event
+	// would otherwise pass for the new socket's completed connect.)
+	gen uint32
+	timers   timerHeap
+	buf      []byte // shared read buffer of the TCP copy
+	base     time.Time
+	// Raw socket address of the last accept, reused to spare an allocation each.
+	rsa    unix.RawSockaddrAny
+	rsaLen uint32
+	// Socket addresses of dials, reused for the same reason.
+	sa4 unix.SockaddrInet4
+	sa6 unix.SockaddrInet6
+}
+
+// nanotime is the loop's monotonic clock.
+func (l *loop) nanotime() int64 { return int64(time.Since(l.base)) }
+
+var loops struct {
+	once sync.Once
+	all  []*loop
+	err  error
+	next atomic.Uint32
+	// count is how many loops to start; 0 means one per GOMAXPROCS.
+	count int
+}
+
+// SetEventLoops sets how many event loops carry TCP traffic (0: one per CPU Go
+// schedules on). It takes effect only before the first TCPProxy serves.
+func SetEventLoops(n int) { loops.count = n }
+
+// eventLoops starts the process's event loops on first use and returns them.
+func eventLoops() ([]*loop, error) {
+	loops.once.Do(func() {
+		n := loops.count
+		if n <= 0 {
+			n = runtime.GOMAXPROCS(0)
+		}
+		for range n {
+			l, err := newLoop()
+			if err != nil {
+				loops.err = err
+				return
+			}
+			loops.all = append(loops.all, l)
+			go l.run()
+		}
+	})
+	return loops.all, loops.err
+}
+
+func newLoop() (*loop, error) {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, os.NewSyscallError("epoll_create1", err)
+	}
+	wake, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		unix.Close(epfd)
+		return nil, os.NewSyscallError("eventfd", err)
+	}
+	l := &loop{epfd: epfd, wake: wake, buf: make([]byte, readBufSize), base: time.Now()}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wake)}
+	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wake, &ev); err != nil {
+		unix.Close(epfd)
+		unix.Close(wake)
+		return nil, os.NewSyscallError("epoll_ctl", err)
+	}
+	return l, nil
+}
+
+// post runs f on the loop's thread soon. It is how other goroutines reach state the
+// loop owns.
+func (l *loop) post(f func(*loop)) {
+	l.mu.Lock()
+	l.posted = append(l.posted, f)
+	l.mu.Unlock()
+	if l.woken.CompareAndSwap(false, true) {
+		one := [8]byte{1}
+		unix.Write(l.wake, one[:])
+	}
+}
+
+// postWait runs f on the loop's thread and waits until it has run.
+func (l *loop) postWait(f func(*loop)) {
+	done := make(chan struct{})
+	l.post(func(l *loop) {
+		f(l)
+		close(done)
+	})
+	<-done
+}
+
+// watch registers fd with h for events.
+func (l *loop) watch(fd int, h handler, events uint32) error {
+	l.gen++
+	ev := unix.EpollEvent{Events: events, Fd: int32(fd), Pad: int32(l.gen)}
+	if err := unix.EpollCtl(l.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+		return os.NewSyscallError("epoll_ctl", err)
+	}
+	if fd >= len(l.handlers) {
+		grown := make([]watched, max(fd+1, 2*len(l.handlers), 1024))
+		copy(grown, l.handlers)
+		l.handlers = grown
+	}
+	l.handlers[fd] = watched{h: h, gen: l.gen}
+	return nil
+}
+
+// unwatch removes fd from the epoll set without closing it.
+func (l *loop) unwatch(fd int) {
+	unix.EpollCtl(l.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+	l.forget(fd)
+}
+
+// forget drops fd's handler; closing fd (which the caller does next) removes it
+// from the epoll set. A stale event for the same number later in the batch finds
+// no handler, or one of another generation.
+func (l *loop) forget(fd int) {
+	if fd < len(l.handlers) {
+		l.handlers[fd] = watched{}
+	}
+}
+
+// schedule arms t to expire after d, replacing any earlier schedule.
+func (l *loop) schedule(t *timer, d time.Duration) {
+	t.when = l.nanotime() + int64(d)
+	if t.index >= 0 && t.index < len(l.timers) && l.timers[t.index] == t {
+		heap.Fix(&l.timers, t.index)
+		return
+	}
+	heap.Push(&l.timers, t)
+}
+
+// cancel disarms t if it is armed.
+func (l *loop) cancel(t *timer) {
+	if t.index >= 0 && t.index < len(l.timers) && l.timers[t.index] == t {
+		heap.Remove(&l.timers, t.index)
+	}
+	t.index = -1
+}
+
+// waitMillis is epoll_wait's timeout: until the next timer, rounded up, or forever.
+func (l *loop) waitMillis() int {
+	if len(l.timers) == 0 {
+		return -1
+	}
+	d := l.timers[0].when - l.nanotime()
+	if d <= 0 {
+		return 0
+	}
+	return int((d + int64(time.Millisecond) - 1) / int64(time.Millisecond))
+}
+
+func (l *loop) run() {
+	runtime.LockOSThread()
+	events := make([]unix.EpollEvent, 256)
+	for {
+		n, err := unix.EpollWait(l.epfd, events, l.waitMillis())
+		if err != nil {
+			if err == unix.EINTR {
+				continue
+			}
+			// Only a broken epoll descriptor fails here; nothing could be served.
+			panic(fmt.Sprintf("epoll_wait: %v", err))
+		}
+		for i := range n {
+			ev := &events[i]
+			fd := int(ev.Fd)
+			if fd == l.wake {
+				l.runPosted()
+				continue
+			}
+			if fd < len(l.handlers) {
+				if w := l.handlers[fd]; w.h != nil && w.gen == uint32(ev.Pad) {
+					w.h.handle(l, ev.Events)
+				}
+			}
+		}
+		l.runTimers()
+	}
+}
+
+func (l *loop) runPosted() {
+	var b [8]byte
+	unix.Read(l.wake, b[:])
+	l.woken.Store(false)
+	l.mu.Lock()
+	work := l.posted
+	l.posted = nil
+	l.mu.Unlock()
+	for _, f := range work {
+		f(l)
+	}
+}
+
+func (l *loop) runTimers() {
+	if len(l.timers) == 0 {
+		return
+	}
+	now := l.nanotime()
+	for len(l.timers) > 0 && l.timers[0].when <= now {
+		t := heap.Pop(&l.timers).(*timer)
+		t.target.expire(l)
+	}
+}
+
+// pickLoop spreads new work over the loops.
+func pickLoop(all []*loop) *loop {
+	return all[int(loops.next.Add(1))%len(all)]
+}

@@ -1,0 +1,508 @@
+package socket
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// tcpSession is one proxied connection, owned by the loop that accepted it: every
+// method runs on that loop's thread.
+type tcpSession struct {
+	p *TCPProxy
+	l *loop
+
+	client, backend tcpSide
+	// up copies client to backend, down backend to client.
+	up, down tcpDirection
+	state    sessionState
+
+	// Dialing: the attempt in flight (attempt counts those begun), when it began, and
+	// its timeout.
+	attempt      int
+	attemptStart time.Time
+	dialTimer    timer
+
+	err error // why the session was aborted
+	rec Conn
+
+	// Inline storage for the common case of at most four attempts.
+	tried    [4]netip.AddrPort
+	attempts [4]Attempt
+}
+
+type sessionState uint8
+
+const (
+	dialing sessionState = iota
+	open
+	ended
+)
+
+// sessionEvents are the events of both sockets: edge-triggered, so a socket is
+// registered once and never re-armed.
+const sessionEvents = unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET
+
+// tcpSide is one socket of a session and what the loop knows of it: readable and
+// writable hold until a call finds otherwise; peerDone says an EOF or an error is
+// queued behind any data, so the socket must be read until it shows.
+type tcpSide struct {
+	s                  *tcpSession
+	fd                 int
+	readable, writable bool
+	peerDone           bool
+}
+
+func (sd *tcpSide) handle(_ *loop, ev uint32) {
+	if ev&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+		sd.readable = true
+	}
+	if ev&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+		sd.peerDone = true
+	}
+	if ev&(unix.EPOLLOUT|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+		sd.writable = true
+	}
+	s := sd.s
+	switch s.state {
+	case dialing:
+		// Client events wait for the backend; backend events end the attempt.
+		if sd == &s.backend {
+			s.connectEvent(ev)
+		}
+	case open:
+		s.pump()
+	}
+}
+
+// tcpDirection is one direction's copy. Data is read into the loop's buffer and
+// written on at once; only what the destination does not take is kept, in pending.
+// A read that fills the buffer marks a bulk transfer: from then on the direction
+// splices through a pipe, and the bytes never enter user space.
+type tcpDirection struct {
+	pending []byte
+	off     int
+	splice  bool
+	pipe    *splicePipe // splice mode: held while it holds bytes
+	eof     bool        // the source has ended; done once everything is written
+	done    bool
+	bytes   int64
+}
+
+func (d *tcpDirection) flushed() bool {
+	return d.off == len(d.pending) && (d.pipe == nil || d.pipe.n == 0)
+}
+
+// newSession starts proxying the accepted socket fd: it registers it and begins
+// the first dial.
+func newSession(l *loop, p *TCPProxy, fd int, client netip.AddrPort) {
+	s := &tcpSession{p: p, l: l}
+	s.client = tcpSide{s: s, fd: fd}
+	s.backend = tcpSide{s: s, fd: -1}
+	s.dialTimer = timer{index: -1, target: s}
+	s.rec = Conn{Service: p.Service, Protocol: "TCP", Client: client, Start: time.Now()}
+	s.rec.Attempts = s.attempts[:0]
+	if !p.track(s) {
+		resetFD(fd)
+		return
+	}
+	p.observer().ConnOpened(p.Service, "TCP")
+	if err := l.watch(fd, &s.client, sessionEvents); err != nil {
+		s.client.fd = -1
+		resetFD(fd)
+		s.end(err)
+		return
+	}
+	s.dialNext(nil)
+}
+
+// dialNext begins the next dial attempt, and goes on to the one after at once when
+// an attempt fails without waiting (a refused or unroutable connect). lastErr is the
+// previous attempt's error. When no attempt is left the client is reset.
+func (s *tcpSession) dialNext(lastErr error) {
+	p := s.p
+	timeouts := p.dialTimeouts()
+	clientIP := s.rec.Client.Addr().Unmap()
+	for s.attempt < len(timeouts) && s.err == nil {
+		tried := s.tried[:0]
+		for _, a := range s.rec.Attempts {
+			tried = append(tried, a.Endpoint)
+		}
+		ep, err := p.Picker.Pick(clientIP, tried)
+		if err != nil {
+			if n := len(s.rec.Attempts); n > 0 {
+				err = fmt.Errorf("pick endpoint after %d failed dial attempts (last: %v): %w", n, lastErr, err)
+			} else {
+				err = fmt.Errorf("pick endpoint: %w", err)
+			}
+			s.abort(err)
+			return
+		}
+		s.attempt++
+		s.attemptStart = time.Now()
+		s.rec.Endpoint = ep
+		fd, err := s.l.connect(ep)
+		if err == nil {
+			s.backend.fd = fd
+			if err = s.l.watch(fd, &s.backend, sessionEvents); err == nil {
+				s.l.schedule(&s.dialTimer, timeouts[s.attempt-1])
+				return
+			}
+			s.backend.fd = -1
+			unix.Close(fd)
+		}
+		lastErr = s.attemptFailed(dialError(ep, err))
+	}
+	if s.err == nil {
+		s.abort(fmt.Errorf("%d dial attempts failed, last: %w", len(s.rec.Attempts), lastErr))
+	}
+}
+
+// connect opens a non-blocking socket to ep and starts connecting it. A nil error
+// means the connect is in progress (or done): the socket's first output event ends it.
+func (l *loop) connect(ep netip.AddrPort) (int, error) {
+	family := unix.AF_INET
+	var sa unix.Sockaddr
+	if a := ep.Addr().Unmap(); a.Is4() {
+		l.sa4.Addr, l.sa4.Port = a.As4(), int(ep.Port())
+		sa = &l.sa4
+	} else {
+		family = unix.AF_INET6
+		l.sa6.Addr, l.sa6.Port = a.As16(), int(ep.Port())
+		sa = &l.sa6
+	}
+	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, os.NewSyscallError("socket", err)
+	}
+	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+		unix.Close(fd)
+		return -1, os.NewSyscallError("setsockopt", err)
+	}
+	for {
+		err = unix.Connect(fd, sa)
+		if err != unix.EINTR {
+			break
+		}
+	}
+	if err != nil && err != unix.EINPROGRESS {
+		unix.Close(fd)
+		return -1, os.NewSyscallError("connect", err)
+	}
+	return fd, nil
+}
+
+// dialError wraps a dial's failure as Go's dialer would report it
+// ("dial tcp 10.0.0.1:80: connect: connection refused").
+func dialError(ep netip.AddrPort, err error) error {
+	return &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: err}
+}
+
+// connectEvent ends the attempt in flight on the backend socket's first event: an
+// error or hang-up fails it, output readiness completes it.
+func (s *tcpSession) connectEvent(ev uint32) {
+	if ev&(unix.EPOLLERR|unix.EPOLLHUP) != 0 {
+		errno, err := unix.GetsockoptInt(s.backend.fd, unix.SOL_SOCKET, unix.SO_ERROR)
+		if err == nil {
+			err = unix.ECONNRESET
+			if errno != 0 {
+				err = unix.Errno(errno)
+			}
+		}
+		s.retry(os.NewSyscallError("connect", err))
+		return
+	}
+	if ev&unix.EPOLLOUT == 0 {
+		return
+	}
+	s.l.cancel(&s.dialTimer)
+	a := Attempt{Endpoint: s.rec.Endpoint, Start: s.attemptStart, Duration: time.Since(s.attemptStart)}
+	s.rec.Attempts = append(s.rec.Attempts, a)
+	s.p.observer().AttemptDone(s.p.Service, a)
+	s.state = open
+	s.pump()
+}
+
+// expire is the dial timeout of the attempt in flight.
+func (s *tcpSession) expire(*loop) {
+	if s.state == dialing {
+		s.retry(os.ErrDeadlineExceeded)
+	}
+}
+
+// retry fails the attempt in flight with err and moves on to the next.
+func (s *tcpSession) retry(err error) {
+	s.l.cancel(&s.dialTimer)
+	s.closeBackend()
+	s.dialNext(s.attemptFailed(dialError(s.rec.Endpoint, err)))
+}
+
+// attemptFailed records a failed attempt of rec.Endpoint and returns err.
+func (s *tcpSession) attemptFailed(err error) error {
+	p := s.p
+	ep := s.rec.Endpoint
+	a := Attempt{Endpoint: ep, Start: s.attemptStart, Duration: time.Since(s.attemptStart), Err: err}
+	s.rec.Attempts = append(s.rec.Attempts, a)
+	p.observer().AttemptDone(p.Service, a)
+	// The client's sticky endpoint just failed it: let the next pick move on.
+	p.Picker.ResetAffinity(s.rec.Client.Addr().Unmap())
+	p.Picker.Release(ep)
+	s.rec.Endpoint = netip.AddrPort{}
+	return err
+}
+
+// pump moves whatever both directions can move now, and ends the session once both
+// are done or one fails.
+func (s *tcpSession) pump() {
+	if err := s.move(&s.up, &s.client, &s.backend, &s.down); err != nil {
+		s.abort(fmt.Errorf("copy client to backend: %w", err))
+		return
+	}
+	if err := s.move(&s.down, &s.backend, &s.client, &s.up); err != nil {
+		s.abort(fmt.Errorf("copy backend to client: %w", err))
+		return
+	}
+	if s.up.done && s.down.done {
+		s.finish()
+	}
+}
+
+// move copies src to dst until one of them would block. When src has ended and
+// everything is written, the end is passed on as a half-close of dst - unless the
+// other direction has ended too, when the close that follows sends the same FIN.
+func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirection) error {
+	for !d.done {
+		if !d.flushed() {
+			if !dst.writable {
+				return nil
+			}
+			if err := d.flush(dst); err != nil {
+				return err
+			}
+			continue
+		}
+		if d.eof {
+			d.done = true
+			if !other.done {
+				// An error means dst is gone; the other direction finds out.
+				unix.Shutdown(dst.fd, unix.SHUT_WR)
+			}
+			return nil
+		}
+		if !src.readable {
+			return nil
+		}
+		if d.splice {
+			if err := d.fill(src); err != nil {
+				return err
+			}
+			continue
+		}
+		buf := s.l.buf
+		n, err := unix.Read(src.fd, buf)
+		switch {
+		case err == unix.EAGAIN:
+			src.readable = false
+			continue
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			return os.NewSyscallError("read", err)
+		case n == 0:
+			d.eof = true
+			continue
+		case n == len(buf):
+			d.splice = true
+		case !src.peerDone:
+			// A short read took everything queued; the next arrival is a new edge.
+			src.readable = false
+		}
+		written := 0
+		if dst.writable {
+			written, err = write(dst, buf[:n])
+			if err != nil {
+				return err
+			}
+		}
+		d.bytes += int64(written)
+		if written < n {
+			d.pending = append(d.pending[:0], buf[written:n]...)
+			d.off = 0
+		}
+	}
+	return nil
+}
+
+// write writes b to dst once, returning how much it took; a full socket clears
+// dst.writable and is not an error.
+func write(dst *tcpSide, b []byte) (int, error) {
+	for {
+		n, err := unix.Write(dst.fd, b)
+		switch err {
+		case nil:
+			return n, nil
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			dst.writable = false
+			return 0, nil
+		}
+		return 0, os.NewSyscallError("write", err)
+	}
+}
+
+// flush writes what an earlier move kept back, from pending or the pipe.
+func (d *tcpDirection) flush(dst *tcpSide) error {
+	if d.off < len(d.pending) {
+		n, err := write(dst, d.pending[d.off:])
+		if err != nil {
+			return err
+		}
+		d.off += n
+		d.bytes += int64(n)
+		if d.off == len(d.pending) {
+			d.pending, d.off = d.pending[:0], 0
+		}
+		return nil
+	}
+	for {
+		n, err := unix.Splice(d.pipe.r, nil, dst.fd, nil, d.pipe.n, spliceFlags)
+		switch err {
+		case nil:
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			dst.writable = false
+			return nil
+		default:
+			return os.NewSyscallError("splice", err)
+		}
+		d.pipe.n -= int(n)
+		d.bytes += n
+		if d.pipe.n == 0 {
+			putPipe(d.pipe)
+			d.pipe = nil
+		}
+		return nil
+	}
+}
+
+// fill splices what src holds into a pipe (taking one from the pool).
+func (d *tcpDirection) fill(src *tcpSide) error {
+	if d.pipe == nil {
+		p, err := getPipe()
+		if err != nil {
+			return err
+		}
+		d.pipe = p
+	}
+	for {
+		n, err := unix.Splice(src.fd, nil, d.pipe.w, nil, maxSplice, spliceFlags)
+		switch err {
+		case nil:
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			src.readable = false
+			putPipe(d.pipe)
+			d.pipe = nil
+			return nil
+		default:
+			return os.NewSyscallError("splice", err)
+		}
+		if n == 0 {
+			putPipe(d.pipe)
+			d.pipe = nil
+			d.eof = true
+			return nil
+		}
+		d.pipe.n = int(n)
+		return nil
+	}
+}
+
+// finish ends a session both of whose directions ended cleanly.
+func (s *tcpSession) finish() {
+	s.closeClient(false)
+	s.closeBackend()
+	s.p.Picker.Release(s.rec.Endpoint)
+	s.end(nil)
+}
+
+// abort ends the session with err, resetting both sockets (a dial in flight is
+// abandoned and recorded as a failed attempt). Later calls do nothing.
+func (s *tcpSession) abort(err error) {
+	if s.state == ended || s.err != nil {
+		return
+	}
+	s.err = err
+	switch s.state {
+	case dialing:
+		if s.backend.fd >= 0 {
+			s.l.cancel(&s.dialTimer)
+			s.closeBackend()
+			s.attemptFailed(dialError(s.rec.Endpoint, err))
+		}
+	case open:
+		if s.backend.fd >= 0 {
+			s.l.forget(s.backend.fd)
+			resetFD(s.backend.fd)
+			s.backend.fd = -1
+		}
+		s.p.Picker.Release(s.rec.Endpoint)
+	}
+	// A reset tells the client at once that nobody will answer, rather than an
+	// accepted connection that closes as if the backend had.
+	s.closeClient(true)
+	s.end(err)
+}
+
+func (s *tcpSession) closeClient(reset bool) {
+	if s.client.fd < 0 {
+		return
+	}
+	s.l.forget(s.client.fd)
+	if reset {
+		resetFD(s.client.fd)
+	} else {
+		unix.Close(s.client.fd)
+	}
+	s.client.fd = -1
+}
+
+func (s *tcpSession) closeBackend() {
+	if s.backend.fd < 0 {
+		return
+	}
+	s.l.forget(s.backend.fd)
+	unix.Close(s.backend.fd)
+	s.backend.fd = -1
+	s.backend.readable, s.backend.writable, s.backend.peerDone = false, false, false
+}
+
+// end delivers the connection's record and forgets it.
+func (s *tcpSession) end(err error) {
+	s.state = ended
+	for _, d := range []*tcpDirection{&s.up, &s.down} {
+		if d.pipe != nil {
+			putPipe(d.pipe)
+			d.pipe = nil
+		}
+		d.pending = nil
+	}
+	s.rec.BytesIn, s.rec.BytesOut = s.up.bytes, s.down.bytes
+	s.rec.Err = err
+	s.rec.Duration = time.Since(s.rec.Start)
+	s.p.observer().ConnClosed(&s.rec)
+	s.p.untrack(s)
+}
+
+// resetFD closes fd with an RST instead of a FIN (SO_LINGER with a zero timeout).
+func resetFD(fd int) {
+	unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
+	unix.Close(fd)
+}
