@@ -95,10 +95,10 @@ type loop struct {
 	// queued for a descriptor that was closed and whose number a new socket took
 	// within the same batch is recognised as stale and dropped. (A stale output event
 	// would otherwise pass for the new socket's completed connect.)
-	gen uint32
-	timers   timerHeap
-	buf      []byte // shared read buffer of the TCP copy
-	base     time.Time
+	gen    uint32
+	timers timerHeap
+	buf    []byte // shared read buffer of the TCP copy
+	base   time.Time
 	// Raw socket address of the last accept, reused to spare an allocation each.
 	rsa    unix.RawSockaddrAny
 	rsaLen uint32
