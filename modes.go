@@ -12,6 +12,7 @@ import (
 	"github.com/uproxy/uproxy/loop"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/socket"
 )
 
 // proxyMode is what runProxy drives: the userspace proxier or a kernel mode.
@@ -51,6 +52,7 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 		}
 		cfg.proxier.Portals = portals
 		cfg.proxier.Events = events
+		socket.SetEventLoops(cfg.eventLoops)
 		px, err := proxier.New(cfg.proxier)
 		if err != nil {
 			return "", nil, nil, err

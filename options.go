@@ -45,6 +45,7 @@ type options struct {
 	debug              bool
 	events             int
 	ejectAfter         int
+	eventLoops         int
 
 	// The Kubernetes source, used when --services is not given.
 	kubeconfig         string
@@ -117,6 +118,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.configSyncPeriod, "config-sync-period", o.configSyncPeriod, "how often the Service and EndpointSlice caches are replayed (0: never)")
 	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags given explicitly win")
 	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
+	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections; 0: one per CPU but one, at least one")
 	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
 
@@ -128,7 +130,11 @@ type config struct {
 	nodeName    string
 	metricsAddr string
 	healthzAddr string
+	eventLoops  int
 }
+
+// maxEventLoops bounds --event-loops: more threads than this only contend.
+const maxEventLoops = 256
 
 // validate checks every flag and says which one is wrong and why.
 func (o *options) validate() (*config, error) {
@@ -186,6 +192,10 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--eject-after %d: must not be negative", o.ejectAfter)
 	}
 	c.proxier.EjectAfter = o.ejectAfter
+	if o.eventLoops < 0 || o.eventLoops > maxEventLoops {
+		return nil, fmt.Errorf("--event-loops %d: want 0 (automatic) to %d", o.eventLoops, maxEventLoops)
+	}
+	c.eventLoops = o.eventLoops
 	if o.shutdownGrace < 0 {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)
 	}

@@ -115,12 +115,16 @@ var loops struct {
 	all  []*loop
 	err  error
 	next atomic.Uint32
-	// count is how many loops to start; 0 means one per GOMAXPROCS.
+	// count is how many loops to start; 0 means automatic (see SetEventLoops).
 	count int
 }
 
-// SetEventLoops sets how many event loops carry TCP traffic (0: one per CPU Go
-// schedules on). It takes effect only before the first TCPProxy serves.
+// SetEventLoops sets how many event loops carry TCP traffic. It takes effect only
+// before the first TCPProxy serves. 0 means one per CPU Go schedules on but one,
+// and at least one: a loop spends its idle time blocked in epoll_wait, holding a
+// scheduler slot (P) the runtime takes back only when no P is idle, at a cost of
+// thread wake-ups on every event; one slot left free keeps that from happening and
+// runs the control plane.
 func SetEventLoops(n int) { loops.count = n }
 
 // eventLoops starts the process's event loops on first use and returns them.
@@ -128,7 +132,7 @@ func eventLoops() ([]*loop, error) {
 	loops.once.Do(func() {
 		n := loops.count
 		if n <= 0 {
-			n = runtime.GOMAXPROCS(0)
+			n = max(1, runtime.GOMAXPROCS(0)-1)
 		}
 		for range n {
 			l, err := newLoop()
