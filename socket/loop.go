@@ -98,7 +98,9 @@ type loop struct {
 	gen    uint32
 	timers timerHeap
 	buf    []byte // shared read buffer of the TCP copy
-	base   time.Time
+	// UDP batch readers: Service sockets (with addresses) and client sockets.
+	serviceReader, replyReader *batchReader
+	base                       time.Time
 	// Raw socket address of the last accept, reused to spare an allocation each.
 	rsa    unix.RawSockaddrAny
 	rsaLen uint32
@@ -157,7 +159,8 @@ func newLoop() (*loop, error) {
 		unix.Close(epfd)
 		return nil, os.NewSyscallError("eventfd", err)
 	}
-	l := &loop{epfd: epfd, wake: wake, buf: make([]byte, readBufSize), base: time.Now()}
+	l := &loop{epfd: epfd, wake: wake, buf: make([]byte, readBufSize), base: time.Now(),
+		serviceReader: newBatchReader(true), replyReader: newBatchReader(false)}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wake)}
 	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wake, &ev); err != nil {
 		unix.Close(epfd)

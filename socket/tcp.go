@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -62,6 +63,8 @@ type TCPProxy struct {
 	serving   int
 	listeners map[*tcpListener]struct{}
 	conns     map[*tcpSession]struct{}
+
+	listenersClosed atomic.Bool
 }
 
 func (p *TCPProxy) init() {
@@ -130,33 +133,20 @@ func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 // descriptor and closes ln. The listening socket gets TCP_NODELAY, which every
 // accepted socket inherits, sparing a setsockopt per connection.
 func takeListener(p *TCPProxy, ln *net.TCPListener) (*tcpListener, error) {
-	defer ln.Close()
-	rc, err := ln.SyscallConn()
+	addr := ln.Addr().String()
+	fd, err := takeFD(ln)
 	if err != nil {
 		return nil, err
-	}
-	fd := -1
-	var dupErr error
-	if err := rc.Control(func(s uintptr) {
-		fd, dupErr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
-	}); err != nil {
-		return nil, err
-	}
-	if dupErr != nil {
-		return nil, os.NewSyscallError("fcntl", dupErr)
 	}
 	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 		unix.Close(fd)
 		return nil, os.NewSyscallError("setsockopt", err)
 	}
-	return &tcpListener{p: p, fd: fd, addr: ln.Addr().String(), done: make(chan struct{})}, nil
+	return &tcpListener{p: p, fd: fd, addr: addr, done: make(chan struct{})}, nil
 }
 
-func (p *TCPProxy) isClosed() bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.closed
-}
+// isClosed reports whether Close has closed every listener.
+func (p *TCPProxy) isClosed() bool { return p.listenersClosed.Load() }
 
 // track registers a newly accepted connection; it reports false when Shutdown has
 // already given up on open connections.
@@ -207,6 +197,7 @@ func (p *TCPProxy) Close() error {
 			errs = append(errs, fmt.Errorf("close listener %s of %s: %w", ln.addr, p.Service, err))
 		}
 	}
+	p.listenersClosed.Store(true)
 	return errors.Join(errs...)
 }
 

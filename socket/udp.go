@@ -7,9 +7,10 @@ import (
 	"net/netip"
 	"os"
 	"sync"
-	"sync/atomic"
+	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 )
 
@@ -30,6 +31,10 @@ const (
 // UDPProxy proxies the UDP traffic of one Service port. Each client address gets an
 // entry with its own connected socket to an endpoint; replies go back through the
 // Service's socket. Set the fields before the first Serve and do not change them.
+//
+// A UDPProxy lives on one event loop (see loop.go): its Service sockets, its client
+// table and every client's socket are served from that loop's thread, so a
+// datagram costs no goroutine wake-up either way.
 type UDPProxy struct {
 	// Service names the Service port ("namespace/name:port") in records and metrics.
 	Service string
@@ -46,25 +51,27 @@ type UDPProxy struct {
 	Observer Observer
 
 	initOnce sync.Once
-	// epoch is the origin of the monotonic timestamps kept in client entries.
-	epoch time.Time
-	stop  chan struct{}
-	// replies counts the reply goroutines, which Close waits for.
-	replies sync.WaitGroup
+	l        *loop // nil if the loops could not start (initErr)
+	initErr  error
 
-	// mu guards the fields below. Once closed, stays closed.
+	// mu guards the fields below. The loop changes them holding mu and reads them
+	// without: only it writes. Once closed, stays closed.
 	mu      sync.Mutex
 	closed  bool
-	sockets map[*net.UDPConn]struct{}
+	sockets map[*udpSocket]struct{}
 	clients map[netip.AddrPort]*udpClient
 }
 
 func (p *UDPProxy) init() {
 	p.initOnce.Do(func() {
-		p.epoch = time.Now()
-		p.stop = make(chan struct{})
-		p.sockets = make(map[*net.UDPConn]struct{})
+		p.sockets = make(map[*udpSocket]struct{})
 		p.clients = make(map[netip.AddrPort]*udpClient)
+		all, err := eventLoops()
+		if err != nil {
+			p.initErr = err
+			return
+		}
+		p.l = pickLoop(all)
 	})
 }
 
@@ -89,188 +96,277 @@ func (p *UDPProxy) maxClients() int {
 	return p.MaxClients
 }
 
-// now is a monotonic timestamp, cheap enough to take per datagram.
-func (p *UDPProxy) now() time.Duration { return time.Since(p.epoch) }
+// udpSocket is one Service socket of a UDPProxy.
+type udpSocket struct {
+	p    *UDPProxy
+	fd   int
+	addr string
+	// done is closed once the socket is out of the loop and closed; err (set before)
+	// is why reading stopped for good, nil after Close.
+	done    chan struct{}
+	err     error
+	watched bool
+	stopped bool
+	delay   time.Duration
+	t       timer
+}
 
-// Serve reads datagrams from the Service's socket conn and forwards each to its
-// client's endpoint until Close, after which it returns nil. conn is closed when Serve
-// returns.
+// Serve forwards the datagrams of the Service's socket conn to each client's
+// endpoint until Close, after which it returns nil; it returns an error if reading
+// fails for good. Serve takes conn's socket over: conn itself is closed at once, and
+// the socket when Serve returns.
 func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 	p.init()
+	if p.initErr != nil {
+		conn.Close()
+		return fmt.Errorf("serve %s: %w", p.Service, p.initErr)
+	}
+	// Replies must leave from the address each client wrote to (see pktinfo.go).
+	enablePktinfo(conn)
+	s := &udpSocket{p: p, addr: conn.LocalAddr().String(), done: make(chan struct{})}
+	s.t = timer{index: -1, target: s}
+	fd, err := takeFD(conn)
+	if err != nil {
+		return fmt.Errorf("serve %s: %w", p.Service, err)
+	}
+	s.fd = fd
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
-		conn.Close()
+		unix.Close(fd)
 		return nil
 	}
-	p.sockets[conn] = struct{}{}
+	p.sockets[s] = struct{}{}
 	p.mu.Unlock()
-	defer func() {
-		conn.Close()
-		p.mu.Lock()
-		delete(p.sockets, conn)
-		p.mu.Unlock()
-	}()
+	p.l.post(func(l *loop) {
+		if s.stopped {
+			return
+		}
+		if err := l.watch(fd, s, unix.EPOLLIN|unix.EPOLLET); err != nil {
+			s.stop(l, err)
+			return
+		}
+		s.watched = true
+	})
+	<-s.done
+	p.mu.Lock()
+	delete(p.sockets, s)
+	p.mu.Unlock()
+	if s.err != nil {
+		return fmt.Errorf("read from %s for %s: %w", s.addr, p.Service, s.err)
+	}
+	return nil
+}
 
-	rc, err := conn.SyscallConn()
+// takeFD moves a socket out of Go's poller into the caller's hands: it returns a
+// duplicate of c's descriptor (sharing its non-blocking mode) and closes c.
+func takeFD(c interface {
+	SyscallConn() (syscall.RawConn, error)
+	Close() error
+}) (int, error) {
+	defer c.Close()
+	rc, err := c.SyscallConn()
 	if err != nil {
-		return fmt.Errorf("socket of %s: %w", p.Service, err)
+		return -1, err
 	}
-	// Each batch is forwarded before the next read, so its buffers are never shared.
-	enablePktinfo(conn)
-	r := newBatchReader(true)
-	defer r.release()
-	// forwardAll runs inside rc.Read and returns only on a read error (errno), so
-	// the reader's drained state stays valid between batches (see begin).
-	var delay time.Duration
-	forwardAll := func(fd uintptr) bool {
-		for {
-			if !r.read(fd) {
-				return false
-			}
-			if r.errno != nil {
-				return true
-			}
-			delay = 0
-			for i := range r.n {
-				from, local := r.source(i)
-				p.forward(conn, from, local, r.datagram(i))
-			}
-		}
+	fd := -1
+	var dupErr error
+	if err := rc.Control(func(s uintptr) {
+		fd, dupErr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
+	}); err != nil {
+		return -1, err
 	}
-	for {
-		r.begin()
-		err := rc.Read(forwardAll)
-		if err == nil && r.errno != nil {
-			err = os.NewSyscallError("recvmmsg", r.errno)
-		}
-		if err != nil {
+	if dupErr != nil {
+		return -1, os.NewSyscallError("fcntl", dupErr)
+	}
+	return fd, nil
+}
+
+// handle reads every datagram queued on the Service socket, in batches.
+func (s *udpSocket) handle(l *loop, _ uint32) {
+	p := s.p
+	r := l.serviceReader
+	r.begin()
+	for r.read(uintptr(s.fd)) {
+		if r.errno != nil {
+			err := os.NewSyscallError("recvmmsg", r.errno)
+			if isTemporary(r.errno) {
+				s.backoff(l, err)
+			} else {
+				s.stop(l, err)
+			}
 			r.release()
-			if p.isClosed() {
-				return nil
-			}
-			if !isTemporary(err) {
-				return fmt.Errorf("read from %s for %s: %w", conn.LocalAddr(), p.Service, err)
-			}
-			delay = nextBackoff(delay)
-			acceptBackoffs.Add(1)
-			klog.ErrorS(err, "UDP read failed, backing off", "service", p.Service, "delay", delay)
-			if !sleep(delay, p.stop) {
-				return nil
-			}
-			continue
+			return
+		}
+		s.delay = 0
+		for i := range r.n {
+			from, local := r.source(i)
+			p.forward(l, s, from, local, r.datagram(i))
 		}
 	}
 }
 
-func (p *UDPProxy) isClosed() bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.closed
+// backoff stops reading for a while after a temporary error (see TCP's accept).
+func (s *udpSocket) backoff(l *loop, err error) {
+	s.delay = nextBackoff(s.delay)
+	acceptBackoffs.Add(1)
+	klog.ErrorS(err, "UDP read failed, backing off", "service", s.p.Service, "delay", s.delay)
+	if s.watched {
+		l.unwatch(s.fd)
+		s.watched = false
+	}
+	l.schedule(&s.t, s.delay)
+}
+
+// expire ends a backoff: watching again reports the socket at once if it is readable.
+func (s *udpSocket) expire(l *loop) {
+	if s.stopped || s.watched {
+		return
+	}
+	if err := l.watch(s.fd, s, unix.EPOLLIN|unix.EPOLLET); err != nil {
+		l.schedule(&s.t, s.delay)
+		return
+	}
+	s.watched = true
+}
+
+// stop closes the socket, ends the clients whose replies leave by it and lets Serve
+// return with err.
+func (s *udpSocket) stop(l *loop, err error) {
+	if s.stopped {
+		return
+	}
+	s.stopped = true
+	s.err = err
+	l.cancel(&s.t)
+	l.forget(s.fd)
+	unix.Close(s.fd)
+	for _, c := range s.p.clients {
+		if c.svc == s {
+			c.end(l, nil, false)
+		}
+	}
+	close(s.done)
 }
 
 // forward sends one datagram from client to its entry's endpoint, creating the entry
 // if needed. local is the address the client wrote to, when the socket is a
 // wildcard one (invalid otherwise).
-func (p *UDPProxy) forward(svc *net.UDPConn, client netip.AddrPort, local netip.Addr, b []byte) {
-	// The second round covers an entry that expired between lookup and write.
-	for range 2 {
-		c := p.lookup(svc, client, local)
-		if c == nil {
+func (p *UDPProxy) forward(l *loop, svc *udpSocket, client netip.AddrPort, local netip.Addr, b []byte) {
+	c := p.clients[client]
+	if c == nil {
+		if c = p.open(l, svc, client, local); c == nil {
 			return
 		}
-		c.touch()
-		// Counted before the write so the count is complete once the entry's
-		// socket is closed; undone if the write fails.
-		c.bytesIn.Add(int64(len(b)))
-		_, err := c.backend.Write(b)
-		if err == nil {
-			return
-		}
-		c.bytesIn.Add(-int64(len(b)))
-		if errors.Is(err, net.ErrClosed) {
+	}
+	c.last = l.nanotime()
+	for {
+		_, err := unix.Write(c.fd, b)
+		switch err {
+		case nil:
+			c.bytesIn += int64(len(b))
+		case unix.EINTR:
 			continue
+		case unix.EAGAIN:
+			// The socket's send buffer is full: the datagram is lost, as the
+			// network may lose it.
+		default:
+			// Typically ECONNREFUSED: an earlier datagram drew an ICMP port
+			// unreachable, the endpoint is gone. The client's next datagram picks again.
+			c.end(l, fmt.Errorf("write to endpoint %s: %w", c.ep, os.NewSyscallError("write", err)), true)
 		}
-		// Typically ECONNREFUSED: an earlier datagram drew an ICMP port
-		// unreachable, the endpoint is gone. The client's next datagram picks again.
-		c.end(fmt.Errorf("write to endpoint %s: %w", c.ep, err), true)
 		return
 	}
 }
 
-// lookup returns client's entry, creating it when there is room; nil means the
-// datagram is dropped (the reason has been reported to the Observer).
-func (p *UDPProxy) lookup(svc *net.UDPConn, client netip.AddrPort, local netip.Addr) *udpClient {
+// open creates client's entry: it picks an endpoint and connects a socket to it. It
+// returns nil when the datagram is dropped (the reason has been reported).
+func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local netip.Addr) *udpClient {
 	p.mu.Lock()
-	c := p.clients[client]
-	full := len(p.clients) >= p.maxClients()
 	closed := p.closed
 	p.mu.Unlock()
-	if c != nil || closed {
-		return c
+	if closed || svc.stopped {
+		return nil
 	}
 	obs := p.observer()
 	obs.ConnOpened(p.Service, "UDP")
-	if full {
+	if len(p.clients) >= p.maxClients() {
 		p.reject(client, ErrTooManyClients)
 		return nil
 	}
-	c, err := p.open(svc, client, local)
+	c := &udpClient{p: p, svc: svc, addr: client, replyFrom: replySource(local), fd: -1}
+	c.t = timer{index: -1, target: c}
+	c.rec = Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now()}
+	ep, err := p.Picker.Pick(client.Addr().Unmap(), nil)
 	if err != nil {
-		p.reject(client, err)
+		p.reject(client, fmt.Errorf("pick endpoint: %w", err))
 		return nil
 	}
-
-	p.mu.Lock()
-	if p.closed || len(p.clients) >= p.maxClients() || p.clients[client] != nil {
-		// Another Serve loop raced this one (or Close ran): keep the table as is.
-		err := ErrTooManyClients
-		if p.closed {
-			err = net.ErrClosed
+	start := time.Now()
+	fd, err := l.connectUDP(ep)
+	if err == nil {
+		if err = l.watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
+			unix.Close(fd)
 		}
-		p.mu.Unlock()
-		c.backend.Close()
-		p.Picker.Release(c.ep)
-		c.rec.Err = err
+	}
+	a := Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
+	c.attempt[0] = a
+	c.rec.Attempts = c.attempt[:]
+	obs.AttemptDone(p.Service, a)
+	if err != nil {
+		p.Picker.ResetAffinity(client.Addr().Unmap())
+		p.Picker.Release(ep)
+		c.rec.Err = fmt.Errorf("connect to endpoint %s: %w", ep, err)
 		c.rec.Duration = time.Since(c.rec.Start)
 		obs.ConnClosed(&c.rec)
 		return nil
 	}
+	c.fd, c.ep, c.rec.Endpoint = fd, ep, ep
+	c.to = sockaddrOf(client)
+	c.last = l.nanotime()
+	l.schedule(&c.t, p.timeout())
+	p.mu.Lock()
 	p.clients[client] = c
-	p.replies.Add(1)
 	p.mu.Unlock()
-	go c.serveReplies()
 	return c
 }
 
-// open picks an endpoint for client and connects a socket to it.
-func (p *UDPProxy) open(svc *net.UDPConn, client netip.AddrPort, local netip.Addr) (*udpClient, error) {
-	c := &udpClient{p: p, svc: svc, addr: client, replyFrom: replySource(local)}
-	c.rec = Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now()}
-	ep, err := p.Picker.Pick(client.Addr().Unmap(), nil)
-	if err != nil {
-		return nil, fmt.Errorf("pick endpoint: %w", err)
+// connectUDP opens a non-blocking UDP socket connected to ep (a UDP connect only
+// sets the peer; nothing goes on the network).
+func (l *loop) connectUDP(ep netip.AddrPort) (int, error) {
+	family := unix.AF_INET
+	var sa unix.Sockaddr
+	if a := ep.Addr().Unmap(); a.Is4() {
+		l.sa4.Addr, l.sa4.Port = a.As4(), int(ep.Port())
+		sa = &l.sa4
+	} else {
+		family = unix.AF_INET6
+		l.sa6.Addr, l.sa6.Port = a.As16(), int(ep.Port())
+		sa = &l.sa6
 	}
-	start := time.Now()
-	// net.DialUDP with a nil local address connects without binding first (unlike
-	// Dialer.DialUDP), and a UDP connect never waits on the network.
-	backend, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(ep))
-	a := Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
-	c.attempt[0] = a
-	c.rec.Attempts = c.attempt[:]
-	p.observer().AttemptDone(p.Service, a)
+	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		p.Picker.ResetAffinity(client.Addr().Unmap())
-		p.Picker.Release(ep)
-		return nil, fmt.Errorf("connect to endpoint %s: %w", ep, err)
+		return -1, os.NewSyscallError("socket", err)
 	}
-	c.ep = ep
-	c.rec.Endpoint = ep
-	c.backend = backend
-	c.readFn = c.readReplies
-	c.replies = newBatchReader(false)
-	c.touch()
-	return c, nil
+	if err := unix.Connect(fd, sa); err != nil {
+		unix.Close(fd)
+		return -1, os.NewSyscallError("connect", err)
+	}
+	return fd, nil
+}
+
+// sockaddrOf converts a client's address for sendmsg, once per entry.
+func sockaddrOf(ap netip.AddrPort) unix.Sockaddr {
+	if a := ap.Addr(); a.Is4() {
+		return &unix.SockaddrInet4{Addr: a.As4(), Port: int(ap.Port())}
+	}
+	sa := &unix.SockaddrInet6{Addr: ap.Addr().As16(), Port: int(ap.Port())}
+	if z := ap.Addr().Zone(); z != "" {
+		if ifi, err := net.InterfaceByName(z); err == nil {
+			sa.ZoneId = uint32(ifi.Index)
+		}
+	}
+	return sa
 }
 
 // reject reports a client turned away before it had an entry.
@@ -278,7 +374,7 @@ func (p *UDPProxy) reject(client netip.AddrPort, err error) {
 	p.observer().ConnClosed(&Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now(), Err: err})
 }
 
-// Close stops every Serve, ends every client entry and waits for their goroutines.
+// Close stops every Serve and ends every client entry.
 func (p *UDPProxy) Close() error {
 	p.init()
 	p.mu.Lock()
@@ -287,23 +383,23 @@ func (p *UDPProxy) Close() error {
 		return nil
 	}
 	p.closed = true
-	close(p.stop)
-	var errs []error
-	for conn := range p.sockets {
-		if err := conn.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
-			errs = append(errs, fmt.Errorf("close socket %s of %s: %w", conn.LocalAddr(), p.Service, err))
-		}
-	}
-	clients := make([]*udpClient, 0, len(p.clients))
-	for _, c := range p.clients {
-		clients = append(clients, c)
+	sockets := make([]*udpSocket, 0, len(p.sockets))
+	for s := range p.sockets {
+		sockets = append(sockets, s)
 	}
 	p.mu.Unlock()
-	for _, c := range clients {
-		c.end(nil, false)
+	if p.l == nil {
+		return nil
 	}
-	p.replies.Wait()
-	return errors.Join(errs...)
+	p.l.postWait(func(l *loop) {
+		for _, s := range sockets {
+			s.stop(l, nil)
+		}
+		for _, c := range p.clients {
+			c.end(l, nil, false)
+		}
+	})
+	return nil
 }
 
 // Clients returns the number of client entries.
@@ -314,115 +410,85 @@ func (p *UDPProxy) Clients() int {
 	return len(p.clients)
 }
 
-// udpClient is one client's entry: a connected socket to its endpoint and the
-// goroutine relaying replies.
+// udpClient is one client's entry: a connected socket to its endpoint. Only the
+// proxy's loop touches it.
 type udpClient struct {
 	p   *UDPProxy
-	svc *net.UDPConn // the Service socket the client wrote to; replies leave by it
+	svc *udpSocket // the Service socket the client wrote to; replies leave by it
 	// replyFrom is the control message that sends replies from the address the
 	// client wrote to (nil on sockets bound to one address).
 	replyFrom []byte
 	addr      netip.AddrPort
+	to        unix.Sockaddr // addr, for sendmsg
 	ep        netip.AddrPort
-	backend   *net.UDPConn
-	readFn    func(fd uintptr) bool // readReplies, bound once rather than per wait
-	replies   *batchReader          // reads backend; used only by the reply goroutine
+	fd        int
 
-	// last is the time (UDPProxy.now) of the latest datagram either way.
-	last              atomic.Int64
-	bytesIn, bytesOut atomic.Int64
-	// readErr is the error that stopped readReplies; only the reply goroutine uses it.
-	readErr error
-
-	endOnce sync.Once
-	err     error // why the entry ended; set inside endOnce
-	rec     Conn
-	attempt [1]Attempt
+	// last is the time (loop.nanotime) of the latest datagram either way; the
+	// timer checks it rather than being moved per datagram.
+	last              int64
+	t                 timer
+	bytesIn, bytesOut int64
+	ended             bool
+	rec               Conn
+	attempt           [1]Attempt
 }
 
-func (c *udpClient) touch() { c.last.Store(int64(c.p.now())) }
-
-// end removes the entry from the table and closes its socket, which stops the reply
-// goroutine; only the first call counts. resetAffinity is set when the endpoint
-// failed, so the client's next datagram picks afresh.
-func (c *udpClient) end(err error, resetAffinity bool) {
-	c.endOnce.Do(func() {
-		c.err = err
-		p := c.p
-		p.mu.Lock()
-		if p.clients[c.addr] == c {
-			delete(p.clients, c.addr)
-		}
-		p.mu.Unlock()
-		if resetAffinity {
-			p.Picker.ResetAffinity(c.addr.Addr().Unmap())
-		}
-		c.backend.Close()
-	})
-}
-
-// serveReplies relays the endpoint's datagrams to the client until the entry idles
-// out, the endpoint fails or the entry is ended elsewhere; then it reports the entry.
-func (c *udpClient) serveReplies() {
-	p := c.p
-	defer p.replies.Done()
-	timeout := p.timeout()
-	rc, err := c.backend.SyscallConn()
-	if err != nil {
-		c.end(fmt.Errorf("endpoint socket %s: %w", c.ep, err), false)
-	} else {
-		c.backend.SetReadDeadline(time.Now().Add(timeout))
-		for {
-			c.replies.begin()
-			err := rc.Read(c.readFn)
-			switch {
-			case err == nil:
-				c.end(fmt.Errorf("read from endpoint %s: %w", c.ep, c.readErr), true)
-			case errors.Is(err, os.ErrDeadlineExceeded):
-				// The deadline is moved only when it fires, not per datagram.
-				if idle := p.now() - time.Duration(c.last.Load()); idle < timeout {
-					c.backend.SetReadDeadline(time.Now().Add(timeout - idle))
-					continue
-				}
-				c.end(nil, false)
-			default:
-				// Closed by end elsewhere (a failed write, Close); no-op then.
-				c.end(fmt.Errorf("read from endpoint %s: %w", c.ep, err), false)
-			}
-			break
-		}
+// expire ends the entry once it has been idle for the timeout, or looks again when
+// it would have.
+func (c *udpClient) expire(l *loop) {
+	timeout := int64(c.p.timeout())
+	if idle := l.nanotime() - c.last; idle < timeout {
+		l.schedule(&c.t, time.Duration(timeout-idle))
+		return
 	}
-	// end has completed (sync.Once orders it before this point), so c.err is set.
-	c.end(nil, false)
-	p.Picker.Release(c.ep)
-	c.rec.BytesIn = c.bytesIn.Load()
-	c.rec.BytesOut = c.bytesOut.Load()
-	c.rec.Duration = time.Since(c.rec.Start)
-	c.rec.Err = c.err
-	p.observer().ConnClosed(&c.rec)
+	c.end(l, nil, false)
 }
 
-// readReplies drains the endpoint socket, writing each datagram back to the client
-// through the Service socket. It runs inside RawConn.Read: returning false waits
-// for the socket to become readable again (or the deadline), true stops on readErr.
-func (c *udpClient) readReplies(fd uintptr) bool {
-	r := c.replies
-	for {
-		if !r.read(fd) {
-			return false
-		}
+// handle relays the endpoint's datagrams to the client through the Service socket.
+func (c *udpClient) handle(l *loop, _ uint32) {
+	r := l.replyReader
+	r.begin()
+	for r.read(uintptr(c.fd)) {
 		if r.errno != nil {
-			c.readErr = r.errno
+			err := r.errno
 			r.release()
-			return true
+			c.end(l, fmt.Errorf("read from endpoint %s: %w", c.ep, os.NewSyscallError("recvmmsg", err)), true)
+			return
 		}
-		c.touch()
+		c.last = l.nanotime()
 		for i := range r.n {
 			b := r.datagram(i)
-			c.bytesOut.Add(int64(len(b)))
+			c.bytesOut += int64(len(b))
 			// A failed send to the client (buffer full, client gone) loses one
 			// datagram, as the network may; the entry lives on until it idles out.
-			c.svc.WriteMsgUDPAddrPort(b, c.replyFrom, c.addr)
+			unix.SendmsgN(c.svc.fd, b, c.replyFrom, c.to, 0)
 		}
 	}
+}
+
+// end removes the entry from the table, closes its socket and reports it; only the
+// first call counts. resetAffinity is set when the endpoint failed, so the client's
+// next datagram picks afresh.
+func (c *udpClient) end(l *loop, err error, resetAffinity bool) {
+	if c.ended {
+		return
+	}
+	c.ended = true
+	p := c.p
+	l.cancel(&c.t)
+	l.forget(c.fd)
+	unix.Close(c.fd)
+	p.mu.Lock()
+	if p.clients[c.addr] == c {
+		delete(p.clients, c.addr)
+	}
+	p.mu.Unlock()
+	if resetAffinity {
+		p.Picker.ResetAffinity(c.addr.Addr().Unmap())
+	}
+	p.Picker.Release(c.ep)
+	c.rec.BytesIn, c.rec.BytesOut = c.bytesIn, c.bytesOut
+	c.rec.Duration = time.Since(c.rec.Start)
+	c.rec.Err = err
+	p.observer().ConnClosed(&c.rec)
 }
