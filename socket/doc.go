@@ -13,10 +13,12 @@
 //
 // Every field of TCPProxy and UDPProxy has a working zero value except Picker.
 //
-// Costs are part of the contract: the TCP copy splices between the raw sockets (no
-// user-space copy; see spliceStream, which holds a pipe only while data is in
-// flight, so an idle connection costs two descriptors), a connection uses at most
-// two goroutines,
-// and no socket option is set beyond what Go sets on its own (TCP_NODELAY) - in
-// particular keepalive is off on both sockets (see ListenTCP).
+// Costs are part of the contract. Connections run on a few event loops (loop.go),
+// not on goroutines of their own: an open TCP connection is a small struct and its
+// two sockets, with no stack, no pipe and no buffer while it is idle. Small
+// transfers are read into the loop's buffer and written on at once; bulk ones
+// splice through pooled pipes and never enter user space (session.go). The only
+// socket option set per connection is TCP_NODELAY on the backend socket (client
+// sockets inherit it from the listener); keepalive is off on both sides, since the
+// proxy relays bytes, not liveness, and the endpoints keep their own keepalive.
 package socket
