@@ -1,0 +1,47 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/spf13/cobra"
+)
+
+// Each bad flag value is refused at start with an error naming the flag.
+func TestValidateNamesTheBadFlag(t *testing.T) {
+	tests := []struct {
+		args     []string
+		wantFlag string
+	}{
+		{[]string{"--event-loops=-1"}, "--event-loops"},
+		{[]string{"--event-loops=100000"}, "--event-loops"},
+		{[]string{"--eject-after=-2"}, "--eject-after"},
+		{[]string{"--dial-timeouts=1s,,2s"}, "--dial-timeouts"},
+		{[]string{"--udp-timeout=0s"}, "--udp-timeout"},
+		{[]string{"--bind-address=not-an-ip"}, "--bind-address"},
+	}
+	for _, tt := range tests {
+		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
+			o := defaultOptions()
+			cmd := &cobra.Command{Use: "uproxy"}
+			o.addFlags(cmd)
+			if err := cmd.Flags().Parse(tt.args); err != nil {
+				t.Fatalf("parse %v: %v", tt.args, err)
+			}
+			_, err := o.validate()
+			if err == nil || !strings.HasPrefix(err.Error(), tt.wantFlag) {
+				t.Errorf("validate with %v: got %v, want an error starting with %q", tt.args, err, tt.wantFlag)
+			}
+		})
+	}
+	o := defaultOptions()
+	cmd := &cobra.Command{Use: "uproxy"}
+	o.addFlags(cmd)
+	if err := cmd.Flags().Parse([]string{"--event-loops=3"}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := o.validate()
+	if err != nil || c.eventLoops != 3 {
+		t.Errorf("validate with --event-loops=3: got %v, %v; want 3 event loops", c, err)
+	}
+}
