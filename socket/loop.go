@@ -13,9 +13,9 @@ import (
 )
 
 // The TCP data path runs on event loops rather than on goroutines per connection.
-// Each loop is one goroutine locked to its own thread, blocked in epoll_wait on its
-// own epoll set: it accepts, dials without blocking, moves bytes and runs the dial
-// timers of the connections it accepted, all from that thread. A connection then
+// Each loop is one goroutine, blocked in epoll_wait on its own epoll set (its
+// thread blocks with it, as in any system call): it accepts, dials without
+// blocking, moves bytes and runs the dial timers of the connections it accepted. A connection then
 // costs no goroutine, no stack and no scheduler round trip per readiness event, and
 // none of the setup Go's net package does per socket (local and peer address
 // lookups, its own poller registration, keepalive and TCP_NODELAY per socket).
@@ -253,10 +253,21 @@ func (l *loop) waitMillis() int {
 	return int((d + int64(time.Millisecond) - 1) / int64(time.Millisecond))
 }
 
+// yieldEvery is how often a busy loop passes through the scheduler. A goroutine
+// that runs on without ever being rescheduled is taken for a runaway one: every
+// 10ms the runtime's monitor preempts it and takes its P back out of a system
+// call, and after each such retake the monitor polls again every 20µs. Yielding
+// now and then (it costs well under a microsecond) avoids both.
+const yieldEvery = time.Millisecond
+
 func (l *loop) run() {
-	runtime.LockOSThread()
 	events := make([]unix.EpollEvent, 256)
+	var lastYield int64
 	for {
+		if now := l.nanotime(); now-lastYield > int64(yieldEvery) {
+			runtime.Gosched()
+			lastYield = now
+		}
 		n, err := unix.EpollWait(l.epfd, events, l.waitMillis())
 		if err != nil {
 			if err == unix.EINTR {
