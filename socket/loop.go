@@ -258,7 +258,7 @@ func (l *loop) waitMillis() int {
 // 10ms the runtime's monitor preempts it and takes its P back out of a system
 // call, and after each such retake the monitor polls again every 20µs. Yielding
 // now and then (it costs well under a microsecond) avoids both.
-const yieldEvery = time.Millisecond
+const yieldEvery = 5 * time.Millisecond
 
 func (l *loop) run() {
 	events := make([]unix.EpollEvent, 256)
