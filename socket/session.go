@@ -79,8 +79,9 @@ func (sd *tcpSide) handle(_ *loop, ev uint32) {
 	}
 }
 
-// tcpDirection is one direction's copy. Data is read into the loop's buffer and
-// written on at once; only what the destination does not take is kept, in pending.
+// tcpDirection is one direction's copy. Data is read into the loop's buffer only
+// while the destination is writable, and written on at once; only what it does not
+// take (a short write) is kept, in pending.
 // A read that fills the buffer marks a bulk transfer: from then on the direction
 // splices through a pipe, and the bytes never enter user space.
 type tcpDirection struct {
@@ -101,7 +102,8 @@ func (d *tcpDirection) flushed() bool {
 // the first dial.
 func newSession(l *loop, p *TCPProxy, fd int, client netip.AddrPort) {
 	s := &tcpSession{p: p, l: l}
-	s.client = tcpSide{s: s, fd: fd}
+	// A new connection's send buffer is empty.
+	s.client = tcpSide{s: s, fd: fd, writable: true}
 	s.backend = tcpSide{s: s, fd: -1}
 	s.dialTimer = timer{index: -1, target: s}
 	s.rec = Conn{Service: p.Service, Protocol: "TCP", Client: client, Start: time.Now()}
@@ -293,7 +295,9 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 			}
 			return nil
 		}
-		if !src.readable {
+		// Nothing is read that dst cannot take now: the kernel holds it meanwhile,
+		// and the source's sender feels the backpressure.
+		if !src.readable || !dst.writable {
 			return nil
 		}
 		if d.splice {
@@ -321,12 +325,9 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 			// A short read took everything queued; the next arrival is a new edge.
 			src.readable = false
 		}
-		written := 0
-		if dst.writable {
-			written, err = write(dst, buf[:n])
-			if err != nil {
-				return err
-			}
+		written, err := write(dst, buf[:n])
+		if err != nil {
+			return err
 		}
 		d.bytes += int64(written)
 		if written < n {

@@ -1013,3 +1013,54 @@ func TestTCPProxyIPv6(t *testing.T) {
 		})
 	}
 }
+
+// A client that reads slowly fills the proxy's socket buffers: the proxy must stop
+// reading from the backend, resume when the client catches up, and lose nothing,
+// whether the backend writes in small pieces (copied through the loop's buffer) or
+// large ones (spliced).
+func TestTCPProxySlowReader(t *testing.T) {
+	const size = 4 << 20
+	down := payload(3, size)
+	for _, chunk := range []int{1000, 256 << 10} {
+		t.Run(fmt.Sprintf("backend writes %d bytes at a time", chunk), func(t *testing.T) {
+			backend := startTCPServer(t, "127.0.0.2", func(c *net.TCPConn) {
+				for b := down; len(b) > 0; {
+					n := min(chunk, len(b))
+					if _, err := c.Write(b[:n]); err != nil {
+						return
+					}
+					b = b[n:]
+				}
+				c.CloseWrite()
+				io.Copy(io.Discard, c)
+			})
+			rec := &recorder{}
+			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
+			client := dialProxy(t, startTCPProxy(t, p))
+			var got []byte
+			buf := make([]byte, 4096)
+			for {
+				n, err := client.Read(buf)
+				got = append(got, buf[:n]...)
+				if err == io.EOF {
+					break
+				}
+				if err != nil {
+					t.Fatalf("read after %d bytes: %v", len(got), err)
+				}
+				// A pause every 512 KiB lets every buffer on the way fill up.
+				if len(got)/(512<<10) != (len(got)-n)/(512<<10) {
+					time.Sleep(20 * time.Millisecond)
+				}
+			}
+			client.Close()
+			if !bytes.Equal(got, down) {
+				t.Fatalf("read %d bytes (sha256 %x), want %d (sha256 %x)", len(got), sha256.Sum256(got), size, sha256.Sum256(down))
+			}
+			c := rec.awaitClosed(t, 1)[0]
+			if c.Err != nil || c.BytesOut != size {
+				t.Errorf("record: got err %v, %d bytes out; want nil, %d", c.Err, c.BytesOut, size)
+			}
+		})
+	}
+}
