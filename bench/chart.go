@@ -19,10 +19,10 @@ var pathColors = map[string]string{
 
 // Chart geometry, in SVG user units.
 const (
-	chartWidth  = 900
+	chartWidth  = 960
 	panelHeight = 280
 	padLeft     = 70
-	padRight    = 150 // legend
+	padRight    = 210 // legend: "userspace p50 1234.5µs" fits
 	padTop      = 36
 	padBottom   = 44
 )

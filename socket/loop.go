@@ -121,12 +121,13 @@ var loops struct {
 	count int
 }
 
-// SetEventLoops sets how many event loops carry TCP traffic. It takes effect only
-// before the first TCPProxy serves. 0 means one per CPU Go schedules on but one,
-// and at least one: a loop spends its idle time blocked in epoll_wait, holding a
-// scheduler slot (P) the runtime takes back only when no P is idle, at a cost of
-// thread wake-ups on every event; one slot left free keeps that from happening and
-// runs the control plane.
+// SetEventLoops sets how many event loops carry TCP and UDP traffic. It takes
+// effect only before the first proxy serves. 0 means one per CPU Go schedules on
+// but one, and at least one. A loop spends its idle time blocked in epoll_wait,
+// holding a scheduler slot (P) that the runtime takes back only when no P is idle -
+// and then on nearly every event, with its monitor thread polling every 20µs. So
+// there is always one P more than loops (GOMAXPROCS is raised if need be), which
+// also runs the control plane.
 func SetEventLoops(n int) { loops.count = n }
 
 // eventLoops starts the process's event loops on first use and returns them.
@@ -135,6 +136,10 @@ func eventLoops() ([]*loop, error) {
 		n := loops.count
 		if n <= 0 {
 			n = max(1, runtime.GOMAXPROCS(0)-1)
+		}
+		// Keep a P beyond the loops' (see SetEventLoops).
+		if runtime.GOMAXPROCS(0) < n+1 {
+			runtime.GOMAXPROCS(n + 1)
 		}
 		for range n {
 			l, err := newLoop()
