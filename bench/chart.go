@@ -138,9 +138,9 @@ func drawPanel(b *bytes.Buffer, wr WorkloadResult, y0 float64) {
 func fmtMicros(us float64) string {
 	switch {
 	case us >= 1e6:
-		return fmt.Sprintf("%gs", us/1e6)
+		return fmt.Sprintf("%.3gs", us/1e6)
 	case us >= 1e3:
-		return fmt.Sprintf("%gms", us/1e3)
+		return fmt.Sprintf("%.3gms", us/1e3)
 	default:
 		return fmt.Sprintf("%gµs", math.Round(us*10)/10)
 	}
