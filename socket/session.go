@@ -167,16 +167,7 @@ func (s *tcpSession) dialNext(lastErr error) {
 // connect opens a non-blocking socket to ep and starts connecting it. A nil error
 // means the connect is in progress (or done): the socket's first output event ends it.
 func (l *loop) connect(ep netip.AddrPort) (int, error) {
-	family := unix.AF_INET
-	var sa unix.Sockaddr
-	if a := ep.Addr().Unmap(); a.Is4() {
-		l.sa4.Addr, l.sa4.Port = a.As4(), int(ep.Port())
-		sa = &l.sa4
-	} else {
-		family = unix.AF_INET6
-		l.sa6.Addr, l.sa6.Port = a.As16(), int(ep.Port())
-		sa = &l.sa6
-	}
+	family, sa := l.sockaddr(ep)
 	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
@@ -196,6 +187,17 @@ func (l *loop) connect(ep netip.AddrPort) (int, error) {
 		return -1, os.NewSyscallError("connect", err)
 	}
 	return fd, nil
+}
+
+// sockaddr returns ep's address family and socket address, in loop-owned storage
+// (valid until the next call): a dial then allocates no address.
+func (l *loop) sockaddr(ep netip.AddrPort) (int, unix.Sockaddr) {
+	if a := ep.Addr().Unmap(); a.Is4() {
+		l.sa4.Addr, l.sa4.Port = a.As4(), int(ep.Port())
+		return unix.AF_INET, &l.sa4
+	}
+	l.sa6.Addr, l.sa6.Port = ep.Addr().As16(), int(ep.Port())
+	return unix.AF_INET6, &l.sa6
 }
 
 // dialError wraps a dial's failure as Go's dialer would report it

@@ -334,16 +334,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 // connectUDP opens a non-blocking UDP socket connected to ep (a UDP connect only
 // sets the peer; nothing goes on the network).
 func (l *loop) connectUDP(ep netip.AddrPort) (int, error) {
-	family := unix.AF_INET
-	var sa unix.Sockaddr
-	if a := ep.Addr().Unmap(); a.Is4() {
-		l.sa4.Addr, l.sa4.Port = a.As4(), int(ep.Port())
-		sa = &l.sa4
-	} else {
-		family = unix.AF_INET6
-		l.sa6.Addr, l.sa6.Port = a.As16(), int(ep.Port())
-		sa = &l.sa6
-	}
+	family, sa := l.sockaddr(ep)
 	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
