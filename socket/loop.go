@@ -262,7 +262,7 @@ func (l *loop) waitMillis() int {
 // that runs on without ever being rescheduled is taken for a runaway one: every
 // 10ms the runtime's monitor preempts it and takes its P back out of a system
 // call, and after each such retake the monitor polls again every 20µs. Yielding
-// now and then (it costs well under a microsecond) avoids both.
+// now and then avoids both, for a few microseconds every few milliseconds.
 const yieldEvery = 5 * time.Millisecond
 
 func (l *loop) run() {
@@ -281,20 +281,26 @@ func (l *loop) run() {
 			// Only a broken epoll descriptor fails here; nothing could be served.
 			panic(fmt.Sprintf("epoll_wait: %v", err))
 		}
-		for i := range n {
-			ev := &events[i]
-			fd := int(ev.Fd)
-			if fd == l.wake {
-				l.runPosted()
-				continue
-			}
-			if fd < len(l.handlers) {
-				if w := l.handlers[fd]; w.h != nil && w.gen == uint32(ev.Pad) {
-					w.h.handle(l, ev.Events)
-				}
+		l.dispatch(events[:n])
+		l.runTimers()
+	}
+}
+
+// dispatch hands each event to the handler of its descriptor's current
+// registration; events of an earlier registration are dropped.
+func (l *loop) dispatch(events []unix.EpollEvent) {
+	for i := range events {
+		ev := &events[i]
+		fd := int(ev.Fd)
+		if fd == l.wake {
+			l.runPosted()
+			continue
+		}
+		if fd < len(l.handlers) {
+			if w := l.handlers[fd]; w.h != nil && w.gen == uint32(ev.Pad) {
+				w.h.handle(l, ev.Events)
 			}
 		}
-		l.runTimers()
 	}
 }
 
