@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
 )
 
 // The TCP data path runs on event loops rather than on goroutines per connection.
@@ -141,6 +142,7 @@ func eventLoops() ([]*loop, error) {
 		if runtime.GOMAXPROCS(0) < n+1 {
 			runtime.GOMAXPROCS(n + 1)
 		}
+		klog.V(1).InfoS("Starting event loops", "loops", n, "gomaxprocs", runtime.GOMAXPROCS(0))
 		for range n {
 			l, err := newLoop()
 			if err != nil {
