@@ -46,6 +46,7 @@ type options struct {
 	events             int
 	ejectAfter         int
 	eventLoops         int
+	dialMarkBit        int
 
 	// The Kubernetes source, used when --services is not given.
 	kubeconfig         string
@@ -83,6 +84,7 @@ func defaultOptions() *options {
 		kubeAPIContentType: kube.DefaultContentType,
 		configSyncPeriod:   15 * time.Minute,
 		ejectAfter:         3,
+		dialMarkBit:        13,
 	}
 }
 
@@ -118,6 +120,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.configSyncPeriod, "config-sync-period", o.configSyncPeriod, "how often the Service and EndpointSlice caches are replayed (0: never)")
 	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags given explicitly win")
 	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
+	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
 	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections and UDP flows; 0: one per CPU but one, at least one")
 	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
@@ -131,6 +134,7 @@ type config struct {
 	metricsAddr string
 	healthzAddr string
 	eventLoops  int
+	dialMark    uint32 // from --dial-mark-bit; 0: none
 }
 
 // maxEventLoops bounds --event-loops: more threads than this only contend.
@@ -196,6 +200,12 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--event-loops %d: want 0 (automatic) to %d", o.eventLoops, maxEventLoops)
 	}
 	c.eventLoops = o.eventLoops
+	if o.dialMarkBit < -1 || o.dialMarkBit > 31 {
+		return nil, fmt.Errorf("--dial-mark-bit %d: want a bit number from 0 to 31, or -1 for none", o.dialMarkBit)
+	}
+	if o.dialMarkBit >= 0 {
+		c.dialMark = 1 << o.dialMarkBit
+	}
 	if o.shutdownGrace < 0 {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/source/file"
 	"github.com/uproxy/uproxy/source/kube"
 )
@@ -146,11 +147,18 @@ func newPortals(cfg *config, prefix string) (rules.Portals, error) {
 		return rules.None{}, nil
 	}
 	ips := nodeIPs(cfg.proxier.BindAddress)
+	mark := cfg.dialMark
+	if err := socket.SetDialMark(mark); err != nil {
+		// Connections still work; each of the proxy's own pays for the portal rules.
+		klog.ErrorS(err, "Proxy connections to endpoints go through every portal rule", "flag", "--dial-mark-bit")
+		mark = 0
+	}
 	p, err := rules.NewIPTables(rules.Config{
 		ChainPrefix:       prefix,
 		NodeIPs:           ips,
 		NodePortAddresses: cfg.prefixes,
 		IPv6:              hasIPv6(ips),
+		DialMark:          mark,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("--rules iptables: %w", err)

@@ -3,6 +3,7 @@ package integration
 import (
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -100,6 +101,22 @@ func TestUserspaceEndToEnd(t *testing.T) {
 		}
 		if seen["dns-1"] == 0 || seen["dns-2"] == 0 {
 			t.Errorf("UDP clients spread over backends: got %v, want both dns-1 and dns-2", seen)
+		}
+	})
+
+	t.Run("the proxy's dials to endpoints skip the portal rules", func(t *testing.T) {
+		// The connections and datagrams above were dialed by the proxy with its
+		// mark: the first rule of the HOST chain returned them, one count each.
+		out, err := tp.Exec(testbed.Node, "iptables", "-w", "-t", "nat", "-L", "UPROXY-PORTALS-HOST", "1", "-v", "-x", "-n")
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := strings.Fields(string(out))
+		if len(f) < 3 || !strings.Contains(string(out), "mark match 0x2000/0x2000") {
+			t.Fatalf("first rule of UPROXY-PORTALS-HOST: got %q, want the dial mark's RETURN", out)
+		}
+		if n, err := strconv.Atoi(f[0]); err != nil || n < 30 {
+			t.Errorf("packets returned by the dial-mark rule: got %q, want at least the 30 proxied TCP connections", f[0])
 		}
 	})
 

@@ -89,6 +89,7 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 			return nil, err
 		}
 		r := newRenderer(p.chains, f, nodeIP, cfg.NodePortAddresses)
+		r.dialMark = cfg.DialMark
 		p.fams = append(p.fams, &family{f: f, tables: t, renderer: r})
 	}
 	return p, nil

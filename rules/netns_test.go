@@ -7,8 +7,11 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
@@ -68,6 +71,9 @@ func exchange(c net.Conn, msg string, replyLen int) (string, error) {
 	return string(buf), err
 }
 
+// testDialMark stands for the proxy's dial mark (socket.SetDialMark).
+const testDialMark = 0x2000
+
 func TestRealPortals(t *testing.T) {
 	testbed.RequireIPTables(t)
 	tp := testbed.New(t, testbed.WithIPv6())
@@ -96,8 +102,9 @@ func TestRealPortals(t *testing.T) {
 
 	restores := 0
 	p, err := NewIPTables(Config{
-		NodeIPs: []netip.Addr{node.IPv4, node.IPv6},
-		IPv6:    true,
+		NodeIPs:  []netip.Addr{node.IPv4, node.IPv6},
+		IPv6:     true,
+		DialMark: testDialMark,
 		Kernel: &Kernel{Restore: func(v6 bool, input []byte) error {
 			restores++
 			return (*Kernel)(nil).restore(v6, input)
@@ -212,6 +219,53 @@ func TestRealPortals(t *testing.T) {
 		got, err := io.ReadAll(c)
 		if string(got) != "real" {
 			t.Errorf("node to ExternalIP: got %q (%v), want %q from the real host", got, err, "real")
+		}
+	})
+
+	t.Run("the proxy's own marked connections skip the portals", func(t *testing.T) {
+		// The ClusterIP also lives on a real host: a marked connection from the
+		// node reaches it, as the proxy's dial of an endpoint would; an unmarked one
+		// is captured by the portal (the echo server standing in for the proxy).
+		mustExec(t, tp, testbed.External, "ip", "addr", "add", "10.96.0.10/32", "dev", "lo")
+		defer mustExec(t, tp, testbed.External, "ip", "addr", "del", "10.96.0.10/32", "dev", "lo")
+		real := tp.Listen(testbed.External, "tcp", "10.96.0.10:80")
+		go func() {
+			for {
+				c, err := real.Accept()
+				if err != nil {
+					return
+				}
+				c.Write([]byte("real"))
+				c.Close()
+			}
+		}()
+		for _, mark := range []uint32{testDialMark, 0} {
+			var got []byte
+			err := tp.Run(testbed.Node, func() error {
+				d := net.Dialer{Timeout: testbed.DialTimeout, Control: func(_, _ string, rc syscall.RawConn) error {
+					var serr error
+					rc.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(mark)) })
+					return serr
+				}}
+				c, err := d.Dial("tcp", "10.96.0.10:80")
+				if err != nil {
+					return err
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(testbed.DialTimeout))
+				if mark == 0 {
+					c.Write([]byte("echo"))
+					got = make([]byte, 4)
+					_, err = io.ReadFull(c, got)
+					return err
+				}
+				got, err = io.ReadAll(c)
+				return err
+			})
+			want := map[bool]string{true: "real", false: "echo"}[mark != 0]
+			if err != nil || string(got) != want {
+				t.Errorf("node to ClusterIP with mark %#x: got %q (%v), want %q", mark, got, err, want)
+			}
 		}
 	})
 

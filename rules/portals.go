@@ -59,6 +59,10 @@ type Config struct {
 	NodePortAddresses []netip.Prefix
 	// IPv6 also programs ip6tables with the Services' IPv6 addresses.
 	IPv6 bool
+	// DialMark is the packet mark of the proxy's own connections to endpoints
+	// (socket.SetDialMark); the HOST chains return at once for packets carrying
+	// it rather than trying every portal. 0: no such rule.
+	DialMark uint32
 	// Kernel replaces the iptables commands, netlink and sockets; nil uses the real ones.
 	Kernel *Kernel
 }

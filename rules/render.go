@@ -54,6 +54,9 @@ type renderer struct {
 	// destination), else one "-d prefix" per NodePortAddresses prefix of the
 	// family, and none when the family has no prefix there.
 	nodePortDsts []string
+	// dialMark, when set, starts the HOST chains with a RETURN for the proxy's own
+	// connections (Config.DialMark).
+	dialMark uint32
 }
 
 func newRenderer(c chains, family int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) renderer {
@@ -92,10 +95,22 @@ func (r *renderer) render(entries []entry) []byte {
 	}
 	out = append(out, canaryRule(r.chains)+"\n"...)
 	out = r.each(out, entries, parts, r.portalsContainer)
+	out = r.ownDials(out, r.chains.portalsHost)
 	out = r.each(out, entries, parts, r.portalsHost)
 	out = r.each(out, entries, parts, r.nodePortContainer)
+	out = r.ownDials(out, r.chains.nodePortHost)
 	out = r.each(out, entries, parts, r.nodePortHost)
 	return append(out, "COMMIT\n"...)
+}
+
+// ownDials appends chain's first rule: the proxy's own connections to endpoints
+// skip the portals.
+func (r *renderer) ownDials(out []byte, chain string) []byte {
+	if r.dialMark == 0 {
+		return out
+	}
+	m := "0x" + strconv.FormatUint(uint64(r.dialMark), 16)
+	return append(out, "-A "+chain+" -m mark --mark "+m+"/"+m+` -m comment --comment "uproxy dials to endpoints skip the portals" -j RETURN`+"\n"...)
 }
 
 // each appends what write renders for every entry of the family.

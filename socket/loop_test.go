@@ -1,6 +1,9 @@
 package socket
 
 import (
+	"errors"
+	"net/netip"
+	"os"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -75,5 +78,39 @@ func TestLoopDropsEventsOfAnEarlierRegistration(t *testing.T) {
 	l.dispatch(wait())
 	if len(current.events) != 1 || current.events[0]&unix.EPOLLIN == 0 {
 		t.Errorf("event of the new socket: its handler got %v, want one input event", current.events)
+	}
+}
+
+// Backend sockets carry the dial mark, which needs CAP_NET_ADMIN: without it
+// SetDialMark refuses and leaves sockets unmarked.
+func TestDialMark(t *testing.T) {
+	defer SetDialMark(0)
+	err := SetDialMark(0x2000)
+	if os.Geteuid() != 0 {
+		if !errors.Is(err, unix.EPERM) {
+			t.Fatalf("SetDialMark without privilege: got %v, want EPERM", err)
+		}
+		return
+	}
+	if err != nil {
+		t.Fatalf("SetDialMark as root: %v", err)
+	}
+	backend := startTCPServer(t, "127.0.0.2", echo)
+	l, err := newLoop()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(l.epfd)
+	defer unix.Close(l.wake)
+	for _, dial := range []func(netip.AddrPort) (int, error){l.connect, l.connectUDP} {
+		fd, err := dial(backend.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mark, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK)
+		unix.Close(fd)
+		if err != nil || mark != 0x2000 {
+			t.Errorf("SO_MARK of a backend socket: got %#x, %v; want 0x2000", mark, err)
+		}
 	}
 }

@@ -176,6 +176,10 @@ func (l *loop) connect(ep netip.AddrPort) (int, error) {
 		unix.Close(fd)
 		return -1, os.NewSyscallError("setsockopt", err)
 	}
+	if err := markDial(fd); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
 	for {
 		err = unix.Connect(fd, sa)
 		if err != unix.EINTR {

@@ -339,6 +339,10 @@ func (l *loop) connectUDP(ep netip.AddrPort) (int, error) {
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
 	}
+	if err := markDial(fd); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
 	if err := unix.Connect(fd, sa); err != nil {
 		unix.Close(fd)
 		return -1, os.NewSyscallError("connect", err)
