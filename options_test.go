@@ -16,6 +16,8 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--event-loops=-1"}, "--event-loops"},
 		{[]string{"--event-loops=100000"}, "--event-loops"},
 		{[]string{"--eject-after=-2"}, "--eject-after"},
+		{[]string{"--dial-mark-bit=32"}, "--dial-mark-bit"},
+		{[]string{"--dial-mark-bit=-2"}, "--dial-mark-bit"},
 		{[]string{"--dial-timeouts=1s,,2s"}, "--dial-timeouts"},
 		{[]string{"--udp-timeout=0s"}, "--udp-timeout"},
 		{[]string{"--bind-address=not-an-ip"}, "--bind-address"},
@@ -43,5 +45,16 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 	c, err := o.validate()
 	if err != nil || c.eventLoops != 3 {
 		t.Errorf("validate with --event-loops=3: got %v, %v; want 3 event loops", c, err)
+	}
+	for bit, want := range map[string]uint32{"13": 0x2000, "0": 1, "31": 0x80000000, "-1": 0} {
+		o := defaultOptions()
+		cmd := &cobra.Command{Use: "uproxy"}
+		o.addFlags(cmd)
+		if err := cmd.Flags().Parse([]string{"--dial-mark-bit=" + bit}); err != nil {
+			t.Fatal(err)
+		}
+		if c, err := o.validate(); err != nil || c.dialMark != want {
+			t.Errorf("validate with --dial-mark-bit=%s: got %+v, %v; want dial mark %#x", bit, c, err, want)
+		}
 	}
 }
