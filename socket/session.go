@@ -48,21 +48,26 @@ const (
 const sessionEvents = unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET
 
 // tcpSide is one socket of a session and what the loop knows of it: readable and
-// writable hold until a call finds otherwise; peerDone says an EOF or an error is
-// queued behind any data, so the socket must be read until it shows.
+// writable hold until a call finds otherwise. finQueued says the peer's FIN had
+// arrived when an event was taken: everything before it was queued by then, so a
+// read that comes back short has reached it and the next would return EOF.
+// errQueued says an error (or a hang-up) waits: the socket is read until it shows.
 type tcpSide struct {
-	s                  *tcpSession
-	fd                 int
-	readable, writable bool
-	peerDone           bool
+	s                    *tcpSession
+	fd                   int
+	readable, writable   bool
+	finQueued, errQueued bool
 }
 
 func (sd *tcpSide) handle(_ *loop, ev uint32) {
 	if ev&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 		sd.readable = true
 	}
-	if ev&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
-		sd.peerDone = true
+	if ev&unix.EPOLLRDHUP != 0 {
+		sd.finQueued = true
+	}
+	if ev&unix.EPOLLERR != 0 || ev&(unix.EPOLLHUP|unix.EPOLLRDHUP) == unix.EPOLLHUP {
+		sd.errQueued = true
 	}
 	if ev&(unix.EPOLLOUT|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 		sd.writable = true
@@ -327,7 +332,13 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 			continue
 		case n == len(buf):
 			d.splice = true
-		case !src.peerDone:
+		case src.errQueued:
+			// Read on until the error shows.
+		case src.finQueued:
+			// The short read reached the FIN: no need to read the EOF.
+			src.readable = false
+			d.eof = true
+		default:
 			// A short read took everything queued; the next arrival is a new edge.
 			src.readable = false
 		}
@@ -488,7 +499,8 @@ func (s *tcpSession) closeBackend() {
 	s.l.forget(s.backend.fd)
 	unix.Close(s.backend.fd)
 	s.backend.fd = -1
-	s.backend.readable, s.backend.writable, s.backend.peerDone = false, false, false
+	s.backend.readable, s.backend.writable = false, false
+	s.backend.finQueued, s.backend.errQueued = false, false
 }
 
 // end delivers the connection's record and forgets it.
