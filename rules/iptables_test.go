@@ -102,6 +102,7 @@ func TestSyncWritesExactRestoreInput(t *testing.T) {
 	v6only.ClusterIPs = ips("fd00:96::443")
 
 	NP, NPU := strconv.Itoa(np), strconv.Itoa(npUDP)
+	span := strconv.Itoa(min(np, npUDP)) + ":" + strconv.Itoa(max(np, npUDP))
 	tests := []struct {
 		name    string
 		cfg     Config
@@ -114,6 +115,8 @@ func TestSyncWritesExactRestoreInput(t *testing.T) {
 			portals: []Portal{{web, 40001}, {dns, 40002}},
 			want: [2]string{`*filter
 :UPROXY-NODEPORT-NON-LOCAL - [0:0]
+-A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN
+-A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctorigdstport ` + span + ` -m comment --comment "uproxy NodePorts: not to a NodePort" -j RETURN
 -A UPROXY-NODEPORT-NON-LOCAL -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 40002 -m conntrack --ctstate DNAT --ctorigdstport ` + NPU + ` -j ACCEPT
 -A UPROXY-NODEPORT-NON-LOCAL -p tcp -m comment --comment "shop/web:http" -m tcp --dport 40001 -m conntrack --ctstate DNAT --ctorigdstport ` + NP + ` -j ACCEPT
 COMMIT
@@ -148,6 +151,8 @@ COMMIT
 COMMIT
 `, "UPROXY-", "UP6-"), strings.ReplaceAll(`*filter
 :UPROXY-NODEPORT-NON-LOCAL - [0:0]
+-A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN
+-A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctorigdstport `+NP+` -m comment --comment "uproxy NodePorts: not to a NodePort" -j RETURN
 -A UPROXY-NODEPORT-NON-LOCAL -p tcp -m comment --comment "shop/web:http" -m tcp --dport 40001 -m conntrack --ctstate DNAT --ctorigdstport `+NP+` -j ACCEPT
 COMMIT
 `+natHead+`-A UPROXY-PORTALS-CONTAINER -d fd00:96::443/128 -p tcp -m comment --comment "shop/six" -m tcp --dport 443 -j REDIRECT --to-ports 40003

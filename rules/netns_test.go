@@ -442,3 +442,84 @@ func benchPortals(n, proxyBase int) []Portal {
 	}
 	return out
 }
+
+// BenchmarkNodeDialThroughPortals measures the CPU of one TCP connection opened on
+// the node (connect, accept, close) while 10k portals are programmed: what each of
+// the proxy's dials to an endpoint pays, with its dial mark and without it, and
+// with no portals at all.
+func BenchmarkNodeDialThroughPortals(b *testing.B) {
+	testbed.RequireIPTables(b)
+	tp := testbed.New(b)
+	node := tp.NS(testbed.Node)
+	p, err := NewIPTables(Config{NodeIPs: []netip.Addr{node.IPv4}, DialMark: testDialMark})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ln := tp.Listen(testbed.Node, "tcp", node.IPv4.String()+":0")
+	to := ln.Addr().(*net.TCPAddr).AddrPort()
+	sa := &unix.SockaddrInet4{Addr: to.Addr().As4(), Port: int(to.Port())}
+	lfd, err := ln.(*net.TCPListener).File()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer lfd.Close()
+	unix.SetNonblock(int(lfd.Fd()), false)
+	dial := func(mark int) error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		if mark != 0 {
+			if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, mark); err != nil {
+				return err
+			}
+		}
+		if err := unix.Connect(fd, sa); err != nil {
+			return err
+		}
+		afd, _, err := unix.Accept(int(lfd.Fd()))
+		if err != nil {
+			return err
+		}
+		return unix.Close(afd)
+	}
+	cpu := func() time.Duration {
+		var ru unix.Rusage
+		unix.Getrusage(unix.RUSAGE_SELF, &ru)
+		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	run := func(name string, portals []Portal, mark int) {
+		b.Run(name, func(b *testing.B) {
+			err := tp.Run(testbed.Node, func() error {
+				if err := p.Sync(portals); err != nil {
+					return err
+				}
+				for range 200 { // warm-up: conntrack and routing caches
+					if err := dial(mark); err != nil {
+						return err
+					}
+				}
+				b.ResetTimer()
+				start := cpu()
+				for b.Loop() {
+					if err := dial(mark); err != nil {
+						return err
+					}
+				}
+				b.ReportMetric(float64(cpu()-start)/float64(b.N)/1e3, "cpu-us/conn")
+				return nil
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+	many := benchPortals(10000, 20000)
+	run("portals=10000/unmarked", many, 0)
+	run("portals=10000/dial-mark", many, testDialMark)
+	run("portals=0", nil, 0)
+	if err := tp.Run(testbed.Node, p.Cleanup); err != nil {
+		b.Fatal(err)
+	}
+}

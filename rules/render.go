@@ -88,6 +88,7 @@ func (r *renderer) render(entries []entry) []byte {
 	for _, c := range r.chains.filter() {
 		out = append(out, ":"+c+" - [0:0]\n"...)
 	}
+	out = r.nonLocalGuards(out, entries)
 	out = r.each(out, entries, parts, r.nonLocal)
 	out = append(out, "COMMIT\n*nat\n"...)
 	for _, c := range r.chains.nat() {
@@ -227,6 +228,35 @@ func (r *renderer) nonLocal(b []byte, e *entry, s *ruleParts) []byte {
 	}
 	return append(b, "-A "+r.chains.nodePortNonLocal+s.match+strconv.Itoa(e.proxyPort)+
 		" -m conntrack --ctstate DNAT --ctorigdstport "+strconv.Itoa(e.nodePort)+" -j ACCEPT\n"...)
+}
+
+// nonLocalGuards starts the NON-LOCAL chain, when it has rules, with two RETURNs
+// that let every packet no rule could accept leave at once, rather than trying one
+// rule per NodePort: packets that were not redirected (replies to the proxy's
+// dials, all other traffic to the node) and redirected packets whose original
+// port lies outside the NodePorts' span (ClusterIP traffic to the proxy ports).
+func (r *renderer) nonLocalGuards(out []byte, entries []entry) []byte {
+	lo, hi := 0, 0
+	for i := range entries {
+		e := &entries[i]
+		if !e.families[r.family] || !r.hasNodePort(e) || len(r.nodePortDsts) == 0 {
+			continue
+		}
+		if lo == 0 || e.nodePort < lo {
+			lo = e.nodePort
+		}
+		hi = max(hi, e.nodePort)
+	}
+	if lo == 0 {
+		return out
+	}
+	span := strconv.Itoa(lo)
+	if hi > lo {
+		span += ":" + strconv.Itoa(hi)
+	}
+	chain := "-A " + r.chains.nodePortNonLocal
+	out = append(out, chain+` -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN`+"\n"...)
+	return append(out, chain+" -m conntrack ! --ctorigdstport "+span+` -m comment --comment "uproxy NodePorts: not to a NodePort" -j RETURN`+"\n"...)
 }
 
 // quote double-quotes s for iptables-restore, which understands backslash escapes
