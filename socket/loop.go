@@ -114,9 +114,8 @@ type loop struct {
 func (l *loop) nanotime() int64 { return int64(time.Since(l.base)) }
 
 var loops struct {
-	once sync.Once
+	mu   sync.Mutex
 	all  []*loop
-	err  error
 	next atomic.Uint32
 	// count is how many loops to start; 0 means automatic (see SetEventLoops).
 	count int
@@ -129,31 +128,47 @@ var loops struct {
 // and then on nearly every event, with its monitor thread polling every 20µs. So
 // there is always one P more than loops (GOMAXPROCS is raised if need be), which
 // also runs the control plane.
-func SetEventLoops(n int) { loops.count = n }
+func SetEventLoops(n int) {
+	loops.mu.Lock()
+	loops.count = n
+	loops.mu.Unlock()
+}
 
 // eventLoops starts the process's event loops on first use and returns them.
 func eventLoops() ([]*loop, error) {
-	loops.once.Do(func() {
-		n := loops.count
-		if n <= 0 {
-			n = max(1, runtime.GOMAXPROCS(0)-1)
-		}
-		// Keep a P beyond the loops' (see SetEventLoops).
-		if runtime.GOMAXPROCS(0) < n+1 {
-			runtime.GOMAXPROCS(n + 1)
-		}
-		klog.V(1).InfoS("Starting event loops", "loops", n, "gomaxprocs", runtime.GOMAXPROCS(0))
-		for range n {
-			l, err := newLoop()
-			if err != nil {
-				loops.err = err
-				return
+	loops.mu.Lock()
+	defer loops.mu.Unlock()
+	if loops.all != nil {
+		return loops.all, nil
+	}
+	n := loops.count
+	if n <= 0 {
+		n = max(1, runtime.GOMAXPROCS(0)-1)
+	}
+	// All or none: a failure (out of descriptors, say) is not remembered, so a
+	// later Serve tries again.
+	all := make([]*loop, 0, n)
+	for range n {
+		l, err := newLoop()
+		if err != nil {
+			for _, l := range all {
+				unix.Close(l.epfd)
+				unix.Close(l.wake)
 			}
-			loops.all = append(loops.all, l)
-			go l.run()
+			return nil, fmt.Errorf("start event loops: %w", err)
 		}
-	})
-	return loops.all, loops.err
+		all = append(all, l)
+	}
+	// Keep a P beyond the loops' (see SetEventLoops).
+	if runtime.GOMAXPROCS(0) < n+1 {
+		runtime.GOMAXPROCS(n + 1)
+	}
+	klog.V(1).InfoS("Starting event loops", "loops", n, "gomaxprocs", runtime.GOMAXPROCS(0))
+	for _, l := range all {
+		go l.run()
+	}
+	loops.all = all
+	return all, nil
 }
 
 func newLoop() (*loop, error) {
