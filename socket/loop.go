@@ -13,13 +13,14 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// The TCP data path runs on event loops rather than on goroutines per connection.
-// Each loop is one goroutine, blocked in epoll_wait on its own epoll set (its
-// thread blocks with it, as in any system call): it accepts, dials without
-// blocking, moves bytes and runs the dial timers of the connections it accepted. A connection then
-// costs no goroutine, no stack and no scheduler round trip per readiness event, and
-// none of the setup Go's net package does per socket (local and peer address
-// lookups, its own poller registration, keepalive and TCP_NODELAY per socket).
+// The data path (TCP connections and UDP flows) runs on event loops rather than on
+// goroutines per connection. Each loop is one goroutine, blocked in epoll_wait on
+// its own epoll set (its thread blocks with it, as in any system call): it accepts,
+// dials without blocking, moves bytes and runs the timers of the connections it
+// accepted. A connection then costs no goroutine, no stack and no scheduler round
+// trip per readiness event, and none of the setup Go's net package does per socket
+// (local and peer address lookups, its own poller registration, keepalive and
+// TCP_NODELAY per socket).
 //
 // Sockets are registered edge-triggered for input and output at once, so nothing
 // is ever re-armed; a handler remembers which side is readable or writable until a
@@ -245,10 +246,15 @@ func (l *loop) forget(fd int) {
 	}
 }
 
+// armed reports whether t is in the loop's heap.
+func (l *loop) armed(t *timer) bool {
+	return t.index >= 0 && t.index < len(l.timers) && l.timers[t.index] == t
+}
+
 // schedule arms t to expire after d, replacing any earlier schedule.
 func (l *loop) schedule(t *timer, d time.Duration) {
 	t.when = l.nanotime() + int64(d)
-	if t.index >= 0 && t.index < len(l.timers) && l.timers[t.index] == t {
+	if l.armed(t) {
 		heap.Fix(&l.timers, t.index)
 		return
 	}
@@ -257,10 +263,70 @@ func (l *loop) schedule(t *timer, d time.Duration) {
 
 // cancel disarms t if it is armed.
 func (l *loop) cancel(t *timer) {
-	if t.index >= 0 && t.index < len(l.timers) && l.timers[t.index] == t {
+	if l.armed(t) {
 		heap.Remove(&l.timers, t.index)
 	}
 	t.index = -1
+}
+
+// backoffWatch is a socket one loop watches that stops being watched for a while
+// after a temporary error (out of descriptors, buffers or memory): the socket stays
+// ready, and handling it at once would spin on the same error. Its owner embeds it,
+// handles its events and is its timer's target; the owner's expire calls resume.
+type backoffWatch struct {
+	fd      int
+	events  uint32
+	watched bool
+	delay   time.Duration // the current backoff; reset (0) after a success
+	t       timer
+}
+
+func newBackoffWatch(fd int, events uint32, owner timerTarget) backoffWatch {
+	return backoffWatch{fd: fd, events: events, t: timer{index: -1, target: owner}}
+}
+
+// watch registers the socket with h, the owner.
+func (w *backoffWatch) watch(l *loop, h handler) error {
+	if err := l.watch(w.fd, h, w.events); err != nil {
+		return err
+	}
+	w.watched = true
+	return nil
+}
+
+// unwatch takes the socket out of the epoll set (it stays open).
+func (w *backoffWatch) unwatch(l *loop) {
+	if w.watched {
+		l.unwatch(w.fd)
+		w.watched = false
+	}
+}
+
+// backoff stops watching for the next, doubled delay, counts it in AcceptBackoffs
+// and returns the delay.
+func (w *backoffWatch) backoff(l *loop) time.Duration {
+	w.delay = nextBackoff(w.delay)
+	acceptBackoffs.Add(1)
+	w.unwatch(l)
+	l.schedule(&w.t, w.delay)
+	return w.delay
+}
+
+// resume ends a backoff: the socket is watched again, which reports it at once if
+// it is ready (or, failing that, the backoff runs once more).
+func (w *backoffWatch) resume(l *loop, h handler) {
+	if w.watched {
+		return
+	}
+	if w.watch(l, h) != nil {
+		l.schedule(&w.t, w.delay)
+	}
+}
+
+// stop unwatches the socket and cancels any backoff.
+func (w *backoffWatch) stop(l *loop) {
+	w.unwatch(l)
+	l.cancel(&w.t)
 }
 
 // waitMillis is epoll_wait's timeout: until the next timer, rounded up, or forever.

@@ -2,7 +2,6 @@ package socket
 
 import (
 	"errors"
-	"net/netip"
 	"os"
 	"testing"
 
@@ -102,8 +101,8 @@ func TestDialMark(t *testing.T) {
 	}
 	defer unix.Close(l.epfd)
 	defer unix.Close(l.wake)
-	for _, dial := range []func(netip.AddrPort) (int, error){l.connect, l.connectUDP} {
-		fd, err := dial(backend.addr)
+	for _, sotype := range []int{unix.SOCK_STREAM, unix.SOCK_DGRAM} {
+		fd, err := l.dial(backend.addr, sotype)
 		if err != nil {
 			t.Fatal(err)
 		}

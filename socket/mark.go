@@ -28,20 +28,20 @@ func SetDialMark(mark uint32) error {
 			return os.NewSyscallError("socket", err)
 		}
 		defer unix.Close(fd)
-		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(mark)); err != nil {
-			return fmt.Errorf("set SO_MARK %#x on backend sockets: %w", mark, os.NewSyscallError("setsockopt", err))
+		if err := setMark(fd, mark); err != nil {
+			return fmt.Errorf("set SO_MARK %#x on backend sockets: %w", mark, err)
 		}
 	}
 	dialMark = mark
 	return nil
 }
 
-// markDial puts the dial mark on a backend socket.
-func markDial(fd int) error {
-	if dialMark == 0 {
+// setMark puts mark (if any) on socket fd.
+func setMark(fd int, mark uint32) error {
+	if mark == 0 {
 		return nil
 	}
-	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(dialMark)); err != nil {
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(mark)); err != nil {
 		return os.NewSyscallError("setsockopt", err)
 	}
 	return nil

@@ -21,9 +21,8 @@ type tcpSession struct {
 	up, down tcpDirection
 	state    sessionState
 
-	// Dialing: the attempt in flight (attempt counts those begun), when it began, and
-	// its timeout.
-	attempt      int
+	// Dialing: when the attempt in flight began, and its timeout. (Attempts begun
+	// before it are in rec.Attempts.)
 	attemptStart time.Time
 	dialTimer    timer
 
@@ -134,7 +133,8 @@ func (s *tcpSession) dialNext(lastErr error) {
 	p := s.p
 	timeouts := p.dialTimeouts()
 	clientIP := s.rec.Client.Addr().Unmap()
-	for s.attempt < len(timeouts) && s.err == nil {
+	for len(s.rec.Attempts) < len(timeouts) && s.err == nil {
+		timeout := timeouts[len(s.rec.Attempts)]
 		tried := s.tried[:0]
 		for _, a := range s.rec.Attempts {
 			tried = append(tried, a.Endpoint)
@@ -149,14 +149,13 @@ func (s *tcpSession) dialNext(lastErr error) {
 			s.abort(err)
 			return
 		}
-		s.attempt++
 		s.attemptStart = time.Now()
 		s.rec.Endpoint = ep
-		fd, err := s.l.connect(ep)
+		fd, err := s.l.dial(ep, unix.SOCK_STREAM)
 		if err == nil {
 			s.backend.fd = fd
 			if err = s.l.watch(fd, &s.backend, sessionEvents); err == nil {
-				s.l.schedule(&s.dialTimer, timeouts[s.attempt-1])
+				s.l.schedule(&s.dialTimer, timeout)
 				return
 			}
 			s.backend.fd = -1
@@ -169,19 +168,23 @@ func (s *tcpSession) dialNext(lastErr error) {
 	}
 }
 
-// connect opens a non-blocking socket to ep and starts connecting it. A nil error
-// means the connect is in progress (or done): the socket's first output event ends it.
-func (l *loop) connect(ep netip.AddrPort) (int, error) {
+// dial opens a non-blocking socket of sotype (SOCK_STREAM or SOCK_DGRAM) to ep,
+// with the dial mark, and connects it. A TCP socket also gets TCP_NODELAY, and a
+// nil error means its connect is in progress (or done): the socket's first output
+// event ends it. A UDP connect only sets the peer.
+func (l *loop) dial(ep netip.AddrPort, sotype int) (int, error) {
 	family, sa := l.sockaddr(ep)
-	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	fd, err := unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
 	}
-	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
-		unix.Close(fd)
-		return -1, os.NewSyscallError("setsockopt", err)
+	if sotype == unix.SOCK_STREAM {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+			unix.Close(fd)
+			return -1, os.NewSyscallError("setsockopt", err)
+		}
 	}
-	if err := markDial(fd); err != nil {
+	if err := setMark(fd, dialMark); err != nil {
 		unix.Close(fd)
 		return -1, err
 	}
@@ -191,7 +194,7 @@ func (l *loop) connect(ep netip.AddrPort) (int, error) {
 			break
 		}
 	}
-	if err != nil && err != unix.EINPROGRESS {
+	if err != nil && !(err == unix.EINPROGRESS && sotype == unix.SOCK_STREAM) {
 		unix.Close(fd)
 		return -1, os.NewSyscallError("connect", err)
 	}

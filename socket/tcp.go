@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -184,10 +186,7 @@ func (p *TCPProxy) Close() error {
 		return nil
 	}
 	p.closed = true
-	lns := make([]*tcpListener, 0, len(p.listeners))
-	for ln := range p.listeners {
-		lns = append(lns, ln)
-	}
+	lns := slices.Collect(maps.Keys(p.listeners))
 	p.checkDrainedLocked()
 	p.mu.Unlock()
 
@@ -247,10 +246,9 @@ type tcpListener struct {
 
 // listenHandle is a listener's presence on one loop, with that loop's accept backoff.
 type listenHandle struct {
-	ln      *tcpListener
-	delay   time.Duration
-	watched bool
-	t       timer
+	ln *tcpListener
+	l  *loop
+	backoffWatch
 }
 
 const listenEvents = unix.EPOLLIN | unix.EPOLLEXCLUSIVE
@@ -262,15 +260,11 @@ func (tl *tcpListener) register(all []*loop) {
 		return
 	}
 	for _, l := range all {
-		h := &listenHandle{ln: tl}
-		h.t = timer{index: -1, target: h}
+		h := &listenHandle{ln: tl, l: l}
+		h.backoffWatch = newBackoffWatch(tl.fd, listenEvents, h)
 		tl.handles = append(tl.handles, h)
 		var err error
-		l.postWait(func(l *loop) {
-			if err = l.watch(tl.fd, h, listenEvents); err == nil {
-				h.watched = true
-			}
-		})
+		l.postWait(func(l *loop) { err = h.watch(l, h) })
 		if err != nil {
 			tl.err = err
 			go tl.close()
@@ -290,15 +284,8 @@ func (tl *tcpListener) close() error {
 	}
 	tl.closing = true
 	tl.mu.Unlock()
-	all, _ := eventLoops()
-	for i, h := range tl.handles {
-		all[i].postWait(func(l *loop) {
-			if h.watched {
-				l.unwatch(tl.fd)
-				h.watched = false
-			}
-			l.cancel(&h.t)
-		})
+	for _, h := range tl.handles {
+		h.l.postWait(h.stop)
 	}
 	err := unix.Close(tl.fd)
 	close(tl.done)
@@ -330,10 +317,7 @@ func (h *listenHandle) handle(l *loop, _ uint32) {
 			return
 		}
 		// The socket itself is broken: Serve reports it.
-		if h.watched {
-			l.unwatch(tl.fd)
-			h.watched = false
-		}
+		h.unwatch(l)
 		tl.mu.Lock()
 		if tl.err == nil {
 			tl.err = os.NewSyscallError("accept4", err)
@@ -347,34 +331,22 @@ func (h *listenHandle) handle(l *loop, _ uint32) {
 // backoff stops accepting on this loop for a while after a temporary error: the
 // listener stays readable, and accepting at once would spin on the same error.
 func (h *listenHandle) backoff(l *loop, err error) {
-	h.delay = nextBackoff(h.delay)
-	acceptBackoffs.Add(1)
+	delay := h.backoffWatch.backoff(l)
 	if f := h.ln.p.acceptBackoff; f != nil {
-		f(os.NewSyscallError("accept4", err), h.delay)
+		f(os.NewSyscallError("accept4", err), delay)
 	} else {
-		klog.ErrorS(err, "Accept failed, backing off", "service", h.ln.p.Service, "delay", h.delay)
+		klog.ErrorS(err, "Accept failed, backing off", "service", h.ln.p.Service, "delay", delay)
 	}
-	if h.watched {
-		l.unwatch(h.ln.fd)
-		h.watched = false
-	}
-	l.schedule(&h.t, h.delay)
 }
 
-// expire ends a backoff: the listener is watched again (unless it is closing, in
-// which case close cancels nothing more and closes it).
+// expire ends a backoff: the listener is watched again, unless it is closing.
 func (h *listenHandle) expire(l *loop) {
 	h.ln.mu.Lock()
 	closing := h.ln.closing
 	h.ln.mu.Unlock()
-	if closing || h.watched {
-		return
+	if !closing {
+		h.resume(l, h)
 	}
-	if err := l.watch(h.ln.fd, h, listenEvents); err != nil {
-		l.schedule(&h.t, h.delay)
-		return
-	}
-	h.watched = true
 }
 
 // accept takes one connection from the listening socket lfd, non-blocking, and

@@ -3,9 +3,11 @@ package socket
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -99,16 +101,13 @@ func (p *UDPProxy) maxClients() int {
 // udpSocket is one Service socket of a UDPProxy.
 type udpSocket struct {
 	p    *UDPProxy
-	fd   int
 	addr string
 	// done is closed once the socket is out of the loop and closed; err (set before)
 	// is why reading stopped for good, nil after Close.
 	done    chan struct{}
 	err     error
-	watched bool
 	stopped bool
-	delay   time.Duration
-	t       timer
+	backoffWatch
 }
 
 // Serve forwards the datagrams of the Service's socket conn to each client's
@@ -124,12 +123,11 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 	// Replies must leave from the address each client wrote to (see pktinfo.go).
 	enablePktinfo(conn)
 	s := &udpSocket{p: p, addr: conn.LocalAddr().String(), done: make(chan struct{})}
-	s.t = timer{index: -1, target: s}
 	fd, err := takeFD(conn)
 	if err != nil {
 		return fmt.Errorf("serve %s: %w", p.Service, err)
 	}
-	s.fd = fd
+	s.backoffWatch = newBackoffWatch(fd, unix.EPOLLIN|unix.EPOLLET, s)
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
@@ -142,11 +140,9 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 		if s.stopped {
 			return
 		}
-		if err := l.watch(fd, s, unix.EPOLLIN|unix.EPOLLET); err != nil {
+		if err := s.watch(l, s); err != nil {
 			s.stop(l, err)
-			return
 		}
-		s.watched = true
 	})
 	<-s.done
 	p.mu.Lock()
@@ -208,26 +204,15 @@ func (s *udpSocket) handle(l *loop, _ uint32) {
 
 // backoff stops reading for a while after a temporary error (see TCP's accept).
 func (s *udpSocket) backoff(l *loop, err error) {
-	s.delay = nextBackoff(s.delay)
-	acceptBackoffs.Add(1)
-	klog.ErrorS(err, "UDP read failed, backing off", "service", s.p.Service, "delay", s.delay)
-	if s.watched {
-		l.unwatch(s.fd)
-		s.watched = false
-	}
-	l.schedule(&s.t, s.delay)
+	delay := s.backoffWatch.backoff(l)
+	klog.ErrorS(err, "UDP read failed, backing off", "service", s.p.Service, "delay", delay)
 }
 
-// expire ends a backoff: watching again reports the socket at once if it is readable.
+// expire ends a backoff unless the socket has stopped.
 func (s *udpSocket) expire(l *loop) {
-	if s.stopped || s.watched {
-		return
+	if !s.stopped {
+		s.resume(l, s)
 	}
-	if err := l.watch(s.fd, s, unix.EPOLLIN|unix.EPOLLET); err != nil {
-		l.schedule(&s.t, s.delay)
-		return
-	}
-	s.watched = true
 }
 
 // stop closes the socket, ends the clients whose replies leave by it and lets Serve
@@ -238,8 +223,7 @@ func (s *udpSocket) stop(l *loop, err error) {
 	}
 	s.stopped = true
 	s.err = err
-	l.cancel(&s.t)
-	l.forget(s.fd)
+	s.backoffWatch.stop(l)
 	unix.Close(s.fd)
 	for _, c := range s.p.clients {
 		if c.svc == s {
@@ -303,7 +287,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		return nil
 	}
 	start := time.Now()
-	fd, err := l.connectUDP(ep)
+	fd, err := l.dial(ep, unix.SOCK_DGRAM)
 	if err == nil {
 		if err = l.watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
 			unix.Close(fd)
@@ -329,25 +313,6 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	p.clients[client] = c
 	p.mu.Unlock()
 	return c
-}
-
-// connectUDP opens a non-blocking UDP socket connected to ep (a UDP connect only
-// sets the peer; nothing goes on the network).
-func (l *loop) connectUDP(ep netip.AddrPort) (int, error) {
-	family, sa := l.sockaddr(ep)
-	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return -1, os.NewSyscallError("socket", err)
-	}
-	if err := markDial(fd); err != nil {
-		unix.Close(fd)
-		return -1, err
-	}
-	if err := unix.Connect(fd, sa); err != nil {
-		unix.Close(fd)
-		return -1, os.NewSyscallError("connect", err)
-	}
-	return fd, nil
 }
 
 // sockaddrOf converts a client's address for sendmsg, once per entry.
@@ -378,10 +343,7 @@ func (p *UDPProxy) Close() error {
 		return nil
 	}
 	p.closed = true
-	sockets := make([]*udpSocket, 0, len(p.sockets))
-	for s := range p.sockets {
-		sockets = append(sockets, s)
-	}
+	sockets := slices.Collect(maps.Keys(p.sockets))
 	p.mu.Unlock()
 	if p.l == nil {
 		return nil
