@@ -197,6 +197,10 @@ func (r *renderer) portals(b []byte, e *entry, s *ruleParts, chain, externalMatc
 
 func (r *renderer) hasNodePort(e *entry) bool { return e.nodePort != 0 && e.nodePortHeld[r.family] }
 
+// acceptsNonLocal reports whether e has a NON-LOCAL rule: a NodePort that some
+// address of the family serves.
+func (r *renderer) acceptsNonLocal(e *entry) bool { return r.hasNodePort(e) && len(r.nodePortDsts) > 0 }
+
 // nodePortContainer writes e's PREROUTING NodePort rules: REDIRECT.
 func (r *renderer) nodePortContainer(b []byte, e *entry, s *ruleParts) []byte {
 	if !r.hasNodePort(e) {
@@ -223,7 +227,7 @@ func (r *renderer) nodePortHost(b []byte, e *entry, s *ruleParts) []byte {
 // redirected (REDIRECT counts as DNAT for conntrack), so the proxy port itself
 // is not opened to the network.
 func (r *renderer) nonLocal(b []byte, e *entry, s *ruleParts) []byte {
-	if !r.hasNodePort(e) || len(r.nodePortDsts) == 0 {
+	if !r.acceptsNonLocal(e) {
 		return b
 	}
 	return append(b, "-A "+r.chains.nodePortNonLocal+s.match+strconv.Itoa(e.proxyPort)+
@@ -239,7 +243,7 @@ func (r *renderer) nonLocalGuards(out []byte, entries []entry) []byte {
 	lo, hi := 0, 0
 	for i := range entries {
 		e := &entries[i]
-		if !e.families[r.family] || !r.hasNodePort(e) || len(r.nodePortDsts) == 0 {
+		if !e.families[r.family] || !r.acceptsNonLocal(e) {
 			continue
 		}
 		if lo == 0 || e.nodePort < lo {
