@@ -13,6 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/service"
 )
 
 // ServiceState is the /debug/services view of one Service port.
@@ -50,8 +52,32 @@ type Choice struct {
 	Reason   string `json:"reason"`
 }
 
-// AddrStrings formats addresses for a ServiceState (never nil, so JSON shows []).
-func AddrStrings(addrs []netip.Addr) []string {
+// PortState starts the ServiceState of port, as every mode shows it: names,
+// addresses, ports, affinity and scheduler, with empty (not null) endpoint and
+// affinity lists for the mode to fill.
+func PortState(port *service.Port, scheduler string) ServiceState {
+	st := ServiceState{
+		Name:            port.Name.String(),
+		Protocol:        string(port.Protocol),
+		ClusterIPs:      addrStrings(port.ClusterIPs),
+		ExternalIPs:     addrStrings(port.ExternalIPs),
+		LoadBalancerIPs: addrStrings(port.LoadBalancerIPs),
+		Port:            port.Port,
+		NodePort:        port.NodePort,
+		SessionAffinity: "None",
+		Scheduler:       scheduler,
+		Endpoints:       []EndpointState{},
+		Affinity:        []AffinityEntry{},
+	}
+	if port.AffinityClientIP {
+		st.SessionAffinity = "ClientIP"
+		st.AffinityTimeout = int(port.AffinityTimeout / time.Second)
+	}
+	return st
+}
+
+// addrStrings formats addresses for a ServiceState (never nil, so JSON shows []).
+func addrStrings(addrs []netip.Addr) []string {
 	out := make([]string, len(addrs))
 	for i, a := range addrs {
 		out[i] = a.String()

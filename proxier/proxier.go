@@ -463,24 +463,8 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 
 func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	port := sp.port
-	st := observe.ServiceState{
-		Name:            port.Name.String(),
-		Protocol:        string(port.Protocol),
-		ClusterIPs:      observe.AddrStrings(port.ClusterIPs),
-		ExternalIPs:     observe.AddrStrings(port.ExternalIPs),
-		LoadBalancerIPs: observe.AddrStrings(port.LoadBalancerIPs),
-		Port:            port.Port,
-		NodePort:        port.NodePort,
-		ProxyPort:       sp.proxyPort,
-		SessionAffinity: "None",
-		Scheduler:       p.cfg.Scheduler,
-		Endpoints:       []observe.EndpointState{},
-		Affinity:        []observe.AffinityEntry{},
-	}
-	if port.AffinityClientIP {
-		st.SessionAffinity = "ClientIP"
-		st.AffinityTimeout = int(port.AffinityTimeout / time.Second)
-	}
+	st := observe.PortState(port, p.cfg.Scheduler)
+	st.ProxyPort = sp.proxyPort
 	if sp.udp != nil {
 		st.ActiveClients = sp.udp.Clients()
 	}

@@ -429,23 +429,7 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 	}
 	out := make([]observe.ServiceState, 0, len(s.Ports))
 	for _, sp := range s.Ports {
-		st := observe.ServiceState{
-			Name:            sp.Name.String(),
-			Protocol:        string(sp.Protocol),
-			ClusterIPs:      observe.AddrStrings(sp.ClusterIPs),
-			ExternalIPs:     observe.AddrStrings(sp.ExternalIPs),
-			LoadBalancerIPs: observe.AddrStrings(sp.LoadBalancerIPs),
-			Port:            sp.Port,
-			NodePort:        sp.NodePort,
-			SessionAffinity: "None",
-			Scheduler:       "random",
-			Endpoints:       []observe.EndpointState{},
-			Affinity:        []observe.AffinityEntry{},
-		}
-		if sp.AffinityClientIP {
-			st.SessionAffinity = "ClientIP"
-			st.AffinityTimeout = int(sp.AffinityTimeout.Seconds())
-		}
+		st := observe.PortState(sp, "random")
 		for _, e := range sp.Endpoints {
 			ep := netip.AddrPortFrom(e.Addr.Addr().Unmap(), e.Addr.Port())
 			c := counters[counted{portKey{sp.Name, sp.Protocol}, ep}]

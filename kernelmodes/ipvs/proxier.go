@@ -592,23 +592,7 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 	}
 	out := make([]observe.ServiceState, 0, len(p.last.Ports))
 	for _, sp := range p.last.Ports {
-		st := observe.ServiceState{
-			Name:            sp.Name.String(),
-			Protocol:        string(sp.Protocol),
-			ClusterIPs:      observe.AddrStrings(sp.ClusterIPs),
-			ExternalIPs:     observe.AddrStrings(sp.ExternalIPs),
-			LoadBalancerIPs: observe.AddrStrings(sp.LoadBalancerIPs),
-			Port:            sp.Port,
-			NodePort:        sp.NodePort,
-			SessionAffinity: "None",
-			Scheduler:       p.sched,
-			Endpoints:       []observe.EndpointState{},
-			Affinity:        []observe.AffinityEntry{},
-		}
-		if sp.AffinityClientIP {
-			st.SessionAffinity = "ClientIP"
-			st.AffinityTimeout = int(sp.AffinityTimeout.Seconds())
-		}
+		st := observe.PortState(sp, p.sched)
 		active := map[netip.AddrPort]int{}
 		programmed := map[netip.AddrPort]bool{}
 		for _, k := range p.byPort[sp.Name] {
