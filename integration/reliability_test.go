@@ -28,18 +28,29 @@ import (
 // backoffLine matches the accept loop's backoff log line and captures its delay.
 var backoffLine = regexp.MustCompile(`"Accept failed, backing off".*delay="([^"]+)"`)
 
+// Two limits of different parity: each proxied connection takes two descriptors,
+// so one limit runs out at accept and the other at the backend socket of a
+// connection just accepted. Both must back off.
 func TestOverloadUnderTinyFileLimit(t *testing.T) {
+	for _, limit := range []int{24, 25} {
+		t.Run(fmt.Sprintf("limit %d", limit), func(t *testing.T) { overloadUnderFileLimit(t, limit) })
+	}
+}
+
+func overloadUnderFileLimit(t *testing.T, limit int) {
 	tp := testbed.New(t)
 	pod := tp.NS(testbed.Pod)
 	ln := echoTCP(t, tp, testbed.Pod, pod.IPv4.String()+":0")
+	ln2 := echoTCP(t, tp, testbed.Pod, pod.IPv4.String()+":0")
 	manifests := svc{name: "web", proto: "TCP", clusterIPs: []string{"10.96.0.10"}, port: 80,
-		endpoints: []string{pod.IPv4.String()}, endpointPorts: []int{ln.Addr().(*net.TCPAddr).Port}}.yaml()
+		endpoints:     []string{pod.IPv4.String(), pod.IPv4.String()},
+		endpointPorts: []int{ln.Addr().(*net.TCPAddr).Port, ln2.Addr().(*net.TCPAddr).Port}}.yaml()
 	// An idle uproxy holds about a dozen descriptors: 24 leaves room for a few
 	// proxied connections (two sockets each, plus splice pipes) and no more.
 	px := runUproxy(t, tp, manifests, launch{want: 1,
-		wrapper: []string{"prlimit", "--nofile=24:24", "--"},
-		flags:   []string{"--rules", "iptables"}})
-	if want := `"Open file limit (RLIMIT_NOFILE)" soft="24" hard="24"`; !strings.Contains(px.logText(), want) {
+		wrapper: []string{"prlimit", fmt.Sprintf("--nofile=%d:%d", limit, limit), "--"},
+		flags:   []string{"--rules", "iptables", "--eject-after", "1"}})
+	if want := fmt.Sprintf(`"Open file limit (RLIMIT_NOFILE)" soft="%d" hard="%d"`, limit, limit); !strings.Contains(px.logText(), want) {
 		t.Errorf("log lacks %s", want)
 	}
 	if err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 4096); err != nil {
@@ -101,6 +112,11 @@ func TestOverloadUnderTinyFileLimit(t *testing.T) {
 	if !strings.Contains(px.logText(), "too many open files") {
 		t.Errorf("log does not name EMFILE (too many open files) as the cause")
 	}
+	// The node ran short, not the endpoints: a dial that could not make its
+	// socket is no failure of its endpoint, which stays in rotation.
+	if strings.Contains(px.logText(), `"Ejected endpoint"`) {
+		t.Errorf("an endpoint was ejected for the node's shortage:\n%s", tail(px.logText(), 20))
+	}
 
 	// Load drops: the proxy serves again.
 	for _, c := range held {
@@ -114,7 +130,7 @@ func TestOverloadUnderTinyFileLimit(t *testing.T) {
 			t.Fatalf("connection %d after recovery: %v", i, err)
 		}
 	}
-	t.Logf("overload of %d clients under a limit of 24 descriptors: %v; %d accept backoffs logged", clients, outcomes, len(matches))
+	t.Logf("overload of %d clients under a limit of %d descriptors: %v; %d accept backoffs logged", clients, limit, outcomes, len(matches))
 }
 
 func isReset(err error) bool {

@@ -32,26 +32,21 @@ func nextBackoff(prev time.Duration) time.Duration {
 	return min(2*prev, maxBackoff)
 }
 
-// isTemporary reports whether a socket error is a shortage that may go away: out of
-// file descriptors (process or system), buffers or memory, or a connection the client
-// aborted before it was accepted.
+// isTemporary reports whether an accept or read error may go away by itself: a
+// shortage (see isShortage), or a connection the client aborted before it was
+// accepted.
 func isTemporary(err error) bool {
-	for _, e := range [...]syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.ECONNABORTED} {
+	return isShortage(err) || errors.Is(err, syscall.ECONNABORTED)
+}
+
+// isShortage reports whether err says the process or the kernel ran short of file
+// descriptors (process or system), buffers or memory. Nobody else is at fault: a
+// dial that fails so says nothing about the endpoint.
+func isShortage(err error) bool {
+	for _, e := range [...]syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM} {
 		if errors.Is(err, e) {
 			return true
 		}
 	}
 	return false
-}
-
-// sleep waits for d or until stop is closed; it reports whether the full wait elapsed.
-func sleep(d time.Duration, stop <-chan struct{}) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-stop:
-		return false
-	}
 }

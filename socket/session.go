@@ -27,7 +27,9 @@ type tcpSession struct {
 	dialTimer    timer
 
 	err error // why the session was aborted
-	rec Conn
+	// shortage is set when a dial found the node short of sockets (see isShortage).
+	shortage error
+	rec      Conn
 
 	// Inline storage for the common case of at most four attempts.
 	tried    [4]netip.AddrPort
@@ -103,8 +105,9 @@ func (d *tcpDirection) flushed() bool {
 }
 
 // newSession starts proxying the accepted socket fd: it registers it and begins
-// the first dial.
-func newSession(l *loop, p *TCPProxy, fd int, client netip.AddrPort) {
+// the first dial. It returns the error of a first dial that found the node short
+// of sockets: the accept loop then backs off as if accept had failed.
+func newSession(l *loop, p *TCPProxy, fd int, client netip.AddrPort) error {
 	s := &tcpSession{p: p, l: l}
 	// A new connection's send buffer is empty.
 	s.client = tcpSide{s: s, fd: fd, writable: true}
@@ -114,16 +117,17 @@ func newSession(l *loop, p *TCPProxy, fd int, client netip.AddrPort) {
 	s.rec.Attempts = s.attempts[:0]
 	if !p.track(s) {
 		resetFD(fd)
-		return
+		return nil
 	}
 	p.observer().ConnOpened(p.Service, "TCP")
 	if err := l.watch(fd, &s.client, sessionEvents); err != nil {
 		s.client.fd = -1
 		resetFD(fd)
 		s.end(err)
-		return
+		return nil
 	}
 	s.dialNext(nil)
+	return s.shortage
 }
 
 // dialNext begins the next dial attempt, and goes on to the one after at once when
@@ -161,7 +165,17 @@ func (s *tcpSession) dialNext(lastErr error) {
 			s.backend.fd = -1
 			unix.Close(fd)
 		}
-		lastErr = s.attemptFailed(dialError(ep, err))
+		err = dialError(ep, err)
+		if isShortage(err) {
+			// Not the endpoint's failure: every other would fail alike. Nothing
+			// is counted against it; the client is reset.
+			p.Picker.Release(ep)
+			s.rec.Endpoint = netip.AddrPort{}
+			s.shortage = err
+			s.abort(err)
+			return
+		}
+		lastErr = s.attemptFailed(err)
 	}
 	if s.err == nil {
 		s.abort(fmt.Errorf("%d dial attempts failed, last: %w", len(s.rec.Attempts), lastErr))

@@ -305,15 +305,20 @@ func (h *listenHandle) handle(l *loop, _ uint32) {
 		fd, client, err := l.accept(tl.fd)
 		switch {
 		case err == nil:
+			if err := newSession(l, tl.p, fd, client); err != nil {
+				// Out of sockets for the backend: accepting more would only
+				// reset them too.
+				h.backoff(l, err)
+				return
+			}
 			h.delay = 0
-			newSession(l, tl.p, fd, client)
 			continue
 		case err == unix.EAGAIN:
 			return
 		case err == unix.EINTR:
 			continue
 		case isTemporary(err):
-			h.backoff(l, err)
+			h.backoff(l, os.NewSyscallError("accept4", err))
 			return
 		}
 		// The socket itself is broken: Serve reports it.
@@ -328,12 +333,13 @@ func (h *listenHandle) handle(l *loop, _ uint32) {
 	}
 }
 
-// backoff stops accepting on this loop for a while after a temporary error: the
-// listener stays readable, and accepting at once would spin on the same error.
+// backoff stops accepting on this loop for a while after a temporary error of
+// accept, or a shortage that failed an accepted connection's dial: the listener
+// stays readable, and accepting at once would meet the same error.
 func (h *listenHandle) backoff(l *loop, err error) {
 	delay := h.backoffWatch.backoff(l)
 	if f := h.ln.p.acceptBackoff; f != nil {
-		f(os.NewSyscallError("accept4", err), delay)
+		f(err, delay)
 	} else {
 		klog.ErrorS(err, "Accept failed, backing off", "service", h.ln.p.Service, "delay", delay)
 	}

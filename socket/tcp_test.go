@@ -878,48 +878,8 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Leave the process no file descriptor: lower the limit to the highest open
-	// one, then fill every gap below it. No garbage collection meanwhile: its
-	// finalizers close descriptors (pooled splice pipes) that accept would take.
-	defer debug.SetGCPercent(debug.SetGCPercent(-1))
-	runtime.GC()
-	var orig unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &orig); err != nil {
-		t.Fatal(err)
-	}
-	lowered := orig
-	lowered.Cur = uint64(highestFD(t) + 1)
-	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lowered); err != nil {
-		t.Fatal(err)
-	}
-	var fillers []int
-	var restoreOnce sync.Once
-	restore := func() {
-		restoreOnce.Do(func() {
-			for _, fd := range fillers {
-				unix.Close(fd)
-			}
-			if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &orig); err != nil {
-				t.Errorf("restore RLIMIT_NOFILE: %v", err)
-			}
-		})
-	}
-	t.Cleanup(restore)
-	// fill takes every free descriptor; it runs again while waiting in case
-	// something closes one.
-	fill := func() {
-		for {
-			fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-			if err != nil {
-				if !errors.Is(err, unix.EMFILE) {
-					t.Fatalf("fill descriptors: got %v, want EMFILE eventually", err)
-				}
-				return
-			}
-			fillers = append(fillers, fd)
-		}
-	}
-	fill()
+	st := starveDescriptors(t)
+	st.fill()
 	if err := unix.Connect(clientFD, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
 		unix.Close(clientFD)
 		t.Fatalf("connect client: %v", err)
@@ -927,12 +887,12 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 
 	const backoffs = 4
 	await(t, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
-		fill()
+		st.take()
 		mu.Lock()
 		defer mu.Unlock()
 		return len(delays) >= backoffs
 	})
-	restore()
+	st.restore()
 
 	f := os.NewFile(uintptr(clientFD), "client")
 	fc, err := net.FileConn(f)
@@ -960,6 +920,175 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	}
 	mu.Unlock()
 	client.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), awaitTimeout)
+	defer cancel()
+	if err := p.Shutdown(ctx); err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if err := <-served; err != nil {
+		t.Errorf("Serve: got %v, want nil", err)
+	}
+}
+
+// starvation holds the process at its descriptor limit: the limit is lowered to
+// the highest open descriptor, and fill takes every free one below it.
+type starvation struct {
+	t       *testing.T
+	orig    unix.Rlimit
+	fillers []int
+	once    sync.Once
+}
+
+// starveDescriptors lowers RLIMIT_NOFILE as far as it goes; restore (also run at
+// cleanup) closes the fillers and puts the limit back. Garbage collection is off
+// meanwhile: its finalizers close descriptors (pooled splice pipes) that the code
+// under test would take.
+func starveDescriptors(t *testing.T) *starvation {
+	t.Helper()
+	gc := debug.SetGCPercent(-1)
+	runtime.GC()
+	st := &starvation{t: t}
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &st.orig); err != nil {
+		t.Fatal(err)
+	}
+	lowered := st.orig
+	lowered.Cur = uint64(highestFD(t) + 1)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lowered); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		st.restore()
+		debug.SetGCPercent(gc)
+	})
+	return st
+}
+
+// fill takes every free descriptor, until none has been freed for 20ms: the
+// finalizers of the collection before, and goroutines of earlier tests, may still
+// be closing some.
+func (st *starvation) fill() {
+	for st.take() > 0 {
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// take takes every free descriptor and says how many it took.
+func (st *starvation) take() int {
+	n := 0
+	for {
+		fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			if !errors.Is(err, unix.EMFILE) {
+				st.t.Fatalf("fill descriptors: got %v, want EMFILE eventually", err)
+			}
+			return n
+		}
+		st.fillers = append(st.fillers, fd)
+		n++
+	}
+}
+
+// free gives one filled descriptor back.
+func (st *starvation) free() {
+	n := len(st.fillers) - 1
+	unix.Close(st.fillers[n])
+	st.fillers = st.fillers[:n]
+}
+
+func (st *starvation) restore() {
+	st.once.Do(func() {
+		for _, fd := range st.fillers {
+			unix.Close(fd)
+		}
+		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &st.orig); err != nil {
+			st.t.Errorf("restore RLIMIT_NOFILE: %v", err)
+		}
+	})
+}
+
+// With one descriptor left, accept succeeds and the dial cannot make its socket.
+// That says nothing about the endpoint: no attempt is counted against it, the
+// client keeps its affinity, and the listener backs off as after a failed accept.
+func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
+	backend := startTCPServer(t, "127.0.0.2", echo)
+	var mu sync.Mutex
+	var backoffErrs []error
+	picker := newCyclePicker(backend.addr)
+	rec := &recorder{}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec}
+	p.acceptBackoff = func(err error, d time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		backoffErrs = append(backoffErrs, err)
+	}
+	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().(*net.TCPAddr).AddrPort()
+	served := make(chan error, 1)
+	go func() { served <- p.Serve(ln) }()
+	warm := dialProxy(t, addr)
+	if got, err := roundTrip(warm, []byte("warm")); err != nil || string(got) != "warm" {
+		t.Fatalf("round trip before descriptors run out: got %q, %v", got, err)
+	}
+	warm.Close()
+	rec.awaitClosed(t, 1)
+	clientFD, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(clientFD), "client")
+	defer f.Close()
+
+	st := starveDescriptors(t)
+	st.fill()
+	st.free() // for accept; the dial finds none
+	if err := unix.Connect(clientFD, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
+		t.Fatalf("connect client: %v", err)
+	}
+	closed := rec.awaitClosed(t, 2)
+	await(t, "an accept backoff", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(backoffErrs) > 0
+	})
+	st.restore()
+
+	// The client is reset: nobody will answer it.
+	unix.SetsockoptTimeval(clientFD, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: int64(awaitTimeout / time.Second)})
+	if _, err := unix.Read(clientFD, make([]byte, 1)); err != unix.ECONNRESET {
+		t.Errorf("client read: got %v, want ECONNRESET", err)
+	}
+	c := closed[1]
+	if !errors.Is(c.Err, syscall.EMFILE) || len(c.Attempts) != 0 || c.Endpoint.IsValid() {
+		t.Errorf("record of the starved connection: err %v, %d attempts, endpoint %v; want EMFILE, none, none", c.Err, len(c.Attempts), c.Endpoint)
+	}
+	mu.Lock()
+	for _, err := range backoffErrs {
+		if !errors.Is(err, syscall.EMFILE) {
+			t.Errorf("backoff error: got %v, want EMFILE", err)
+		}
+	}
+	mu.Unlock()
+	rec.mu.Lock()
+	if n := len(rec.attempts); n != 1 {
+		t.Errorf("attempts reported: %d, want only the warm-up's", n)
+	}
+	rec.mu.Unlock()
+	if n := picker.resetCount(); n != 0 {
+		t.Errorf("affinity resets: %d, want none", n)
+	}
+	if u := picker.unreleased(); len(u) != 0 {
+		t.Errorf("endpoints picked and never released: %v", u)
+	}
+
+	// Descriptors are back: the proxy serves.
+	again := dialProxy(t, addr)
+	if got, err := roundTrip(again, []byte("ping")); err != nil || string(got) != "ping" {
+		t.Fatalf("round trip once descriptors are back: got %q, %v", got, err)
+	}
+	again.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), awaitTimeout)
 	defer cancel()
 	if err := p.Shutdown(ctx); err != nil {

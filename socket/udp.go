@@ -293,6 +293,13 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 			unix.Close(fd)
 		}
 	}
+	if isShortage(err) {
+		// The node is short of sockets, not the endpoint at fault: no attempt
+		// is counted against it, and the client keeps its affinity.
+		p.Picker.Release(ep)
+		p.reject(client, fmt.Errorf("no socket for endpoint %s: %w", ep, err))
+		return nil
+	}
 	a := Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
 	c.attempt[0] = a
 	c.rec.Attempts = c.attempt[:]

@@ -367,3 +367,39 @@ func TestUDPProxyWildcardRepliesFromDestination(t *testing.T) {
 		})
 	}
 }
+
+// A client whose socket cannot be made because the process is out of descriptors
+// loses its datagram, and nothing is counted against the endpoint.
+func TestUDPProxyOutOfFilesSparesTheEndpoint(t *testing.T) {
+	backend := startUDPEcho(t, "127.0.0.2")
+	rec := &recorder{}
+	picker := newCyclePicker(backend)
+	p := &UDPProxy{Service: "ns/dns:udp", Picker: picker, Observer: rec, Timeout: time.Hour}
+	svc := startUDPProxy(t, p)
+	warm, starved := listenUDP(t, "127.0.0.1"), listenUDP(t, "127.0.0.1")
+	if _, _, err := exchange(warm, svc, []byte("warm"), awaitTimeout); err != nil {
+		t.Fatalf("exchange before descriptors run out: %v", err)
+	}
+
+	st := starveDescriptors(t)
+	st.fill()
+	if _, err := starved.WriteToUDPAddrPort([]byte("lost"), svc); err != nil {
+		t.Fatal(err)
+	}
+	c := rec.awaitClosed(t, 1)[0]
+	st.restore()
+	if !errors.Is(c.Err, syscall.EMFILE) || len(c.Attempts) != 0 || c.Client != udpAddr(starved) {
+		t.Errorf("record of the starved client: %+v; want EMFILE, no attempt", c)
+	}
+	rec.mu.Lock()
+	if n := len(rec.attempts); n != 1 {
+		t.Errorf("attempts reported: %d, want only the warm-up's", n)
+	}
+	rec.mu.Unlock()
+	if n := picker.resetCount(); n != 0 {
+		t.Errorf("affinity resets: %d, want none", n)
+	}
+	if got, _, err := exchange(starved, svc, []byte("again"), awaitTimeout); err != nil || string(got) != "again" {
+		t.Fatalf("exchange once descriptors are back: got %q, %v", got, err)
+	}
+}
