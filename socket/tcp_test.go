@@ -857,14 +857,8 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		delays = append(delays, d)
 		errs = append(errs, err)
 	}
-	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().(*net.TCPAddr).AddrPort()
 	backoffsBefore := AcceptBackoffs()
-	served := make(chan error, 1)
-	go func() { served <- p.Serve(ln) }()
+	addr := startTCPProxy(t, p)
 	// A first round trip shows the proxy serving. The client's socket is made
 	// before descriptors run out and connected after: its connection then waits in
 	// the accept queue for a descriptor.
@@ -920,14 +914,6 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	}
 	mu.Unlock()
 	client.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), awaitTimeout)
-	defer cancel()
-	if err := p.Shutdown(ctx); err != nil {
-		t.Errorf("Shutdown: %v", err)
-	}
-	if err := <-served; err != nil {
-		t.Errorf("Serve: got %v, want nil", err)
-	}
 }
 
 // starvation holds the process at its descriptor limit: the limit is lowered to
@@ -1021,13 +1007,7 @@ func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
 		defer mu.Unlock()
 		backoffErrs = append(backoffErrs, err)
 	}
-	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().(*net.TCPAddr).AddrPort()
-	served := make(chan error, 1)
-	go func() { served <- p.Serve(ln) }()
+	addr := startTCPProxy(t, p)
 	warm := dialProxy(t, addr)
 	if got, err := roundTrip(warm, []byte("warm")); err != nil || string(got) != "warm" {
 		t.Fatalf("round trip before descriptors run out: got %q, %v", got, err)
@@ -1071,17 +1051,7 @@ func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
 		}
 	}
 	mu.Unlock()
-	rec.mu.Lock()
-	if n := len(rec.attempts); n != 1 {
-		t.Errorf("attempts reported: %d, want only the warm-up's", n)
-	}
-	rec.mu.Unlock()
-	if n := picker.resetCount(); n != 0 {
-		t.Errorf("affinity resets: %d, want none", n)
-	}
-	if u := picker.unreleased(); len(u) != 0 {
-		t.Errorf("endpoints picked and never released: %v", u)
-	}
+	nothingCounted(t, rec, picker, 1)
 
 	// Descriptors are back: the proxy serves.
 	again := dialProxy(t, addr)
@@ -1089,13 +1059,22 @@ func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
 		t.Fatalf("round trip once descriptors are back: got %q, %v", got, err)
 	}
 	again.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), awaitTimeout)
-	defer cancel()
-	if err := p.Shutdown(ctx); err != nil {
-		t.Errorf("Shutdown: %v", err)
+}
+
+// nothingCounted fails t unless the endpoint saw only the attempts of served
+// connections, no client's affinity was reset, and every pick was released.
+func nothingCounted(t *testing.T, rec *recorder, picker *cyclePicker, served int) {
+	t.Helper()
+	rec.mu.Lock()
+	if n := len(rec.attempts); n != served {
+		t.Errorf("attempts reported: %d, want only the %d of served connections", n, served)
 	}
-	if err := <-served; err != nil {
-		t.Errorf("Serve: got %v, want nil", err)
+	rec.mu.Unlock()
+	if n := picker.resetCount(); n != 0 {
+		t.Errorf("affinity resets: %d, want none", n)
+	}
+	if u := picker.unreleased(); len(u) != 0 {
+		t.Errorf("endpoints picked and never released: %v", u)
 	}
 }
 

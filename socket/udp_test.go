@@ -391,15 +391,12 @@ func TestUDPProxyOutOfFilesSparesTheEndpoint(t *testing.T) {
 	if !errors.Is(c.Err, syscall.EMFILE) || len(c.Attempts) != 0 || c.Client != udpAddr(starved) {
 		t.Errorf("record of the starved client: %+v; want EMFILE, no attempt", c)
 	}
-	rec.mu.Lock()
-	if n := len(rec.attempts); n != 1 {
-		t.Errorf("attempts reported: %d, want only the warm-up's", n)
-	}
-	rec.mu.Unlock()
-	if n := picker.resetCount(); n != 0 {
-		t.Errorf("affinity resets: %d, want none", n)
-	}
 	if got, _, err := exchange(starved, svc, []byte("again"), awaitTimeout); err != nil || string(got) != "again" {
 		t.Fatalf("exchange once descriptors are back: got %q, %v", got, err)
 	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	rec.awaitClosed(t, 3)
+	nothingCounted(t, rec, picker, 2)
 }
