@@ -15,6 +15,9 @@ import (
 type tcpSession struct {
 	p *TCPProxy
 	l *loop
+	// ln is the listener's presence on l that accepted the session: a dial that
+	// finds the node short of sockets backs it off.
+	ln *listenHandle
 
 	client, backend tcpSide
 	// up copies client to backend, down backend to client.
@@ -27,9 +30,7 @@ type tcpSession struct {
 	dialTimer    timer
 
 	err error // why the session was aborted
-	// shortage is set when a dial found the node short of sockets (see isShortage).
-	shortage error
-	rec      Conn
+	rec Conn
 
 	// Inline storage for the common case of at most four attempts.
 	tried    [4]netip.AddrPort
@@ -104,11 +105,11 @@ func (d *tcpDirection) flushed() bool {
 	return d.off == len(d.pending) && (d.pipe == nil || d.pipe.n == 0)
 }
 
-// newSession starts proxying the accepted socket fd: it registers it and begins
-// the first dial. It returns the error of a first dial that found the node short
-// of sockets: the accept loop then backs off as if accept had failed.
-func newSession(l *loop, p *TCPProxy, fd int, client netip.AddrPort) error {
-	s := &tcpSession{p: p, l: l}
+// newSession starts proxying the socket fd that ln accepted: it registers it and
+// begins the first dial.
+func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
+	p := ln.ln.p
+	s := &tcpSession{p: p, l: l, ln: ln}
 	// A new connection's send buffer is empty.
 	s.client = tcpSide{s: s, fd: fd, writable: true}
 	s.backend = tcpSide{s: s, fd: -1}
@@ -117,17 +118,16 @@ func newSession(l *loop, p *TCPProxy, fd int, client netip.AddrPort) error {
 	s.rec.Attempts = s.attempts[:0]
 	if !p.track(s) {
 		resetFD(fd)
-		return nil
+		return
 	}
 	p.observer().ConnOpened(p.Service, "TCP")
 	if err := l.watch(fd, &s.client, sessionEvents); err != nil {
 		s.client.fd = -1
 		resetFD(fd)
 		s.end(err)
-		return nil
+		return
 	}
 	s.dialNext(nil)
-	return s.shortage
 }
 
 // dialNext begins the next dial attempt, and goes on to the one after at once when
@@ -168,11 +168,12 @@ func (s *tcpSession) dialNext(lastErr error) {
 		err = dialError(ep, err)
 		if isShortage(err) {
 			// Not the endpoint's failure: every other would fail alike. Nothing
-			// is counted against it; the client is reset.
+			// is counted against it; the client is reset, and accepting more
+			// waits, as when accept itself runs short.
 			p.Picker.Release(ep)
 			s.rec.Endpoint = netip.AddrPort{}
-			s.shortage = err
 			s.abort(err)
+			s.ln.shortage(s.l, err)
 			return
 		}
 		lastErr = s.attemptFailed(err)

@@ -305,10 +305,9 @@ func (h *listenHandle) handle(l *loop, _ uint32) {
 		fd, client, err := l.accept(tl.fd)
 		switch {
 		case err == nil:
-			if err := newSession(l, tl.p, fd, client); err != nil {
-				// Out of sockets for the backend: accepting more would only
-				// reset them too.
-				h.backoff(l, err)
+			newSession(l, h, fd, client)
+			if !h.watched {
+				// Its dial ran short of sockets: backing off.
 				return
 			}
 			h.delay = 0
@@ -342,6 +341,15 @@ func (h *listenHandle) backoff(l *loop, err error) {
 		f(err, delay)
 	} else {
 		klog.ErrorS(err, "Accept failed, backing off", "service", h.ln.p.Service, "delay", delay)
+	}
+}
+
+// shortage backs the listener off after a dial of a connection it accepted found
+// the node short of sockets: accepting more would only reset them too. Nothing
+// is done if it is backing off already, or closing (then it is not watched).
+func (h *listenHandle) shortage(l *loop, err error) {
+	if h.watched {
+		h.backoff(l, err)
 	}
 }
 
