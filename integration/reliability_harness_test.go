@@ -200,6 +200,11 @@ func checkedRoundTrip(c net.Conn, n int) error {
 	}()
 	got := make([]byte, n)
 	if _, err := io.ReadFull(c, got); err != nil {
+		// The kernel reports a reset once, to whichever call meets it first:
+		// when the write took it, the read sees only the end of the stream.
+		if werr := <-errc; werr != nil && (errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)) {
+			return fmt.Errorf("write: %w", werr)
+		}
 		return fmt.Errorf("read back: %w", err)
 	}
 	if err := <-errc; err != nil {
