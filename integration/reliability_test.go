@@ -25,8 +25,9 @@ import (
 // Reliability end to end: the uproxy binary under a tiny descriptor limit, SIGTERM
 // under load, restarts, malformed objects and an unprivileged user.
 
-// backoffLine matches the accept loop's backoff log line and captures its delay.
-var backoffLine = regexp.MustCompile(`"Accept failed, backing off".*delay="([^"]+)"`)
+// backoffLine matches the accept loop's backoff log lines, after a failed accept or
+// a backend socket that could not be made, and captures the delay.
+var backoffLine = regexp.MustCompile(`"(?:Accept failed, backing off|No socket for a backend, backing off accepts)".*delay="([^"]+)"`)
 
 // Two limits of different parity: each proxied connection takes two descriptors,
 // so one limit runs out at accept and the other at the backend socket of a

@@ -317,7 +317,7 @@ func (h *listenHandle) handle(l *loop, _ uint32) {
 		case err == unix.EINTR:
 			continue
 		case isTemporary(err):
-			h.backoff(l, os.NewSyscallError("accept4", err))
+			h.backoff(l, os.NewSyscallError("accept4", err), "Accept failed, backing off")
 			return
 		}
 		// The socket itself is broken: Serve reports it.
@@ -335,12 +335,12 @@ func (h *listenHandle) handle(l *loop, _ uint32) {
 // backoff stops accepting on this loop for a while after a temporary error of
 // accept, or a shortage that failed an accepted connection's dial: the listener
 // stays readable, and accepting at once would meet the same error.
-func (h *listenHandle) backoff(l *loop, err error) {
+func (h *listenHandle) backoff(l *loop, err error, msg string) {
 	delay := h.backoffWatch.backoff(l)
 	if f := h.ln.p.acceptBackoff; f != nil {
 		f(err, delay)
 	} else {
-		klog.ErrorS(err, "Accept failed, backing off", "service", h.ln.p.Service, "delay", delay)
+		klog.ErrorS(err, msg, "service", h.ln.p.Service, "delay", delay)
 	}
 }
 
@@ -349,7 +349,7 @@ func (h *listenHandle) backoff(l *loop, err error) {
 // is done if it is backing off already, or closing (then it is not watched).
 func (h *listenHandle) shortage(l *loop, err error) {
 	if h.watched {
-		h.backoff(l, err)
+		h.backoff(l, err, "No socket for a backend, backing off accepts")
 	}
 }
 
