@@ -39,9 +39,20 @@ type builder struct {
 	logged map[string]bool
 }
 
+// seen is the last build that saw a state.
+type seen struct{ gen uint64 }
+
+// see records that build gen saw the state, counting it in *used once per build.
+func (s *seen) see(gen uint64, used *int) {
+	if s.gen != gen {
+		s.gen = gen
+		*used++
+	}
+}
+
 // objectState is what the builder learnt of one object.
 type objectState struct {
-	gen  uint64
+	seen
 	errs []error // validation errors; nil when valid
 	key  types.NamespacedName
 	// owner is a slice's kubernetes.io/service-name ("": none).
@@ -53,7 +64,7 @@ type objectState struct {
 
 // keyState is one object key's share of the builds.
 type keyState struct {
-	gen uint64
+	seen
 	// good is the last valid version of the object (nil: none), kept until a
 	// build no longer sees the key.
 	good    any
@@ -99,15 +110,9 @@ func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			st = &objectState{errs: service.ValidateService(svc), key: types.NamespacedName{Namespace: svc.Namespace, Name: svc.Name}}
 			b.svcs[svc] = st
 		}
-		if st.gen != gen {
-			st.gen = gen
-			usedSvcs++
-		}
+		st.see(gen, &usedSvcs)
 		st.ks = keyOf(b.svcKeys, st.key, st.ks)
-		if st.ks.gen != gen {
-			st.ks.gen = gen
-			usedSvcKeys++
-		}
+		st.ks.see(gen, &usedSvcKeys)
 		errs = append(errs, st.errs...)
 		if len(st.errs) == 0 {
 			st.ks.good = svc
@@ -125,10 +130,7 @@ func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 				owner: s.Labels[discoveryv1.LabelServiceName]}
 			b.slices[s] = st
 		}
-		if st.gen != gen {
-			st.gen = gen
-			usedSlices++
-		}
+		st.see(gen, &usedSlices)
 		if st.owner == "" {
 			continue // no Service
 		}
@@ -143,10 +145,7 @@ func (b *builder) build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			st.errs = service.ValidateEndpointSlice(s)
 		}
 		st.ks = keyOf(b.sliceKeys, st.key, st.ks)
-		if st.ks.gen != gen {
-			st.ks.gen = gen
-			usedSliceKeys++
-		}
+		st.ks.see(gen, &usedSliceKeys)
 		errs = append(errs, st.errs...)
 		if len(st.errs) == 0 {
 			st.ks.good = s
