@@ -268,7 +268,7 @@ func (s *tcpSession) expire(*loop) {
 // retry fails the attempt in flight with err and moves on to the next.
 func (s *tcpSession) retry(err error) {
 	s.l.cancel(&s.dialTimer)
-	s.closeBackend()
+	s.backend.close(s.l, false)
 	s.dialNext(s.attemptFailed(dialError(s.rec.Endpoint, err)))
 }
 
@@ -463,8 +463,8 @@ func (d *tcpDirection) fill(src *tcpSide) error {
 
 // finish ends a session both of whose directions ended cleanly.
 func (s *tcpSession) finish() {
-	s.closeClient(false)
-	s.closeBackend()
+	s.client.close(s.l, false)
+	s.backend.close(s.l, false)
 	s.p.Picker.Release(s.rec.Endpoint)
 	s.end(nil)
 }
@@ -480,45 +480,32 @@ func (s *tcpSession) abort(err error) {
 	case dialing:
 		if s.backend.fd >= 0 {
 			s.l.cancel(&s.dialTimer)
-			s.closeBackend()
+			s.backend.close(s.l, false)
 			s.attemptFailed(dialError(s.rec.Endpoint, err))
 		}
 	case open:
-		if s.backend.fd >= 0 {
-			s.l.forget(s.backend.fd)
-			resetFD(s.backend.fd)
-			s.backend.fd = -1
-		}
+		s.backend.close(s.l, true)
 		s.p.Picker.Release(s.rec.Endpoint)
 	}
 	// A reset tells the client at once that nobody will answer, rather than an
 	// accepted connection that closes as if the backend had.
-	s.closeClient(true)
+	s.client.close(s.l, true)
 	s.end(err)
 }
 
-func (s *tcpSession) closeClient(reset bool) {
-	if s.client.fd < 0 {
+// close takes the side's socket out of l and closes it, with an RST when reset. The
+// side is left as before its first socket, ready for the next dial attempt.
+func (sd *tcpSide) close(l *loop, reset bool) {
+	if sd.fd < 0 {
 		return
 	}
-	s.l.forget(s.client.fd)
+	l.forget(sd.fd)
 	if reset {
-		resetFD(s.client.fd)
+		resetFD(sd.fd)
 	} else {
-		unix.Close(s.client.fd)
+		unix.Close(sd.fd)
 	}
-	s.client.fd = -1
-}
-
-func (s *tcpSession) closeBackend() {
-	if s.backend.fd < 0 {
-		return
-	}
-	s.l.forget(s.backend.fd)
-	unix.Close(s.backend.fd)
-	s.backend.fd = -1
-	s.backend.readable, s.backend.writable = false, false
-	s.backend.finQueued, s.backend.errQueued = false, false
+	*sd = tcpSide{s: sd.s, fd: -1}
 }
 
 // end delivers the connection's record and forgets it.
