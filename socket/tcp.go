@@ -48,8 +48,9 @@ type TCPProxy struct {
 	// Observer is told about every connection and attempt; nil means NopObserver.
 	Observer Observer
 
-	// acceptBackoff, when set, is told about each temporary accept error and the wait
-	// it causes (tests use it; the default logs). It runs on an event loop.
+	// acceptBackoff, when set, is told about each backoff of accepting - after a
+	// temporary accept error, or a dial that found the node short of sockets - and
+	// its wait (tests use it; the default logs). It runs on an event loop.
 	acceptBackoff func(err error, delay time.Duration)
 
 	initOnce sync.Once
