@@ -153,8 +153,7 @@ func eventLoops() ([]*loop, error) {
 		l, err := newLoop()
 		if err != nil {
 			for _, l := range all {
-				unix.Close(l.epfd)
-				unix.Close(l.wake)
+				l.close()
 			}
 			return nil, fmt.Errorf("start event loops: %w", err)
 		}
@@ -186,11 +185,16 @@ func newLoop() (*loop, error) {
 		serviceReader: newBatchReader(true), replyReader: newBatchReader(false)}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wake)}
 	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wake, &ev); err != nil {
-		unix.Close(epfd)
-		unix.Close(wake)
+		l.close()
 		return nil, os.NewSyscallError("epoll_ctl", err)
 	}
 	return l, nil
+}
+
+// close releases the descriptors of a loop that never ran.
+func (l *loop) close() {
+	unix.Close(l.epfd)
+	unix.Close(l.wake)
 }
 
 // post runs f on the loop's thread soon. It is how other goroutines reach state the
