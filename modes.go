@@ -9,7 +9,7 @@ import (
 	"github.com/uproxy/uproxy/kernelmodes"
 	kiptables "github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
-	"github.com/uproxy/uproxy/loop"
+	"github.com/uproxy/uproxy/syncloop"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/socket"
@@ -17,7 +17,7 @@ import (
 
 // proxyMode is what runProxy drives: the userspace proxier or a kernel mode.
 type proxyMode interface {
-	loop.Mode
+	syncloop.Mode
 	observe.ServicesView
 	// Cleanup removes what the mode programmed into the kernel.
 	Cleanup() error

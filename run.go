@@ -15,7 +15,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
-	"github.com/uproxy/uproxy/loop"
+	"github.com/uproxy/uproxy/syncloop"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/rules"
@@ -44,7 +44,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 
 	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	// Manifests on disk when --services is given, else the API server.
-	var src loop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName}}
+	var src syncloop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName}}
 	srcName := o.services
 	if o.services == "" {
 		ks, err := newKubeSource(ctx, o, cfg, health)
@@ -67,11 +67,11 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		return ok
 	}}
 	defer hc.Close(context.Background())
-	runner := &loop.Runner{
+	runner := &syncloop.Runner{
 		Mode:          mode,
 		MinSyncPeriod: o.minSyncPeriod,
 		SyncPeriod:    o.syncPeriod,
-		Hooks: loop.Hooks{
+		Hooks: syncloop.Hooks{
 			Queued: health.Queued,
 			Synced: func(start time.Time, took time.Duration, s *service.Snapshot, err error) {
 				observe.SyncObserved(start, took, err)

@@ -170,7 +170,7 @@ func familyName(v6 bool) string {
 	return "IPv4"
 }
 
-// Sync implements loop.Mode: it makes the rules of every family match s.
+// Sync implements syncloop.Mode: it makes the rules of every family match s.
 // Services with an unsupported protocol are skipped and reported; the others
 // are programmed regardless.
 func (p *Proxier) Sync(s *service.Snapshot) error {

@@ -302,7 +302,7 @@ func (p *Proxier) desired(s *service.Snapshot) (map[vsKey]*desiredVS, map[netip.
 	return out, dummy, errs
 }
 
-// Sync implements loop.Mode.
+// Sync implements syncloop.Mode.
 func (p *Proxier) Sync(s *service.Snapshot) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -1,7 +1,7 @@
-// Package loop runs a proxy mode's sync loop: it takes the newest Snapshot from a
+// Package syncloop runs a proxy mode's sync loop: it takes the newest Snapshot from a
 // source and hands it to the mode at most once per MinSyncPeriod and at least once
 // per SyncPeriod, so bursts of changes cost one sync and drift is always repaired.
-package loop
+package syncloop
 
 import (
 	"context"
