@@ -6,7 +6,7 @@
 //	rep, err := bench.Run(ctx, bench.Config{Quick: true, Progress: os.Stderr})
 //	rep.WriteTable(os.Stdout)
 //
-// It builds its own network namespaces (client, node, backends) with testbed,
+// It builds its own network namespaces (client, node, backends) with topology,
 // runs the proxies in the node namespace and the load generators, in this
 // process, in the client namespace; everything is torn down when Run returns.
 // Beside throughput and latency it reports every proxy's own CPU per unit of

@@ -2,7 +2,6 @@ package bench
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -14,62 +13,35 @@ import (
 	"strings"
 	"sync"
 	"syscall"
-	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/topology"
 )
 
-// Roles of the benchmark's namespaces, mapped onto testbed's: the client sits
-// where a pod would (routed through the node), the backends where testbed puts
-// the external host (the node reaches it directly, and it routes back through
+// Roles of the benchmark's namespaces, mapped onto the topology's: the client
+// sits where a pod would (routed through the node), the backends where the
+// topology puts the external host (the node reaches it directly, and it routes back through
 // the node, so kernel-mode DNAT is undone on the way back).
 const (
-	clientRole  = testbed.Pod
-	nodeRole    = testbed.Node
-	backendRole = testbed.External
+	clientRole  = topology.Pod
+	nodeRole    = topology.Node
+	backendRole = topology.External
 )
 
-// fatal carries a testbed failure out of the code that called t.Fatal.
-type fatal struct{ err error }
-
-// teardown adapts a benchmark run to the testing.TB that testbed builds
-// topologies with: Fatal and Skip panic with a fatal value, which guard turns
-// back into an error, and Cleanup collects the functions that close runs in
-// reverse order. Methods testbed does not call are left to the nil embedded
-// interface and would panic: a bug, seen at once.
+// teardown collects what closes a benchmark run (namespaces, processes,
+// pipes) and runs it in reverse order.
 type teardown struct {
-	testing.TB
 	log io.Writer
 
 	mu       sync.Mutex
 	cleanups []func()
-	failed   bool
 }
 
-func (t *teardown) Helper()      {}
-func (t *teardown) Name() string { return "uproxy-bench" }
-func (t *teardown) Failed() bool { t.mu.Lock(); defer t.mu.Unlock(); return t.failed }
+// Cleanup registers f to run at teardown, before everything registered earlier.
 func (t *teardown) Cleanup(f func()) {
 	t.mu.Lock()
 	t.cleanups = append(t.cleanups, f)
 	t.mu.Unlock()
-}
-func (t *teardown) Logf(format string, args ...any) { fmt.Fprintf(t.log, format+"\n", args...) }
-func (t *teardown) Log(args ...any)                 { fmt.Fprintln(t.log, args...) }
-func (t *teardown) Errorf(format string, args ...any) {
-	t.mu.Lock()
-	t.failed = true
-	t.mu.Unlock()
-	t.Logf(format, args...)
-}
-func (t *teardown) Fatalf(format string, args ...any) {
-	panic(fatal{fmt.Errorf(format, args...)})
-}
-func (t *teardown) Fatal(args ...any) { panic(fatal{errors.New(fmt.Sprint(args...))}) }
-func (t *teardown) Skip(args ...any)  { panic(fatal{errors.New(fmt.Sprint(args...))}) }
-func (t *teardown) Skipf(format string, args ...any) {
-	panic(fatal{fmt.Errorf(format, args...)})
 }
 
 // run calls every cleanup, newest first.
@@ -81,21 +53,6 @@ func (t *teardown) run() {
 	for i := len(fs) - 1; i >= 0; i-- {
 		fs[i]()
 	}
-}
-
-// guard runs fn and returns the error of a t.Fatal inside it.
-func guard(fn func()) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			f, ok := r.(fatal)
-			if !ok {
-				panic(r)
-			}
-			err = f.err
-		}
-	}()
-	fn()
-	return nil
 }
 
 // launcher starts child processes from one OS thread that lives as long as the
@@ -178,7 +135,7 @@ func (p *process) logTail() string {
 type world struct {
 	name    string
 	t       *teardown
-	tp      *testbed.Topology
+	tp      *topology.Topology
 	dir     string
 	launch  *launcher
 	backend *process
@@ -205,10 +162,16 @@ var conntrackSysctls = []string{
 // it creates is registered with t, also when it fails halfway.
 func newWorld(name string, t *teardown, launch *launcher, exe, dir string, fileLimit int) (*world, error) {
 	w := &world{name: name, t: t, launch: launch, dir: dir, fileLimit: fileLimit}
-	err := guard(func() { w.tp = testbed.New(t) })
+	tp, err := topology.Build()
 	if err != nil {
 		return nil, fmt.Errorf("build topology %s: %w", name, err)
 	}
+	w.tp = tp
+	t.Cleanup(func() {
+		if err := tp.Close(); err != nil {
+			fmt.Fprintf(t.log, "remove topology %s: %v\n", name, err)
+		}
+	})
 	w.ip.client = w.tp.NS(clientRole).IPv4
 	w.ip.nodeClientSide = w.tp.NS(clientRole).GatewayIPv4
 	w.ip.node = w.tp.NS(nodeRole).IPv4
@@ -268,7 +231,7 @@ func (w *world) start(name, role string, env []string, stdin io.Reader, stdout i
 
 // dialer is the load generators' dialer: keepalive off, as in the proxies, so
 // the client spends no syscalls the measurement does not need.
-var dialer = net.Dialer{KeepAlive: -1, Timeout: testbed.DialTimeout}
+var dialer = net.Dialer{KeepAlive: -1, Timeout: topology.DialTimeout}
 
 // inClient runs fn on a thread inside the client namespace; sockets fn opens
 // are the client's.

@@ -5,12 +5,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"time"
 )
-
-// DialTimeout bounds Dial: a packet the rules drop shows up as a timeout, never
-// as a hung test.
-const DialTimeout = 5 * time.Second
 
 // Listen opens a listener inside the namespace (network "tcp", "tcp4" or "tcp6";
 // address as for net.Listen). t.Cleanup closes it.
@@ -41,16 +36,6 @@ func (tp *Topology) ListenPacket(role, network, address string) net.PacketConn {
 	}
 	tp.t.Cleanup(func() { pc.Close() })
 	return pc
-}
-
-// Dial connects from inside the namespace, within DialTimeout.
-func (tp *Topology) Dial(role, network, address string) (net.Conn, error) {
-	var c net.Conn
-	err := tp.Run(role, func() (err error) {
-		c, err = net.DialTimeout(network, address, DialTimeout)
-		return err
-	})
-	return c, err
 }
 
 // EchoTCP starts a TCP server inside the namespace that writes back what it

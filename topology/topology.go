@@ -1,0 +1,291 @@
+// Package topology builds a three-namespace network on one machine: a node
+// namespace, a pod namespace and an external host, each joined to the node by a
+// veth pair, with addresses, routes and forwarding set up. `uproxy bench` runs its
+// proxies in one; the tests build theirs through testbed.
+//
+//	tp, err := topology.Build(topology.WithIPv6())
+//	if err != nil { ... }
+//	defer tp.Close()
+//	c, err := tp.Dial(topology.Pod, "tcp", "10.96.0.10:80")
+//
+// Every namespace has a unique name, so parallel runs do not clash, and Close
+// deletes them (and with them their links and rules). The addresses below exist
+// only inside these namespaces.
+package topology
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/vishvananda/netns"
+)
+
+// Roles of the namespaces in a Topology.
+const (
+	Node     = "node" // runs the proxy; forwards between the other two
+	Pod      = "pod"  // a pod on the node, routed through it
+	External = "ext"  // a host outside the node, the node's default gateway
+)
+
+// DialTimeout bounds Dial: a packet the rules drop shows up as a timeout, never
+// as a hang.
+const DialTimeout = 5 * time.Second
+
+// Namespace is one network namespace of a Topology.
+type Namespace struct {
+	Role string
+	// Name is the namespace's name for `ip netns`.
+	Name string
+	// IPv4 and IPv6 are its address: for the node, the one facing External (the
+	// node IP); for the others, the one on their link to the node. IPv6 is the zero
+	// Addr unless the topology was built WithIPv6.
+	IPv4, IPv6 netip.Addr
+	// GatewayIPv4 and GatewayIPv6 are the node's addresses on this namespace's
+	// link (zero for the node itself).
+	GatewayIPv4, GatewayIPv6 netip.Addr
+}
+
+// Topology is a set of namespaces made by Build and removed by Close.
+type Topology struct {
+	ipv6 bool
+	ns   map[string]*Namespace
+	// created lists the namespaces that exist, in creation order.
+	created []string
+}
+
+// Option changes what Build makes.
+type Option func(*Topology)
+
+// WithIPv6 adds IPv6 addresses and routes on the same links.
+func WithIPv6() Option { return func(tp *Topology) { tp.ipv6 = true } }
+
+// Fixed addresses: they live only inside the topology's namespaces, which no other
+// topology shares, so they never clash.
+var (
+	podIPv4      = netip.MustParsePrefix("10.244.1.2/24")
+	nodePodIPv4  = netip.MustParsePrefix("10.244.1.1/24")
+	extIPv4      = netip.MustParsePrefix("192.168.50.2/24")
+	nodeExtIPv4  = netip.MustParsePrefix("192.168.50.1/24")
+	podIPv6      = netip.MustParsePrefix("fd00:244:1::2/64")
+	nodePodIPv6  = netip.MustParsePrefix("fd00:244:1::1/64")
+	extIPv6      = netip.MustParsePrefix("fd00:50::2/64")
+	nodeExtIPv6  = netip.MustParsePrefix("fd00:50::1/64")
+	topologySeq  atomic.Int64
+	runSignature = randomHex(3)
+)
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// Available reports why no topology can be built here (nil when one can): it
+// takes root and a working `ip netns`.
+func Available() error {
+	if os.Geteuid() != 0 {
+		return errors.New("network namespaces need root")
+	}
+	if out, err := exec.Command("ip", "netns", "list").CombinedOutput(); err != nil {
+		return fmt.Errorf("ip netns unavailable: %v: %s", err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// Build makes a topology: the node, a pod and an external host. Pod and External
+// route everything through the node; the node's default route goes to External,
+// so it has a route to any virtual IP. On failure it removes whatever it made.
+func Build(opts ...Option) (*Topology, error) {
+	tp := &Topology{ns: map[string]*Namespace{}}
+	for _, o := range opts {
+		o(tp)
+	}
+	if err := tp.build(); err != nil {
+		if cerr := tp.Close(); cerr != nil {
+			err = fmt.Errorf("%w (and removing it: %v)", err, cerr)
+		}
+		return nil, err
+	}
+	return tp, nil
+}
+
+func (tp *Topology) build() error {
+	id := fmt.Sprintf("tb-%d-%s-%d", os.Getpid(), runSignature, topologySeq.Add(1))
+	for _, role := range []string{Node, Pod, External} {
+		n := &Namespace{Role: role, Name: id + "-" + role}
+		tp.ns[role] = n
+		if err := run("ip", "netns", "add", n.Name); err != nil {
+			return err
+		}
+		tp.created = append(tp.created, n.Name)
+		if err := run("ip", "-n", n.Name, "link", "set", "lo", "up"); err != nil {
+			return err
+		}
+	}
+	node, pod, ext := tp.ns[Node], tp.ns[Pod], tp.ns[External]
+	node.IPv4 = nodeExtIPv4.Addr()
+	pod.IPv4, pod.GatewayIPv4 = podIPv4.Addr(), nodePodIPv4.Addr()
+	ext.IPv4, ext.GatewayIPv4 = extIPv4.Addr(), nodeExtIPv4.Addr()
+
+	// The veths are created inside the node namespace, so their names never
+	// meet another topology's.
+	steps := [][]string{}
+	steps = append(steps, link(node, "veth-pod", pod, nodePodIPv4, podIPv4)...)
+	steps = append(steps, link(node, "veth-ext", ext, nodeExtIPv4, extIPv4)...)
+	steps = append(steps,
+		[]string{"ip", "-n", pod.Name, "route", "add", "default", "via", nodePodIPv4.Addr().String()},
+		[]string{"ip", "-n", ext.Name, "route", "add", "default", "via", nodeExtIPv4.Addr().String()},
+		[]string{"ip", "-n", node.Name, "route", "add", "default", "via", extIPv4.Addr().String()},
+		[]string{"ip", "netns", "exec", node.Name, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"},
+	)
+	if tp.ipv6 {
+		node.IPv6 = nodeExtIPv6.Addr()
+		pod.IPv6, pod.GatewayIPv6 = podIPv6.Addr(), nodePodIPv6.Addr()
+		ext.IPv6, ext.GatewayIPv6 = extIPv6.Addr(), nodeExtIPv6.Addr()
+		steps = append(steps,
+			address(node, "veth-pod", nodePodIPv6),
+			address(pod, "eth0", podIPv6),
+			address(node, "veth-ext", nodeExtIPv6),
+			address(ext, "eth0", extIPv6),
+			[]string{"ip", "-n", pod.Name, "-6", "route", "add", "default", "via", nodePodIPv6.Addr().String()},
+			[]string{"ip", "-n", ext.Name, "-6", "route", "add", "default", "via", nodeExtIPv6.Addr().String()},
+			[]string{"ip", "-n", node.Name, "-6", "route", "add", "default", "via", extIPv6.Addr().String()},
+			[]string{"ip", "netns", "exec", node.Name, "sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"},
+		)
+	}
+	for _, args := range steps {
+		if err := run(args...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// link returns the commands that join node and peer with a veth pair: nodeSide in
+// node, eth0 in peer.
+func link(node *Namespace, nodeSide string, peer *Namespace, nodeAddr, peerAddr netip.Prefix) [][]string {
+	return [][]string{
+		{"ip", "-n", node.Name, "link", "add", nodeSide, "type", "veth", "peer", "name", "eth0", "netns", peer.Name},
+		address(node, nodeSide, nodeAddr),
+		address(peer, "eth0", peerAddr),
+		{"ip", "-n", node.Name, "link", "set", nodeSide, "up"},
+		{"ip", "-n", peer.Name, "link", "set", "eth0", "up"},
+	}
+}
+
+// address returns the command that adds addr to dev; IPv6 skips duplicate address
+// detection, which would leave the address unusable ("tentative") for a second or
+// more.
+func address(n *Namespace, dev string, addr netip.Prefix) []string {
+	args := []string{"ip", "-n", n.Name, "addr", "add", addr.String(), "dev", dev}
+	if addr.Addr().Is6() {
+		args = append(args, "nodad")
+	}
+	return args
+}
+
+func run(args ...string) error {
+	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+		return fmt.Errorf("%s: %v: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// Close deletes every namespace of the topology, newest first, and with them
+// their links, addresses and rules. It returns every failure; the namespaces that
+// could be deleted are gone either way.
+func (tp *Topology) Close() error {
+	var errs []error
+	for i := len(tp.created) - 1; i >= 0; i-- {
+		if err := run("ip", "netns", "del", tp.created[i]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	tp.created = nil
+	return errors.Join(errs...)
+}
+
+// NS returns the namespace with role (Node, Pod or External); it panics on an
+// unknown role, a bug in the caller.
+func (tp *Topology) NS(role string) *Namespace {
+	n, ok := tp.ns[role]
+	if !ok {
+		panic(fmt.Sprintf("topology: no namespace %q", role))
+	}
+	return n
+}
+
+// Exec runs a command inside the namespace (`ip netns exec`) and returns its
+// combined output; the error includes the output.
+func (tp *Topology) Exec(role string, args ...string) ([]byte, error) {
+	cmd := exec.Command("ip", append([]string{"netns", "exec", tp.NS(role).Name}, args...)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return out, fmt.Errorf("in %s: %s: %w: %s", role, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	}
+	return out, nil
+}
+
+// Dial connects from inside the namespace, within DialTimeout.
+func (tp *Topology) Dial(role, network, address string) (net.Conn, error) {
+	var c net.Conn
+	err := tp.Run(role, func() (err error) {
+		c, err = net.DialTimeout(network, address, DialTimeout)
+		return err
+	})
+	return c, err
+}
+
+// Run calls fn on an OS thread switched into the namespace. Sockets fn creates
+// stay in the namespace after Run returns, and processes it starts run there.
+// fn runs on a goroutine of its own (in a test, it must not call t.FailNow: it
+// returns an error instead). Goroutines fn starts do not inherit the namespace.
+func (tp *Topology) Run(role string, fn func() error) error {
+	name := tp.NS(role).Name
+	errc := make(chan error, 1)
+	go func() {
+		errc <- runInNamespace(name, fn)
+	}()
+	return <-errc
+}
+
+// runInNamespace locks the goroutine to its thread for the whole call. If the
+// thread cannot be switched back it stays locked, so Go discards it when the
+// goroutine ends instead of reusing a thread in the wrong namespace.
+func runInNamespace(name string, fn func() error) error {
+	runtime.LockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("current netns: %w", err)
+	}
+	defer orig.Close()
+	target, err := netns.GetFromName(name)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("open netns %s: %w", name, err)
+	}
+	defer target.Close()
+	if err := netns.Set(target); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("enter netns %s: %w", name, err)
+	}
+	fnErr := fn()
+	if err := netns.Set(orig); err != nil {
+		return fmt.Errorf("leave netns %s: %w (after fn: %v)", name, err, fnErr)
+	}
+	runtime.UnlockOSThread()
+	return fnErr
+}
