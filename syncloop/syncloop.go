@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
 
 	"github.com/uproxy/uproxy/service"
 )
@@ -45,6 +46,9 @@ type Runner struct {
 	// without changes); 0 means 30s.
 	SyncPeriod time.Duration
 	Hooks      Hooks
+	// Clock times the periods and the syncs; nil means the real clock (tests set a
+	// fake one).
+	Clock clock.Clock
 
 	mu      sync.Mutex
 	latest  *service.Snapshot // newest snapshot, nil until the first arrives
@@ -59,6 +63,13 @@ func (r *Runner) syncPeriod() time.Duration {
 	return r.SyncPeriod
 }
 
+func (r *Runner) clock() clock.Clock {
+	if r.Clock == nil {
+		return clock.RealClock{}
+	}
+	return r.Clock
+}
+
 func (r *Runner) init() {
 	r.mu.Lock()
 	if r.kick == nil {
@@ -70,7 +81,7 @@ func (r *Runner) init() {
 // Update records s as the desired state and queues a sync.
 func (r *Runner) Update(s *service.Snapshot) {
 	r.init()
-	now := time.Now()
+	now := r.clock().Now()
 	r.mu.Lock()
 	r.latest = s
 	wasPending := r.pending
@@ -95,8 +106,9 @@ func (r *Runner) Latest() *service.Snapshot {
 // Run syncs until ctx is done. Nothing is synced before the first Update.
 func (r *Runner) Run(ctx context.Context) {
 	r.init()
+	c := r.clock()
 	var last time.Time // start of the previous sync
-	periodic := time.NewTimer(r.syncPeriod())
+	periodic := c.NewTimer(r.syncPeriod())
 	defer periodic.Stop()
 	for {
 		select {
@@ -111,15 +123,15 @@ func (r *Runner) Run(ctx context.Context) {
 			if !pending {
 				continue
 			}
-		case <-periodic.C:
+		case <-periodic.C():
 		}
-		if wait := r.MinSyncPeriod - time.Since(last); !last.IsZero() && wait > 0 {
-			t := time.NewTimer(wait)
+		if wait := r.MinSyncPeriod - c.Since(last); !last.IsZero() && wait > 0 {
+			t := c.NewTimer(wait)
 			select {
 			case <-ctx.Done():
 				t.Stop()
 				return
-			case <-t.C:
+			case <-t.C():
 			}
 		}
 		r.mu.Lock()
@@ -130,16 +142,13 @@ func (r *Runner) Run(ctx context.Context) {
 			periodic.Reset(r.syncPeriod())
 			continue
 		}
-		last = time.Now()
+		last = c.Now()
 		err := r.Mode.Sync(s)
-		took := time.Since(last)
+		took := c.Since(last)
 		if err != nil {
 			klog.ErrorS(err, "Sync failed; will retry", "took", took)
 		} else {
 			klog.V(3).InfoS("Synced", "ports", len(s.Ports), "took", took)
-		}
-		if r.Hooks.Synced != nil {
-			r.Hooks.Synced(last, took, s, err)
 		}
 		next := r.syncPeriod()
 		if err != nil {
@@ -149,10 +158,15 @@ func (r *Runner) Run(ctx context.Context) {
 		}
 		if !periodic.Stop() {
 			select {
-			case <-periodic.C:
+			case <-periodic.C():
 			default:
 			}
 		}
 		periodic.Reset(next)
+		// The hook runs once the next sync is scheduled, so whoever it tells
+		// sees the loop's timing settled.
+		if r.Hooks.Synced != nil {
+			r.Hooks.Synced(last, took, s, err)
+		}
 	}
 }

@@ -3,15 +3,21 @@ package syncloop
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/uproxy/uproxy/service"
 )
 
-// recorder is a Mode that records every snapshot it is given.
+// recorder is a Mode that records every snapshot it is given, and when (on the
+// test's clock).
 type recorder struct {
+	clock *testingclock.FakeClock
 	mu    sync.Mutex
 	syncs []*service.Snapshot
 	at    []time.Time
@@ -19,13 +25,15 @@ type recorder struct {
 	kick  chan struct{}
 }
 
-func newRecorder() *recorder { return &recorder{kick: make(chan struct{}, 100)} }
+func newRecorder(c *testingclock.FakeClock) *recorder {
+	return &recorder{clock: c, kick: make(chan struct{}, 100)}
+}
 
 func (r *recorder) Sync(s *service.Snapshot) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.syncs = append(r.syncs, s)
-	r.at = append(r.at, time.Now())
+	r.at = append(r.at, r.clock.Now())
 	r.kick <- struct{}{}
 	if r.fail > 0 {
 		r.fail--
@@ -63,16 +71,53 @@ func start(t *testing.T, r *Runner) {
 	t.Cleanup(func() { cancel(); <-done })
 }
 
+func newClock() *testingclock.FakeClock {
+	return testingclock.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+}
+
+// awaitWaiters waits until the runner has armed n timers on c: it is then
+// blocked until c is stepped, or an Update arrives.
+func awaitWaiters(t *testing.T, c *testingclock.FakeClock, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for c.Waiters() != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("timers armed: got %d, want %d", c.Waiters(), n)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+}
+
+// notFired checks, right after a Step, that none of the runner's timers fired:
+// all of them are still armed. A timer that fired is gone until the runner
+// re-arms it, which it does only after the sync it caused; so no timer missing
+// and no new sync together rule a firing out.
+func notFired(t *testing.T, c *testingclock.FakeClock, rec *recorder, timers, syncs int, when string) {
+	t.Helper()
+	if got := c.Waiters(); got != timers {
+		t.Fatalf("%s: %d timers armed, want %d (one fired)", when, got, timers)
+	}
+	if n := rec.count(); n != syncs {
+		t.Fatalf("%s: %d syncs, want %d", when, n, syncs)
+	}
+}
+
 func snap(n int) *service.Snapshot {
 	return &service.Snapshot{Ports: make([]*service.Port, n)}
 }
 
 func TestNothingSyncedBeforeFirstUpdate(t *testing.T) {
-	rec := newRecorder()
-	r := &Runner{Mode: rec, SyncPeriod: 20 * time.Millisecond}
+	c := newClock()
+	rec := newRecorder(c)
+	r := &Runner{Mode: rec, SyncPeriod: 20 * time.Millisecond, Clock: c}
 	start(t, r)
-	// Several periodic ticks pass with no snapshot: nothing to sync.
-	time.Sleep(100 * time.Millisecond)
+	// Several periodic ticks pass with no snapshot: nothing to sync. The runner
+	// re-arms its timer after each tick, so each has been handled once it is back.
+	for range 5 {
+		awaitWaiters(t, c, 1)
+		c.Step(20 * time.Millisecond)
+	}
+	awaitWaiters(t, c, 1)
 	if n := rec.count(); n != 0 {
 		t.Fatalf("syncs before the first Update: got %d, want 0", n)
 	}
@@ -84,32 +129,45 @@ func TestNothingSyncedBeforeFirstUpdate(t *testing.T) {
 }
 
 func TestBurstCoalescesAndLatestWins(t *testing.T) {
-	rec := newRecorder()
-	var queued int
-	r := &Runner{Mode: rec, MinSyncPeriod: 300 * time.Millisecond, SyncPeriod: time.Hour,
-		Hooks: Hooks{Queued: func(time.Time) { queued++ }}}
+	c := newClock()
+	rec := newRecorder(c)
+	var queued atomic.Int32
+	r := &Runner{Mode: rec, MinSyncPeriod: 300 * time.Millisecond, SyncPeriod: time.Hour, Clock: c,
+		Hooks: Hooks{Queued: func(time.Time) { queued.Add(1) }}}
 	start(t, r)
 	first := snap(0)
 	r.Update(first)
 	rec.await(t, 1)
-	// A burst within the minimum period: one more sync, of the last snapshot.
+	awaitWaiters(t, c, 1) // the periodic timer, re-armed after the sync
+	// A burst within the minimum period: one more sync, of the last snapshot, once
+	// the minimum period has passed and not before.
 	var last *service.Snapshot
 	for i := 1; i <= 50; i++ {
 		last = snap(i)
 		r.Update(last)
 	}
+	awaitWaiters(t, c, 2) // periodic, and the wait for the minimum period
+	c.Step(299 * time.Millisecond)
+	notFired(t, c, rec, 2, 1, "299ms after the first sync, within the minimum period")
+	c.Step(time.Millisecond)
 	if got := rec.await(t, 2); got != last {
 		t.Errorf("sync after the burst: got a snapshot of %d ports, want the last (%d)", len(got.Ports), len(last.Ports))
 	}
-	time.Sleep(400 * time.Millisecond)
+	awaitWaiters(t, c, 1)
+	// Another minimum period passes with nothing new: no sync.
+	c.Step(300 * time.Millisecond)
+	awaitWaiters(t, c, 1)
 	if n := rec.count(); n != 2 {
 		t.Errorf("syncs for 1 + a burst of 50 updates: got %d, want 2", n)
 	}
 	rec.mu.Lock()
 	gap := rec.at[1].Sub(rec.at[0])
 	rec.mu.Unlock()
-	if gap < 300*time.Millisecond {
-		t.Errorf("second sync %v after the first, want at least the minimum period 300ms", gap)
+	if gap != 300*time.Millisecond {
+		t.Errorf("second sync %v after the first, want the minimum period 300ms", gap)
+	}
+	if got := queued.Load(); got != 2 {
+		t.Errorf("Queued hook calls: got %d, want 2 (the first update, and the first of the burst)", got)
 	}
 	if r.Latest() != last {
 		t.Errorf("Latest: want the last snapshot handed to Update")
@@ -117,13 +175,19 @@ func TestBurstCoalescesAndLatestWins(t *testing.T) {
 }
 
 func TestPeriodicResync(t *testing.T) {
-	rec := newRecorder()
-	r := &Runner{Mode: rec, SyncPeriod: 50 * time.Millisecond}
+	c := newClock()
+	rec := newRecorder(c)
+	r := &Runner{Mode: rec, SyncPeriod: 50 * time.Millisecond, Clock: c}
 	start(t, r)
 	s := snap(1)
 	r.Update(s)
+	rec.await(t, 1)
 	// Without further updates the same snapshot is synced again each period.
 	for i := 2; i <= 4; i++ {
+		awaitWaiters(t, c, 1)
+		c.Step(49 * time.Millisecond)
+		notFired(t, c, rec, 1, i-1, fmt.Sprintf("49ms into period %d", i))
+		c.Step(time.Millisecond)
 		if got := rec.await(t, i); got != s {
 			t.Fatalf("resync %d: got another snapshot, want the same", i)
 		}
@@ -131,35 +195,25 @@ func TestPeriodicResync(t *testing.T) {
 }
 
 func TestFailedSyncIsRetriedBeforeThePeriod(t *testing.T) {
-	rec := newRecorder()
+	c := newClock()
+	rec := newRecorder(c)
 	rec.fail = 1
-	var errs []error
-	var mu sync.Mutex
-	r := &Runner{Mode: rec, SyncPeriod: time.Hour, Hooks: Hooks{
-		Synced: func(_ time.Time, _ time.Duration, _ *service.Snapshot, err error) {
-			mu.Lock()
-			errs = append(errs, err)
-			mu.Unlock()
-		},
+	errs := make(chan error, 10)
+	r := &Runner{Mode: rec, SyncPeriod: time.Hour, Clock: c, Hooks: Hooks{
+		Synced: func(_ time.Time, _ time.Duration, _ *service.Snapshot, err error) { errs <- err },
 	}}
 	start(t, r)
 	r.Update(snap(1))
-	rec.await(t, 2) // the retry comes after about a second, not after the hour
-	// The hook runs after Sync returns: wait for the second call too.
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		mu.Lock()
-		n := len(errs)
-		mu.Unlock()
-		if n >= 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("Synced hook: %d calls, want 2", n)
-		}
+	if err := <-errs; err == nil {
+		t.Fatalf("first Synced hook: got no error, want the injected failure")
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if errs[0] == nil || errs[1] != nil {
-		t.Errorf("Synced hook errors: got %v, want [failure, nil]", errs)
+	// The retry comes a second later (no minimum period is set), not an hour
+	// later. The hook runs once the retry is scheduled.
+	c.Step(999 * time.Millisecond)
+	notFired(t, c, rec, 1, 1, "999ms after the failure")
+	c.Step(time.Millisecond)
+	rec.await(t, 2)
+	if err := <-errs; err != nil {
+		t.Errorf("second Synced hook: got %v, want nil", err)
 	}
 }
