@@ -25,7 +25,7 @@ import (
 func TestTinyRun(t *testing.T) {
 	testbed.Require(t)
 	if testing.Short() {
-		t.Skip("builds uproxy and runs every proxy")
+		testbed.Skip(t, "-short: this test builds uproxy and runs every proxy")
 	}
 	bin := filepath.Join(t.TempDir(), "uproxy")
 	build := exec.Command("go", "build", "-o", bin, "..")

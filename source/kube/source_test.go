@@ -1,6 +1,8 @@
 package kube
 
 import (
+	"github.com/uproxy/uproxy/testbed"
+
 	"context"
 	"fmt"
 	"slices"
@@ -145,7 +147,7 @@ func newNamespace(t *testing.T, client kubernetes.Interface, name string) *apiOb
 // headless and stray slices, changes, the Node, and a server restart.
 func TestSource(t *testing.T) {
 	if testing.Short() {
-		t.Skip("starts a kube-apiserver")
+		testbed.Skip(t, "-short: this test starts a kube-apiserver")
 	}
 	srv := kubeapi.Start(t)
 	client := srv.Client(t)
