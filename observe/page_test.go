@@ -1,8 +1,6 @@
 package observe_test
 
 import (
-	"github.com/uproxy/uproxy/testbed"
-
 	"bytes"
 	"context"
 	"fmt"
@@ -18,6 +16,7 @@ import (
 
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // chromium returns the path of a headless-capable Chromium. Under CI=true a

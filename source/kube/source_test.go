@@ -1,8 +1,6 @@
 package kube
 
 import (
-	"github.com/uproxy/uproxy/testbed"
-
 	"context"
 	"fmt"
 	"slices"
@@ -17,6 +15,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
 	"github.com/uproxy/uproxy/testbed/kubeapi"
 )
 

@@ -17,8 +17,6 @@
 package kubeapi
 
 import (
-	"github.com/uproxy/uproxy/testbed"
-
 	"context"
 	"crypto/rand"
 	"crypto/rsa"
@@ -44,6 +42,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/uproxy/uproxy/testbed"
 )
 
 const (
