@@ -78,9 +78,10 @@ func TestEjectionWithoutObserver(t *testing.T) {
 	t.Run("UDP: an ICMP refusal ejects the endpoint", func(t *testing.T) {
 		dead := deadUDPAddr(t, "127.0.0.3")
 		live := startUDPEcho(t, "127.0.0.2")
-		// A UDP connect cannot fail, and its success clears the endpoint's
-		// failure count: only the ICMP refusal that ends a session counts, so
-		// only After 1 ejects on refusals alone.
+		// A UDP connect only sets the peer, so it succeeds even to dead, and
+		// that success clears the endpoint's failure count: only the ICMP
+		// refusal that ends a session counts, so only After 1 ejects on
+		// refusals alone.
 		bal := ejectingBalancer(t, 1, dead, live)
 		p := &UDPProxy{Service: "ns/eject:udp", Picker: bal, Timeout: time.Hour} // Observer unset
 		svc := startUDPProxy(t, p)

@@ -25,9 +25,10 @@ type Picker interface {
 	// DialSucceeded says a dial of ep, returned by Pick, connected.
 	DialSucceeded(ep netip.AddrPort)
 	// DialFailed says a dial of ep, returned by Pick, failed with err; so does a
-	// UDP session that ep ended with an ICMP port unreachable (ECONNREFUSED),
-	// since a UDP connect never fails. A dial that failed because this node ran
-	// short of sockets or memory is not reported: it says nothing about ep.
+	// UDP session that ep ended with an ICMP port unreachable (ECONNREFUSED):
+	// a UDP connect only sets the peer, so that is how a UDP endpoint refuses.
+	// A dial that failed because this node ran short of sockets or memory is
+	// not reported: it says nothing about ep.
 	DialFailed(ep netip.AddrPort, err error)
 }
 

@@ -457,7 +457,7 @@ func (c *udpClient) end(l *loop, err error, resetAffinity bool) {
 	p.Picker.Release(c.ep)
 	if errors.Is(err, syscall.ECONNREFUSED) {
 		// The endpoint answered a datagram with an ICMP port unreachable: the
-		// UDP form of a refused dial, since a UDP connect never fails.
+		// UDP form of a refused dial, since a UDP connect only sets the peer.
 		p.Picker.DialFailed(c.ep, err)
 	}
 	c.rec.BytesIn, c.rec.BytesOut = c.bytesIn, c.bytesOut
