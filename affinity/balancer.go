@@ -9,7 +9,12 @@
 //	b.Update(endpoints, clusterIP, port.AffinityClientIP, port.AffinityTimeout)
 //	ep, err := b.Pick(client, tried) // tried: endpoints this connection already failed on
 //	...
+//	b.DialSucceeded(ep) // or b.DialFailed(ep, err): how the dial went, for outlier ejection
+//	...
 //	b.Release(ep) // when the connection ends
+//
+// The Balancer is the socket layer's Picker. It decides outlier ejection from the
+// dial reports alone; SetEjectionObserver lets metrics hear of the decisions.
 package affinity
 
 import (
@@ -21,10 +26,17 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/socket"
 )
 
-var _ socket.Picker = (*Balancer)(nil)
+// ErrNoEndpoints is returned by Pick and Explain when the Service port has no
+// endpoint. Besides errors.Is, it can be recognised by its NoEndpoints method, so
+// that code classifying errors (metrics) need not link the balancer.
+var ErrNoEndpoints error = noEndpointsError{}
+
+type noEndpointsError struct{}
+
+func (noEndpointsError) Error() string     { return "no usable endpoints" }
+func (noEndpointsError) NoEndpoints() bool { return true }
 
 // minSweep is the affinity table size below which Pick never sweeps: sweeping a small
 // table would cost more than the memory it frees.
@@ -71,8 +83,10 @@ type Balancer struct {
 
 	counters Counters
 
-	// ejection is the passive outlier ejection policy (see Failed); After 0: off.
+	// ejection is the passive outlier ejection policy (see DialFailed); After 0: off.
 	ejection Ejection
+	// observer, if not nil, is told of every ejection and re-admission.
+	observer EjectionObserver
 	// ejected counts the endpoints whose ejectedUntil is set, whether or not that
 	// time has passed: Pick reads the clock for ejection only while it is > 0, and
 	// clears the periods that have passed.
@@ -88,7 +102,7 @@ type backend struct {
 	// failures counts consecutive failed dials (reset by a success).
 	failures int
 	// ejections counts ejections since the last success: it doubles the next
-	// period, and an endpoint with ejections > 0 is on probation (see Failed).
+	// period, and an endpoint with ejections > 0 is on probation (see DialFailed).
 	ejections int
 	// ejectedUntil is when the current ejection ends; zero when not ejected.
 	ejectedUntil time.Time
@@ -226,13 +240,13 @@ func (b *Balancer) live(lastUsed, now time.Time) bool {
 // affinity, a client whose entry is live, names a current endpoint and is not in
 // tried gets that endpoint again and the entry's LastUsed slides to now; otherwise
 // the scheduler chooses and the entry is rewritten. The endpoint counts as active
-// until Release. Pick returns socket.ErrNoEndpoints when there is no endpoint.
+// until Release. Pick returns ErrNoEndpoints when there is no endpoint.
 func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPort, error) {
 	client = client.Unmap()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if len(b.eps) == 0 {
-		return netip.AddrPort{}, socket.ErrNoEndpoints
+		return netip.AddrPort{}, ErrNoEndpoints
 	}
 	if b.allTried(tried) {
 		tried = nil
@@ -408,7 +422,7 @@ func (b *Balancer) Explain(client netip.Addr) (Choice, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if len(b.eps) == 0 {
-		return Choice{}, socket.ErrNoEndpoints
+		return Choice{}, ErrNoEndpoints
 	}
 	now := b.now()
 	skip := b.ejectFilter(nil, now)
@@ -481,8 +495,8 @@ type Counters struct {
 	// AffinityExpired counts entries that timed out, whether found by Pick, Update or
 	// a sweep.
 	AffinityExpired uint64 `json:"affinityExpired"`
-	// Ejections counts endpoints ejected by Failed; Readmissions counts ejected or
-	// probation endpoints that Succeeded re-admitted.
+	// Ejections counts endpoints ejected by DialFailed; Readmissions counts
+	// ejected or probation endpoints that DialSucceeded re-admitted.
 	Ejections    uint64 `json:"ejections"`
 	Readmissions uint64 `json:"readmissions"`
 }

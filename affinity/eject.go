@@ -7,9 +7,10 @@ import (
 )
 
 // Passive outlier ejection: the proxy tells the Balancer how each dial went
-// (Failed, Succeeded) and an endpoint that keeps failing is left out of Pick for a
-// while, so that clients stop paying a dial timeout for a backend that is known to
-// be down before its EndpointSlice says so.
+// (DialFailed, DialSucceeded) and an endpoint that keeps failing is left out of
+// Pick for a while, so that clients stop paying a dial timeout for a backend that
+// is known to be down before its EndpointSlice says so. The Balancer decides
+// alone; an EjectionObserver, if set, only hears of the decisions.
 //
 // The rules:
 //   - Ejection.After consecutive failed dials eject an endpoint for Ejection.Base.
@@ -71,11 +72,56 @@ func (b *Balancer) SetEjection(e Ejection) {
 	}
 }
 
-// Failed records a failed dial of ep and reports how long ep is now ejected for
-// (0 when this failure did not eject it). Unknown endpoints are ignored.
-func (b *Balancer) Failed(ep netip.AddrPort) time.Duration {
+// An EjectionObserver is told of the ejections and re-admissions a Balancer
+// decides, to record them (metrics, events, logs); ejection itself does not depend
+// on it. Its methods are called after the Balancer's lock is released, on the
+// goroutine or event loop that reported the dial, and must be cheap and safe for
+// concurrent use.
+type EjectionObserver interface {
+	// Ejected says a failed dial of ep, with err, ejected it for period.
+	Ejected(ep netip.AddrPort, period time.Duration, err error)
+	// Readmitted says a successful dial re-admitted ep, which was ejected or on
+	// probation.
+	Readmitted(ep netip.AddrPort)
+}
+
+// SetEjectionObserver sets who is told of ejections and re-admissions; nil (the
+// default) tells nobody.
+func (b *Balancer) SetEjectionObserver(o EjectionObserver) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	b.observer = o
+}
+
+// DialFailed records a failed dial of ep, which may eject it (see the rules
+// above); err is the dial's error, passed on to the EjectionObserver. Unknown
+// endpoints are ignored.
+func (b *Balancer) DialFailed(ep netip.AddrPort, err error) {
+	b.mu.Lock()
+	d := b.failed(ep)
+	o := b.observer
+	b.mu.Unlock()
+	if d > 0 && o != nil {
+		o.Ejected(ep, d, err)
+	}
+}
+
+// DialSucceeded records a successful dial of ep: its failure count and ejection
+// history are cleared, which re-admits it if it was ejected or on probation.
+// Unknown endpoints are ignored.
+func (b *Balancer) DialSucceeded(ep netip.AddrPort) {
+	b.mu.Lock()
+	readmitted := b.succeeded(ep)
+	o := b.observer
+	b.mu.Unlock()
+	if readmitted && o != nil {
+		o.Readmitted(ep)
+	}
+}
+
+// failed counts a failed dial of ep and returns how long ep is now ejected for (0
+// when this failure did not eject it). b.mu must be held.
+func (b *Balancer) failed(ep netip.AddrPort) time.Duration {
 	i, ok := b.index[keyOfEndpoint(ep)]
 	if !ok {
 		return 0
@@ -105,12 +151,10 @@ func (b *Balancer) Failed(ep netip.AddrPort) time.Duration {
 	return d
 }
 
-// Succeeded records a successful dial of ep: its failure count and ejection
-// history are cleared. It reports whether ep was ejected or on probation, that
-// is, whether this success re-admitted it.
-func (b *Balancer) Succeeded(ep netip.AddrPort) (readmitted bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
+// succeeded clears ep's failures and ejection history and reports whether ep was
+// ejected or on probation, that is, whether this success re-admitted it. b.mu
+// must be held.
+func (b *Balancer) succeeded(ep netip.AddrPort) (readmitted bool) {
 	i, ok := b.index[keyOfEndpoint(ep)]
 	if !ok {
 		return false

@@ -1,13 +1,47 @@
 package affinity
 
 import (
+	"errors"
+	"fmt"
 	"math/rand/v2"
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
+
+// ejectionLog is an EjectionObserver that keeps what it is told, one line per
+// call.
+type ejectionLog struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *ejectionLog) Ejected(ep netip.AddrPort, period time.Duration, err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, fmt.Sprintf("ejected %s for %s: %v", ep, period, err))
+}
+
+func (l *ejectionLog) Readmitted(ep netip.AddrPort) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, fmt.Sprintf("readmitted %s", ep))
+}
+
+// take returns the lines logged since the previous take.
+func (l *ejectionLog) take() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	lines := l.lines
+	l.lines = nil
+	return lines
+}
+
+// errDial stands for a dial's error: the Balancer passes it on to its observer.
+var errDial = errors.New("dial tcp: connect: connection refused")
 
 // ejectStep is one action of a scripted ejection test: advance the clock, then
 // either fail or succeed a dial of an endpoint, or pick.
@@ -15,9 +49,11 @@ type ejectStep struct {
 	advance time.Duration
 	fail    string
 	succeed string
-	// wantEject is the ejection period Failed must report (0: not ejected).
+	// wantEject is the ejection period the observer must hear of after a
+	// DialFailed (0: not ejected, nothing heard).
 	wantEject time.Duration
-	// wantReadmit is what Succeeded must report.
+	// wantReadmit says whether the observer must hear of a re-admission after a
+	// DialSucceeded.
 	wantReadmit bool
 	// pick: Pick(clientA, tried) must return want (a pick is released at once).
 	pick  bool
@@ -134,16 +170,28 @@ func TestEjection(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			b, clock := mkBalancer(t, "rr", addrs(tc.eps...), false, 0)
 			b.SetEjection(policy)
+			log := &ejectionLog{}
+			b.SetEjectionObserver(log)
 			for n, s := range tc.steps {
 				clock.advance(s.advance)
 				switch {
 				case s.fail != "":
-					if got := b.Failed(netip.MustParseAddrPort(s.fail)); got != s.wantEject {
-						t.Fatalf("step %d: Failed(%s): got ejection %v, want %v", n, s.fail, got, s.wantEject)
+					b.DialFailed(netip.MustParseAddrPort(s.fail), errDial)
+					var want []string
+					if s.wantEject > 0 {
+						want = []string{fmt.Sprintf("ejected %s for %s: %v", s.fail, s.wantEject, errDial)}
+					}
+					if got := log.take(); !slices.Equal(got, want) {
+						t.Fatalf("step %d: DialFailed(%s): observer heard %q, want %q", n, s.fail, got, want)
 					}
 				case s.succeed != "":
-					if got := b.Succeeded(netip.MustParseAddrPort(s.succeed)); got != s.wantReadmit {
-						t.Fatalf("step %d: Succeeded(%s): got readmitted %v, want %v", n, s.succeed, got, s.wantReadmit)
+					b.DialSucceeded(netip.MustParseAddrPort(s.succeed))
+					var want []string
+					if s.wantReadmit {
+						want = []string{"readmitted " + s.succeed}
+					}
+					if got := log.take(); !slices.Equal(got, want) {
+						t.Fatalf("step %d: DialSucceeded(%s): observer heard %q, want %q", n, s.succeed, got, want)
 					}
 				case s.pick:
 					got := mustPick(t, b, clientA, addrs(s.tried...))
@@ -161,7 +209,8 @@ func TestEjection(t *testing.T) {
 }
 
 // Every scheduler must leave ejected endpoints out while an endpoint that is
-// neither ejected nor tried remains, and never eject the last one.
+// neither ejected nor tried remains, and never eject the last one. No
+// EjectionObserver is set: ejection must not depend on one.
 func TestEjectionEveryScheduler(t *testing.T) {
 	eps := endpoints(5)
 	for _, sched := range Schedulers {
@@ -173,10 +222,10 @@ func TestEjectionEveryScheduler(t *testing.T) {
 				ep := eps[rng.IntN(len(eps))]
 				switch rng.IntN(4) {
 				case 0, 1:
-					b.Failed(ep)
+					b.DialFailed(ep, errDial)
 				case 2:
 					if rng.IntN(4) == 0 {
-						b.Succeeded(ep)
+						b.DialSucceeded(ep)
 					}
 				}
 				clock.advance(time.Duration(rng.IntN(500)) * time.Millisecond)
@@ -213,10 +262,13 @@ func TestEjectionEveryScheduler(t *testing.T) {
 func TestEjectionState(t *testing.T) {
 	b, clock := mkBalancer(t, "rr", addrs(epA, epB), true, time.Minute)
 	b.SetEjection(Ejection{After: 2})
+	log := &ejectionLog{}
+	b.SetEjectionObserver(log)
 	mustPick(t, b, clientA, nil) // clientA -> A
-	b.Failed(netip.MustParseAddrPort(epA))
-	if d := b.Failed(netip.MustParseAddrPort(epA)); d != DefaultEjectionBase {
-		t.Fatalf("second failure: got ejection %v, want %v", d, DefaultEjectionBase)
+	b.DialFailed(netip.MustParseAddrPort(epA), errDial)
+	b.DialFailed(netip.MustParseAddrPort(epA), errDial)
+	if got, want := log.take(), []string{fmt.Sprintf("ejected %s for %s: %v", epA, DefaultEjectionBase, errDial)}; !slices.Equal(got, want) {
+		t.Fatalf("after two failures: observer heard %q, want %q", got, want)
 	}
 	st := b.State()
 	wantUntil := clock.now().Add(DefaultEjectionBase)
@@ -265,7 +317,7 @@ func TestPeekPredictsPickWithEjection(t *testing.T) {
 			for i := range 40 {
 				c := clientAddr(i % 7)
 				if i%4 == 0 {
-					b.Failed(endpoints(5)[i%5])
+					b.DialFailed(endpoints(5)[i%5], errDial)
 				}
 				want, _, err := b.Peek(c)
 				if err != nil {
@@ -277,5 +329,37 @@ func TestPeekPredictsPickWithEjection(t *testing.T) {
 				clock.advance(time.Second)
 			}
 		})
+	}
+}
+
+// reentrantLog reads its Balancer from inside each call, as an observer that
+// shows the Balancer's state beside an ejection may.
+type reentrantLog struct {
+	b    *Balancer
+	seen []EndpointState
+}
+
+func (l *reentrantLog) Ejected(netip.AddrPort, time.Duration, error) { _, l.seen = l.b.Stats() }
+func (l *reentrantLog) Readmitted(netip.AddrPort)                    { _, l.seen = l.b.Stats() }
+
+// The observer is called after the Balancer's lock is released: one that reads
+// the Balancer back must neither deadlock nor see the state before the decision.
+func TestEjectionObserverCalledUnlocked(t *testing.T) {
+	b, _ := mkBalancer(t, "rr", addrs(epA, epB), false, 0)
+	b.SetEjection(Ejection{After: 1})
+	log := &reentrantLog{b: b}
+	b.SetEjectionObserver(log)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		b.DialFailed(netip.MustParseAddrPort(epA), errDial)
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("DialFailed did not return: the observer was called with the lock held")
+	}
+	if len(log.seen) != 2 || log.seen[0].EjectedUntil.IsZero() {
+		t.Errorf("state seen by the observer: got %+v, want %s ejected", log.seen, epA)
 	}
 }

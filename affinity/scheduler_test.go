@@ -9,8 +9,6 @@ import (
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/uproxy/uproxy/socket"
 )
 
 // fakeClock is a settable clock; tests advance it instead of sleeping.
@@ -388,17 +386,17 @@ func TestNoEndpoints(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if _, err := b.Pick(clientAddr(1), nil); !errors.Is(err, socket.ErrNoEndpoints) {
-				t.Errorf("new Balancer: got error %v, want %v", err, socket.ErrNoEndpoints)
+			if _, err := b.Pick(clientAddr(1), nil); !errors.Is(err, ErrNoEndpoints) {
+				t.Errorf("new Balancer: got error %v, want %v", err, ErrNoEndpoints)
 			}
 			b.Update(endpoints(3), netip.MustParseAddr("10.96.0.1"), true, time.Minute)
 			mustPick(t, b, clientAddr(1), nil)
 			b.Update(nil, netip.MustParseAddr("10.96.0.1"), true, time.Minute)
-			if ep, err := b.Pick(clientAddr(1), nil); !errors.Is(err, socket.ErrNoEndpoints) {
-				t.Errorf("after emptying: got %v, %v, want error %v", ep, err, socket.ErrNoEndpoints)
+			if ep, err := b.Pick(clientAddr(1), nil); !errors.Is(err, ErrNoEndpoints) {
+				t.Errorf("after emptying: got %v, %v, want error %v", ep, err, ErrNoEndpoints)
 			}
-			if _, _, err := b.Peek(clientAddr(1)); !errors.Is(err, socket.ErrNoEndpoints) {
-				t.Errorf("Peek after emptying: got error %v, want %v", err, socket.ErrNoEndpoints)
+			if _, _, err := b.Peek(clientAddr(1)); !errors.Is(err, ErrNoEndpoints) {
+				t.Errorf("Peek after emptying: got error %v, want %v", err, ErrNoEndpoints)
 			}
 			if s := b.State(); len(s.Endpoints) != 0 || len(s.Affinity) != 0 {
 				t.Errorf("state after emptying: got %+v, want no endpoints and no entries", s)

@@ -8,36 +8,27 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/affinity"
-	"github.com/uproxy/uproxy/socket"
+	"github.com/uproxy/uproxy/record"
 )
 
 // BenchmarkPortObserver is the observer's cost per proxied connection: what
 // ConnOpened, AttemptDone and ConnClosed add to the connection path, with the
-// events ring and the Balancer feed on. It must stay at 0 allocs/op.
+// events ring on. It must stay at 0 allocs/op.
 func BenchmarkPortObserver(b *testing.B) {
 	ep1 := netip.MustParseAddrPort("10.0.0.1:8080")
 	ep2 := netip.MustParseAddrPort("10.0.0.2:8080")
 	refused := fmt.Errorf("dial tcp %s: %w", ep2, syscall.ECONNREFUSED)
 	for _, bc := range []struct {
 		name     string
-		attempts []socket.Attempt
+		attempts []record.Attempt
 	}{
-		{"first-attempt", []socket.Attempt{{Endpoint: ep1, Duration: 200 * time.Microsecond}}},
-		{"retried", []socket.Attempt{{Endpoint: ep2, Duration: 100 * time.Microsecond, Err: refused}, {Endpoint: ep1, Duration: 200 * time.Microsecond}}},
+		{"first-attempt", []record.Attempt{{Endpoint: ep1, Duration: 200 * time.Microsecond}}},
+		{"retried", []record.Attempt{{Endpoint: ep2, Duration: 100 * time.Microsecond, Err: refused}, {Endpoint: ep1, Duration: 200 * time.Microsecond}}},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
-			bal, err := affinity.NewBalancer("rr")
-			if err != nil {
-				b.Fatal(err)
-			}
-			bal.Update([]netip.AddrPort{ep1, ep2}, netip.Addr{}, false, 0)
-			// Ejection off: a refused endpoint that were ejected would change
-			// what is measured from one iteration to the next.
 			o := NewPortObserver("bench/"+bc.name+":p", "TCP", NewEvents(256))
-			o.Attach(bal, nil)
 			b.Cleanup(o.Forget)
-			c := socket.Conn{Service: "bench/" + bc.name + ":p", Protocol: "TCP",
+			c := record.Conn{Service: "bench/" + bc.name + ":p", Protocol: "TCP",
 				Client: netip.MustParseAddrPort("192.0.2.1:40000"), Start: time.Now(),
 				Attempts: bc.attempts, Endpoint: ep1, BytesIn: 512, BytesOut: 4096, Duration: time.Millisecond}
 			b.ReportAllocs()

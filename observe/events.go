@@ -5,7 +5,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/uproxy/uproxy/socket"
+	"github.com/uproxy/uproxy/record"
 )
 
 // Event kinds.
@@ -59,9 +59,9 @@ type EventAttempt struct {
 	Error      string  `json:"error,omitempty"`
 }
 
-// record is an event as stored: plain values and the errors the socket made
+// slot holds an event as stored: plain values and the errors the socket made
 // (immutable, so keeping them is safe), formatted only when read.
-type record struct {
+type slot struct {
 	id       uint64
 	kind     string
 	time     time.Time
@@ -69,7 +69,7 @@ type record struct {
 	protocol string
 	client   netip.AddrPort
 	endpoint netip.AddrPort
-	attempts []socket.Attempt // reused from slot to slot: no allocation per event
+	attempts []record.Attempt // reused from slot to slot: no allocation per event
 	bytesIn  int64
 	bytesOut int64
 	duration time.Duration
@@ -87,7 +87,7 @@ type Events struct {
 	// next event takes (the oldest once the ring is full); n counts events ever
 	// recorded, so the ring holds min(n, len(ring)) of them.
 	mu   sync.Mutex
-	ring []record
+	ring []slot
 	next int
 	n    uint64
 }
@@ -100,10 +100,10 @@ func NewEvents(n int) *Events {
 	if n <= 0 {
 		n = DefaultEvents
 	}
-	e := &Events{ring: make([]record, n)}
+	e := &Events{ring: make([]slot, n)}
 	// One backing array gives every slot room for four attempts (the default
 	// number of dial timeouts), so slots need not grow one by one.
-	backing := make([]socket.Attempt, 4*n)
+	backing := make([]record.Attempt, 4*n)
 	for i := range e.ring {
 		e.ring[i].attempts = backing[4*i : 4*i : 4*i+4]
 	}
@@ -111,7 +111,7 @@ func NewEvents(n int) *Events {
 }
 
 // Add records the connection c (it keeps no reference to c).
-func (e *Events) Add(c *socket.Conn) {
+func (e *Events) Add(c *record.Conn) {
 	e.mu.Lock()
 	r := e.take()
 	r.kind = KindConnection
@@ -139,7 +139,7 @@ func (e *Events) AddEndpoint(kind, service, protocol string, ep netip.AddrPort, 
 }
 
 // take returns the slot of a new event, with its id set. e.mu is held.
-func (e *Events) take() *record {
+func (e *Events) take() *slot {
 	e.n++
 	r := &e.ring[e.next]
 	r.id = e.n
@@ -158,7 +158,7 @@ type Query struct {
 	Limit   int    // at most this many (<= 0: no limit)
 }
 
-func (q *Query) match(r *record) bool {
+func (q *Query) match(r *slot) bool {
 	return (q.Service == "" || r.service == q.Service) &&
 		(q.Kind == "" || r.kind == q.Kind) &&
 		(q.Outcome == "" || (r.kind == KindConnection && outcome(r.endpoint, len(r.attempts)) == q.Outcome)) &&
@@ -195,7 +195,7 @@ func (e *Events) Recent(service string, n int) []Event {
 	return e.Query(Query{Service: service, Limit: n})
 }
 
-func (r *record) event() Event {
+func (r *slot) event() Event {
 	ev := Event{
 		ID:         r.id,
 		Kind:       r.kind,
@@ -247,7 +247,7 @@ func outcome(served netip.AddrPort, attempts int) string {
 	return OutcomeSuccess
 }
 
-func outcomeOf(c *socket.Conn) string { return outcome(c.Endpoint, len(c.Attempts)) }
+func outcomeOf(c *record.Conn) string { return outcome(c.Endpoint, len(c.Attempts)) }
 
 // unmap shows an IPv4 client of a dual-stack listener as IPv4.
 func unmap(ap netip.AddrPort) netip.AddrPort { return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()) }

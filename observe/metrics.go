@@ -4,13 +4,12 @@ package observe
 
 import (
 	"errors"
+	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-
-	"github.com/uproxy/uproxy/socket"
 )
 
 // Registry holds every uproxy metric (and the Go and process collectors).
@@ -119,9 +118,25 @@ func init() {
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "uproxy_accept_backoffs_total",
 			Help: "Times an accept (TCP) or read (UDP) loop backed off after running short of descriptors, buffers or memory.",
-		}, func() float64 { return float64(socket.AcceptBackoffs()) }),
+		}, func() float64 {
+			if read := acceptBackoffs.Load(); read != nil {
+				return float64((*read)())
+			}
+			return 0
+		}),
 	)
 }
+
+// acceptBackoffs reads the count behind uproxy_accept_backoffs_total. The data
+// path keeps it and the userspace mode hands it over (SetAcceptBackoffs), so that
+// observe need not link the data path; until then, as in the kernel modes, which
+// accept nothing themselves, the counter reads 0.
+var acceptBackoffs atomic.Pointer[func() uint64]
+
+// SetAcceptBackoffs makes read the source of uproxy_accept_backoffs_total: a
+// process-wide count of accept (TCP) or read (UDP) loop backoffs that only grows.
+// Setting the same source again changes nothing.
+func SetAcceptBackoffs(read func() uint64) { acceptBackoffs.Store(&read) }
 
 // Dial results, the values of the result label of uproxy_dial_attempts_total.
 const (
@@ -140,10 +155,17 @@ var resultNames = [numResults]string{"success", "refused", "timeout", "unreachab
 // timeout, unreachable, reset or other (no-endpoints for a connection that had no
 // endpoint to dial).
 func DialResult(err error) string {
-	if errors.Is(err, socket.ErrNoEndpoints) {
+	if isNoEndpoints(err) {
 		return "no-endpoints"
 	}
 	return resultNames[dialResult(err)]
+}
+
+// isNoEndpoints recognises the balancer's "no usable endpoints" error by its
+// behaviour, as isTimeout does timeouts, rather than by linking the balancer.
+func isNoEndpoints(err error) bool {
+	var n interface{ NoEndpoints() bool }
+	return errors.As(err, &n) && n.NoEndpoints()
 }
 
 func dialResult(err error) int {

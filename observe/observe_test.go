@@ -3,10 +3,12 @@ package observe_test
 import (
 	"fmt"
 	"net"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/service"
 )
@@ -313,6 +315,70 @@ func TestEjectionAndReadmission(t *testing.T) {
 			t.Errorf("sole endpoint: got %+v, want not ejected with 12 consecutive failures", st)
 		}
 	})
+}
+
+// An ICMP port unreachable that ends a UDP session is the UDP form of a refused
+// dial: the balancer ejects the endpoint for it (with --eject-after 1, since the
+// session's connect succeeded and cleared the count), and observe records that
+// ejection as it records a TCP one, before the session's own record.
+func TestUDPRefusalEjection(t *testing.T) {
+	w := mkWorld(t, proxier.Config{EjectAfter: 1})
+	dead := refusedUDPAddr(t, "127.0.0.2")
+	live := udpEcho(t, "127.0.0.3")
+	svc, pp := w.addService(service.UDP, false, dead, live)
+
+	// rr gives the first client dead; it resends until the session ends and
+	// the next one is served by live.
+	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", pp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	buf := make([]byte, 16)
+	await(t, "a reply", func() bool {
+		c.SetDeadline(time.Now().Add(50 * time.Millisecond))
+		if _, err := c.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		n, err := c.Read(buf)
+		return err == nil && string(buf[:n]) == "ping"
+	})
+
+	if st := w.endpointState(svc, dead); !st.Ejected || st.EjectedUntil == "" || st.ConsecutiveFailures != 1 {
+		t.Errorf("after the ICMP refusal: got %+v, want ejected with 1 consecutive failure", st)
+	}
+	epLabels := map[string]string{"service": svc, "endpoint": dead.String()}
+	for name, want := range map[string]float64{"uproxy_endpoint_ejections_total": 1, "uproxy_endpoint_ejected": 1} {
+		if got := metricOr0(t, name, epLabels); got != want {
+			t.Errorf("%s: got %v, want %v", name, got, want)
+		}
+	}
+	ej := w.eventsOf("?kind=ejection&service=" + svc)
+	if len(ej) != 1 || ej[0].Endpoint != dead.String() || ej[0].Protocol != "UDP" || !strings.Contains(ej[0].Reason, "dial failed (refused)") {
+		t.Fatalf("ejection events: got %+v, want one for %s naming the refusal", ej, dead)
+	}
+	var ended *observe.Event
+	for _, ev := range w.eventsOf("?kind=connection&service=" + svc) {
+		if ev.Endpoint == dead.String() && strings.Contains(ev.Error, "refused") {
+			ended = &ev
+		}
+	}
+	if ended == nil || ended.ID < ej[0].ID {
+		t.Errorf("record of the refused session: got %+v, want one recorded after the ejection (id %d)", ended, ej[0].ID)
+	}
+}
+
+// refusedUDPAddr returns a UDP address on ip where nothing listens: datagrams
+// sent there draw an ICMP port unreachable.
+func refusedUDPAddr(t testing.TB, ip string) netip.AddrPort {
+	t.Helper()
+	pc, err := net.ListenPacket("udp", ip+":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := pc.LocalAddr().(*net.UDPAddr).AddrPort()
+	pc.Close()
+	return addr
 }
 
 // /debug/services?client= says which endpoint that client gets next, and why.

@@ -10,15 +10,16 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/klog/v2"
 
-	"github.com/uproxy/uproxy/affinity"
-	"github.com/uproxy/uproxy/socket"
+	"github.com/uproxy/uproxy/record"
 )
 
-// PortObserver is the socket.Observer of one Service port. It keeps the metric
+// PortObserver records the traffic of one Service port: it is the port's
+// socket.Observer and the EjectionObserver of its balancer. It keeps the metric
 // children of its Service port, and those of each endpoint from the endpoint's
 // first attempt on, so a connection costs no label lookup; it records every
-// connection in the Events ring, logs it at -v=2, and feeds the port's Balancer
-// the result of every dial for outlier ejection.
+// connection, ejection and re-admission in the Events ring and logs them (-v=2,
+// -v=1). It decides nothing: the balancer ejects endpoints whether or not anyone
+// observes.
 type PortObserver struct {
 	service  string
 	protocol string
@@ -34,9 +35,9 @@ type PortObserver struct {
 	duration    prometheus.Observer
 	expiries    prometheus.Counter
 
-	// balancer and udpClients are set by Attach before the port serves, and read
+	// stats and udpClients are set by Attach before the port serves, and read
 	// without a lock afterwards.
-	balancer   *affinity.Balancer
+	stats      func() BalancerStats
 	udpClients func() int
 
 	// mu guards endpoints and the attempts arrays in them; an endpointMetrics'
@@ -72,15 +73,26 @@ func NewPortObserver(service, protocol string, events *Events) *PortObserver {
 	}
 }
 
-var _ socket.Observer = (*PortObserver)(nil)
+// BalancerStats is what a Service port's balancer counts, read at every scrape.
+type BalancerStats struct {
+	Affinity  AffinityCounters
+	Endpoints []EndpointStats
+}
 
-// Attach connects the observer to its Service port's running state: b (may be
-// nil) is told the result of every dial (Failed, Succeeded) for outlier
-// ejection and is read at scrape time for active connections, ejections and
-// affinity counters; udpClients (nil for TCP) reports the UDP client table size.
-// Call it once, before the port serves; Forget detaches.
-func (o *PortObserver) Attach(b *affinity.Balancer, udpClients func() int) {
-	o.balancer, o.udpClients = b, udpClients
+// EndpointStats is one endpoint of BalancerStats.
+type EndpointStats struct {
+	Addr     netip.AddrPort
+	Active   int  // open connections (or UDP sessions)
+	Failures int  // consecutive failed dials
+	Ejected  bool // left out of new picks by outlier ejection
+}
+
+// Attach connects the observer to its Service port's running state, read at
+// scrape time: stats (may be nil) reports the balancer's endpoints and affinity
+// counters, udpClients (nil for TCP) the UDP client table size. Call it once,
+// before the port serves; Forget detaches.
+func (o *PortObserver) Attach(stats func() BalancerStats, udpClients func() int) {
+	o.stats, o.udpClients = stats, udpClients
 	livePorts.Lock()
 	livePorts.m[o] = struct{}{}
 	livePorts.Unlock()
@@ -88,22 +100,10 @@ func (o *PortObserver) Attach(b *affinity.Balancer, udpClients func() int) {
 
 func (o *PortObserver) ConnOpened(service, protocol string) { o.active.Inc() }
 
-func (o *PortObserver) AttemptDone(service string, a socket.Attempt) {
+func (o *PortObserver) AttemptDone(service string, a record.Attempt) {
 	em, attempts := o.children(a.Endpoint, dialResult(a.Err))
 	attempts.Inc()
 	em.dial.Observe(a.Duration.Seconds())
-	if o.balancer == nil {
-		return
-	}
-	if a.Err == nil {
-		if o.balancer.Succeeded(a.Endpoint) {
-			o.readmitted(em, a.Endpoint)
-		}
-		return
-	}
-	if d := o.balancer.Failed(a.Endpoint); d > 0 {
-		o.ejected(em, a, d)
-	}
 }
 
 // children returns the metric children of ep and its attempts counter for
@@ -132,16 +132,25 @@ func (o *PortObserver) children(ep netip.AddrPort, r int) (*endpointMetrics, pro
 	return em, em.attempts[r]
 }
 
-func (o *PortObserver) ejected(em *endpointMetrics, a socket.Attempt, d time.Duration) {
+// Ejected records that the balancer ejected ep for d after a dial failed with
+// err (for UDP, a session ended by an ICMP port unreachable).
+func (o *PortObserver) Ejected(ep netip.AddrPort, d time.Duration, err error) {
+	r := dialResult(err)
+	// A failed dial's AttemptDone came first and made these children; for a UDP
+	// session the refused series starts here, at 0, beside its successful dial.
+	em, _ := o.children(ep, r)
 	Ejections.WithLabelValues(o.service, em.name).Inc()
-	reason := fmt.Sprintf("dial failed (%s); ejected for %s", resultNames[dialResult(a.Err)], d)
-	klog.V(1).InfoS("Ejected endpoint", "service", o.service, "endpoint", em.name, "for", d, "err", a.Err)
+	reason := fmt.Sprintf("dial failed (%s); ejected for %s", resultNames[r], d)
+	klog.V(1).InfoS("Ejected endpoint", "service", o.service, "endpoint", em.name, "for", d, "err", err)
 	if o.events != nil {
-		o.events.AddEndpoint(KindEjection, o.service, o.protocol, a.Endpoint, d, reason)
+		o.events.AddEndpoint(KindEjection, o.service, o.protocol, ep, d, reason)
 	}
 }
 
-func (o *PortObserver) readmitted(em *endpointMetrics, ep netip.AddrPort) {
+// Readmitted records that a successful dial re-admitted ep, which the balancer
+// had ejected or kept on probation.
+func (o *PortObserver) Readmitted(ep netip.AddrPort) {
+	em, _ := o.children(ep, resultSuccess)
 	Readmissions.WithLabelValues(o.service, em.name).Inc()
 	klog.V(1).InfoS("Re-admitted endpoint", "service", o.service, "endpoint", em.name)
 	if o.events != nil {
@@ -149,7 +158,7 @@ func (o *PortObserver) readmitted(em *endpointMetrics, ep netip.AddrPort) {
 	}
 }
 
-func (o *PortObserver) ConnClosed(c *socket.Conn) {
+func (o *PortObserver) ConnClosed(c *record.Conn) {
 	o.active.Dec()
 	n := len(c.Attempts)
 	if n > 1 {
@@ -170,20 +179,10 @@ func (o *PortObserver) ConnClosed(c *socket.Conn) {
 		o.connOK.Inc()
 	}
 	o.duration.Observe(c.Duration.Seconds())
-	if c.Protocol == "UDP" && c.Endpoint.IsValid() {
-		switch {
-		case c.Err == nil:
-			// A UDP session that ends without error idled out (or its Service
-			// port closed, which ends every session at once).
-			o.expiries.Inc()
-		case o.balancer != nil && dialResult(c.Err) == resultRefused:
-			// A UDP connect never fails; an ICMP port unreachable from the
-			// endpoint is the UDP form of a refused dial.
-			if d := o.balancer.Failed(c.Endpoint); d > 0 {
-				em, _ := o.children(c.Endpoint, resultRefused)
-				o.ejected(em, socket.Attempt{Endpoint: c.Endpoint, Err: c.Err}, d)
-			}
-		}
+	if c.Protocol == "UDP" && c.Endpoint.IsValid() && c.Err == nil {
+		// A UDP session that ends without error idled out (or its Service
+		// port closed, which ends every session at once).
+		o.expiries.Inc()
 	}
 	if o.events != nil {
 		o.events.Add(c)
@@ -194,7 +193,7 @@ func (o *PortObserver) ConnClosed(c *socket.Conn) {
 }
 
 // logConn writes the one log line of a connection, with its attempts.
-func logConn(v klog.Verbose, c *socket.Conn) {
+func logConn(v klog.Verbose, c *record.Conn) {
 	var b strings.Builder
 	for i, a := range c.Attempts {
 		if i > 0 {
@@ -275,7 +274,7 @@ var livePorts = struct {
 	m map[*PortObserver]struct{}
 }{m: map[*PortObserver]struct{}{}}
 
-// portsCollector exports, at scrape time, what the Balancers and UDP tables
+// portsCollector exports, at scrape time, what the balancers and UDP tables
 // already count: the data path pays nothing for these series.
 type portsCollector struct{}
 
@@ -312,28 +311,28 @@ func (portsCollector) Collect(ch chan<- prometheus.Metric) {
 		ports = append(ports, o)
 	}
 	livePorts.Unlock()
-	now := time.Now()
 	for _, o := range ports {
 		if o.udpClients != nil {
 			ch <- prometheus.MustNewConstMetric(descUDPClients, prometheus.GaugeValue, float64(o.udpClients()), o.service)
 		}
-		if o.balancer == nil {
+		if o.stats == nil {
 			continue
 		}
-		c, eps := o.balancer.Stats()
-		for _, e := range eps {
+		st := o.stats()
+		for _, e := range st.Endpoints {
 			ep := e.Addr.String()
 			ejected := 0.0
-			if e.EjectedUntil.After(now) {
+			if e.Ejected {
 				ejected = 1
 			}
 			ch <- prometheus.MustNewConstMetric(descEndpointActive, prometheus.GaugeValue, float64(e.Active), o.service, ep)
 			ch <- prometheus.MustNewConstMetric(descEndpointEjected, prometheus.GaugeValue, ejected, o.service, ep)
 			ch <- prometheus.MustNewConstMetric(descEndpointFailures, prometheus.GaugeValue, float64(e.Failures), o.service, ep)
 		}
-		ch <- prometheus.MustNewConstMetric(descAffinityHits, prometheus.CounterValue, float64(c.AffinityHits), o.service)
-		ch <- prometheus.MustNewConstMetric(descAffinityMisses, prometheus.CounterValue, float64(c.AffinityMisses), o.service)
-		ch <- prometheus.MustNewConstMetric(descAffinityResets, prometheus.CounterValue, float64(c.AffinityResets), o.service)
-		ch <- prometheus.MustNewConstMetric(descAffinityExpired, prometheus.CounterValue, float64(c.AffinityExpired), o.service)
+		c := st.Affinity
+		ch <- prometheus.MustNewConstMetric(descAffinityHits, prometheus.CounterValue, float64(c.Hits), o.service)
+		ch <- prometheus.MustNewConstMetric(descAffinityMisses, prometheus.CounterValue, float64(c.Misses), o.service)
+		ch <- prometheus.MustNewConstMetric(descAffinityResets, prometheus.CounterValue, float64(c.Resets), o.service)
+		ch <- prometheus.MustNewConstMetric(descAffinityExpired, prometheus.CounterValue, float64(c.Expired), o.service)
 	}
 }

@@ -99,6 +99,9 @@ func New(cfg Config) (*Proxier, error) {
 	if cfg.Portals == nil {
 		cfg.Portals = rules.None{}
 	}
+	// The data path counts its backoffs; observe exports the count without
+	// linking the data path.
+	observe.SetAcceptBackoffs(socket.AcceptBackoffs)
 	return &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), ports: make(map[service.PortName]*servicePort)}, nil
 }
 
@@ -318,6 +321,9 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
 		done:     make(chan struct{}),
 	}
+	// The balancer ejects endpoints from the dial reports of the socket layer;
+	// the observer only hears of its decisions.
+	bal.SetEjectionObserver(sp.observer)
 	host := p.listenHost()
 	var lastErr error
 	ok := p.alloc.each(func(pp int) bool {
@@ -337,7 +343,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 				DialTimeouts: p.cfg.DialTimeouts,
 				Observer:     sp.observer,
 			}
-			sp.observer.Attach(bal, nil)
+			sp.observer.Attach(balancerStats(bal), nil)
 			go serveTCP(sp, tl)
 		case service.UDP:
 			pc, err := listenConfig.ListenPacket(context.Background(), "udp", addr)
@@ -355,7 +361,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 				Observer:   sp.observer,
 			}
 			udp := sp.udp
-			sp.observer.Attach(bal, udp.Clients)
+			sp.observer.Attach(balancerStats(bal), udp.Clients)
 			go serveUDP(sp, uc)
 		}
 		return true
@@ -368,6 +374,25 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 	}
 	klog.V(1).InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", sp.proxyPort)
 	return sp, nil
+}
+
+// balancerStats reads b for the metrics scrape, in observe's terms.
+func balancerStats(b *affinity.Balancer) func() observe.BalancerStats {
+	return func() observe.BalancerStats {
+		c, eps := b.Stats()
+		st := observe.BalancerStats{
+			Affinity: observe.AffinityCounters{
+				Hits: c.AffinityHits, Misses: c.AffinityMisses,
+				Resets: c.AffinityResets, Expired: c.AffinityExpired,
+			},
+			Endpoints: make([]observe.EndpointStats, len(eps)),
+		}
+		for i, e := range eps {
+			// Stats leaves EjectedUntil zero once the ejection has ended.
+			st.Endpoints[i] = observe.EndpointStats{Addr: e.Addr, Active: e.Active, Failures: e.Failures, Ejected: !e.EjectedUntil.IsZero()}
+		}
+		return st
+	}
 }
 
 func serveTCP(sp *servicePort, ln *net.TCPListener) {

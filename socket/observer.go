@@ -1,15 +1,18 @@
 package socket
 
 import (
-	"errors"
 	"net/netip"
-	"time"
+
+	"github.com/uproxy/uproxy/record"
 )
 
-// ErrNoEndpoints is returned by a Picker that has no usable endpoint.
-var ErrNoEndpoints = errors.New("no usable endpoints")
-
-// A Picker chooses backends for one Service port. affinity.Balancer is the real one.
+// A Picker chooses backends for one Service port and is told how each dial of
+// them went. affinity.Balancer is the real one.
+//
+// The dial reports are part of Picker rather than an optional interface found by
+// a type assertion: the Picker judges its endpoints (the Balancer ejects one that
+// keeps failing), and a Picker that stopped taking the reports must fail to
+// compile where it is handed to a proxy, not silently stop ejecting.
 type Picker interface {
 	// Pick returns the endpoint for a new connection (or UDP flow) from client,
 	// avoiding those in tried while any other remains. The endpoint counts as active
@@ -19,50 +22,34 @@ type Picker interface {
 	Release(ep netip.AddrPort)
 	// ResetAffinity forgets client's sticky endpoint (after a failed dial).
 	ResetAffinity(client netip.Addr)
-}
-
-// Attempt is one dial of one endpoint for one connection.
-type Attempt struct {
-	Endpoint netip.AddrPort
-	Start    time.Time
-	Duration time.Duration
-	// Err is nil for a successful dial.
-	Err error
-}
-
-// Conn is the record of one proxied TCP connection, or one UDP client session.
-type Conn struct {
-	Service  string // the Service port's name, namespace/name:port
-	Protocol string // "TCP" or "UDP"
-	Client   netip.AddrPort
-	Start    time.Time
-	Attempts []Attempt
-	// Endpoint is the endpoint that served the connection (zero when every attempt failed).
-	Endpoint netip.AddrPort
-	// BytesIn counts client to backend, BytesOut backend to client (datagram
-	// payload bytes for UDP).
-	BytesIn, BytesOut int64
-	Duration          time.Duration
-	// Err is why the connection failed or ended abnormally (nil for a clean end).
-	Err error
+	// DialSucceeded says a dial of ep, returned by Pick, connected.
+	DialSucceeded(ep netip.AddrPort)
+	// DialFailed says a dial of ep, returned by Pick, failed with err; so does a
+	// UDP session that ep ended with an ICMP port unreachable (ECONNREFUSED):
+	// a UDP connect only sets the peer, so that is how a UDP endpoint refuses.
+	// A dial that failed because this node ran short of sockets or memory is
+	// not reported: it says nothing about ep.
+	DialFailed(ep netip.AddrPort, err error)
 }
 
 // An Observer is told about every connection. Its methods are called from the
-// connection's goroutines and must be safe for concurrent use and cheap.
+// connection's goroutines and must be safe for concurrent use and cheap. It only
+// records: what the proxy decides (which endpoint, whether to retry) depends on
+// the Picker alone, so any Observer, or none, leaves the traffic as it is.
 type Observer interface {
 	// ConnOpened is called once a connection (TCP) or UDP client session has been
 	// accepted, before any dial.
 	ConnOpened(service, protocol string)
-	// AttemptDone is called after each dial attempt.
-	AttemptDone(service string, a Attempt)
+	// AttemptDone is called after each dial attempt, before the Picker is told.
+	AttemptDone(service string, a record.Attempt)
 	// ConnClosed is called once the connection (or UDP session) has ended, with its
 	// full record; c must not be retained after the call returns.
-	ConnClosed(c *Conn)
+	ConnClosed(c *record.Conn)
 }
 
 // NopObserver ignores everything; it is the Observer when none is set.
 type NopObserver struct{}
 
-func (NopObserver) ConnOpened(string, string)   {}
-func (NopObserver) AttemptDone(string, Attempt) {}
-func (NopObserver) ConnClosed(*Conn)            {}
+func (NopObserver) ConnOpened(string, string)          {}
+func (NopObserver) AttemptDone(string, record.Attempt) {}
+func (NopObserver) ConnClosed(*record.Conn)            {}

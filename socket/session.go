@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/record"
 )
 
 // tcpSession is one proxied connection, owned by the loop that accepted it: every
@@ -30,11 +32,11 @@ type tcpSession struct {
 	dialTimer    timer
 
 	err error // why the session was aborted
-	rec Conn
+	rec record.Conn
 
 	// Inline storage for the common case of at most four attempts.
 	tried    [4]netip.AddrPort
-	attempts [4]Attempt
+	attempts [4]record.Attempt
 }
 
 type sessionState uint8
@@ -114,7 +116,7 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 	s.client = tcpSide{s: s, fd: fd, writable: true}
 	s.backend = tcpSide{s: s, fd: -1}
 	s.dialTimer = timer{index: -1, target: s}
-	s.rec = Conn{Service: p.Service, Protocol: "TCP", Client: client, Start: time.Now()}
+	s.rec = record.Conn{Service: p.Service, Protocol: "TCP", Client: client, Start: time.Now()}
 	s.rec.Attempts = s.attempts[:0]
 	if !p.track(s) {
 		resetFD(fd)
@@ -251,9 +253,10 @@ func (s *tcpSession) connectEvent(ev uint32) {
 		return
 	}
 	s.l.cancel(&s.dialTimer)
-	a := Attempt{Endpoint: s.rec.Endpoint, Start: s.attemptStart, Duration: time.Since(s.attemptStart)}
+	a := record.Attempt{Endpoint: s.rec.Endpoint, Start: s.attemptStart, Duration: time.Since(s.attemptStart)}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	s.p.observer().AttemptDone(s.p.Service, a)
+	s.p.Picker.DialSucceeded(a.Endpoint)
 	s.state = open
 	s.pump()
 }
@@ -276,9 +279,10 @@ func (s *tcpSession) retry(err error) {
 func (s *tcpSession) attemptFailed(err error) error {
 	p := s.p
 	ep := s.rec.Endpoint
-	a := Attempt{Endpoint: ep, Start: s.attemptStart, Duration: time.Since(s.attemptStart), Err: err}
+	a := record.Attempt{Endpoint: ep, Start: s.attemptStart, Duration: time.Since(s.attemptStart), Err: err}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	p.observer().AttemptDone(p.Service, a)
+	p.Picker.DialFailed(ep, err)
 	// The client's sticky endpoint just failed it: let the next pick move on.
 	p.Picker.ResetAffinity(s.rec.Client.Addr().Unmap())
 	p.Picker.Release(ep)

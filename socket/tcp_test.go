@@ -23,6 +23,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/record"
 )
 
 func TestMain(m *testing.M) {
@@ -203,9 +205,15 @@ func TestTCPProxyRetries(t *testing.T) {
 			}
 			// Pick saw, each time, every endpoint tried before.
 			for i, tried := range picker.tried {
-				if want := c.Attempts[:i]; !slices.EqualFunc(tried, want, func(ep netip.AddrPort, a Attempt) bool { return ep == a.Endpoint }) {
+				if want := c.Attempts[:i]; !slices.EqualFunc(tried, want, func(ep netip.AddrPort, a record.Attempt) bool { return ep == a.Endpoint }) {
 					t.Errorf("Pick %d: got tried %v, want the %d endpoints tried before", i, tried, len(want))
 				}
+			}
+			// The Picker heard how every attempt went, in order, with its error.
+			if got := picker.dialReports(); !slices.EqualFunc(got, c.Attempts, func(r dialReport, a record.Attempt) bool {
+				return r.ep == a.Endpoint && r.failed == (a.Err != nil) && r.err == a.Err
+			}) {
+				t.Errorf("dial reports to the Picker: got %v, want one per attempt of %+v", got, c.Attempts)
 			}
 			failed := len(tt.wantAttempts)
 			if tt.wantServed {
@@ -255,8 +263,8 @@ func TestTCPProxyPickFailureResetsClient(t *testing.T) {
 		t.Fatalf("connect and read with no endpoints: got %v, want ECONNRESET", err)
 	}
 	c := rec.awaitClosed(t, 1)[0]
-	if !errors.Is(c.Err, ErrNoEndpoints) {
-		t.Errorf("record Err: got %v, want ErrNoEndpoints", c.Err)
+	if !errors.Is(c.Err, errNoEndpoints) {
+		t.Errorf("record Err: got %v, want the Picker's %v", c.Err, errNoEndpoints)
 	}
 	if len(c.Attempts) != 0 {
 		t.Errorf("attempts: got %d, want 0", len(c.Attempts))
@@ -1062,7 +1070,8 @@ func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
 }
 
 // nothingCounted fails t unless the endpoint saw only the attempts of served
-// connections, no client's affinity was reset, and every pick was released.
+// connections, the Picker heard of no failed dial, no client's affinity was
+// reset, and every pick was released.
 func nothingCounted(t *testing.T, rec *recorder, picker *cyclePicker, served int) {
 	t.Helper()
 	rec.mu.Lock()
@@ -1070,6 +1079,10 @@ func nothingCounted(t *testing.T, rec *recorder, picker *cyclePicker, served int
 		t.Errorf("attempts reported: %d, want only the %d of served connections", n, served)
 	}
 	rec.mu.Unlock()
+	reports := picker.dialReports()
+	if len(reports) != served || slices.ContainsFunc(reports, func(r dialReport) bool { return r.failed }) {
+		t.Errorf("dial reports to the Picker: got %v, want only the %d successes of served connections", reports, served)
+	}
 	if n := picker.resetCount(); n != 0 {
 		t.Errorf("affinity resets: %d, want none", n)
 	}

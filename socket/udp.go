@@ -14,6 +14,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/record"
 )
 
 // ErrTooManyClients is the Err of a UDP client turned away because the client table
@@ -280,7 +282,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	}
 	c := &udpClient{p: p, svc: svc, addr: client, replyFrom: replySource(local), fd: -1}
 	c.t = timer{index: -1, target: c}
-	c.rec = Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now()}
+	c.rec = record.Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now()}
 	ep, err := p.Picker.Pick(client.Addr().Unmap(), nil)
 	if err != nil {
 		p.reject(client, fmt.Errorf("pick endpoint: %w", err))
@@ -300,11 +302,12 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		p.reject(client, fmt.Errorf("no socket for endpoint %s: %w", ep, err))
 		return nil
 	}
-	a := Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
+	a := record.Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
 	c.attempt[0] = a
 	c.rec.Attempts = c.attempt[:]
 	obs.AttemptDone(p.Service, a)
 	if err != nil {
+		p.Picker.DialFailed(ep, err)
 		p.Picker.ResetAffinity(client.Addr().Unmap())
 		p.Picker.Release(ep)
 		c.rec.Err = fmt.Errorf("connect to endpoint %s: %w", ep, err)
@@ -312,6 +315,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		obs.ConnClosed(&c.rec)
 		return nil
 	}
+	p.Picker.DialSucceeded(ep)
 	c.fd, c.ep, c.rec.Endpoint = fd, ep, ep
 	c.to = sockaddrOf(client)
 	c.last = l.nanotime()
@@ -338,7 +342,7 @@ func sockaddrOf(ap netip.AddrPort) unix.Sockaddr {
 
 // reject reports a client turned away before it had an entry.
 func (p *UDPProxy) reject(client netip.AddrPort, err error) {
-	p.observer().ConnClosed(&Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now(), Err: err})
+	p.observer().ConnClosed(&record.Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now(), Err: err})
 }
 
 // Close stops every Serve and ends every client entry.
@@ -393,8 +397,8 @@ type udpClient struct {
 	t                 timer
 	bytesIn, bytesOut int64
 	ended             bool
-	rec               Conn
-	attempt           [1]Attempt
+	rec               record.Conn
+	attempt           [1]record.Attempt
 }
 
 // expire ends the entry once it has been idle for the timeout, or looks again when
@@ -451,6 +455,11 @@ func (c *udpClient) end(l *loop, err error, resetAffinity bool) {
 		p.Picker.ResetAffinity(c.addr.Addr().Unmap())
 	}
 	p.Picker.Release(c.ep)
+	if errors.Is(err, syscall.ECONNREFUSED) {
+		// The endpoint answered a datagram with an ICMP port unreachable: the
+		// UDP form of a refused dial, since a UDP connect only sets the peer.
+		p.Picker.DialFailed(c.ep, err)
+	}
 	c.rec.BytesIn, c.rec.BytesOut = c.bytesIn, c.bytesOut
 	c.rec.Duration = time.Since(c.rec.Start)
 	c.rec.Err = err

@@ -8,10 +8,13 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/record"
 )
 
 // listenUDP opens an unconnected UDP socket on ip:0, closed at the end of the test.
@@ -121,7 +124,7 @@ func TestUDPProxyRoundTrip(t *testing.T) {
 				t.Fatal(err)
 			}
 			c := rec.awaitClosed(t, 1)[0]
-			want := Conn{Service: "ns/dns:udp", Protocol: "UDP", Client: udpAddr(client), Endpoint: backend,
+			want := record.Conn{Service: "ns/dns:udp", Protocol: "UDP", Client: udpAddr(client), Endpoint: backend,
 				BytesIn: int64(2 * size), BytesOut: int64(2 * size)}
 			if c.Service != want.Service || c.Protocol != want.Protocol || c.Client != want.Client || c.Endpoint != want.Endpoint ||
 				c.BytesIn != want.BytesIn || c.BytesOut != want.BytesOut || c.Err != nil || len(c.Attempts) != 1 {
@@ -129,6 +132,9 @@ func TestUDPProxyRoundTrip(t *testing.T) {
 			}
 			if u := picker.unreleased(); len(u) != 0 {
 				t.Errorf("Pick without Release: %v", u)
+			}
+			if got, want := picker.dialReports(), []dialReport{{ep: backend}}; !slices.Equal(got, want) {
+				t.Errorf("dial reports to the Picker: got %v, want %v (a clean end is no failure)", got, want)
 			}
 		})
 	}
@@ -249,6 +255,14 @@ func TestUDPProxyDeadBackendRepick(t *testing.T) {
 	}
 	if n := p.Clients(); n != 1 {
 		t.Errorf("Clients: got %d, want 1 (the entry on the live endpoint)", n)
+	}
+	// The connect to the dead endpoint succeeded, as UDP connects do; the ICMP
+	// port unreachable that ended its entry is told to the Picker as its failure.
+	reports := picker.dialReports()
+	want := []dialReport{{ep: dead}, {ep: dead, failed: true}, {ep: live}}
+	if !slices.EqualFunc(reports, want, func(r, w dialReport) bool { return r.ep == w.ep && r.failed == w.failed }) ||
+		!errors.Is(reports[1].err, syscall.ECONNREFUSED) {
+		t.Errorf("dial reports to the Picker: got %v, want %v with ECONNREFUSED", reports, want)
 	}
 }
 

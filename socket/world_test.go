@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/record"
 )
 
 // awaitTimeout bounds every wait for a condition; conditions normally hold within
@@ -32,6 +34,9 @@ func await(t testing.TB, what string, cond func() bool) {
 	}
 }
 
+// errNoEndpoints is what a cyclePicker without endpoints returns from Pick.
+var errNoEndpoints = errors.New("no usable endpoints")
+
 // cyclePicker hands out its endpoints round robin, skipping endpoints already tried
 // while others remain, and records every call.
 type cyclePicker struct {
@@ -42,6 +47,22 @@ type cyclePicker struct {
 	tried  [][]netip.AddrPort // the tried argument of each Pick
 	active map[netip.AddrPort]int
 	resets []netip.Addr
+	// reports has one entry per DialSucceeded or DialFailed, in order.
+	reports []dialReport
+}
+
+// dialReport is one DialSucceeded or DialFailed told to a cyclePicker.
+type dialReport struct {
+	ep     netip.AddrPort
+	failed bool
+	err    error
+}
+
+func (r dialReport) String() string {
+	if r.failed {
+		return fmt.Sprintf("failed %v: %v", r.ep, r.err)
+	}
+	return fmt.Sprintf("succeeded %v", r.ep)
 }
 
 func newCyclePicker(eps ...netip.AddrPort) *cyclePicker {
@@ -56,7 +77,7 @@ func (p *cyclePicker) Pick(client netip.Addr, tried []netip.AddrPort) (netip.Add
 		return netip.AddrPort{}, p.err
 	}
 	if len(p.eps) == 0 {
-		return netip.AddrPort{}, ErrNoEndpoints
+		return netip.AddrPort{}, errNoEndpoints
 	}
 	pick := p.next
 	for i := range len(p.eps) {
@@ -82,6 +103,25 @@ func (p *cyclePicker) ResetAffinity(client netip.Addr) {
 	p.resets = append(p.resets, client)
 }
 
+func (p *cyclePicker) DialSucceeded(ep netip.AddrPort) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.reports = append(p.reports, dialReport{ep: ep})
+}
+
+func (p *cyclePicker) DialFailed(ep netip.AddrPort, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.reports = append(p.reports, dialReport{ep: ep, failed: true, err: err})
+}
+
+// dialReports returns the reports so far.
+func (p *cyclePicker) dialReports() []dialReport {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.reports)
+}
+
 // unreleased returns the endpoints whose Picks and Releases do not balance.
 func (p *cyclePicker) unreleased() map[netip.AddrPort]int {
 	p.mu.Lock()
@@ -105,8 +145,8 @@ func (p *cyclePicker) resetCount() int {
 type recorder struct {
 	mu       sync.Mutex
 	opened   int
-	attempts []Attempt
-	closed   []Conn
+	attempts []record.Attempt
+	closed   []record.Conn
 }
 
 func (r *recorder) ConnOpened(service, protocol string) {
@@ -115,13 +155,13 @@ func (r *recorder) ConnOpened(service, protocol string) {
 	r.opened++
 }
 
-func (r *recorder) AttemptDone(service string, a Attempt) {
+func (r *recorder) AttemptDone(service string, a record.Attempt) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.attempts = append(r.attempts, a)
 }
 
-func (r *recorder) ConnClosed(c *Conn) {
+func (r *recorder) ConnClosed(c *record.Conn) {
 	cp := *c
 	cp.Attempts = slices.Clone(c.Attempts)
 	r.mu.Lock()
@@ -130,7 +170,7 @@ func (r *recorder) ConnClosed(c *Conn) {
 }
 
 // awaitClosed waits until n connections have been reported closed and returns them.
-func (r *recorder) awaitClosed(t testing.TB, n int) []Conn {
+func (r *recorder) awaitClosed(t testing.TB, n int) []record.Conn {
 	t.Helper()
 	await(t, fmt.Sprintf("%d ConnClosed records", n), func() bool {
 		r.mu.Lock()

@@ -1,0 +1,35 @@
+// Package record holds the records of proxied connections and their dial
+// attempts, shared by the data path that writes them (socket) and the observers
+// that read them (observe), so that neither has to link the other.
+package record
+
+import (
+	"net/netip"
+	"time"
+)
+
+// Attempt is one dial of one endpoint for one connection.
+type Attempt struct {
+	Endpoint netip.AddrPort
+	Start    time.Time
+	Duration time.Duration
+	// Err is nil for a successful dial.
+	Err error
+}
+
+// Conn is the record of one proxied TCP connection, or one UDP client session.
+type Conn struct {
+	Service  string // the Service port's name, namespace/name:port
+	Protocol string // "TCP" or "UDP"
+	Client   netip.AddrPort
+	Start    time.Time
+	Attempts []Attempt
+	// Endpoint is the endpoint that served the connection (zero when every attempt failed).
+	Endpoint netip.AddrPort
+	// BytesIn counts client to backend, BytesOut backend to client (datagram
+	// payload bytes for UDP).
+	BytesIn, BytesOut int64
+	Duration          time.Duration
+	// Err is why the connection failed or ended abnormally (nil for a clean end).
+	Err error
+}

@@ -1,0 +1,111 @@
+package socket
+
+import (
+	"bytes"
+	"fmt"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/affinity"
+)
+
+// ejectingBalancer returns a real Balancer over eps, in that order (rr), that
+// ejects an endpoint after `after` consecutive failed dials for an hour: long
+// enough that no ejection ends during a test. Nobody observes its ejections.
+func ejectingBalancer(t *testing.T, after int, eps ...netip.AddrPort) *affinity.Balancer {
+	t.Helper()
+	b, err := affinity.NewBalancer("rr")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.Update(eps, netip.Addr{}, false, 0)
+	b.SetEjection(affinity.Ejection{After: after, Base: time.Hour, Max: time.Hour})
+	return b
+}
+
+// endpointState returns ep's state in b.
+func endpointState(t *testing.T, b *affinity.Balancer, ep netip.AddrPort) affinity.EndpointState {
+	t.Helper()
+	for _, e := range b.State().Endpoints {
+		if e.Addr == ep {
+			return e
+		}
+	}
+	t.Fatalf("endpoint %v not in the balancer", ep)
+	return affinity.EndpointState{}
+}
+
+// Ejection is the balancer's decision, fed by the proxy's dial reports: it must
+// happen with no Observer at all.
+func TestEjectionWithoutObserver(t *testing.T) {
+	t.Run("TCP: refused dials eject the endpoint", func(t *testing.T) {
+		const after = 3
+		dead := refusedAddr(t, "127.0.0.3")
+		live := startTCPServer(t, "127.0.0.2", echo).addr
+		bal := ejectingBalancer(t, after, dead, live)
+		p := &TCPProxy{Service: "ns/eject:tcp", Picker: bal} // Observer unset
+		addr := startTCPProxy(t, p)
+
+		// rr offers dead first to every connection until it is ejected; each
+		// retries on live. The report of a failed dial precedes the retry, so
+		// it has been made once the round trip is done.
+		for i := range after {
+			msg := fmt.Appendf(nil, "connection %d", i)
+			if got, err := roundTrip(dialProxy(t, addr), msg); err != nil || !bytes.Equal(got, msg) {
+				t.Fatalf("connection %d: got %q, %v, want %q", i, got, err, msg)
+			}
+		}
+		st := endpointState(t, bal, dead)
+		if st.EjectedUntil.IsZero() || st.Failures != after {
+			t.Fatalf("after %d refused dials: got %+v, want %v ejected with %d failures", after, st, dead, after)
+		}
+		// While ejected, dead is never dialed: its failures stay as they were.
+		for i := range 4 {
+			msg := fmt.Appendf(nil, "while ejected %d", i)
+			if got, err := roundTrip(dialProxy(t, addr), msg); err != nil || !bytes.Equal(got, msg) {
+				t.Fatalf("connection %d while ejected: got %q, %v, want %q", i, got, err, msg)
+			}
+		}
+		if st := endpointState(t, bal, dead); st.Failures != after {
+			t.Errorf("failures of the ejected endpoint: got %d, want still %d (never dialed)", st.Failures, after)
+		}
+		if c := bal.State().Counters; c.Ejections != 1 {
+			t.Errorf("ejections: got %d, want 1", c.Ejections)
+		}
+	})
+
+	t.Run("UDP: an ICMP refusal ejects the endpoint", func(t *testing.T) {
+		dead := deadUDPAddr(t, "127.0.0.3")
+		live := startUDPEcho(t, "127.0.0.2")
+		// A UDP connect only sets the peer, so it succeeds even to dead, and
+		// that success clears the endpoint's failure count: only the ICMP
+		// refusal that ends a session counts, so only After 1 ejects on
+		// refusals alone.
+		bal := ejectingBalancer(t, 1, dead, live)
+		p := &UDPProxy{Service: "ns/eject:udp", Picker: bal, Timeout: time.Hour} // Observer unset
+		svc := startUDPProxy(t, p)
+
+		// The first client's entry goes to dead; its datagrams draw ICMP port
+		// unreachable until the entry ends and the next one picks live.
+		first := listenUDP(t, "127.0.0.1")
+		msg := []byte("anyone there?")
+		await(t, "a reply to the first client", func() bool {
+			_, _, err := exchange(first, svc, msg, 50*time.Millisecond)
+			return err == nil
+		})
+		if st := endpointState(t, bal, dead); st.EjectedUntil.IsZero() {
+			t.Fatalf("after the ICMP refusal: got %+v, want %v ejected", st, dead)
+		}
+		// New clients go straight to live: their first datagram is answered.
+		for i := range 4 {
+			c := listenUDP(t, "127.0.0.1")
+			if got, _, err := exchange(c, svc, msg, 5*time.Second); err != nil || !bytes.Equal(got, msg) {
+				t.Errorf("client %d while %v is ejected: got %q, %v, want %q at once", i, dead, got, err, msg)
+			}
+		}
+		if c := bal.State().Counters; c.Ejections != 1 {
+			t.Errorf("ejections: got %d, want 1", c.Ejections)
+		}
+	})
+}
