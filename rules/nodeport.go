@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strconv"
 
+	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -145,20 +146,11 @@ func (h *nodePortHolder) keys(e *entry, f int, local []netip.Addr) []holdKey {
 // are left out: binding them needs a zone and NodePorts are not served there.
 func (h *nodePortHolder) localAddresses() ([2][]netip.Addr, error) {
 	var out [2][]netip.Addr
-	addrs, err := net.InterfaceAddrs()
+	addrs, err := nodeaddr.List()
 	if err != nil {
 		return out, err
 	}
-	for _, a := range addrs {
-		n, ok := a.(*net.IPNet)
-		if !ok {
-			continue
-		}
-		ip, ok := netip.AddrFromSlice(n.IP)
-		if !ok {
-			continue
-		}
-		ip = ip.Unmap()
+	for _, ip := range addrs {
 		if ip.Is6() && ip.IsLinkLocalUnicast() {
 			continue
 		}
