@@ -20,8 +20,8 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/observe"
-	"github.com/uproxy/uproxy/rules"
 )
 
 // explainOptions are the flags of `uproxy explain`.
@@ -333,7 +333,7 @@ func (a *proxyAPI) failures(service string, n int) ([]observe.Event, error) {
 func readRules(file string, v6 bool) ([]byte, error) {
 	switch file {
 	case "":
-		b, err := (*rules.Kernel)(nil).RunSave(v6)
+		b, err := iptables.Commands{}.Save(v6)
 		if err != nil {
 			return nil, fmt.Errorf("read the rules: %w", err)
 		}

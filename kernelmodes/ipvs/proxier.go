@@ -37,8 +37,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/observe"
-	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -54,7 +54,7 @@ const flagPersistent = 0x1
 // Config configures the IPVS mode. The zero value programs IPv4 with the rr
 // scheduler and no NodePorts (NodeIPs is empty).
 type Config struct {
-	// ChainPrefix names the iptables chains; rules.DefaultChainPrefix when empty.
+	// ChainPrefix names the iptables chains; iptables.DefaultChainPrefix when empty.
 	ChainPrefix string
 	// Scheduler is the IPVS scheduler of every virtual server; "rr" when empty.
 	Scheduler string
@@ -74,8 +74,8 @@ type Config struct {
 	Zone string
 	// Kernel is IPVS and netlink; nil opens the real one (NewNetlinkKernel).
 	Kernel Kernel
-	// Rules is iptables and conntrack; nil uses the real commands.
-	Rules *rules.Kernel
+	// IPTables is iptables and ip6tables; nil runs the commands (iptables.Commands).
+	IPTables iptables.Kernel
 }
 
 // Proxier is the IPVS mode.
@@ -96,6 +96,13 @@ type Proxier struct {
 	written [2][]byte
 	last    *service.Snapshot
 	byPort  map[service.PortName][]vsKey
+}
+
+func (p *Proxier) iptables() iptables.Kernel {
+	if p.cfg.IPTables != nil {
+		return p.cfg.IPTables
+	}
+	return iptables.Commands{}
 }
 
 // vsKey identifies a virtual server.
@@ -136,7 +143,7 @@ func protoNumber(p service.Protocol) uint16 {
 // New returns the IPVS mode. It opens the IPVS netlink socket when cfg.Kernel
 // is nil but changes nothing until the first Sync.
 func New(cfg Config) (*Proxier, error) {
-	prefix, err := rules.ChainPrefix(cfg.ChainPrefix)
+	prefix, err := iptables.ChainPrefix(cfg.ChainPrefix)
 	if err != nil {
 		return nil, err
 	}
@@ -510,7 +517,7 @@ func (p *Proxier) Cleanup() error {
 		}
 	}
 	p.owned, p.written, p.last, p.byPort = nil, [2][]byte{}, nil, nil
-	if err := cleanup(p.k, p.cfg.Rules, p.n); err != nil {
+	if err := cleanup(p.k, p.iptables(), p.n); err != nil {
 		errs = append(errs, err)
 	}
 	return multierror.Append(nil, errs...).ErrorOrNil()
@@ -521,7 +528,7 @@ func (p *Proxier) Cleanup() error {
 // the virtual servers on the dummy link's addresses; the dummy link. A kernel
 // without IPVS or dummy links has nothing of it, which is not an error.
 func Cleanup(prefix string) error {
-	prefix, err := rules.ChainPrefix(prefix)
+	prefix, err := iptables.ChainPrefix(prefix)
 	if err != nil {
 		return err
 	}
@@ -534,12 +541,12 @@ func Cleanup(prefix string) error {
 			k = nk
 		}
 	}
-	return cleanup(k, nil, namesOf(prefix))
+	return cleanup(k, iptables.Commands{}, namesOf(prefix))
 }
 
 // cleanup removes the IPVS mode's state; k may be nil (no IPVS socket), and a
 // k whose Services fails (no IPVS family) still gets its dummy link removed.
-func cleanup(k Kernel, rk *rules.Kernel, n names) error {
+func cleanup(k Kernel, rk iptables.Kernel, n names) error {
 	var errs []error
 	if err := cleanupRules(rk, n); err != nil {
 		errs = append(errs, err)
