@@ -63,6 +63,9 @@ func Parse(saved []byte) *Ruleset {
 			cur = nil
 		case strings.HasPrefix(line, ":"):
 			name, rest, _ := strings.Cut(line[1:], " ")
+			if name == "" {
+				continue
+			}
 			policy, _, _ := strings.Cut(rest, " ")
 			c := cur.chain(name)
 			if c.Policy == "" {
