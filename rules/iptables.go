@@ -11,6 +11,7 @@ import (
 	"github.com/hashicorp/go-multierror"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
 )
@@ -53,6 +54,9 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Unset kernel parts are the real ones.
+	cfg.IPTables = cmp.Or[iptables.Kernel](cfg.IPTables, iptables.Commands{})
+	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p := &IPTables{cfg: cfg, chains: chainNames(prefix)}
 	p.holder = nodePortHolder{listen: p.cfg.listen, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}}
 	for f := v4; f <= v6; f++ {
@@ -69,7 +73,7 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 		if !nodeIP.IsValid() {
 			return nil, fmt.Errorf("no %s node IP: the HOST portals DNAT to node IP:proxy port", familyName(f))
 		}
-		t, err := p.cfg.iptables().Tables(f == v6)
+		t, err := p.cfg.IPTables.Tables(f == v6)
 		if err != nil {
 			return nil, err
 		}
@@ -111,7 +115,7 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 	if !bytes.Equal(text, fam.written) {
 		newJumps := fam.written == nil
 		fam.written = nil
-		if err := p.cfg.iptables().Restore(fam.f == v6, text); err != nil {
+		if err := p.cfg.IPTables.Restore(fam.f == v6, text); err != nil {
 			return fmt.Errorf("write %s portals: %w", familyName(fam.f), err)
 		}
 		// Jumps go in after the restore: a jump to a chain that does not exist
@@ -127,7 +131,7 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 	cur := udpTargetsOf(entries, fam.f)
 	if stale := diff(fam.udp, cur); !stale.Empty() {
 		// On failure fam.udp keeps the old state, so the next Sync tries again.
-		if err := stale.Delete(p.cfg.conntrack(), fam.f == v6); err != nil {
+		if err := stale.Delete(p.cfg.Conntrack, fam.f == v6); err != nil {
 			return err
 		}
 	}
@@ -175,7 +179,7 @@ func (p *IPTables) Cleanup() error {
 		fam.udp = nil
 		fam.entries = nil
 	}
-	return cleanup(p.cfg.iptables(), p.chains)
+	return cleanup(p.cfg.IPTables, p.chains)
 }
 
 // entriesOf validates portals and returns them sorted by name and protocol, with

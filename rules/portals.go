@@ -80,20 +80,6 @@ type Config struct {
 	Listen func(network, address string) (io.Closer, error)
 }
 
-func (c *Config) iptables() iptables.Kernel {
-	if c.IPTables != nil {
-		return c.IPTables
-	}
-	return iptables.Commands{}
-}
-
-func (c *Config) conntrack() conntrack.Deleter {
-	if c.Conntrack != nil {
-		return c.Conntrack
-	}
-	return conntrack.Netlink()
-}
-
 func (c *Config) listen(network, address string) (io.Closer, error) {
 	if c.Listen != nil {
 		return c.Listen(network, address)

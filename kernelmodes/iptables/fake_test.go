@@ -20,9 +20,6 @@ type fakeKernel struct {
 
 func newFakeKernel() *fakeKernel { return &fakeKernel{Fake: iptablestest.New()} }
 
-// configure points cfg at the fake.
-func (k *fakeKernel) configure(cfg *Config) { cfg.IPTables, cfg.Conntrack = k.Fake, &k.ct }
-
 func idx(v6 bool) int {
 	if v6 {
 		return 1

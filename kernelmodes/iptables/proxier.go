@@ -30,6 +30,7 @@ package iptables
 
 import (
 	"bytes"
+	"cmp"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -76,20 +77,6 @@ type Config struct {
 	// Conntrack deletes stale UDP flows; nil uses netlink in the calling
 	// thread's network namespace (conntrack.Netlink).
 	Conntrack conntrack.Deleter
-}
-
-func (c *Config) iptables() ipt.Kernel {
-	if c.IPTables != nil {
-		return c.IPTables
-	}
-	return ipt.Commands{}
-}
-
-func (c *Config) conntrack() conntrack.Deleter {
-	if c.Conntrack != nil {
-		return c.Conntrack
-	}
-	return conntrack.Netlink()
 }
 
 // Proxier is the iptables mode. Sync, Cleanup and the readers may be called
@@ -141,6 +128,9 @@ func New(cfg Config) (*Proxier, error) {
 	if bit < 0 || bit > 31 {
 		return nil, fmt.Errorf("masquerade bit %d: want 0 to 31", bit)
 	}
+	// Unset kernel parts are the real ones.
+	cfg.IPTables = cmp.Or[ipt.Kernel](cfg.IPTables, ipt.Commands{})
+	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p := &Proxier{cfg: cfg, n: namesOf(prefix)}
 	for _, v6 := range []bool{false, true} {
 		if v6 && !cfg.IPv6 {
@@ -166,7 +156,7 @@ func New(cfg Config) (*Proxier, error) {
 				r.nodePortDsts = append(r.nodePortDsts, " -d "+pr.Masked().String())
 			}
 		}
-		t, err := p.cfg.iptables().Tables(v6)
+		t, err := p.cfg.IPTables.Tables(v6)
 		if err != nil {
 			return nil, err
 		}
@@ -302,7 +292,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	}
 
 	fam.written = nil
-	if err := p.cfg.iptables().Restore(fam.v6, b); err != nil {
+	if err := p.cfg.IPTables.Restore(fam.v6, b); err != nil {
 		return fmt.Errorf("write %s iptables-mode rules: %w", ipt.FamilyName(fam.v6), err)
 	}
 	fam.lastWasFull = full
@@ -323,7 +313,7 @@ func (p *Proxier) syncConntrack(fam *family, order []*portRules) error {
 	udp := udpStateOf(order)
 	if stale := staleUDP(fam.udp, udp); !stale.Empty() {
 		// On failure fam.udp keeps the old view, so the next sync tries again.
-		if err := stale.Delete(p.cfg.conntrack(), fam.v6); err != nil {
+		if err := stale.Delete(p.cfg.Conntrack, fam.v6); err != nil {
 			return err
 		}
 	}
@@ -343,7 +333,7 @@ func (p *Proxier) canaryIntact(fam *family) bool {
 
 // existingPortChains returns the per-port chains of our prefix in the nat table.
 func (p *Proxier) existingPortChains(v6 bool) ([]string, error) {
-	saved, err := p.cfg.iptables().Save(v6)
+	saved, err := p.cfg.IPTables.Save(v6)
 	if err != nil {
 		return nil, fmt.Errorf("read %s rules: %w", ipt.FamilyName(v6), err)
 	}
@@ -365,7 +355,7 @@ func (p *Proxier) Cleanup() error {
 		fam.written, fam.udp = nil, nil
 	}
 	p.last, p.programmed = nil, nil
-	return cleanup(p.cfg.iptables(), p.n)
+	return cleanup(p.cfg.IPTables, p.n)
 }
 
 // DebugServices implements observe.ServicesView: every Service port of the last
@@ -450,7 +440,7 @@ func (p *Proxier) Counters() ([]EndpointCounters, error) {
 	var out []EndpointCounters
 	var errs []error
 	for _, fs := range fams {
-		saved, err := p.cfg.iptables().SaveCounters(fs.v6, "nat")
+		saved, err := p.cfg.IPTables.SaveCounters(fs.v6, "nat")
 		if err != nil {
 			errs = append(errs, err)
 			continue

@@ -303,7 +303,7 @@ func TestRenderPort(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			k := newFakeKernel()
 			cfg := c.cfg
-			k.configure(&cfg)
+			cfg.IPTables, cfg.Conntrack = k.Fake, &k.ct
 			p, err := New(cfg)
 			if err != nil {
 				t.Fatal(err)

@@ -21,6 +21,7 @@
 package ipvs
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -98,13 +99,6 @@ type Proxier struct {
 	byPort  map[service.PortName][]vsKey
 }
 
-func (p *Proxier) iptables() iptables.Kernel {
-	if p.cfg.IPTables != nil {
-		return p.cfg.IPTables
-	}
-	return iptables.Commands{}
-}
-
 // vsKey identifies a virtual server.
 type vsKey struct {
 	addr  netip.Addr
@@ -169,6 +163,7 @@ func New(cfg Config) (*Proxier, error) {
 		}
 		k = nk
 	}
+	cfg.IPTables = cmp.Or[iptables.Kernel](cfg.IPTables, iptables.Commands{})
 	p := &Proxier{cfg: cfg, k: k, n: namesOf(prefix), sched: sched, mark: fmt.Sprintf("%#x", uint32(1)<<bit), fams: []bool{false}}
 	if cfg.IPv6 {
 		p.fams = append(p.fams, true)
@@ -517,7 +512,7 @@ func (p *Proxier) Cleanup() error {
 		}
 	}
 	p.owned, p.written, p.last, p.byPort = nil, [2][]byte{}, nil, nil
-	if err := cleanup(p.k, p.iptables(), p.n); err != nil {
+	if err := cleanup(p.k, p.cfg.IPTables, p.n); err != nil {
 		errs = append(errs, err)
 	}
 	return multierror.Append(nil, errs...).ErrorOrNil()

@@ -182,7 +182,7 @@ func (p *Proxier) syncRules(s *service.Snapshot, v6 bool) error {
 		f = 1
 	}
 	text := p.renderRules(s, v6)
-	t, err := p.iptables().Tables(v6)
+	t, err := p.cfg.IPTables.Tables(v6)
 	if err != nil {
 		return err
 	}
@@ -197,7 +197,7 @@ func (p *Proxier) syncRules(s *service.Snapshot, v6 bool) error {
 	}
 	newJumps := p.written[f] == nil
 	p.written[f] = nil
-	if err := p.iptables().Restore(v6, text); err != nil {
+	if err := p.cfg.IPTables.Restore(v6, text); err != nil {
 		return fmt.Errorf("write %s IPVS-mode iptables rules: %w", iptables.FamilyName(v6), err)
 	}
 	if newJumps {

@@ -197,10 +197,13 @@ func (f *Fake) State(v6 bool) *iptables.Ruleset {
 }
 
 func (fam *family) table(name string) *table {
-	for _, t := range fam.tables {
-		if t.name == name {
-			return t
-		}
+	return find(fam.tables, func(t *table) bool { return t.name == name })
+}
+
+// find returns the first of items that is wanted, nil when none is.
+func find[T any](items []*T, wanted func(*T) bool) *T {
+	if i := slices.IndexFunc(items, wanted); i >= 0 {
+		return items[i]
 	}
 	return nil
 }
@@ -274,11 +277,9 @@ func (fam *family) apply(input string) error {
 }
 
 func (fam *family) commit(t *table) {
-	for i, old := range fam.tables {
-		if old.name == t.name {
-			fam.tables[i] = t
-			return
-		}
+	if i := slices.IndexFunc(fam.tables, func(old *table) bool { return old.name == t.name }); i >= 0 {
+		fam.tables[i] = t
+		return
 	}
 	fam.tables = append(fam.tables, t)
 }
@@ -294,12 +295,7 @@ func (t *table) clone() *table {
 }
 
 func (t *table) chain(name string) *chain {
-	for _, c := range t.chains {
-		if c.name == name {
-			return c
-		}
-	}
-	return nil
+	return find(t.chains, func(c *chain) bool { return c.name == name })
 }
 
 // declare handles ":NAME POLICY [counters]": a user chain is created, or
