@@ -47,7 +47,7 @@ func RemoveChains(k Kernel, ours func(table, chain string) bool) error {
 	for _, v6 := range []bool{false, true} {
 		saved, err := k.Save(v6)
 		if err != nil {
-			if IsMissingCommand(err) {
+			if isMissingCommand(err) {
 				continue
 			}
 			errs = append(errs, fmt.Errorf("read rules for cleanup: %w", err))

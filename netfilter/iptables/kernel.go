@@ -113,9 +113,9 @@ func command(v6 bool, suffix string) string {
 	return "iptables" + suffix
 }
 
-// IsMissingCommand reports whether err says an iptables command itself is
+// isMissingCommand reports whether err says an iptables command itself is
 // absent, which a cleanup takes as nothing to clean.
-func IsMissingCommand(err error) bool { return errors.Is(err, exec.ErrNotFound) }
+func isMissingCommand(err error) bool { return errors.Is(err, exec.ErrNotFound) }
 
 // FamilyName names the family of v6 in messages.
 func FamilyName(v6 bool) string {
