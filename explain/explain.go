@@ -31,8 +31,8 @@ import (
 const DefaultMetricsAddress = "127.0.0.1:10249"
 
 // Options are what `uproxy explain` takes besides the destination. The zero
-// value asks the proxy at DefaultMetricsAddress, runs iptables-save and writes
-// text.
+// value asks the proxy at DefaultMetricsAddress, runs iptables-save, writes
+// text and lists no recent failures.
 type Options struct {
 	// Client is the client IP to explain the choice for; "" for any client,
 	// and then the rules from both pods and the node are shown.
@@ -47,7 +47,8 @@ type Options struct {
 	IPTablesSave string
 	// Stdin is what IPTablesSave "-" reads; nil is os.Stdin.
 	Stdin io.Reader
-	// Events is how many recent retried or failed connections to show.
+	// Events is how many recent retried or failed connections to show (the
+	// command's default is 10).
 	Events int
 	// RecentDir holds the kernel's xt_recent lists (ClientIP affinity of the
 	// iptables mode); "" is /proc/net/xt_recent.
