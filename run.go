@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -15,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/syncloop"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
@@ -181,35 +181,12 @@ func nodeIPs(bind netip.Addr) []netip.Addr {
 	if bind.IsValid() && !bind.IsUnspecified() {
 		return []netip.Addr{bind}
 	}
-	addrs, err := net.InterfaceAddrs()
+	addrs, err := nodeaddr.List()
 	if err != nil {
 		klog.ErrorS(err, "Listing node addresses")
 		return nil
 	}
-	var v4, v6 netip.Addr
-	for _, a := range addrs {
-		n, ok := a.(*net.IPNet)
-		if !ok {
-			continue
-		}
-		ip, ok := netip.AddrFromSlice(n.IP)
-		if !ok || !ip.IsGlobalUnicast() {
-			continue
-		}
-		ip = ip.Unmap()
-		if ip.Is4() && !v4.IsValid() {
-			v4 = ip
-		} else if ip.Is6() && !v6.IsValid() {
-			v6 = ip
-		}
-	}
-	var out []netip.Addr
-	for _, ip := range []netip.Addr{v4, v6} {
-		if ip.IsValid() {
-			out = append(out, ip)
-		}
-	}
-	return out
+	return nodeaddr.Primary(addrs)
 }
 
 // newKubeSource connects to the API server that the flags (or the Pod) name and
@@ -271,28 +248,10 @@ func nodePortIPs(prefixes []netip.Prefix) []netip.Addr {
 	if len(prefixes) == 0 {
 		return nil
 	}
-	addrs, err := net.InterfaceAddrs()
+	addrs, err := nodeaddr.List()
 	if err != nil {
 		klog.ErrorS(err, "Listing node addresses")
 		return nil
 	}
-	var out []netip.Addr
-	for _, a := range addrs {
-		n, ok := a.(*net.IPNet)
-		if !ok {
-			continue
-		}
-		ip, ok := netip.AddrFromSlice(n.IP)
-		if !ok {
-			continue
-		}
-		ip = ip.Unmap()
-		for _, p := range prefixes {
-			if p.Contains(ip) {
-				out = append(out, ip)
-				break
-			}
-		}
-	}
-	return out
+	return nodeaddr.In(addrs, prefixes)
 }

@@ -19,7 +19,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/netfilter/iptables"
 )
 
 // Mode names, as --proxy-mode spells them.
@@ -169,7 +169,7 @@ func probeIPTables() []string {
 	if len(missing) > 0 {
 		return missing
 	}
-	t, err := (*rules.Kernel)(nil).OpenTables(false)
+	t, err := iptables.Commands{}.Tables(false)
 	if err == nil {
 		_, err = t.List("nat", "OUTPUT")
 	}

@@ -1,16 +1,17 @@
 package rules
 
 import (
-	"fmt"
 	"net/netip"
 
+	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/service"
-	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 )
 
 // udpTargets maps the UDP destinations the portals capture to the proxy port they
-// lead to: virtual IP:port, and NodePort (any local address).
+// lead to: virtual IP:port, and NodePort (any local address). Going from one to
+// the next, the flows of the destinations that changed are deleted: REDIRECT and
+// DNAT both rewrite a flow's reply source port to the proxy port, so a flow whose
+// replies come from another port is going where the rules no longer send it.
 type udpTargets struct {
 	vips      map[netip.AddrPort]uint16
 	nodePorts map[uint16]uint16
@@ -38,78 +39,33 @@ func udpTargetsOf(entries []entry, f int) udpTargets {
 	return t
 }
 
-// staleFlows matches the UDP conntrack flows that no longer go where the rules
-// now send them. Conntrack applies NAT once per flow, so a UDP client that keeps
-// sending would otherwise stay on a proxy port that is gone, or bypass a portal
-// created after its first datagram. want 0 means "no portal any more".
-type staleFlows struct {
-	vips      map[netip.AddrPort]uint16
-	nodePorts map[uint16]uint16
-}
-
-// diff returns the flows to delete going from old to cur: every destination whose
-// proxy port changed, appeared or disappeared. With no old state (first sync,
-// after a restart the previous process's proxy ports are gone) every current
-// destination is checked.
-func diff(old *udpTargets, cur udpTargets) staleFlows {
-	s := staleFlows{vips: map[netip.AddrPort]uint16{}, nodePorts: map[uint16]uint16{}}
+// diff returns the flows to delete going from old to cur: those to every
+// destination whose proxy port changed, appeared or disappeared. With no old
+// state (first sync, after a restart the previous process's proxy ports are
+// gone) every current destination is checked.
+func diff(old *udpTargets, cur udpTargets) conntrack.StaleUDP {
+	s := conntrack.StaleUDP{VIPs: map[netip.AddrPort]conntrack.Replies{}, NodePorts: map[uint16]conntrack.Replies{}}
 	var was udpTargets
 	if old != nil {
 		was = *old
 	}
-	for k, p := range cur.vips {
-		if q, ok := was.vips[k]; !ok || q != p {
-			s.vips[k] = p
-		}
-	}
-	for k := range was.vips {
-		if _, ok := cur.vips[k]; !ok {
-			s.vips[k] = 0
-		}
-	}
-	for k, p := range cur.nodePorts {
-		if q, ok := was.nodePorts[k]; !ok || q != p {
-			s.nodePorts[k] = p
-		}
-	}
-	for k := range was.nodePorts {
-		if _, ok := cur.nodePorts[k]; !ok {
-			s.nodePorts[k] = 0
-		}
-	}
+	changed(was.vips, cur.vips, s.VIPs)
+	changed(was.nodePorts, cur.nodePorts, s.NodePorts)
 	return s
 }
 
-func (s staleFlows) empty() bool { return len(s.vips) == 0 && len(s.nodePorts) == 0 }
-
-// MatchConntrackFlow implements netlink.CustomConntrackFilter. A flow is stale
-// when its original destination is watched and its reply does not come from the
-// proxy port it should reach (REDIRECT and DNAT both rewrite the reply source
-// port to the proxy port). A flow the portals never translated is deleted too:
-// the next datagram recreates it identically, or through the new portal.
-func (s staleFlows) MatchConntrackFlow(f *netlink.ConntrackFlow) bool {
-	if f.Forward.Protocol != unix.IPPROTO_UDP {
-		return false
-	}
-	if dst, ok := netip.AddrFromSlice(f.Forward.DstIP); ok {
-		if want, ok := s.vips[netip.AddrPortFrom(dst.Unmap(), f.Forward.DstPort)]; ok {
-			return f.Reverse.SrcPort != want
+// changed adds to stale each destination whose proxy port differs between was
+// and cur: the replies allowed are those from its proxy port now, none for a
+// destination that is gone.
+func changed[K comparable](was, cur map[K]uint16, stale map[K]conntrack.Replies) {
+	for k, p := range cur {
+		if q, ok := was[k]; !ok || q != p {
+			stale[k] = conntrack.Replies{Port: p}
 		}
 	}
-	if want, ok := s.nodePorts[f.Forward.DstPort]; ok {
-		return f.Reverse.SrcPort != want
+	for k := range was {
+		if _, ok := cur[k]; !ok {
+			stale[k] = conntrack.Replies{}
+		}
 	}
-	return false
-}
-
-// deleteStale deletes the stale flows of family f.
-func deleteStale(ct ConntrackDeleter, f int, s staleFlows) error {
-	fam := netlink.InetFamily(unix.AF_INET)
-	if f == v6 {
-		fam = netlink.InetFamily(unix.AF_INET6)
-	}
-	if _, err := ct.ConntrackDeleteFilters(netlink.ConntrackTable, fam, s); err != nil {
-		return fmt.Errorf("delete stale %s UDP conntrack flows: %w", familyName(f), err)
-	}
-	return nil
 }

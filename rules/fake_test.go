@@ -1,118 +1,62 @@
 package rules
 
 import (
-	"fmt"
-	"os/exec"
-	"slices"
 	"strings"
 
-	"github.com/vishvananda/netlink"
+	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 )
 
-// fakeKernel stands in for iptables and netlink: it records what would be written
-// and models just enough state (the canary, the jump rules) to answer reads.
+// fakeKernel is the kernel of the unit tests: iptables in memory, which refuses
+// what iptables refuses, and a conntrack that records the stale-flow filters.
+// NodePorts are held for real (Config.Listen stays nil).
 type fakeKernel struct {
-	restores [2][]string        // inputs per family, in order
-	failNext [2]error           // returned by the next Restore of that family
-	canary   [2]bool            // canary chain holds its rule
-	jumps    [2]map[string]bool // "table chain spec" present
-	ops      [2][]string        // Insert/Append calls, as "insert nat PREROUTING 1 -j X"
-	lists    [2]int             // List calls
-	saved    [2]string          // what Save returns
-	saveErr  [2]error           // error Save returns
-	deleted  [2][]staleFlows    // conntrack filters
+	*iptablestest.Fake
+	ct conntrack.Recorder
 }
 
-func newFakeKernel() *fakeKernel {
-	return &fakeKernel{jumps: [2]map[string]bool{{}, {}}}
-}
+func newFakeKernel() *fakeKernel { return &fakeKernel{Fake: iptablestest.New()} }
 
-func fam(ipv6 bool) int {
-	if ipv6 {
-		return v6
-	}
-	return v4
-}
+// configure points cfg at the fake.
+func (k *fakeKernel) configure(cfg *Config) { cfg.IPTables, cfg.Conntrack = k.Fake, &k.ct }
 
-func (k *fakeKernel) kernel() *Kernel {
-	return &Kernel{
-		Tables: func(v6 bool) (Tables, error) { return &fakeTables{k: k, f: fam(v6)}, nil },
-		Restore: func(v6 bool, input []byte) error {
-			f := fam(v6)
-			if err := k.failNext[f]; err != nil {
-				k.failNext[f] = nil
-				return err
-			}
-			k.restores[f] = append(k.restores[f], string(input))
-			if strings.Contains(string(input), "-j RETURN") && strings.Contains(string(input), "-CANARY -m comment") {
-				k.canary[f] = true
-			}
-			return nil
-		},
-		Save: func(v6 bool) ([]byte, error) {
-			f := fam(v6)
-			return []byte(k.saved[f]), k.saveErr[f]
-		},
-		Conntrack: &fakeConntrack{k: k},
-	}
-}
+// restores returns the restore inputs of family f that succeeded.
+func (k *fakeKernel) restores(f int) []string { return k.Restores(f == v6) }
 
-// flush simulates `iptables -t nat -F` by someone else.
-func (k *fakeKernel) flush(f int) {
-	k.canary[f] = false
-	for j := range k.jumps[f] {
-		if strings.HasPrefix(j, "nat ") {
-			delete(k.jumps[f], j)
+// ops returns the rules of family f added one by one (the jumps): its Insert
+// and Append calls.
+func (k *fakeKernel) ops(f int) []string {
+	var out []string
+	for _, c := range k.Calls(f == v6) {
+		if strings.HasPrefix(c, "insert ") || strings.HasPrefix(c, "append ") {
+			out = append(out, c)
 		}
 	}
+	return out
 }
 
-type fakeTables struct {
-	k *fakeKernel
-	f int
-}
-
-func key(table, chain string, spec []string) string {
-	return table + " " + chain + " " + strings.Join(spec, " ")
-}
-
-func (t *fakeTables) Exists(table, chain string, spec ...string) (bool, error) {
-	return t.k.jumps[t.f][key(table, chain, spec)], nil
-}
-
-func (t *fakeTables) Insert(table, chain string, pos int, spec ...string) error {
-	t.k.jumps[t.f][key(table, chain, spec)] = true
-	t.k.ops[t.f] = append(t.k.ops[t.f], fmt.Sprintf("insert %s %s %d %s", table, chain, pos, strings.Join(spec, " ")))
-	return nil
-}
-
-func (t *fakeTables) Append(table, chain string, spec ...string) error {
-	t.k.jumps[t.f][key(table, chain, spec)] = true
-	t.k.ops[t.f] = append(t.k.ops[t.f], fmt.Sprintf("append %s %s %s", table, chain, strings.Join(spec, " ")))
-	return nil
-}
-
-func (t *fakeTables) List(table, chain string) ([]string, error) {
-	t.k.lists[t.f]++
-	if table == "nat" && strings.HasSuffix(chain, "-CANARY") && t.k.canary[t.f] {
-		return []string{"-N " + chain, canaryRule(chainNames(strings.TrimSuffix(chain, "-CANARY")))}, nil
+// lists counts the chain reads of family f (the canary checks).
+func (k *fakeKernel) lists(f int) int {
+	n := 0
+	for _, c := range k.Calls(f == v6) {
+		if strings.HasPrefix(c, "list ") {
+			n++
+		}
 	}
-	return nil, fmt.Errorf("iptables: no chain %s in table %s", chain, table)
+	return n
 }
 
-type fakeConntrack struct{ k *fakeKernel }
+// flush is `iptables -t nat -F` by someone else: the canary and the nat jumps
+// are gone, the filter jump stays.
+func (k *fakeKernel) flush(f int) { k.Flush(f == v6, "nat") }
 
-func (c *fakeConntrack) ConntrackDeleteFilters(table netlink.ConntrackTableType, family netlink.InetFamily, filters ...netlink.CustomConntrackFilter) (uint, error) {
-	f := v4
-	if family == 10 { // AF_INET6
-		f = v6
+// rules returns a chain's rules in family f as iptables-save prints them.
+func (k *fakeKernel) rules(f int, table, chain string) []string {
+	var out []string
+	if c := k.State(f == v6).Table(table).Chain(chain); c != nil {
+		for _, r := range c.Rules {
+			out = append(out, r.Text)
+		}
 	}
-	for _, flt := range filters {
-		c.k.deleted[f] = append(c.k.deleted[f], flt.(staleFlows))
-	}
-	return 0, nil
+	return out
 }
-
-func (k *fakeKernel) allOps(f int) []string { return slices.Clone(k.ops[f]) }
-
-func errExecNotFound() error { return exec.ErrNotFound }

@@ -5,13 +5,14 @@ import (
 	"cmp"
 	"fmt"
 	"net/netip"
-	"regexp"
 	"slices"
 	"sync"
 
 	"github.com/hashicorp/go-multierror"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -30,7 +31,7 @@ type IPTables struct {
 // family is the state of one address family.
 type family struct {
 	f        int
-	tables   Tables
+	tables   iptables.Tables
 	renderer renderer
 	// written is the last restore input that succeeded, with the jumps in place;
 	// nil means the kernel's state is unknown and the next Sync rewrites everything
@@ -46,30 +47,18 @@ type family struct {
 	udp *udpTargets
 }
 
-// chainPrefixRE keeps prefixes to what iptables accepts in a chain name; the
-// length bound keeps the longest chain name (prefix + "-NODEPORT-NON-LOCAL")
-// within iptables' 28 characters.
-var chainPrefixRE = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9_-]{0,8}$`)
-
-func checkPrefix(prefix string) error {
-	if !chainPrefixRE.MatchString(prefix) {
-		return fmt.Errorf("chain prefix %q: want 1 to 9 letters, digits, '_' or '-'", prefix)
-	}
-	return nil
-}
-
 // NewIPTables returns the iptables Portals for cfg. It changes nothing in the
 // kernel until the first Sync.
 func NewIPTables(cfg Config) (*IPTables, error) {
-	prefix, err := ChainPrefix(cfg.ChainPrefix)
+	prefix, err := iptables.ChainPrefix(cfg.ChainPrefix)
 	if err != nil {
 		return nil, err
 	}
-	p := &IPTables{
-		cfg:    cfg,
-		chains: chainNames(prefix),
-		holder: nodePortHolder{kernel: cfg.Kernel, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}},
-	}
+	// Unset kernel parts are the real ones.
+	cfg.IPTables = cmp.Or[iptables.Kernel](cfg.IPTables, iptables.Commands{})
+	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
+	p := &IPTables{cfg: cfg, chains: chainNames(prefix)}
+	p.holder = nodePortHolder{listen: p.cfg.listen, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}}
 	for f := v4; f <= v6; f++ {
 		if f == v6 && !cfg.IPv6 {
 			continue
@@ -84,7 +73,7 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 		if !nodeIP.IsValid() {
 			return nil, fmt.Errorf("no %s node IP: the HOST portals DNAT to node IP:proxy port", familyName(f))
 		}
-		t, err := cfg.Kernel.tables(f == v6)
+		t, err := p.cfg.IPTables.Tables(f == v6)
 		if err != nil {
 			return nil, err
 		}
@@ -126,13 +115,13 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 	if !bytes.Equal(text, fam.written) {
 		newJumps := fam.written == nil
 		fam.written = nil
-		if err := p.cfg.Kernel.restore(fam.f == v6, text); err != nil {
+		if err := p.cfg.IPTables.Restore(fam.f == v6, text); err != nil {
 			return fmt.Errorf("write %s portals: %w", familyName(fam.f), err)
 		}
 		// Jumps go in after the restore: a jump to a chain that does not exist
 		// yet is refused.
 		if newJumps {
-			if err := p.ensureJumps(fam); err != nil {
+			if err := iptables.EnsureJumps(fam.tables, fam.f == v6, p.chains.jumps()); err != nil {
 				return err
 			}
 		}
@@ -140,9 +129,9 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 	}
 
 	cur := udpTargetsOf(entries, fam.f)
-	if stale := diff(fam.udp, cur); !stale.empty() {
+	if stale := diff(fam.udp, cur); !stale.Empty() {
 		// On failure fam.udp keeps the old state, so the next Sync tries again.
-		if err := deleteStale(p.cfg.Kernel.conntrack(), fam.f, stale); err != nil {
+		if err := stale.Delete(p.cfg.Conntrack, fam.f == v6); err != nil {
 			return err
 		}
 	}
@@ -169,41 +158,14 @@ func equalEntries(a, b []entry) bool {
 	return true
 }
 
-// canaryIntact reports whether the canary chain still holds its rule: a flush of
-// the nat table (iptables -t nat -F), a chain deletion or a restore without
-// --noflush by another program all remove it. Any error counts as "not intact",
-// which costs one rewrite at worst.
+// canaryIntact reports whether the canary chain still holds its rule; any error
+// reading it counts as "not intact", which costs one rewrite at worst.
 func (p *IPTables) canaryIntact(fam *family) bool {
-	rules, err := fam.tables.List("nat", p.chains.canary)
+	ok, err := p.chains.canary.Intact(fam.tables)
 	if err != nil {
 		klog.V(2).InfoS("Checking the canary chain", "family", familyName(fam.f), "err", err)
-		return false
 	}
-	return slices.Contains(rules, canaryRule(p.chains))
-}
-
-// ensureJumps adds the missing jump rules of fam, each checked before it is added.
-func (p *IPTables) ensureJumps(fam *family) error {
-	var errs []error
-	for _, j := range p.chains.jumps() {
-		ok, err := fam.tables.Exists(j.table, j.chain, j.spec...)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("check %s jump %s/%s -> %s: %w", familyName(fam.f), j.table, j.chain, j.spec[len(j.spec)-1], err))
-			continue
-		}
-		if ok {
-			continue
-		}
-		if j.first {
-			err = fam.tables.Insert(j.table, j.chain, 1, j.spec...)
-		} else {
-			err = fam.tables.Append(j.table, j.chain, j.spec...)
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("add %s jump %s/%s -> %s: %w", familyName(fam.f), j.table, j.chain, j.spec[len(j.spec)-1], err))
-		}
-	}
-	return multierror.Append(nil, errs...).ErrorOrNil()
+	return ok
 }
 
 // Cleanup implements Portals: it releases the held NodePorts and removes the
@@ -217,7 +179,7 @@ func (p *IPTables) Cleanup() error {
 		fam.udp = nil
 		fam.entries = nil
 	}
-	return cleanup(p.cfg.Kernel, p.chains)
+	return cleanup(p.cfg.IPTables, p.chains)
 }
 
 // entriesOf validates portals and returns them sorted by name and protocol, with

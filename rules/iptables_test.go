@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -59,7 +61,7 @@ func freePort(t *testing.T, network string) int {
 
 func newTestIPTables(t *testing.T, k *fakeKernel, cfg Config) *IPTables {
 	t.Helper()
-	cfg.Kernel = k.kernel()
+	k.configure(&cfg)
 	if cfg.NodeIPs == nil {
 		cfg.NodeIPs = []netip.Addr{nodeIPv4, nodeIPv6}
 	}
@@ -197,10 +199,10 @@ COMMIT
 			}
 			for f := v4; f <= v6; f++ {
 				var gotText string
-				if n := len(k.restores[f]); n > 1 {
+				if n := len(k.restores(f)); n > 1 {
 					t.Fatalf("%s: got %d restores, want at most 1", familyName(f), n)
 				} else if n == 1 {
-					gotText = k.restores[f][0]
+					gotText = k.restores(f)[0]
 				}
 				if gotText != tt.want[f] {
 					t.Errorf("%s restore input:\ngot:\n%s\nwant:\n%s", familyName(f), gotText, tt.want[f])
@@ -221,14 +223,14 @@ func TestSyncUnchangedWritesNothing(t *testing.T) {
 		}
 	}
 	for f := v4; f <= v6; f++ {
-		if got := len(k.restores[f]); got != 1 {
+		if got := len(k.restores(f)); got != 1 {
 			t.Errorf("%s restores after 3 identical syncs: got %d, want 1", familyName(f), got)
 		}
-		if got := len(k.ops[f]); got != 5 {
-			t.Errorf("%s jump inserts: got %d (%q), want 5", familyName(f), got, k.ops[f])
+		if got := len(k.ops(f)); got != 5 {
+			t.Errorf("%s jump inserts: got %d (%q), want 5", familyName(f), got, k.ops(f))
 		}
 		// One canary read per sync after the first.
-		if got := k.lists[f]; got != 2 {
+		if got := k.lists(f); got != 2 {
 			t.Errorf("%s canary reads: got %d, want 2", familyName(f), got)
 		}
 	}
@@ -278,34 +280,57 @@ func TestSyncAfterQuietSyncSeesEveryChange(t *testing.T) {
 			if err := newTestIPTables(t, fresh, Config{}).Sync([]Portal{{changed, tt.proxyPort}}); err != nil {
 				t.Fatalf("fresh Sync: %v", err)
 			}
-			if got := len(k.restores[v4]); got != 2 {
+			if got := len(k.restores(v4)); got != 2 {
 				t.Fatalf("restores: got %d, want 2", got)
 			}
-			if got, want := k.restores[v4][1], fresh.restores[v4][0]; got != want {
+			if got, want := k.restores(v4)[1], fresh.restores(v4)[0]; got != want {
 				t.Errorf("write after change:\ngot:\n%s\nwant:\n%s", got, want)
 			}
 		})
 	}
 }
 
+// The jumps go in around what other programs keep in the built-in chains:
+// PORTALS first, so Service IPs win; NODEPORT last, as they match every local
+// destination; the INPUT accept first, before a firewall's final DROP.
 func TestJumpRulesPlacement(t *testing.T) {
 	k := newFakeKernel()
-	p := newTestIPTables(t, k, Config{ChainPrefix: "UPX"})
-	if err := p.Sync(nil); err != nil {
+	kube := "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A OUTPUT -j KUBE-SERVICES\nCOMMIT\n" +
+		"*filter\n-A INPUT -j DROP\nCOMMIT\n"
+	if err := k.Apply(false, kube); err != nil {
 		t.Fatal(err)
 	}
-	want := []string{
-		`insert nat PREROUTING 1 -m comment --comment uproxy service portals -j UPX-PORTALS-CONTAINER`,
-		`insert nat OUTPUT 1 -m comment --comment uproxy service portals -j UPX-PORTALS-HOST`,
-		`append nat PREROUTING -m addrtype --dst-type LOCAL -m comment --comment uproxy NodePorts -j UPX-NODEPORT-CONTAINER`,
-		`append nat OUTPUT -m addrtype --dst-type LOCAL -m comment --comment uproxy NodePorts -j UPX-NODEPORT-HOST`,
-		`insert filter INPUT 1 -m comment --comment uproxy NodePorts -j UPX-NODEPORT-NON-LOCAL`,
+	p := newTestIPTables(t, k, Config{ChainPrefix: "UPX"})
+	for range 2 { // the second sync finds every jump in place
+		if err := p.Sync(nil); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if got := k.allOps(v4); strings.Join(got, "\n") != strings.Join(want, "\n") {
-		t.Errorf("jump rules:\ngot  %q\nwant %q", got, want)
+	for _, c := range []struct {
+		table, chain string
+		want         []string
+	}{
+		{"nat", "PREROUTING", []string{
+			`-A PREROUTING -m comment --comment "uproxy service portals" -j UPX-PORTALS-CONTAINER`,
+			`-A PREROUTING -j KUBE-SERVICES`,
+			`-A PREROUTING -m addrtype --dst-type LOCAL -m comment --comment "uproxy NodePorts" -j UPX-NODEPORT-CONTAINER`,
+		}},
+		{"nat", "OUTPUT", []string{
+			`-A OUTPUT -m comment --comment "uproxy service portals" -j UPX-PORTALS-HOST`,
+			`-A OUTPUT -j KUBE-SERVICES`,
+			`-A OUTPUT -m addrtype --dst-type LOCAL -m comment --comment "uproxy NodePorts" -j UPX-NODEPORT-HOST`,
+		}},
+		{"filter", "INPUT", []string{
+			`-A INPUT -m comment --comment "uproxy NodePorts" -j UPX-NODEPORT-NON-LOCAL`,
+			`-A INPUT -j DROP`,
+		}},
+	} {
+		if got := k.rules(v4, c.table, c.chain); strings.Join(got, "\n") != strings.Join(c.want, "\n") {
+			t.Errorf("%s %s:\ngot  %q\nwant %q", c.table, c.chain, got, c.want)
+		}
 	}
-	if len(k.ops[v6]) != 0 || len(k.restores[v6]) != 0 {
-		t.Errorf("IPv6 touched without Config.IPv6: ops %q, restores %d", k.ops[v6], len(k.restores[v6]))
+	if len(k.ops(v6)) != 0 || len(k.restores(v6)) != 0 {
+		t.Errorf("IPv6 touched without Config.IPv6: ops %q, restores %d", k.ops(v6), len(k.restores(v6)))
 	}
 }
 
@@ -323,18 +348,18 @@ func TestCanaryLossForcesRewrite(t *testing.T) {
 	sync()
 	k.flush(v4) // someone runs iptables -t nat -F: canary and nat jumps gone, filter jump kept
 	sync()
-	if got := len(k.restores[v4]); got != 2 {
+	if got := len(k.restores(v4)); got != 2 {
 		t.Fatalf("restores: got %d, want 2 (rewrite after the flush)", got)
 	}
-	if k.restores[v4][1] != k.restores[v4][0] {
-		t.Errorf("rewrite differs from the first write:\ngot:\n%s\nwant:\n%s", k.restores[v4][1], k.restores[v4][0])
+	if k.restores(v4)[1] != k.restores(v4)[0] {
+		t.Errorf("rewrite differs from the first write:\ngot:\n%s\nwant:\n%s", k.restores(v4)[1], k.restores(v4)[0])
 	}
 	// 5 jumps first, then only the 4 nat ones that the flush removed.
-	if got := len(k.ops[v4]); got != 9 {
-		t.Errorf("jump inserts: got %d (%q), want 9", got, k.ops[v4])
+	if got := len(k.ops(v4)); got != 9 {
+		t.Errorf("jump inserts: got %d (%q), want 9", got, k.ops(v4))
 	}
 	sync()
-	if got := len(k.restores[v4]); got != 2 {
+	if got := len(k.restores(v4)); got != 2 {
 		t.Errorf("restores after a quiet sync: got %d, want 2", got)
 	}
 }
@@ -353,18 +378,18 @@ func TestRemovedServiceVanishes(t *testing.T) {
 	if err := p.Sync([]Portal{{a, 40001}}); err != nil {
 		t.Fatal(err)
 	}
-	if len(k.restores[v4]) != 2 {
-		t.Fatalf("restores: got %d, want 2", len(k.restores[v4]))
+	if len(k.restores(v4)) != 2 {
+		t.Fatalf("restores: got %d, want 2", len(k.restores(v4)))
 	}
-	if !strings.Contains(k.restores[v4][0], `"ns/b"`) {
-		t.Fatalf("first write lacks ns/b:\n%s", k.restores[v4][0])
+	if !strings.Contains(k.restores(v4)[0], `"ns/b"`) {
+		t.Fatalf("first write lacks ns/b:\n%s", k.restores(v4)[0])
 	}
 	want := filterEmpty + natHead +
 		`-A UPROXY-PORTALS-CONTAINER -d 10.96.0.1/32 -p tcp -m comment --comment "ns/a" -m tcp --dport 80 -j REDIRECT --to-ports 40001
 -A UPROXY-PORTALS-HOST -d 10.96.0.1/32 -p tcp -m comment --comment "ns/a" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40001
 COMMIT
 `
-	if got := k.restores[v4][1]; got != want {
+	if got := k.restores(v4)[1]; got != want {
 		t.Errorf("second write:\ngot:\n%s\nwant:\n%s", got, want)
 	}
 }
@@ -372,21 +397,21 @@ COMMIT
 func TestRestoreFailureRetriedNextSync(t *testing.T) {
 	k := newFakeKernel()
 	p := newTestIPTables(t, k, Config{})
-	k.failNext[v4] = errors.New("iptables-restore: line 3 failed")
+	k.FailNextRestore(false, errors.New("iptables-restore: line 3 failed"))
 	err := p.Sync(nil)
 	if err == nil || !strings.Contains(err.Error(), "write IPv4 portals: iptables-restore: line 3 failed") {
 		t.Fatalf("Sync: got %v, want the restore failure", err)
 	}
-	if len(k.ops[v4]) != 0 {
-		t.Errorf("jumps added although the chains were not written: %q", k.ops[v4])
+	if len(k.ops(v4)) != 0 {
+		t.Errorf("jumps added although the chains were not written: %q", k.ops(v4))
 	}
 	if err := p.Sync(nil); err != nil {
 		t.Fatalf("second Sync: %v", err)
 	}
-	if got := len(k.restores[v4]); got != 1 {
+	if got := len(k.restores(v4)); got != 1 {
 		t.Errorf("restores: got %d, want 1 (the retry)", got)
 	}
-	if got := len(k.ops[v4]); got != 5 {
+	if got := len(k.ops(v4)); got != 5 {
 		t.Errorf("jumps after retry: got %d, want 5", got)
 	}
 }
@@ -433,7 +458,7 @@ func TestNodePortHeldAndConflict(t *testing.T) {
 	if perrs[1].Service.Name != "clash" || perrs[1].Port != taken || !strings.Contains(perrs[1].Error(), "address already in use") {
 		t.Errorf("second error: got %v, want ns/clash port %d address already in use", perrs[1], taken)
 	}
-	text := k.restores[v4][0]
+	text := k.restores(v4)[0]
 	for _, want := range []string{`-d 10.96.0.1/32`, `-d 10.96.0.3/32`, `--dport ` + strconv.Itoa(free) + ` -j REDIRECT --to-ports 40002`} {
 		if !strings.Contains(text, want) {
 			t.Errorf("restore input lacks %q:\n%s", want, text)
@@ -455,7 +480,7 @@ func TestNodePortHeldAndConflict(t *testing.T) {
 	if err := p.Sync(portals[:2]); err != nil {
 		t.Fatalf("Sync after the squatter left: %v", err)
 	}
-	if text := k.restores[v4][1]; !strings.Contains(text, "--dport "+strconv.Itoa(taken)+" -j REDIRECT --to-ports 40001") {
+	if text := k.restores(v4)[1]; !strings.Contains(text, "--dport "+strconv.Itoa(taken)+" -j REDIRECT --to-ports 40001") {
 		t.Errorf("NodePort %d not programmed after it was freed:\n%s", taken, text)
 	}
 	// Removing the Services releases their NodePorts.
@@ -521,8 +546,8 @@ func TestStaleUDPFlows(t *testing.T) {
 		if err := p.Sync(st.portals); err != nil {
 			t.Fatalf("%s: Sync: %v", st.name, err)
 		}
-		got := k.deleted[v4]
-		k.deleted[v4] = nil
+		got := k.ct.Filters[v4]
+		k.ct.Filters[v4] = nil
 		if st.matches == nil {
 			if len(got) != 0 {
 				t.Errorf("step %d %s: got %d conntrack passes, want none", i, st.name, len(got))
@@ -566,13 +591,13 @@ COMMIT
 		want    [2]string
 	}{
 		{"nothing installed", [2]string{"*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n", ""}, [2]error{}, [2]string{}},
-		{"ip6tables missing", [2]string{}, [2]error{nil, fmt.Errorf("ip6tables-save: %w", errExecNotFound())}, [2]string{}},
+		{"ip6tables missing", [2]string{}, [2]error{nil, fmt.Errorf("ip6tables-save: %w", exec.ErrNotFound)}, [2]string{}},
 		{"partly installed", [2]string{natWithOurs, ""}, [2]error{}, [2]string{`*nat
-:UPROXY-PORTALS-CONTAINER - [0:0]
 :UPROXY-CANARY - [0:0]
+:UPROXY-PORTALS-CONTAINER - [0:0]
 -D PREROUTING -m comment --comment "uproxy service portals" -j UPROXY-PORTALS-CONTAINER
--X UPROXY-PORTALS-CONTAINER
 -X UPROXY-CANARY
+-X UPROXY-PORTALS-CONTAINER
 COMMIT
 `}},
 		{"jump left behind, chain in filter", [2]string{"", "*filter\n:INPUT ACCEPT [0:0]\n:UPROXY-NODEPORT-NON-LOCAL - [0:0]\n-A INPUT -m comment --comment \"uproxy NodePorts\" -j UPROXY-NODEPORT-NON-LOCAL\n-A INPUT -j UPROXY-NODEPORT-NON-LOCAL\nCOMMIT\n"}, [2]error{}, [2]string{"", `*filter
@@ -586,15 +611,42 @@ COMMIT
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			k := newFakeKernel()
-			k.saved, k.saveErr = tt.saved, tt.saveErr
+			for f := v4; f <= v6; f++ {
+				if err := k.Apply(f == v6, tt.saved[f]); err != nil {
+					t.Fatal(err)
+				}
+				k.FailSave(f == v6, tt.saveErr[f])
+			}
 			p := newTestIPTables(t, k, Config{})
 			if err := p.Cleanup(); err != nil {
 				t.Fatalf("Cleanup: %v", err)
 			}
 			for f := v4; f <= v6; f++ {
-				got := strings.Join(k.restores[f], "")
+				got := strings.Join(k.restores(f), "")
 				if got != tt.want[f] {
 					t.Errorf("%s restore:\ngot:\n%s\nwant:\n%s", familyName(f), got, tt.want[f])
+				}
+				if tt.saveErr[f] != nil {
+					continue
+				}
+				// What is left is what others had: kube-proxy's chains and jumps.
+				for _, tb := range k.State(f == v6).Tables {
+					for _, c := range tb.Chains {
+						if strings.HasPrefix(c.Name, "UPROXY-") {
+							t.Errorf("%s: chain %s/%s left behind", familyName(f), tb.Name, c.Name)
+						}
+						for _, r := range c.Rules {
+							if strings.Contains(r.Spec, "UPROXY-") {
+								t.Errorf("%s: rule %q left behind", familyName(f), r.Text)
+							}
+						}
+					}
+				}
+			}
+			if tt.name == "partly installed" {
+				want := []string{`-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES`}
+				if got := k.rules(v4, "nat", "PREROUTING"); !slices.Equal(got, want) {
+					t.Errorf("PREROUTING after Cleanup: got %q, want kube-proxy's jump alone %q", got, want)
 				}
 			}
 		})
@@ -603,7 +655,7 @@ COMMIT
 
 func TestCleanupReportsSaveFailure(t *testing.T) {
 	k := newFakeKernel()
-	k.saveErr[v4] = errors.New("iptables-save: permission denied")
+	k.FailSave(false, errors.New("iptables-save: permission denied"))
 	p := newTestIPTables(t, k, Config{})
 	if err := p.Cleanup(); err == nil || !strings.Contains(err.Error(), "read rules for cleanup: iptables-save: permission denied") {
 		t.Errorf("Cleanup: got %v, want the save failure", err)
@@ -623,7 +675,7 @@ func TestConfigValidation(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tt.cfg.Kernel = newFakeKernel().kernel()
+			newFakeKernel().configure(&tt.cfg)
 			_, err := NewIPTables(tt.cfg)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("NewIPTables: got %v, want an error containing %q", err, tt.want)

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
 )
@@ -71,6 +72,17 @@ func exchange(c net.Conn, msg string, replyLen int) (string, error) {
 	return string(buf), err
 }
 
+// countingKernel is the real iptables, counting the restores.
+type countingKernel struct {
+	iptables.Commands
+	restores int
+}
+
+func (k *countingKernel) Restore(v6 bool, input []byte) error {
+	k.restores++
+	return k.Commands.Restore(v6, input)
+}
+
 // testDialMark stands for the proxy's dial mark (socket.SetDialMark).
 const testDialMark = 0x2000
 
@@ -100,15 +112,12 @@ func TestRealPortals(t *testing.T) {
 	dns.NodePort = 30053
 	portals := []Portal{{web, int(tcpProxy.Port())}, {dns, udpPortA}}
 
-	restores := 0
+	k := &countingKernel{}
 	p, err := NewIPTables(Config{
 		NodeIPs:  []netip.Addr{node.IPv4, node.IPv6},
 		IPv6:     true,
 		DialMark: testDialMark,
-		Kernel: &Kernel{Restore: func(v6 bool, input []byte) error {
-			restores++
-			return (*Kernel)(nil).restore(v6, input)
-		}},
+		IPTables: k,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -147,10 +156,10 @@ func TestRealPortals(t *testing.T) {
 	})
 
 	t.Run("unchanged sync writes nothing", func(t *testing.T) {
-		n := restores
+		n := k.restores
 		sync(t, portals)
-		if restores != n {
-			t.Errorf("restores during an unchanged sync: got %d, want 0", restores-n)
+		if k.restores != n {
+			t.Errorf("restores during an unchanged sync: got %d, want 0", k.restores-n)
 		}
 	})
 
@@ -293,9 +302,9 @@ func TestRealPortals(t *testing.T) {
 		kubeNATRules(t, tp, "iptables")
 		mustExec(t, tp, testbed.Node, "ip6tables", "-t", "nat", "-F", "UPROXY-CANARY")
 		mustExec(t, tp, testbed.Node, "ip6tables", "-t", "nat", "-X", "UPROXY-CANARY")
-		n := restores
+		n := k.restores
 		sync(t, portals)
-		if got := restores - n; got != 2 {
+		if got := k.restores - n; got != 2 {
 			t.Errorf("restores after flush (IPv4) and canary deletion (IPv6): got %d, want 2", got)
 		}
 		check(t, paths[0])

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strconv"
 
+	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -25,7 +26,7 @@ type hold struct {
 // does, so no other process on the node takes a port whose traffic the rules
 // steer away from it, and a port already taken is reported instead of hijacked.
 type nodePortHolder struct {
-	kernel *Kernel
+	listen func(network, address string) (io.Closer, error)
 	// prefixes are Config.NodePortAddresses; empty means the wildcard address.
 	prefixes []netip.Prefix
 	held     map[holdKey]*hold
@@ -87,7 +88,7 @@ func (h *nodePortHolder) sync(entries []entry, enabled [2]bool) []error {
 			hd.owner = c.entry.name // a port handed from one Service to another stays held
 			continue
 		}
-		s, err := h.kernel.listen(k.network, k.address)
+		s, err := h.listen(k.network, k.address)
 		if err != nil {
 			errs = append(errs, &PortalError{Service: c.entry.name, Protocol: c.entry.protocol, Port: c.entry.nodePort,
 				Err: fmt.Errorf("hold NodePort: %w", err)})
@@ -145,20 +146,11 @@ func (h *nodePortHolder) keys(e *entry, f int, local []netip.Addr) []holdKey {
 // are left out: binding them needs a zone and NodePorts are not served there.
 func (h *nodePortHolder) localAddresses() ([2][]netip.Addr, error) {
 	var out [2][]netip.Addr
-	addrs, err := net.InterfaceAddrs()
+	addrs, err := nodeaddr.List()
 	if err != nil {
 		return out, err
 	}
-	for _, a := range addrs {
-		n, ok := a.(*net.IPNet)
-		if !ok {
-			continue
-		}
-		ip, ok := netip.AddrFromSlice(n.IP)
-		if !ok {
-			continue
-		}
-		ip = ip.Unmap()
+	for _, ip := range addrs {
 		if ip.Is6() && ip.IsLinkLocalUnicast() {
 			continue
 		}

@@ -21,20 +21,23 @@
 //
 // Everything except the jump rules is written with one iptables-restore --noflush
 // per family, each chain declared (and so flushed) and rewritten whole, and only
-// when the text differs from the last successful write.
+// when the text differs from the last successful write. This package renders the
+// rules and decides when to write them; netfilter/iptables writes them, reads
+// them back and removes them, as it does for every mode.
 package rules
 
 import (
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/netip"
+	"strings"
 
+	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
 )
-
-// DefaultChainPrefix prefixes every chain when Config.ChainPrefix is empty. It
-// differs from kube-proxy's KUBE so the two never touch each other's chains.
-const DefaultChainPrefix = "UPROXY"
 
 // Portal is one Service port as the proxier serves it.
 type Portal struct {
@@ -46,7 +49,7 @@ type Portal struct {
 
 // Config configures IPTables. The zero value needs only NodeIPs.
 type Config struct {
-	// ChainPrefix names the chains; DefaultChainPrefix when empty.
+	// ChainPrefix names the chains; iptables.DefaultChainPrefix when empty.
 	ChainPrefix string
 	// NodeIPs holds the node's address per family: the HOST chains DNAT to
 	// nodeIP:proxyPort, because REDIRECT from OUTPUT rewrites the destination to
@@ -63,8 +66,30 @@ type Config struct {
 	// (socket.SetDialMark); the HOST chains return at once for packets carrying
 	// it rather than trying every portal. 0: no such rule.
 	DialMark uint32
-	// Kernel replaces the iptables commands, netlink and sockets; nil uses the real ones.
-	Kernel *Kernel
+
+	// The kernel, as the portals reach it. Every call happens on the goroutine
+	// that called Sync or Cleanup, so a caller that locked its thread into a
+	// network namespace programs that namespace.
+
+	// IPTables is iptables and ip6tables; nil runs the commands (iptables.Commands).
+	IPTables iptables.Kernel
+	// Conntrack deletes stale UDP flows; nil uses netlink (conntrack.Netlink).
+	Conntrack conntrack.Deleter
+	// Listen holds a NodePort open: network is tcp4, tcp6, udp4 or udp6; nil
+	// uses net.Listen and net.ListenPacket.
+	Listen func(network, address string) (io.Closer, error)
+}
+
+func (c *Config) listen(network, address string) (io.Closer, error) {
+	if c.Listen != nil {
+		return c.Listen(network, address)
+	}
+	if strings.HasPrefix(network, "udp") {
+		return net.ListenPacket(network, address)
+	}
+	// A listening socket, never accepted from: a bound but idle TCP socket would
+	// not stop another SO_REUSEADDR socket from binding the port.
+	return net.Listen(network, address)
 }
 
 // Portals programs the portal rules of the userspace mode.
@@ -109,7 +134,7 @@ type chains struct {
 	portalsContainer, portalsHost   string
 	nodePortContainer, nodePortHost string
 	nodePortNonLocal                string
-	canary                          string
+	canary                          iptables.Canary
 }
 
 func chainNames(prefix string) chains {
@@ -119,34 +144,27 @@ func chainNames(prefix string) chains {
 		nodePortContainer: prefix + "-NODEPORT-CONTAINER",
 		nodePortHost:      prefix + "-NODEPORT-HOST",
 		nodePortNonLocal:  prefix + "-NODEPORT-NON-LOCAL",
-		canary:            prefix + "-CANARY",
+		canary:            iptables.Canary{Chain: prefix + "-CANARY", Tables: []string{"nat"}},
 	}
 }
 
 // natChains are the chains in the nat table, in the order they are declared.
 func (c chains) nat() []string {
-	return []string{c.portalsContainer, c.portalsHost, c.nodePortContainer, c.nodePortHost, c.canary}
+	return []string{c.portalsContainer, c.portalsHost, c.nodePortContainer, c.nodePortHost, c.canary.Chain}
 }
 
 func (c chains) filter() []string { return []string{c.nodePortNonLocal} }
-
-// jump is one rule in a built-in chain that leads to one of ours.
-type jump struct {
-	table, chain string
-	first        bool // inserted at position 1, else appended
-	spec         []string
-}
 
 // jumps lists the jump rules. PORTALS jumps go first so Service IPs win over
 // anything else; NODEPORT jumps go last because they match every local
 // destination. The INPUT accept goes first: appended after a firewall's final
 // DROP it would never run.
-func (c chains) jumps() []jump {
-	return []jump{
-		{"nat", "PREROUTING", true, []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsContainer}},
-		{"nat", "OUTPUT", true, []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsHost}},
-		{"nat", "PREROUTING", false, []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortContainer}},
-		{"nat", "OUTPUT", false, []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortHost}},
-		{"filter", "INPUT", true, []string{"-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortNonLocal}},
+func (c chains) jumps() []iptables.Jump {
+	return []iptables.Jump{
+		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsContainer}},
+		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsHost}},
+		{Table: "nat", Chain: "PREROUTING", Last: true, Spec: []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortContainer}},
+		{Table: "nat", Chain: "OUTPUT", Last: true, Spec: []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortHost}},
+		{Table: "filter", Chain: "INPUT", Spec: []string{"-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortNonLocal}},
 	}
 }

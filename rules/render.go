@@ -3,8 +3,8 @@ package rules
 import (
 	"net/netip"
 	"strconv"
-	"strings"
 
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -94,7 +94,7 @@ func (r *renderer) render(entries []entry) []byte {
 	for _, c := range r.chains.nat() {
 		out = append(out, ":"+c+" - [0:0]\n"...)
 	}
-	out = append(out, canaryRule(r.chains)+"\n"...)
+	out = append(out, r.chains.canary.Rule()+"\n"...)
 	out = r.each(out, entries, parts, r.portalsContainer)
 	out = r.ownDials(out, r.chains.portalsHost)
 	out = r.each(out, entries, parts, r.portalsHost)
@@ -137,16 +137,11 @@ type ruleParts struct {
 func (r *renderer) ruleParts(e *entry) ruleParts {
 	proxy := strconv.Itoa(e.proxyPort)
 	return ruleParts{
-		match:    " -p " + e.proto + " -m comment --comment " + quote(e.name.String()) + " -m " + e.proto + " --dport ",
+		match:    " -p " + e.proto + " -m comment --comment " + iptables.Quote(e.name.String()) + " -m " + e.proto + " --dport ",
 		port:     strconv.Itoa(e.port),
 		redirect: " -j REDIRECT --to-ports " + proxy + "\n",
 		dnat:     " -j DNAT --to-destination " + netip.AddrPortFrom(r.nodeIP, uint16(e.proxyPort)).String() + "\n",
 	}
-}
-
-// canaryRule is the one rule of the canary chain, as iptables -S prints it.
-func canaryRule(c chains) string {
-	return "-A " + c.canary + ` -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN`
 }
 
 // portalsContainer writes the PREROUTING rules of e's virtual IPs: REDIRECT to
@@ -261,14 +256,4 @@ func (r *renderer) nonLocalGuards(out []byte, entries []entry) []byte {
 	chain := "-A " + r.chains.nodePortNonLocal
 	out = append(out, chain+` -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN`+"\n"...)
 	return append(out, chain+" -m conntrack ! --ctorigdstport "+span+` -m comment --comment "uproxy NodePorts: not to a NodePort" -j RETURN`+"\n"...)
-}
-
-// quote double-quotes s for iptables-restore, which understands backslash escapes
-// inside quotes.
-func quote(s string) string {
-	if !strings.ContainsAny(s, `"\`) {
-		return `"` + s + `"`
-	}
-	r := strings.NewReplacer(`\`, `\\`, `"`, `\"`)
-	return `"` + r.Replace(s) + `"`
 }

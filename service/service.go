@@ -6,6 +6,7 @@ package service
 import (
 	"fmt"
 	"net/netip"
+	"reflect"
 	"sort"
 	"time"
 )
@@ -125,6 +126,22 @@ func (s *Snapshot) Lookup(name PortName) *Port {
 		return s.Ports[i]
 	}
 	return nil
+}
+
+// Equal reports whether s and o describe the same state: the same ports and the
+// same errors (by message). When they were built does not count, so a source
+// that rebuilds on every event can tell the sync loop about effective changes
+// only.
+func (s *Snapshot) Equal(o *Snapshot) bool {
+	if !reflect.DeepEqual(s.Ports, o.Ports) || len(s.Errors) != len(o.Errors) {
+		return false
+	}
+	for i := range s.Errors {
+		if s.Errors[i].Error() != o.Errors[i].Error() {
+			return false
+		}
+	}
+	return true
 }
 
 // usable returns the endpoints that should carry traffic among eps: the ready ones,

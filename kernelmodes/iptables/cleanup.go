@@ -2,9 +2,8 @@ package iptables
 
 import (
 	"fmt"
-	"slices"
 
-	"github.com/uproxy/uproxy/rules"
+	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 )
 
 // Cleanup removes every chain and jump rule the iptables mode installs with
@@ -13,23 +12,17 @@ import (
 // including a missing ip6tables, is not an error. The userspace mode's portal
 // chains share the prefix but not the names, and are left alone.
 func Cleanup(prefix string) error {
-	prefix, err := rules.ChainPrefix(prefix)
+	prefix, err := ipt.ChainPrefix(prefix)
 	if err != nil {
 		return err
 	}
-	return cleanup(nil, namesOf(prefix))
+	return cleanup(ipt.Commands{}, namesOf(prefix))
 }
 
-func cleanup(k *rules.Kernel, n names) error {
-	nat, filter := n.natChains(), n.filterChains()
-	err := rules.RemoveChains(k, func(table, chain string) bool {
-		switch table {
-		case "nat":
-			return slices.Contains(nat, chain) || n.isPortChain(chain)
-		case "filter":
-			return slices.Contains(filter, chain)
-		}
-		return false
+func cleanup(k ipt.Kernel, n names) error {
+	fixed := ipt.ChainSet{"nat": n.natChains(), "filter": n.filterChains()}
+	err := ipt.RemoveChains(k, func(table, chain string) bool {
+		return fixed.Has(table, chain) || table == "nat" && n.isPortChain(chain)
 	})
 	if err != nil {
 		return fmt.Errorf("clean up iptables-mode rules: %w", err)

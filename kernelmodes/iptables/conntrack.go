@@ -1,13 +1,9 @@
 package iptables
 
 import (
-	"fmt"
 	"net/netip"
 
-	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
-
-	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -34,43 +30,35 @@ func udpStateOf(order []*portRules) map[portKey]udpState {
 	return out
 }
 
-// staleFlows matches UDP conntrack flows that no longer go where the rules now
-// send them. Conntrack applies NAT once per flow, so a client that keeps
-// sending would stay on a removed endpoint, or keep being rejected after
-// endpoints appeared, until its flow is deleted. Keys map a destination to the
-// reply sources (endpoints) still allowed; an empty set allows none.
-type staleFlows struct {
-	vips      map[netip.AddrPort]map[netip.AddrPort]bool
-	nodePorts map[uint16]map[netip.AddrPort]bool
-}
-
 // staleUDP compares the UDP view before and after a sync: every port whose
 // endpoints or destinations changed, appeared or disappeared gets its flows
-// checked. With no earlier view (first sync, after a restart) every port is.
-func staleUDP(old, cur map[portKey]udpState) staleFlows {
-	s := staleFlows{vips: map[netip.AddrPort]map[netip.AddrPort]bool{}, nodePorts: map[uint16]map[netip.AddrPort]bool{}}
-	add := func(st udpState, allowed map[netip.AddrPort]bool) {
+// checked, which are stale unless their replies come from an endpoint the rules
+// still DNAT to. With no earlier view (first sync, after a restart) every port
+// is checked.
+func staleUDP(old, cur map[portKey]udpState) conntrack.StaleUDP {
+	s := conntrack.StaleUDP{VIPs: map[netip.AddrPort]conntrack.Replies{}, NodePorts: map[uint16]conntrack.Replies{}}
+	add := func(st udpState, allowed conntrack.Replies) {
 		for _, v := range st.vips {
-			s.vips[v] = allowed
+			s.VIPs[v] = allowed
 		}
 		if st.nodePort != 0 {
-			s.nodePorts[uint16(st.nodePort)] = allowed
+			s.NodePorts[uint16(st.nodePort)] = allowed
 		}
 	}
 	for k, st := range cur {
 		if was, ok := old[k]; old != nil && ok && sameUDP(was, st) {
 			continue
 		}
-		add(st, st.eps)
+		add(st, conntrack.Replies{From: st.eps})
 	}
 	for k, was := range old {
 		if _, ok := cur[k]; !ok {
-			add(was, nil)
+			add(was, conntrack.Replies{})
 		} else if !sameUDP(was, cur[k]) {
 			// Destinations the port no longer has: nothing allowed there.
 			for _, v := range was.vips {
-				if _, still := s.vips[v]; !still {
-					s.vips[v] = nil
+				if _, still := s.VIPs[v]; !still {
+					s.VIPs[v] = conntrack.Replies{}
 				}
 			}
 		}
@@ -93,36 +81,4 @@ func sameUDP(a, b udpState) bool {
 		}
 	}
 	return true
-}
-
-func (s staleFlows) empty() bool { return len(s.vips) == 0 && len(s.nodePorts) == 0 }
-
-// MatchConntrackFlow implements netlink.CustomConntrackFilter: a UDP flow to a
-// watched destination is stale unless its reply comes from an allowed endpoint.
-func (s staleFlows) MatchConntrackFlow(f *netlink.ConntrackFlow) bool {
-	if f.Forward.Protocol != unix.IPPROTO_UDP {
-		return false
-	}
-	reply, _ := netip.AddrFromSlice(f.Reverse.SrcIP)
-	from := netip.AddrPortFrom(reply.Unmap(), f.Reverse.SrcPort)
-	if dst, ok := netip.AddrFromSlice(f.Forward.DstIP); ok {
-		if allowed, ok := s.vips[netip.AddrPortFrom(dst.Unmap(), f.Forward.DstPort)]; ok {
-			return !allowed[from]
-		}
-	}
-	if allowed, ok := s.nodePorts[f.Forward.DstPort]; ok {
-		return !allowed[from]
-	}
-	return false
-}
-
-func (s staleFlows) delete(ct rules.ConntrackDeleter, v6 bool) error {
-	fam := netlink.InetFamily(unix.AF_INET)
-	if v6 {
-		fam = netlink.InetFamily(unix.AF_INET6)
-	}
-	if _, err := ct.ConntrackDeleteFilters(netlink.ConntrackTable, fam, s); err != nil {
-		return fmt.Errorf("delete stale %s UDP conntrack flows: %w", familyName(v6), err)
-	}
-	return nil
 }

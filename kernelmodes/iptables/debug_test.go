@@ -5,8 +5,18 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 	"github.com/uproxy/uproxy/service"
 )
+
+// countersKernel is the fake iptables with the counters a test chooses.
+type countersKernel struct {
+	*iptablestest.Fake
+	save func(v6 bool, table string) ([]byte, error)
+}
+
+func (k countersKernel) SaveCounters(v6 bool, table string) ([]byte, error) { return k.save(v6, table) }
 
 // DebugServices reports each endpoint's DNAT counters as iptables-save -c shows
 // them, summed over the families, and leaves them zero when they cannot be read.
@@ -42,8 +52,11 @@ func TestDebugServicesCounters(t *testing.T) {
 				return p.n.portChain("SEP", port.Name, port.Protocol, ep)
 			}
 			calls := 0
-			save := func(v6 bool) ([]byte, error) {
+			save := func(v6 bool, table string) ([]byte, error) {
 				calls++
+				if table != "nat" {
+					t.Errorf("iptables-save -c -t %s, want -t nat", table)
+				}
 				if tc.fail {
 					return nil, errors.New("iptables-save: not found")
 				}
@@ -55,7 +68,7 @@ func TestDebugServicesCounters(t *testing.T) {
 					sep(web, "10.244.1.2:8080"), sep(web, "10.244.2.3:8080"), sep(dns, "10.244.1.2:53")), nil
 			}
 			var err error
-			p, err = New(Config{IPv6: true, Kernel: newFakeKernel().kernel(), SaveCounters: save})
+			p, err = New(Config{IPv6: true, IPTables: countersKernel{iptablestest.New(), save}, Conntrack: &conntrack.Recorder{}})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
 )
@@ -411,7 +412,7 @@ func TestRealIPTablesMode(t *testing.T) {
 		}
 		for i, v6 := range []bool{false, true} {
 			if got := tp.SavedRules(t, v6); got != w.before[i] {
-				t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", familyName(v6), got, w.before[i])
+				t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", ipt.FamilyName(v6), got, w.before[i])
 			}
 		}
 	})
@@ -424,7 +425,7 @@ func TestRealIPTablesMode(t *testing.T) {
 			}
 			for i, v6 := range []bool{false, true} {
 				if got := tp.SavedRules(t, v6); got != w.before[i] {
-					t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", familyName(v6), got, w.before[i])
+					t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", ipt.FamilyName(v6), got, w.before[i])
 				}
 			}
 		}

@@ -29,21 +29,20 @@
 package iptables
 
 import (
-	"bufio"
 	"bytes"
+	"cmp"
 	"fmt"
 	"net/netip"
-	"os/exec"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 
 	"github.com/hashicorp/go-multierror"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/netfilter/conntrack"
+	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/observe"
-	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -53,7 +52,7 @@ const DefaultMasqueradeBit = 14
 // Config configures the iptables mode. The zero value programs IPv4 with
 // NodePorts on every local address.
 type Config struct {
-	// ChainPrefix names the chains; rules.DefaultChainPrefix when empty.
+	// ChainPrefix names the chains; iptables.DefaultChainPrefix when empty.
 	ChainPrefix string
 	// IPv6 also programs ip6tables with the Services' IPv6 addresses.
 	IPv6 bool
@@ -72,12 +71,12 @@ type Config struct {
 	MasqueradeBit int
 	// Zone is this node's zone for topology hints ("" ignores hints).
 	Zone string
-	// Kernel replaces iptables and conntrack; nil uses the real ones in the
-	// calling thread's network namespace.
-	Kernel *rules.Kernel
-	// SaveCounters returns `iptables-save -c -t nat` (ip6tables when v6) for
-	// Counters; nil runs the command.
-	SaveCounters func(v6 bool) ([]byte, error)
+	// IPTables is iptables and ip6tables; nil runs the commands
+	// (iptables.Commands) in the calling thread's network namespace.
+	IPTables ipt.Kernel
+	// Conntrack deletes stale UDP flows; nil uses netlink in the calling
+	// thread's network namespace (conntrack.Netlink).
+	Conntrack conntrack.Deleter
 }
 
 // Proxier is the iptables mode. Sync, Cleanup and the readers may be called
@@ -98,7 +97,7 @@ type Proxier struct {
 type family struct {
 	v6     bool
 	r      renderer
-	tables rules.Tables
+	tables ipt.Tables
 	// written holds each port's body as last written successfully; nil means the
 	// kernel state is unknown: the next sync is a full one.
 	written map[portKey]*portRules
@@ -118,7 +117,7 @@ type portKey struct {
 // New returns the iptables mode for cfg. It changes nothing in the kernel
 // until the first Sync.
 func New(cfg Config) (*Proxier, error) {
-	prefix, err := rules.ChainPrefix(cfg.ChainPrefix)
+	prefix, err := ipt.ChainPrefix(cfg.ChainPrefix)
 	if err != nil {
 		return nil, err
 	}
@@ -129,6 +128,9 @@ func New(cfg Config) (*Proxier, error) {
 	if bit < 0 || bit > 31 {
 		return nil, fmt.Errorf("masquerade bit %d: want 0 to 31", bit)
 	}
+	// Unset kernel parts are the real ones.
+	cfg.IPTables = cmp.Or[ipt.Kernel](cfg.IPTables, ipt.Commands{})
+	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p := &Proxier{cfg: cfg, n: namesOf(prefix)}
 	for _, v6 := range []bool{false, true} {
 		if v6 && !cfg.IPv6 {
@@ -154,20 +156,13 @@ func New(cfg Config) (*Proxier, error) {
 				r.nodePortDsts = append(r.nodePortDsts, " -d "+pr.Masked().String())
 			}
 		}
-		t, err := cfg.Kernel.OpenTables(v6)
+		t, err := p.cfg.IPTables.Tables(v6)
 		if err != nil {
 			return nil, err
 		}
 		p.fams = append(p.fams, &family{v6: v6, r: r, tables: t})
 	}
 	return p, nil
-}
-
-func familyName(v6 bool) string {
-	if v6 {
-		return "IPv6"
-	}
-	return "IPv4"
 }
 
 // Sync implements syncloop.Mode: it makes the rules of every family match s.
@@ -220,7 +215,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 
 	full := fam.written == nil
 	if !full && !p.canaryIntact(fam) {
-		klog.InfoS("iptables-mode rules were flushed or deleted by someone else; rewriting them all", "family", familyName(fam.v6))
+		klog.InfoS("iptables-mode rules were flushed or deleted by someone else; rewriting them all", "family", ipt.FamilyName(fam.v6))
 		full = true
 	}
 
@@ -297,18 +292,18 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	}
 
 	fam.written = nil
-	if err := p.cfg.Kernel.RunRestore(fam.v6, b); err != nil {
-		return fmt.Errorf("write %s iptables-mode rules: %w", familyName(fam.v6), err)
+	if err := p.cfg.IPTables.Restore(fam.v6, b); err != nil {
+		return fmt.Errorf("write %s iptables-mode rules: %w", ipt.FamilyName(fam.v6), err)
 	}
 	fam.lastWasFull = full
 	if full {
 		// Jumps go in after the chains exist: a jump to a missing chain is refused.
-		if err := p.ensureJumps(fam); err != nil {
+		if err := ipt.EnsureJumps(fam.tables, fam.v6, p.n.jumps()); err != nil {
 			return err
 		}
 	}
 	fam.written, fam.shared = cur, shared
-	klog.V(3).InfoS("Wrote iptables-mode rules", "family", familyName(fam.v6), "full", full, "ports", len(order), "changedPorts", len(changed), "deletedChains", len(stale), "bytes", len(b))
+	klog.V(3).InfoS("Wrote iptables-mode rules", "family", ipt.FamilyName(fam.v6), "full", full, "ports", len(order), "changedPorts", len(changed), "deletedChains", len(stale), "bytes", len(b))
 
 	return p.syncConntrack(fam, order)
 }
@@ -316,9 +311,9 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 // syncConntrack deletes the UDP flows the sync made stale.
 func (p *Proxier) syncConntrack(fam *family, order []*portRules) error {
 	udp := udpStateOf(order)
-	if stale := staleUDP(fam.udp, udp); !stale.empty() {
+	if stale := staleUDP(fam.udp, udp); !stale.Empty() {
 		// On failure fam.udp keeps the old view, so the next sync tries again.
-		if err := stale.delete(p.cfg.Kernel.ConntrackHandle(), fam.v6); err != nil {
+		if err := stale.Delete(p.cfg.Conntrack, fam.v6); err != nil {
 			return err
 		}
 	}
@@ -329,67 +324,26 @@ func (p *Proxier) syncConntrack(fam *family, order []*portRules) error {
 // canaryIntact reports whether both canary chains still hold their rule. Any
 // error counts as "not intact", which costs one full rewrite at worst.
 func (p *Proxier) canaryIntact(fam *family) bool {
-	for _, table := range []string{"nat", "filter"} {
-		got, err := fam.tables.List(table, p.n.canary)
-		if err != nil {
-			klog.V(2).InfoS("Checking the canary chain", "family", familyName(fam.v6), "table", table, "err", err)
-			return false
-		}
-		if !slices.Contains(got, canaryRule(p.n)) {
-			return false
-		}
+	ok, err := p.n.canary.Intact(fam.tables)
+	if err != nil {
+		klog.V(2).InfoS("Checking the canary chain", "family", ipt.FamilyName(fam.v6), "err", err)
 	}
-	return true
-}
-
-// ensureJumps inserts the missing jump rules of fam, each checked first.
-func (p *Proxier) ensureJumps(fam *family) error {
-	var errs []error
-	jumps := p.n.jumps()
-	// Inserted in reverse, each at position 1, so they end up in list order.
-	for i := len(jumps) - 1; i >= 0; i-- {
-		j := jumps[i]
-		ok, err := fam.tables.Exists(j.table, j.chain, j.spec...)
-		if err == nil && !ok {
-			err = fam.tables.Insert(j.table, j.chain, 1, j.spec...)
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("%s jump %s/%s -> %s: %w", familyName(fam.v6), j.table, j.chain, j.spec[len(j.spec)-1], err))
-		}
-	}
-	return multierror.Append(nil, errs...).ErrorOrNil()
+	return ok
 }
 
 // existingPortChains returns the per-port chains of our prefix in the nat table.
 func (p *Proxier) existingPortChains(v6 bool) ([]string, error) {
-	saved, err := p.cfg.Kernel.RunSave(v6)
+	saved, err := p.cfg.IPTables.Save(v6)
 	if err != nil {
-		return nil, fmt.Errorf("read %s rules: %w", familyName(v6), err)
+		return nil, fmt.Errorf("read %s rules: %w", ipt.FamilyName(v6), err)
 	}
 	var out []string
-	forEachChain(saved, func(table, chain string) {
-		if table == "nat" && p.n.isPortChain(chain) {
-			out = append(out, chain)
-		}
-	})
-	return out, nil
-}
-
-// forEachChain calls fn for every chain declared in iptables-save output.
-func forEachChain(saved []byte, fn func(table, chain string)) {
-	table := ""
-	sc := bufio.NewScanner(bytes.NewReader(saved))
-	sc.Buffer(make([]byte, 0, 64*1024), 16*1024*1024)
-	for sc.Scan() {
-		line := sc.Text()
-		switch {
-		case strings.HasPrefix(line, "*"):
-			table = line[1:]
-		case strings.HasPrefix(line, ":"):
-			chain, _, _ := strings.Cut(line[1:], " ")
-			fn(table, chain)
+	for _, c := range ipt.Parse(saved).Chains("nat") {
+		if p.n.isPortChain(c.Name) {
+			out = append(out, c.Name)
 		}
 	}
+	return out, nil
 }
 
 // Cleanup removes every chain and jump rule of this prefix in both families,
@@ -401,7 +355,7 @@ func (p *Proxier) Cleanup() error {
 		fam.written, fam.udp = nil, nil
 	}
 	p.last, p.programmed = nil, nil
-	return cleanup(p.cfg.Kernel, p.n)
+	return cleanup(p.cfg.IPTables, p.n)
 }
 
 // DebugServices implements observe.ServicesView: every Service port of the last
@@ -486,39 +440,29 @@ func (p *Proxier) Counters() ([]EndpointCounters, error) {
 	var out []EndpointCounters
 	var errs []error
 	for _, fs := range fams {
-		saved, err := p.saveCounters(fs.v6)
+		saved, err := p.cfg.IPTables.SaveCounters(fs.v6, "nat")
 		if err != nil {
 			errs = append(errs, err)
 			continue
 		}
 		got := map[string]*EndpointCounters{}
-		sc := bufio.NewScanner(bytes.NewReader(saved))
-		sc.Buffer(make([]byte, 0, 64*1024), 16*1024*1024)
-		for sc.Scan() {
-			// "[packets:bytes] -A CHAIN ... -j DNAT ..."
-			line := sc.Text()
-			cnt, rule, ok := strings.Cut(line, "] -A ")
-			if !ok || !strings.HasPrefix(cnt, "[") || !strings.Contains(rule, " -j DNAT ") {
-				continue
-			}
-			chain, _, _ := strings.Cut(rule, " ")
-			s, ok := fs.seps[chain]
+		for _, c := range ipt.Parse(saved).Chains("nat") {
+			s, ok := fs.seps[c.Name]
 			if !ok {
 				continue
 			}
-			pk, by, _ := strings.Cut(cnt[1:], ":")
-			packets, err1 := strconv.ParseUint(pk, 10, 64)
-			bytes, err2 := strconv.ParseUint(by, 10, 64)
-			if err1 != nil || err2 != nil {
-				continue
+			for _, r := range c.Rules {
+				if r.Target() != "DNAT" {
+					continue
+				}
+				ec := got[c.Name]
+				if ec == nil {
+					ec = &EndpointCounters{Service: s.key.name, Protocol: s.key.proto, Endpoint: s.ep}
+					got[c.Name] = ec
+				}
+				ec.Packets += r.Packets
+				ec.Bytes += r.Bytes
 			}
-			c := got[chain]
-			if c == nil {
-				c = &EndpointCounters{Service: s.key.name, Protocol: s.key.proto, Endpoint: s.ep}
-				got[chain] = c
-			}
-			c.Packets += packets
-			c.Bytes += bytes
 		}
 		for _, c := range got {
 			out = append(out, *c)
@@ -537,19 +481,4 @@ func (p *Proxier) Counters() ([]EndpointCounters, error) {
 		return a.Endpoint.Compare(b.Endpoint)
 	})
 	return out, multierror.Append(nil, errs...).ErrorOrNil()
-}
-
-func (p *Proxier) saveCounters(v6 bool) ([]byte, error) {
-	if p.cfg.SaveCounters != nil {
-		return p.cfg.SaveCounters(v6)
-	}
-	cmd := "iptables-save"
-	if v6 {
-		cmd = "ip6tables-save"
-	}
-	out, err := exec.Command(cmd, "-c", "-t", "nat").Output()
-	if err != nil {
-		return nil, fmt.Errorf("%s -c -t nat: %w", cmd, err)
-	}
-	return out, nil
 }

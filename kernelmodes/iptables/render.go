@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 
+	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -23,7 +24,7 @@ type names struct {
 	// filter
 	filterServices, externalServices, forward, firewall string
 	// both tables
-	canary string
+	canary ipt.Canary
 	// hashLen is how many base32 characters of a hash fit after prefix+"-SVC-".
 	hashLen int
 }
@@ -44,17 +45,17 @@ func namesOf(prefix string) names {
 		externalServices: prefix + "-EXTERNAL-SERVICES",
 		forward:          prefix + "-FORWARD",
 		firewall:         prefix + "-PROXY-FIREWALL",
-		canary:           prefix + "-PROXY-CANARY",
+		canary:           ipt.Canary{Chain: prefix + "-PROXY-CANARY", Tables: []string{"nat", "filter"}},
 		hashLen:          min(16, maxChainName-len(prefix)-len("-SVC-")),
 	}
 }
 
 func (n names) natChains() []string {
-	return []string{n.services, n.nodePorts, n.postrouting, n.markMasq, n.canary}
+	return []string{n.services, n.nodePorts, n.postrouting, n.markMasq, n.canary.Chain}
 }
 
 func (n names) filterChains() []string {
-	return []string{n.filterServices, n.externalServices, n.forward, n.firewall, n.canary}
+	return []string{n.filterServices, n.externalServices, n.forward, n.firewall, n.canary.Chain}
 }
 
 // isPortChain reports whether chain is a per-port chain of this prefix
@@ -77,38 +78,28 @@ func (n names) portChain(kind string, name service.PortName, proto service.Proto
 	return n.prefix + "-" + kind + "-" + enc[:n.hashLen]
 }
 
-// jump is one rule in a built-in chain leading to one of ours.
-type jump struct {
-	table, chain string
-	spec         []string
-}
-
 // jumps lists the rules in built-in chains, each inserted first when missing.
 // The filter jumps carry --ctstate NEW: only a connection's first packet can
 // be rejected or dropped for having no endpoint.
-func (n names) jumps() []jump {
+func (n names) jumps() []ipt.Jump {
 	const svc = "uproxy kernel-mode service portals"
 	newOnly := []string{"-m", "conntrack", "--ctstate", "NEW"}
-	filterJump := func(chain, comment, target string) jump {
-		return jump{"filter", chain, slices.Concat(newOnly, []string{"-m", "comment", "--comment", comment, "-j", target})}
+	filterJump := func(chain, comment, target string) ipt.Jump {
+		return ipt.Jump{Table: "filter", Chain: chain, Spec: slices.Concat(newOnly, []string{"-m", "comment", "--comment", comment, "-j", target})}
 	}
-	return []jump{
-		{"nat", "PREROUTING", []string{"-m", "comment", "--comment", svc, "-j", n.services}},
-		{"nat", "OUTPUT", []string{"-m", "comment", "--comment", svc, "-j", n.services}},
-		{"nat", "POSTROUTING", []string{"-m", "comment", "--comment", "uproxy postrouting rules", "-j", n.postrouting}},
+	return []ipt.Jump{
+		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", svc, "-j", n.services}},
+		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", svc, "-j", n.services}},
+		{Table: "nat", Chain: "POSTROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy postrouting rules", "-j", n.postrouting}},
 		filterJump("INPUT", "uproxy externally-visible service portals", n.externalServices),
 		filterJump("INPUT", "uproxy load balancer firewall", n.firewall),
-		{"filter", "FORWARD", []string{"-m", "comment", "--comment", "uproxy forwarding rules", "-j", n.forward}},
+		{Table: "filter", Chain: "FORWARD", Spec: []string{"-m", "comment", "--comment", "uproxy forwarding rules", "-j", n.forward}},
 		filterJump("FORWARD", svc, n.filterServices),
 		filterJump("FORWARD", "uproxy externally-visible service portals", n.externalServices),
 		filterJump("FORWARD", "uproxy load balancer firewall", n.firewall),
 		filterJump("OUTPUT", svc, n.filterServices),
 		filterJump("OUTPUT", "uproxy load balancer firewall", n.firewall),
 	}
-}
-
-func canaryRule(n names) string {
-	return "-A " + n.canary + ` -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN`
 }
 
 // renderer writes one family's rules.
@@ -285,7 +276,7 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 		return strconv.AppendInt(b, int64(port), 10)
 	}
 	dstRule := func(b []byte, chain string, ip netip.Addr, comment string, port int, target string) []byte {
-		b = append(b, "-A "+chain+" -d "+cidr(ip)+" -p "+proto+" -m comment --comment "+quote(comment)...)
+		b = append(b, "-A "+chain+" -d "+cidr(ip)+" -p "+proto+" -m comment --comment "+ipt.Quote(comment)...)
 		b = portMatch(b, port)
 		return append(b, " -j "+target+"\n"...)
 	}
@@ -326,13 +317,13 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 	}
 	if p.NodePort != 0 {
 		if usesEXT {
-			sh.natNodePorts = append(sh.natNodePorts, "-A "+r.n.nodePorts+" -p "+proto+" -m comment --comment "+quote(name)...)
+			sh.natNodePorts = append(sh.natNodePorts, "-A "+r.n.nodePorts+" -p "+proto+" -m comment --comment "+ipt.Quote(name)...)
 			sh.natNodePorts = portMatch(sh.natNodePorts, p.NodePort)
 			sh.natNodePorts = append(sh.natNodePorts, " -j "+extChain+"\n"...)
 		} else {
 			target, comment := noEndpoints()
 			for _, d := range r.nodePortDsts {
-				sh.filterExtra = append(sh.filterExtra, "-A "+r.n.externalServices+d+" -p "+proto+" -m comment --comment "+quote(comment)...)
+				sh.filterExtra = append(sh.filterExtra, "-A "+r.n.externalServices+d+" -p "+proto+" -m comment --comment "+ipt.Quote(comment)...)
 				sh.filterExtra = portMatch(sh.filterExtra, p.NodePort)
 				sh.filterExtra = append(sh.filterExtra, " -j "+target+"\n"...)
 			}
@@ -377,12 +368,12 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 			// recorded it; --reap forgets clients idle longer than that.
 			for _, ep := range eps {
 				c := sepChain(ep)
-				b = append(b, "-A "+chain+" -m comment --comment "+quote(name+" -> "+ep.String())+
+				b = append(b, "-A "+chain+" -m comment --comment "+ipt.Quote(name+" -> "+ep.String())+
 					" -m recent --rcheck --seconds "+timeout+" --reap --name "+c+" --mask "+r.hostMask()+" --rsource -j "+c+"\n"...)
 			}
 		}
 		for i, ep := range eps {
-			b = append(b, "-A "+chain+" -m comment --comment "+quote(name+" -> "+ep.String())...)
+			b = append(b, "-A "+chain+" -m comment --comment "+ipt.Quote(name+" -> "+ep.String())...)
 			if i < len(eps)-1 {
 				b = append(b, " -m statistic --mode random --probability "+probability(len(eps)-i)...)
 			}
@@ -397,7 +388,7 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 					b = dstRule(b, svcChain, ip, name+" cluster IP", p.Port, r.n.markMasq)
 				case len(r.clusterCIDRs) > 0:
 					for _, c := range r.clusterCIDRs {
-						b = append(b, "-A "+svcChain+" -d "+cidr(ip)+" ! -s "+c.String()+" -p "+proto+" -m comment --comment "+quote(name+" cluster IP")...)
+						b = append(b, "-A "+svcChain+" -d "+cidr(ip)+" ! -s "+c.String()+" -p "+proto+" -m comment --comment "+ipt.Quote(name+" cluster IP")...)
 						b = portMatch(b, p.Port)
 						b = append(b, " -j "+r.n.markMasq+"\n"...)
 					}
@@ -413,34 +404,34 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 		if !p.ExternalPolicyLocal {
 			// The reply must come back through this node, whichever node the
 			// endpoint is on.
-			b = append(b, "-A "+extChain+" -m comment --comment "+quote("masquerade traffic for "+name+" external destinations")+" -j "+r.n.markMasq+"\n"...)
+			b = append(b, "-A "+extChain+" -m comment --comment "+ipt.Quote("masquerade traffic for "+name+" external destinations")+" -j "+r.n.markMasq+"\n"...)
 		} else {
 			for _, c := range r.clusterCIDRs {
 				// Pods reach external destinations as if from outside the
 				// cluster: no policy applies to them.
-				b = append(b, "-A "+extChain+" -s "+c.String()+" -m comment --comment "+quote("pod traffic for "+name+" external destinations")+" -j "+svcChain+"\n"...)
+				b = append(b, "-A "+extChain+" -s "+c.String()+" -m comment --comment "+ipt.Quote("pod traffic for "+name+" external destinations")+" -j "+svcChain+"\n"...)
 			}
 			// The node's own traffic has a local source address, which the
 			// endpoint could not answer: masquerade it and let it use every endpoint.
-			b = append(b, "-A "+extChain+" -m comment --comment "+quote("masquerade LOCAL traffic for "+name+" external destinations")+" -m addrtype --src-type LOCAL -j "+r.n.markMasq+"\n"...)
+			b = append(b, "-A "+extChain+" -m comment --comment "+ipt.Quote("masquerade LOCAL traffic for "+name+" external destinations")+" -m addrtype --src-type LOCAL -j "+r.n.markMasq+"\n"...)
 			if usesSVC {
-				b = append(b, "-A "+extChain+" -m comment --comment "+quote("route LOCAL traffic for "+name+" external destinations")+" -m addrtype --src-type LOCAL -j "+svcChain+"\n"...)
+				b = append(b, "-A "+extChain+" -m comment --comment "+ipt.Quote("route LOCAL traffic for "+name+" external destinations")+" -m addrtype --src-type LOCAL -j "+svcChain+"\n"...)
 			}
 		}
 		b = append(b, "-A "+extChain+" -j "+externalChain+"\n"...)
 		if firewalled {
 			for _, s := range sourceRanges {
-				b = append(b, "-A "+fwChain+" -s "+s.String()+" -m comment --comment "+quote(name+" loadbalancer IP")+" -j "+extChain+"\n"...)
+				b = append(b, "-A "+fwChain+" -s "+s.String()+" -m comment --comment "+ipt.Quote(name+" loadbalancer IP")+" -j "+extChain+"\n"...)
 			}
-			b = append(b, "-A "+fwChain+" -m comment --comment "+quote("other traffic to "+name+" will be dropped by "+r.n.firewall)+"\n"...)
+			b = append(b, "-A "+fwChain+" -m comment --comment "+ipt.Quote("other traffic to "+name+" will be dropped by "+r.n.firewall)+"\n"...)
 		}
 	}
 	for _, ep := range seps {
 		c := sepChain(ep)
 		// Hairpin: an endpoint reaching itself through the Service would see its
 		// own address as the source; masquerading makes the reply come back here.
-		b = append(b, "-A "+c+" -s "+cidr(ep.Addr())+" -m comment --comment "+quote(name)+" -j "+r.n.markMasq+"\n"...)
-		b = append(b, "-A "+c+" -p "+proto+" -m comment --comment "+quote(name)...)
+		b = append(b, "-A "+c+" -s "+cidr(ep.Addr())+" -m comment --comment "+ipt.Quote(name)+" -j "+r.n.markMasq+"\n"...)
+		b = append(b, "-A "+c+" -p "+proto+" -m comment --comment "+ipt.Quote(name)...)
 		if p.AffinityClientIP {
 			b = append(b, " -m recent --set --name "+c+" --mask "+r.hostMask()+" --rsource"...)
 		}
@@ -462,7 +453,7 @@ func (r *renderer) sharedFilter(b []byte, sh *shared) []byte {
 	for _, c := range r.n.filterChains() {
 		b = append(b, ":"+c+" - [0:0]\n"...)
 	}
-	b = append(b, canaryRule(r.n)+"\n"...)
+	b = append(b, r.n.canary.Rule()+"\n"...)
 	b = append(b, sh.filterServices...)
 	b = append(b, sh.filterExtra...)
 	b = append(b, "-A "+r.n.forward+` -m comment --comment "uproxy forwarding rules" -m mark --mark `+r.mark+"/"+r.mark+" -j ACCEPT\n"...)
@@ -481,7 +472,7 @@ func (r *renderer) sharedNATDecl(b []byte) []byte {
 }
 
 func (r *renderer) sharedNATRules(b []byte, sh *shared) []byte {
-	b = append(b, canaryRule(r.n)+"\n"...)
+	b = append(b, r.n.canary.Rule()+"\n"...)
 	b = append(b, "-A "+r.n.postrouting+" -m mark ! --mark "+r.mark+"/"+r.mark+" -j RETURN\n"...)
 	// Clear the bit so a packet re-entering (IPsec, tunnels) is not masqueraded twice.
 	b = append(b, "-A "+r.n.postrouting+" -j MARK --xor-mark "+r.mark+"\n"...)
@@ -494,13 +485,4 @@ func (r *renderer) sharedNATRules(b []byte, sh *shared) []byte {
 		b = append(b, "-A "+r.n.services+d+` -m comment --comment "uproxy service nodeports; NOTE: this must be the last rule in this chain" -j `+r.n.nodePorts+"\n"...)
 	}
 	return b
-}
-
-// quote double-quotes s for iptables-restore, which understands backslash
-// escapes inside quotes.
-func quote(s string) string {
-	if !strings.ContainsAny(s, `"\`) {
-		return `"` + s + `"`
-	}
-	return `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(s) + `"`
 }

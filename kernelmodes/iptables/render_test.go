@@ -4,9 +4,12 @@ import (
 	"errors"
 	"net/netip"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/vishvananda/netlink"
 
 	"github.com/uproxy/uproxy/service"
 )
@@ -40,7 +43,7 @@ COMMIT
 
 func TestRenderEmpty(t *testing.T) {
 	k := newFakeKernel()
-	p, err := New(Config{Kernel: k.kernel()})
+	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,16 +54,16 @@ func TestRenderEmpty(t *testing.T) {
 		t.Errorf("restore input:\ngot:\n%s\nwant:\n%s", got, emptyV4)
 	}
 	want := []string{
-		"nat PREROUTING -m comment --comment uproxy kernel-mode service portals -j UPROXY-SERVICES",
-		"nat OUTPUT -m comment --comment uproxy kernel-mode service portals -j UPROXY-SERVICES",
-		"nat POSTROUTING -m comment --comment uproxy postrouting rules -j UPROXY-POSTROUTING",
+		`nat -A PREROUTING -m comment --comment "uproxy kernel-mode service portals" -j UPROXY-SERVICES`,
+		`nat -A OUTPUT -m comment --comment "uproxy kernel-mode service portals" -j UPROXY-SERVICES`,
+		`nat -A POSTROUTING -m comment --comment "uproxy postrouting rules" -j UPROXY-POSTROUTING`,
 	}
 	for _, w := range want {
-		if !strings.Contains(strings.Join(k.jumps[0], "\n"), w) {
-			t.Errorf("jumps: got %q, want one %q", k.jumps[0], w)
+		if !slices.Contains(k.jumps(0), w) {
+			t.Errorf("jumps: got %q, want one %q", k.jumps(0), w)
 		}
 	}
-	if got, want := len(k.jumps[0]), len(p.n.jumps()); got != want {
+	if got, want := len(k.jumps(0)), len(p.n.jumps()); got != want {
 		t.Errorf("jump rules: got %d, want %d", got, want)
 	}
 }
@@ -300,7 +303,7 @@ func TestRenderPort(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			k := newFakeKernel()
 			cfg := c.cfg
-			cfg.Kernel = k.kernel()
+			cfg.IPTables, cfg.Conntrack = k.Fake, &k.ct
 			p, err := New(cfg)
 			if err != nil {
 				t.Fatal(err)
@@ -325,7 +328,7 @@ func TestRenderPort(t *testing.T) {
 
 func TestNodePortAddresses(t *testing.T) {
 	k := newFakeKernel()
-	p, err := New(Config{IPv6: true, Kernel: k.kernel(), NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.7/24")}})
+	p, err := New(Config{IPv6: true, IPTables: k.Fake, Conntrack: &k.ct, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.7/24")}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -374,7 +377,7 @@ func TestChainNames(t *testing.T) {
 
 func TestPartialSync(t *testing.T) {
 	k := newFakeKernel()
-	p, err := New(Config{Kernel: k.kernel()})
+	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -424,16 +427,16 @@ func TestPartialSync(t *testing.T) {
 			t.Errorf("%s: %q in the restore: got %v, want %v\n%s", c.what, c.line, got, c.want, in)
 		}
 	}
-	if len(k.chains[0]) == 0 || k.chains[0][chain("SVC", gone, "")] {
-		t.Errorf("kernel chains after the partial sync still hold gone's SVC: %v", k.chains[0])
+	if chains := k.natChains(0); !chains[chain("SVC", web, "")] || chains[chain("SVC", gone, "")] {
+		t.Errorf("kernel chains after the partial sync: got %v, want web's SVC and not gone's", chains)
 	}
 
 	// Nothing changed: nothing is written.
-	n := len(k.restores[0])
+	n := len(k.restores(0))
 	if err := p.Sync(snapshot(&web2, api)); err != nil {
 		t.Fatal(err)
 	}
-	if got := k.restores[0][n:]; len(got) != 0 {
+	if got := k.restores(0)[n:]; len(got) != 0 {
 		t.Errorf("unchanged sync: got restores %q, want none", got)
 	}
 	// Only a shared chain changes (a new ExternalIP without endpoints): the
@@ -450,7 +453,7 @@ func TestPartialSync(t *testing.T) {
 
 func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 	k := newFakeKernel()
-	p, err := New(Config{Kernel: k.kernel()})
+	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -460,7 +463,9 @@ func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 	s := snapshot(web)
 	// A chain a previous process left behind, which a full sync must delete.
 	leftover := p.n.portChain("SVC", service.PortName{Namespace: "old", Name: "svc"}, service.TCP, "")
-	k.chains[0][leftover] = true
+	if err := k.Apply(false, "*nat\n:"+leftover+" - [0:0]\nCOMMIT\n"); err != nil {
+		t.Fatal(err)
+	}
 	steps := []struct {
 		name   string
 		before func()
@@ -468,10 +473,10 @@ func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 	}{
 		{"first sync", func() {}, true},
 		{"unchanged", func() {}, false},
-		{"after iptables -t nat -F", func() { k.flush(0) }, true},
+		{"after iptables -t nat -F", func() { k.Flush(false, "nat") }, true},
 		{"after the full one", func() {}, false},
 		{"after a failed restore", func() {
-			k.failNext[0] = errors.New("boom")
+			k.FailNextRestore(false, errors.New("boom"))
 			moved := *web
 			moved.Endpoints = eps("10.244.1.3:8080")
 			if err := p.Sync(snapshot(&moved)); err == nil {
@@ -481,8 +486,8 @@ func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 	}
 	for _, st := range steps {
 		st.before()
-		inserts := k.inserts
-		n := len(k.restores[0])
+		inserts := k.inserts(0)
+		n := len(k.restores(0))
 		if err := p.Sync(s); err != nil {
 			t.Fatalf("%s: %v", st.name, err)
 		}
@@ -490,24 +495,24 @@ func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 			t.Errorf("%s: full sync got %v, want %v", st.name, got, st.full)
 		}
 		written := false
-		for _, in := range k.restores[0][n:] {
+		for _, in := range k.restores(0)[n:] {
 			written = written || strings.Contains(in, ":"+p.n.portChain("SVC", web.Name, web.Protocol, ""))
 		}
 		if written != st.full {
 			t.Errorf("%s: web's chains written: got %v, want %v", st.name, written, st.full)
 		}
-		if st.full && st.name == "after iptables -t nat -F" && k.inserts == inserts {
+		if st.full && st.name == "after iptables -t nat -F" && k.inserts(0) == inserts {
 			t.Errorf("%s: jumps not re-inserted", st.name)
 		}
 	}
-	if k.chains[0][leftover] {
+	if k.natChains(0)[leftover] {
 		t.Errorf("leftover chain %s survived the full sync", leftover)
 	}
 }
 
 func TestStaleUDPFlows(t *testing.T) {
 	k := newFakeKernel()
-	p, err := New(Config{Kernel: k.kernel()})
+	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -518,13 +523,13 @@ func TestStaleUDPFlows(t *testing.T) {
 	web := svcPort("shop", "web", "", service.TCP, 80)
 	web.ClusterIPs = addrs("10.96.0.10")
 	web.Endpoints = eps("10.244.1.2:8080")
-	sync := func(ports ...*service.Port) []staleFlows {
+	sync := func(ports ...*service.Port) []netlink.CustomConntrackFilter {
 		t.Helper()
-		n := len(k.flows[0])
+		n := len(k.ct.Filters[0])
 		if err := p.Sync(snapshot(ports...)); err != nil {
 			t.Fatal(err)
 		}
-		return k.flows[0][n:]
+		return k.ct.Filters[0][n:]
 	}
 	flow := func(dst string, reply string) *netlinkFlow { return newFlow(dst, reply) }
 

@@ -13,7 +13,7 @@ import (
 
 	"github.com/moby/ipvs"
 
-	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -186,55 +186,6 @@ func (k *fakeKernel) servers() []string {
 	return out
 }
 
-// fakeRules records iptables restores and answers the canary check.
-type fakeRules struct {
-	restores [2][]string
-	jumps    []string
-	flushed  bool
-}
-
-func (r *fakeRules) kernel() *rules.Kernel {
-	return &rules.Kernel{
-		Tables: func(v6 bool) (rules.Tables, error) { return fakeTables{r}, nil },
-		Restore: func(v6 bool, in []byte) error {
-			f := 0
-			if v6 {
-				f = 1
-			}
-			r.restores[f] = append(r.restores[f], string(in))
-			r.flushed = false
-			return nil
-		},
-		Save: func(v6 bool) ([]byte, error) {
-			if v6 {
-				return nil, nil
-			}
-			return []byte("*nat\n:PREROUTING ACCEPT [0:0]\n:UPROXY-IPVS-SERVICES - [0:0]\n:UPROXY-IPVS-CANARY - [0:0]\n" +
-				"-A PREROUTING -m comment --comment \"uproxy ipvs service portals\" -j UPROXY-IPVS-SERVICES\nCOMMIT\n" +
-				"*filter\n:INPUT ACCEPT [0:0]\n:KUBE-FIREWALL - [0:0]\n-A INPUT -j KUBE-FIREWALL\nCOMMIT\n"), nil
-		},
-	}
-}
-
-type fakeTables struct{ r *fakeRules }
-
-func (t fakeTables) Exists(table, chain string, spec ...string) (bool, error) {
-	return slices.Contains(t.r.jumps, table+" "+chain+" "+strings.Join(spec, " ")), nil
-}
-func (t fakeTables) Insert(table, chain string, pos int, spec ...string) error {
-	t.r.jumps = append(t.r.jumps, table+" "+chain+" "+strings.Join(spec, " "))
-	return nil
-}
-func (t fakeTables) Append(table, chain string, spec ...string) error {
-	return errors.New("fake: only inserts")
-}
-func (t fakeTables) List(table, chain string) ([]string, error) {
-	if t.r.flushed {
-		return nil, errors.New("fake: no such chain")
-	}
-	return []string{"-N " + chain, canaryRule(namesOf("UPROXY"))}, nil
-}
-
 func ep(s string) service.Endpoint {
 	return service.Endpoint{Addr: netip.MustParseAddrPort(s), Ready: true, Serving: true}
 }
@@ -252,10 +203,10 @@ func snap(ports ...*service.Port) *service.Snapshot {
 	return &service.Snapshot{Ports: ports}
 }
 
-func newProxier(t *testing.T, cfg Config) (*Proxier, *fakeKernel, *fakeRules) {
+func newProxier(t *testing.T, cfg Config) (*Proxier, *fakeKernel, *iptablestest.Fake) {
 	t.Helper()
-	k, r := newFakeKernel(), &fakeRules{}
-	cfg.Kernel, cfg.Rules = k, r.kernel()
+	k, r := newFakeKernel(), iptablestest.New()
+	cfg.Kernel, cfg.IPTables = k, r
 	p, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -453,7 +404,7 @@ func TestRules(t *testing.T) {
 	web.LoadBalancerIPs = []netip.Addr{netip.MustParseAddr("198.51.100.7")}
 	web.LoadBalancerSourceRanges = []netip.Prefix{netip.MustParsePrefix("203.0.113.0/24")}
 	syncOK(t, p, snap(web))
-	in := r.restores[0][0]
+	in := r.Restores(false)[0]
 	for _, want := range []string{
 		`-A UPROXY-IPVS-SERVICES ! -s 10.244.0.0/16 -d 10.96.0.10/32 -p tcp -m comment --comment "shop/web cluster IP" -m tcp --dport 80 -j MARK --or-mark 0x4000`,
 		`-A UPROXY-IPVS-SERVICES -d 198.51.100.7/32 -p tcp -m comment --comment "shop/web loadbalancer IP" -m tcp --dport 80 -j MARK --or-mark 0x4000`,
@@ -470,16 +421,22 @@ func TestRules(t *testing.T) {
 			t.Errorf("restore input lacks\n  %s\ngot:\n%s", want, in)
 		}
 	}
-	if got := len(r.jumps); got != len(p.n.jumps()) {
-		t.Errorf("jumps: got %d, want %d", got, len(p.n.jumps()))
+	jumps := 0
+	for _, c := range r.Calls(false) {
+		if strings.HasPrefix(c, "insert ") {
+			jumps++
+		}
+	}
+	if jumps != len(p.n.jumps()) {
+		t.Errorf("jumps: got %d, want %d", jumps, len(p.n.jumps()))
 	}
 	syncOK(t, p, snap(web))
-	if got := len(r.restores[0]); got != 1 {
+	if got := len(r.Restores(false)); got != 1 {
 		t.Errorf("restores after an unchanged sync: got %d, want 1", got)
 	}
-	r.flushed = true
+	r.Flush(false, "nat")
 	syncOK(t, p, snap(web))
-	if got := len(r.restores[0]); got != 2 {
+	if got := len(r.Restores(false)); got != 2 {
 		t.Errorf("restores after a flush: got %d, want 2", got)
 	}
 }
@@ -496,20 +453,26 @@ func TestNewRejectsUnknownScheduler(t *testing.T) {
 }
 
 func TestCleanupRules(t *testing.T) {
-	r := &fakeRules{}
-	k := newFakeKernel()
-	k.link = true
-	if err := cleanup(k, r.kernel(), namesOf("UPROXY")); err != nil {
+	r := iptablestest.New()
+	err := r.Apply(false, "*nat\n:PREROUTING ACCEPT [0:0]\n:UPROXY-IPVS-SERVICES - [0:0]\n:UPROXY-IPVS-CANARY - [0:0]\n"+
+		"-A PREROUTING -m comment --comment \"uproxy ipvs service portals\" -j UPROXY-IPVS-SERVICES\nCOMMIT\n"+
+		"*filter\n:INPUT ACCEPT [0:0]\n:KUBE-FIREWALL - [0:0]\n-A INPUT -j KUBE-FIREWALL\nCOMMIT\n")
+	if err != nil {
 		t.Fatal(err)
 	}
-	want := "*nat\n:UPROXY-IPVS-SERVICES - [0:0]\n:UPROXY-IPVS-CANARY - [0:0]\n" +
-		"-D PREROUTING -m comment --comment \"uproxy ipvs service portals\" -j UPROXY-IPVS-SERVICES\n" +
-		"-X UPROXY-IPVS-SERVICES\n-X UPROXY-IPVS-CANARY\nCOMMIT\n"
-	if len(r.restores[0]) != 1 || r.restores[0][0] != want {
-		t.Errorf("cleanup restore:\ngot  %q\nwant %q", r.restores[0], want)
+	k := newFakeKernel()
+	k.link = true
+	if err := cleanup(k, r, namesOf("UPROXY")); err != nil {
+		t.Fatal(err)
 	}
-	if len(r.restores[1]) != 0 {
-		t.Errorf("IPv6 with nothing to clean: got restores %q, want none", r.restores[1])
+	want := "*nat\n:UPROXY-IPVS-CANARY - [0:0]\n:UPROXY-IPVS-SERVICES - [0:0]\n" +
+		"-D PREROUTING -m comment --comment \"uproxy ipvs service portals\" -j UPROXY-IPVS-SERVICES\n" +
+		"-X UPROXY-IPVS-CANARY\n-X UPROXY-IPVS-SERVICES\nCOMMIT\n"
+	if got := r.Restores(false); len(got) != 1 || got[0] != want {
+		t.Errorf("cleanup restore:\ngot  %q\nwant %q", got, want)
+	}
+	if got := r.Restores(true); len(got) != 0 {
+		t.Errorf("IPv6 with nothing to clean: got restores %q, want none", got)
 	}
 	if k.link {
 		t.Errorf("dummy link not deleted")

@@ -21,7 +21,7 @@
 package ipvs
 
 import (
-	"errors"
+	"cmp"
 	"fmt"
 	"net"
 	"net/netip"
@@ -34,11 +34,10 @@ import (
 
 	"github.com/hashicorp/go-multierror"
 	"github.com/moby/ipvs"
-	"github.com/vishvananda/netlink"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/observe"
-	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -54,7 +53,7 @@ const flagPersistent = 0x1
 // Config configures the IPVS mode. The zero value programs IPv4 with the rr
 // scheduler and no NodePorts (NodeIPs is empty).
 type Config struct {
-	// ChainPrefix names the iptables chains; rules.DefaultChainPrefix when empty.
+	// ChainPrefix names the iptables chains; iptables.DefaultChainPrefix when empty.
 	ChainPrefix string
 	// Scheduler is the IPVS scheduler of every virtual server; "rr" when empty.
 	Scheduler string
@@ -74,8 +73,8 @@ type Config struct {
 	Zone string
 	// Kernel is IPVS and netlink; nil opens the real one (NewNetlinkKernel).
 	Kernel Kernel
-	// Rules is iptables and conntrack; nil uses the real commands.
-	Rules *rules.Kernel
+	// IPTables is iptables and ip6tables; nil runs the commands (iptables.Commands).
+	IPTables iptables.Kernel
 }
 
 // Proxier is the IPVS mode.
@@ -136,7 +135,7 @@ func protoNumber(p service.Protocol) uint16 {
 // New returns the IPVS mode. It opens the IPVS netlink socket when cfg.Kernel
 // is nil but changes nothing until the first Sync.
 func New(cfg Config) (*Proxier, error) {
-	prefix, err := rules.ChainPrefix(cfg.ChainPrefix)
+	prefix, err := iptables.ChainPrefix(cfg.ChainPrefix)
 	if err != nil {
 		return nil, err
 	}
@@ -162,6 +161,7 @@ func New(cfg Config) (*Proxier, error) {
 		}
 		k = nk
 	}
+	cfg.IPTables = cmp.Or[iptables.Kernel](cfg.IPTables, iptables.Commands{})
 	p := &Proxier{cfg: cfg, k: k, n: namesOf(prefix), sched: sched, mark: fmt.Sprintf("%#x", uint32(1)<<bit), fams: []bool{false}}
 	if cfg.IPv6 {
 		p.fams = append(p.fams, true)
@@ -493,94 +493,6 @@ func (p *Proxier) syncDestinations(vs *ipvs.Service, d *desiredVS) []error {
 	}
 	return errs
 }
-
-// Cleanup removes the virtual servers this proxier owns (and any on the dummy
-// link's addresses), the dummy link and the iptables chains.
-func (p *Proxier) Cleanup() error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var errs []error
-	if current, err := p.k.Services(); err == nil {
-		for _, vs := range current {
-			if p.owned[keyOf(vs)] {
-				if err := p.k.DeleteService(vs); err != nil {
-					errs = append(errs, fmt.Errorf("delete IPVS service %s: %w", keyOf(vs), err))
-				}
-			}
-		}
-	}
-	p.owned, p.written, p.last, p.byPort = nil, [2][]byte{}, nil, nil
-	if err := cleanup(p.k, p.cfg.Rules, p.n); err != nil {
-		errs = append(errs, err)
-	}
-	return multierror.Append(nil, errs...).ErrorOrNil()
-}
-
-// Cleanup removes what the IPVS mode with this chain prefix leaves in the
-// calling thread's namespace: its iptables chains always; when IPVS exists,
-// the virtual servers on the dummy link's addresses; the dummy link. A kernel
-// without IPVS or dummy links has nothing of it, which is not an error.
-func Cleanup(prefix string) error {
-	prefix, err := rules.ChainPrefix(prefix)
-	if err != nil {
-		return err
-	}
-	var k Kernel
-	// Looking the family up first keeps moby/ipvs from trying modprobe and
-	// logging errors on kernels without IPVS, where only the link can be left.
-	if _, err := netlink.GenlFamilyGet("IPVS"); err == nil {
-		if nk, err := NewNetlinkKernel(); err == nil {
-			defer nk.Close()
-			k = nk
-		}
-	}
-	return cleanup(k, nil, namesOf(prefix))
-}
-
-// cleanup removes the IPVS mode's state; k may be nil (no IPVS socket), and a
-// k whose Services fails (no IPVS family) still gets its dummy link removed.
-func cleanup(k Kernel, rk *rules.Kernel, n names) error {
-	var errs []error
-	if err := cleanupRules(rk, n); err != nil {
-		errs = append(errs, err)
-	}
-	if k == nil {
-		k = &linkOnly{}
-	}
-	addrs, err := k.DummyAddrs(DummyName)
-	if err != nil {
-		errs = append(errs, err)
-	}
-	on := map[netip.Addr]bool{}
-	for _, a := range addrs {
-		on[a] = true
-	}
-	if len(on) > 0 {
-		if current, err := k.Services(); err == nil {
-			for _, vs := range current {
-				if on[keyOf(vs).addr] {
-					if err := k.DeleteService(vs); err != nil {
-						errs = append(errs, fmt.Errorf("delete IPVS service %s: %w", keyOf(vs), err))
-					}
-				}
-			}
-		} else if !errors.Is(err, errNoIPVS) {
-			klog.V(2).InfoS("Listing IPVS services for cleanup", "err", err)
-		}
-	}
-	if err := k.DeleteDummy(DummyName); err != nil {
-		errs = append(errs, err)
-	}
-	return multierror.Append(nil, errs...).ErrorOrNil()
-}
-
-var errNoIPVS = errors.New("no IPVS netlink socket")
-
-// linkOnly is the Kernel of a cleanup without IPVS: the dummy link can still be
-// found and deleted; there are no virtual servers.
-type linkOnly struct{ NetlinkKernel }
-
-func (*linkOnly) Services() ([]*ipvs.Service, error) { return nil, errNoIPVS }
 
 // DebugServices implements observe.ServicesView: every Service port of the last
 // sync, with its endpoints' IPVS connection counts summed over its virtual servers.

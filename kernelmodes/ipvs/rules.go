@@ -1,7 +1,6 @@
 package ipvs
 
 import (
-	"bufio"
 	"bytes"
 	"fmt"
 	"net/netip"
@@ -9,70 +8,48 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/hashicorp/go-multierror"
 	"k8s.io/klog/v2"
 
-	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
 )
 
 // names are the IPVS mode's iptables chains. They differ from the iptables
 // mode's and the portals', so cleaning one mode never touches another.
 type names struct {
-	services, postrouting, canary string // nat
-	filter, firewall, nodePorts   string // filter
+	services, postrouting       string // nat
+	filter, firewall, nodePorts string // filter
+	canary                      iptables.Canary
 }
 
 func namesOf(prefix string) names {
 	return names{
 		services:    prefix + "-IPVS-SERVICES",
 		postrouting: prefix + "-IPVS-POSTROUTING",
-		canary:      prefix + "-IPVS-CANARY",
+		canary:      iptables.Canary{Chain: prefix + "-IPVS-CANARY", Tables: []string{"nat"}},
 		filter:      prefix + "-IPVS-FILTER",
 		firewall:    prefix + "-IPVS-FIREWALL",
 		nodePorts:   prefix + "-IPVS-NODEPORTS",
 	}
 }
 
-func (n names) nat() []string          { return []string{n.services, n.postrouting, n.canary} }
+func (n names) nat() []string          { return []string{n.services, n.postrouting, n.canary.Chain} }
 func (n names) filterChains() []string { return []string{n.filter, n.firewall, n.nodePorts} }
 
-type jump struct {
-	table, chain string
-	spec         []string
-}
-
-func (n names) jumps() []jump {
+// jumps lists the rules in built-in chains, each inserted first when missing.
+func (n names) jumps() []iptables.Jump {
 	newOnly := []string{"-m", "conntrack", "--ctstate", "NEW"}
-	return []jump{
-		{"nat", "PREROUTING", []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
-		{"nat", "OUTPUT", []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
-		{"nat", "POSTROUTING", []string{"-m", "comment", "--comment", "uproxy ipvs postrouting rules", "-j", n.postrouting}},
-		{"filter", "INPUT", slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs load balancer firewall", "-j", n.firewall})},
-		{"filter", "INPUT", slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs service IPs", "-j", n.filter})},
-		{"filter", "INPUT", []string{"-m", "comment", "--comment", "uproxy ipvs NodePorts", "-j", n.nodePorts}},
+	return []iptables.Jump{
+		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
+		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
+		{Table: "nat", Chain: "POSTROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs postrouting rules", "-j", n.postrouting}},
+		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs load balancer firewall", "-j", n.firewall})},
+		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs service IPs", "-j", n.filter})},
+		{Table: "filter", Chain: "INPUT", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs NodePorts", "-j", n.nodePorts}},
 	}
-}
-
-func canaryRule(n names) string {
-	return "-A " + n.canary + ` -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN`
-}
-
-func familyName(v6 bool) string {
-	if v6 {
-		return "IPv6"
-	}
-	return "IPv4"
 }
 
 func protoName(p service.Protocol) string { return strings.ToLower(string(p)) }
-
-func quote(s string) string {
-	if !strings.ContainsAny(s, `"\`) {
-		return `"` + s + `"`
-	}
-	return `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(s) + `"`
-}
 
 // renderRules writes the family's iptables input: masquerade marks (IPVS
 // forwards in NAT mode, so replies return through the node only when the
@@ -100,7 +77,7 @@ func (p *Proxier) renderRules(s *service.Snapshot, v6 bool) []byte {
 		}
 		name := sp.Name.String()
 		match := func(ip netip.Addr, port int, comment string) string {
-			return " -d " + ipNet(ip) + " -p " + proto + " -m comment --comment " + quote(name+" "+comment) + " -m " + proto + " --dport " + strconv.Itoa(port)
+			return " -d " + ipNet(ip) + " -p " + proto + " -m comment --comment " + iptables.Quote(name+" "+comment) + " -m " + proto + " --dport " + strconv.Itoa(port)
 		}
 		addVIP := func(ip netip.Addr) {
 			if !vips[ip] {
@@ -163,7 +140,7 @@ func (p *Proxier) renderRules(s *service.Snapshot, v6 bool) []byte {
 		// Hairpin: an endpoint reaching itself through the Service would see its
 		// own address as the source.
 		for _, ep := range epsOfFamily(sp.Endpoints, v6) {
-			line := "-A " + n.postrouting + " -s " + ipNet(ep.Addr()) + " -d " + ipNet(ep.Addr()) + " -p " + proto + " -m comment --comment " + quote(name+" hairpin") + " -m " + proto + " --dport " + strconv.Itoa(int(ep.Port())) + " -j MASQUERADE\n"
+			line := "-A " + n.postrouting + " -s " + ipNet(ep.Addr()) + " -d " + ipNet(ep.Addr()) + " -p " + proto + " -m comment --comment " + iptables.Quote(name+" hairpin") + " -m " + proto + " --dport " + strconv.Itoa(int(ep.Port())) + " -j MASQUERADE\n"
 			if !seenHairpin[line] {
 				seenHairpin[line] = true
 				hairpin = append(hairpin, line...)
@@ -188,7 +165,7 @@ func (p *Proxier) renderRules(s *service.Snapshot, v6 bool) []byte {
 	for _, c := range n.nat() {
 		b.WriteString(":" + c + " - [0:0]\n")
 	}
-	b.WriteString(canaryRule(n) + "\n")
+	b.WriteString(n.canary.Rule() + "\n")
 	b.Write(nat)
 	b.Write(hairpin)
 	b.WriteString("-A " + n.postrouting + " -m mark ! --mark " + p.mark + "/" + p.mark + " -j RETURN\n")
@@ -205,14 +182,13 @@ func (p *Proxier) syncRules(s *service.Snapshot, v6 bool) error {
 		f = 1
 	}
 	text := p.renderRules(s, v6)
-	t, err := p.cfg.Rules.OpenTables(v6)
+	t, err := p.cfg.IPTables.Tables(v6)
 	if err != nil {
 		return err
 	}
 	if p.written[f] != nil {
-		got, err := t.List("nat", p.n.canary)
-		if err != nil || !slices.Contains(got, canaryRule(p.n)) {
-			klog.InfoS("IPVS-mode iptables rules were flushed or deleted by someone else; rewriting them", "family", familyName(v6))
+		if ok, err := p.n.canary.Intact(t); !ok {
+			klog.InfoS("IPVS-mode iptables rules were flushed or deleted by someone else; rewriting them", "family", iptables.FamilyName(v6), "err", err)
 			p.written[f] = nil
 		}
 	}
@@ -221,24 +197,12 @@ func (p *Proxier) syncRules(s *service.Snapshot, v6 bool) error {
 	}
 	newJumps := p.written[f] == nil
 	p.written[f] = nil
-	if err := p.cfg.Rules.RunRestore(v6, text); err != nil {
-		return fmt.Errorf("write %s IPVS-mode iptables rules: %w", familyName(v6), err)
+	if err := p.cfg.IPTables.Restore(v6, text); err != nil {
+		return fmt.Errorf("write %s IPVS-mode iptables rules: %w", iptables.FamilyName(v6), err)
 	}
 	if newJumps {
-		var errs []error
-		jumps := p.n.jumps()
-		for i := len(jumps) - 1; i >= 0; i-- {
-			j := jumps[i]
-			ok, err := t.Exists(j.table, j.chain, j.spec...)
-			if err == nil && !ok {
-				err = t.Insert(j.table, j.chain, 1, j.spec...)
-			}
-			if err != nil {
-				errs = append(errs, fmt.Errorf("%s jump %s/%s -> %s: %w", familyName(v6), j.table, j.chain, j.spec[len(j.spec)-1], err))
-			}
-		}
-		if len(errs) > 0 {
-			return multierror.Append(nil, errs...)
+		if err := iptables.EnsureJumps(t, v6, p.n.jumps()); err != nil {
+			return err
 		}
 	}
 	p.written[f] = text
@@ -246,72 +210,10 @@ func (p *Proxier) syncRules(s *service.Snapshot, v6 bool) error {
 }
 
 // cleanupRules deletes the IPVS mode's chains and the jumps to them in both
-// families, from what iptables-save shows.
-func cleanupRules(rk *rules.Kernel, n names) error {
-	ours := map[string][]string{"nat": n.nat(), "filter": n.filterChains()}
-	var errs []error
-	for _, v6 := range []bool{false, true} {
-		saved, err := rk.RunSave(v6)
-		if err != nil {
-			if !rules.IsMissingCommand(err) {
-				errs = append(errs, fmt.Errorf("read %s rules for cleanup: %w", familyName(v6), err))
-			}
-			continue
-		}
-		var b strings.Builder
-		var table string
-		var present, dels []string
-		flush := func() {
-			if len(present) == 0 && len(dels) == 0 {
-				return
-			}
-			b.WriteString("*" + table + "\n")
-			for _, c := range present {
-				b.WriteString(":" + c + " - [0:0]\n")
-			}
-			for _, d := range dels {
-				b.WriteString(d + "\n")
-			}
-			for _, c := range present {
-				b.WriteString("-X " + c + "\n")
-			}
-			b.WriteString("COMMIT\n")
-		}
-		sc := bufio.NewScanner(bytes.NewReader(saved))
-		sc.Buffer(make([]byte, 0, 64*1024), 16*1024*1024)
-		for sc.Scan() {
-			line := sc.Text()
-			switch {
-			case strings.HasPrefix(line, "*"):
-				table, present, dels = line[1:], nil, nil
-			case line == "COMMIT":
-				flush()
-				present, dels = nil, nil
-			case strings.HasPrefix(line, ":"):
-				c, _, _ := strings.Cut(line[1:], " ")
-				if slices.Contains(ours[table], c) {
-					present = append(present, c)
-				}
-			case strings.HasPrefix(line, "-A "):
-				chain, rest, _ := strings.Cut(line[3:], " ")
-				if slices.Contains(ours[table], chain) {
-					continue
-				}
-				fields := strings.Fields(rest)
-				for i := 0; i+1 < len(fields); i++ {
-					if fields[i] == "-j" && slices.Contains(ours[table], fields[i+1]) {
-						dels = append(dels, "-D "+chain+" "+rest)
-						break
-					}
-				}
-			}
-		}
-		if b.Len() == 0 {
-			continue
-		}
-		if err := rk.RunRestore(v6, []byte(b.String())); err != nil {
-			errs = append(errs, fmt.Errorf("clean up %s IPVS-mode rules: %w", familyName(v6), err))
-		}
+// families.
+func cleanupRules(k iptables.Kernel, n names) error {
+	if err := iptables.RemoveChains(k, iptables.ChainSet{"nat": n.nat(), "filter": n.filterChains()}.Has); err != nil {
+		return fmt.Errorf("clean up IPVS-mode rules: %w", err)
 	}
-	return multierror.Append(nil, errs...).ErrorOrNil()
+	return nil
 }

@@ -17,7 +17,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"reflect"
 	"slices"
 	"strings"
 	"time"
@@ -121,7 +120,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			reload.Reset(s.debounce())
 		case <-reload.C:
 			snap := l.load()
-			if sameSnapshot(last, snap) {
+			if last.Equal(snap) {
 				continue
 			}
 			klog.V(2).InfoS("Manifests changed", "path", s.Path, "ports", len(snap.Ports), "errors", len(snap.Errors))
@@ -129,20 +128,6 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			update(snap)
 		}
 	}
-}
-
-// sameSnapshot reports whether a and b describe the same state (their build times
-// aside), so that consumers are only woken for effective changes.
-func sameSnapshot(a, b *service.Snapshot) bool {
-	if !reflect.DeepEqual(a.Ports, b.Ports) || len(a.Errors) != len(b.Errors) {
-		return false
-	}
-	for i := range a.Errors {
-		if a.Errors[i].Error() != b.Errors[i].Error() {
-			return false
-		}
-	}
-	return true
 }
 
 // objectKey names an object across files.

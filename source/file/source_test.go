@@ -166,7 +166,7 @@ func (w *watch) await(what string, ok func(*service.Snapshot) bool) *service.Sna
 	for {
 		select {
 		case s := <-w.snaps:
-			if w.last != nil && sameSnapshot(w.last, s) {
+			if w.last != nil && w.last.Equal(s) {
 				w.t.Errorf("got an update identical to the previous one: ports %q, errors %q", summary(s), errorStrings(s))
 			}
 			w.last = s
@@ -413,7 +413,7 @@ func TestLoadUnchanged(t *testing.T) {
 	for _, st := range steps {
 		st.change()
 		next := l.load()
-		if got := sameSnapshot(prev, next); got != st.same {
+		if got := prev.Equal(next); got != st.same {
 			t.Errorf("%s: got same %v, want %v (ports %q -> %q)", st.name, got, st.same, summary(prev), summary(next))
 		}
 		prev = next

@@ -32,7 +32,7 @@ func BenchmarkBuildEndpointChange(b *testing.B) {
 				to := (i + 1) % 2
 				states[to][moving] = testSlice(svcs[moving].Name+"-1", svcs[moving].Name, fmt.Sprintf("10.200.0.%d", to))
 				snap := bl.build(svcs, states[to])
-				if sameSnapshot(last, snap) {
+				if last.Equal(snap) {
 					b.Fatalf("iteration %d: the change left the Snapshot as it was", i)
 				}
 				last = snap

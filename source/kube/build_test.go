@@ -141,7 +141,7 @@ func TestBuilderErrorsStable(t *testing.T) {
 	first := newBuilder("").build(svcs, nil)
 	slices.Reverse(svcs)
 	second := newBuilder("").build(svcs, nil)
-	if !sameSnapshot(first, second) {
+	if !first.Equal(second) {
 		t.Errorf("got errors %v then %v, want the same", first.Errors, second.Errors)
 	}
 }

@@ -18,7 +18,6 @@ package kube
 import (
 	"context"
 	"fmt"
-	"reflect"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -208,7 +207,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			return fmt.Errorf("kube source: list endpointslices: %w", err)
 		}
 		snap := b.build(svcs, slices)
-		if last == nil || !sameSnapshot(last, snap) {
+		if last == nil || !last.Equal(snap) {
 			klog.V(2).InfoS("Services changed", "ports", len(snap.Ports), "errors", len(snap.Errors))
 			last = snap
 			update(snap)
@@ -244,18 +243,4 @@ func dropManagedFields(obj any) (any, error) {
 		a.SetManagedFields(nil)
 	}
 	return obj, nil
-}
-
-// sameSnapshot reports whether a and b describe the same state (their build times
-// aside), so that the sync loop is only woken for effective changes.
-func sameSnapshot(a, b *service.Snapshot) bool {
-	if !reflect.DeepEqual(a.Ports, b.Ports) || len(a.Errors) != len(b.Errors) {
-		return false
-	}
-	for i := range a.Errors {
-		if a.Errors[i].Error() != b.Errors[i].Error() {
-			return false
-		}
-	}
-	return true
 }

@@ -1,0 +1,293 @@
+// Package explain narrates what happens to a connection to a Service address,
+// for `uproxy explain`: which nat rule catches it from pods and from the node,
+// which Service port it is and what serves it (a userspace proxy port or the
+// kernel), the endpoints and their state, the next choice for a client, and the
+// recent connections that were retried or failed.
+//
+//	err := explain.Run(os.Stdout, "10.96.0.10:80/tcp", explain.Options{Client: "10.244.1.7"})
+//
+// It reads the running uproxy's metrics address (client.go) and the kernel's
+// nat rules through netfilter/iptables' parser, follows the rules for the
+// connection's first packet (trace.go) and writes the result as text (text.go)
+// or JSON.
+package explain
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/nodeaddr"
+	"github.com/uproxy/uproxy/observe"
+)
+
+// DefaultMetricsAddress is uproxy's default --metrics-bind-address.
+const DefaultMetricsAddress = "127.0.0.1:10249"
+
+// Options are what `uproxy explain` takes besides the destination. The zero
+// value asks the proxy at DefaultMetricsAddress, runs iptables-save, writes
+// text and lists no recent failures.
+type Options struct {
+	// Client is the client IP to explain the choice for; "" for any client,
+	// and then the rules from both pods and the node are shown.
+	Client string
+	// MetricsAddress is HOST:PORT of the running uproxy's metrics address;
+	// DefaultMetricsAddress when empty.
+	MetricsAddress string
+	// Output is "text" or "json"; "" is text.
+	Output string
+	// IPTablesSave is a file holding iptables-save output to read the rules
+	// from; "" runs iptables-save, "-" reads Stdin.
+	IPTablesSave string
+	// Stdin is what IPTablesSave "-" reads; nil is os.Stdin.
+	Stdin io.Reader
+	// Events is how many recent retried or failed connections to show (the
+	// command's default is 10).
+	Events int
+	// RecentDir holds the kernel's xt_recent lists (ClientIP affinity of the
+	// iptables mode); "" is /proc/net/xt_recent.
+	RecentDir string
+}
+
+func (o *Options) metricsAddress() string {
+	if o.MetricsAddress == "" {
+		return DefaultMetricsAddress
+	}
+	return o.MetricsAddress
+}
+
+// explanation is the -o json form of `uproxy explain`.
+type explanation struct {
+	Destination    string          `json:"destination"`
+	Protocol       string          `json:"protocol"`
+	Client         string          `json:"client,omitempty"`
+	Mode           string          `json:"mode"`
+	MetricsAddress string          `json:"metricsAddress"`
+	Services       []serviceMatch  `json:"services"`
+	Rules          []rulePath      `json:"rules"`
+	RulesError     string          `json:"rulesError,omitempty"`
+	RecentFailures []observe.Event `json:"recentFailures"`
+	Notes          []string        `json:"notes,omitempty"`
+}
+
+// serviceMatch is one Service port that has the destination.
+type serviceMatch struct {
+	// MatchedAs says how the destination belongs to the Service port: clusterIP,
+	// externalIP, loadBalancerIP, nodePort or proxyPort.
+	MatchedAs string `json:"matchedAs"`
+	// ServedBy says what carries the connection: the proxy port or the kernel.
+	ServedBy string               `json:"servedBy"`
+	Service  observe.ServiceState `json:"service"`
+}
+
+// rulePath is the way through the nat table from one hook.
+type rulePath struct {
+	// Hook is PREROUTING (from pods and other hosts) or OUTPUT (from this node).
+	Hook  string     `json:"hook"`
+	Steps []ruleStep `json:"steps"`
+	// Verdicts are where the packet may end up: one when the path is certain, one
+	// per branch where the rules choose at random (kernel modes) or by state the
+	// rules alone do not show (affinity, marks).
+	Verdicts []verdict `json:"verdicts"`
+}
+
+type ruleStep struct {
+	Chain string `json:"chain"`
+	// Rule is the rule's number in its chain (as `iptables -t nat -L CHAIN
+	// --line-numbers` counts); Line its line in the iptables-save output.
+	Rule int    `json:"rule"`
+	Line int    `json:"line"`
+	Text string `json:"text"`
+	// Maybe is true when the rule matches only sometimes (statistic, recent, mark...).
+	Maybe bool   `json:"maybe,omitempty"`
+	Note  string `json:"note,omitempty"`
+}
+
+type verdict struct {
+	Target string `json:"target"` // DNAT, REDIRECT, ACCEPT, DROP, REJECT, or "none"
+	To     string `json:"to,omitempty"`
+	// Via is the index in Steps of the rule that decided.
+	Via     int  `json:"via"`
+	Certain bool `json:"certain"`
+	// Chance is the share of connections that get this verdict, when the only
+	// uncertainty on the way is a random choice (-m statistic); 0 when other
+	// state (marks, sources the trace does not know) decides too.
+	Chance float64 `json:"chance,omitempty"`
+}
+
+// Run explains a connection to destination, IP:PORT[/tcp|udp] (the protocol
+// defaults to tcp), writing the explanation to w.
+func Run(w io.Writer, destination string, o Options) error {
+	dst, proto, err := parseDestination(destination)
+	if err != nil {
+		return err
+	}
+	var client netip.Addr
+	if o.Client != "" {
+		if client, err = netip.ParseAddr(o.Client); err != nil {
+			return fmt.Errorf("--client %q: not an IP address", o.Client)
+		}
+	}
+	output := o.Output
+	if output == "" {
+		output = "text"
+	}
+	if output != "text" && output != "json" {
+		return fmt.Errorf("-o %q: want text or json", o.Output)
+	}
+	metrics := o.metricsAddress()
+	x := &explanation{Destination: dst.String(), Protocol: proto, MetricsAddress: metrics, Services: []serviceMatch{}, Rules: []rulePath{}, RecentFailures: []observe.Event{}}
+	if client.IsValid() {
+		x.Client = client.String()
+	}
+
+	api := &proxyAPI{base: "http://" + metrics, client: &http.Client{Timeout: 5 * time.Second}}
+	mode, err := api.mode()
+	if err != nil {
+		return fmt.Errorf("ask the running uproxy at %s (--metrics-address): %w", metrics, err)
+	}
+	x.Mode = mode
+	states, err := api.services(client)
+	if err != nil {
+		return err
+	}
+	local := localAddrs()
+	for _, st := range states {
+		if m := matchService(st, dst, proto, local); m != "" {
+			served := "the kernel (" + mode + " mode): the rules below rewrite the destination to an endpoint; no proxy process sees the connection"
+			if st.ProxyPort != 0 {
+				served = fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", st.ProxyPort, mode)
+			}
+			x.Services = append(x.Services, serviceMatch{MatchedAs: m, ServedBy: served, Service: st})
+		}
+	}
+	for _, sm := range x.Services {
+		evs, err := api.failures(sm.Service.Name, o.Events)
+		if err != nil {
+			return err
+		}
+		x.RecentFailures = append(x.RecentFailures, evs...)
+	}
+	if len(x.Services) == 0 {
+		x.Notes = append(x.Notes, fmt.Sprintf("no Service port of the running proxy has %s/%s (as a ClusterIP, ExternalIP, LoadBalancer IP, NodePort or proxy port)", dst, proto))
+	}
+
+	save, err := o.readRules(dst.Addr().Is6())
+	if err != nil {
+		x.RulesError = err.Error()
+	} else {
+		t := parseNAT(save)
+		pkt := packet{dst: dst, proto: strings.ToLower(proto), client: client, local: local, recent: recentLists(o.RecentDir)}
+		hooks := []string{"PREROUTING", "OUTPUT"}
+		if client.IsValid() {
+			// A client on this node goes through OUTPUT, any other through PREROUTING.
+			hooks = hooks[:1]
+			if local[client.Unmap()] {
+				hooks = []string{"OUTPUT"}
+			}
+		}
+		for _, h := range hooks {
+			x.Rules = append(x.Rules, t.trace(h, pkt))
+		}
+		if client.IsValid() {
+			x.kernelChoices()
+		}
+	}
+	if len(x.Services) > 0 && x.Mode != "userspace" {
+		x.Notes = append(x.Notes, fmt.Sprintf("in the %s mode the kernel forwards each connection itself: uproxy never sees it, so it cannot retry a failed dial and records no connection events; only the connection's client sees a failure", x.Mode))
+	}
+
+	if output == "json" {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(x)
+	}
+	return x.writeText(w)
+}
+
+// parseDestination parses IP:PORT[/tcp|udp] (protocol default tcp).
+func parseDestination(arg string) (netip.AddrPort, string, error) {
+	proto := "TCP"
+	if i := strings.LastIndexByte(arg, '/'); i >= 0 {
+		switch strings.ToLower(arg[i+1:]) {
+		case "tcp":
+		case "udp":
+			proto = "UDP"
+		case "sctp":
+			proto = "SCTP"
+		default:
+			return netip.AddrPort{}, "", fmt.Errorf("%q: protocol %q: want tcp or udp", arg, arg[i+1:])
+		}
+		arg = arg[:i]
+	}
+	ap, err := netip.ParseAddrPort(arg)
+	if err != nil {
+		return netip.AddrPort{}, "", fmt.Errorf("%q: want IP:PORT[/tcp|udp] ([IPv6]:PORT for IPv6)", arg)
+	}
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), proto, nil
+}
+
+// matchService says how dst belongs to st ("" when it does not).
+func matchService(st observe.ServiceState, dst netip.AddrPort, proto string, local map[netip.Addr]bool) string {
+	if !strings.EqualFold(st.Protocol, proto) {
+		return ""
+	}
+	ip, port := dst.Addr().String(), int(dst.Port())
+	has := func(ips []string) bool {
+		for _, s := range ips {
+			if a, err := netip.ParseAddr(s); err == nil && a.Unmap().String() == ip {
+				return true
+			}
+		}
+		return false
+	}
+	switch {
+	case port == st.Port && has(st.ClusterIPs):
+		return "clusterIP"
+	case port == st.Port && has(st.ExternalIPs):
+		return "externalIP"
+	case port == st.Port && has(st.LoadBalancerIPs):
+		return "loadBalancerIP"
+	case st.NodePort != 0 && port == st.NodePort && (local[dst.Addr()] || dst.Addr().IsLoopback()):
+		return "nodePort"
+	case st.ProxyPort != 0 && port == st.ProxyPort && (local[dst.Addr()] || dst.Addr().IsLoopback()):
+		return "proxyPort"
+	}
+	return ""
+}
+
+// readRules returns iptables-save output: from the file, from Stdin ("-") or
+// from the command.
+func (o *Options) readRules(v6 bool) ([]byte, error) {
+	switch o.IPTablesSave {
+	case "":
+		b, err := iptables.Commands{}.Save(v6)
+		if err != nil {
+			return nil, fmt.Errorf("read the rules: %w", err)
+		}
+		return b, nil
+	case "-":
+		if o.Stdin == nil {
+			return io.ReadAll(os.Stdin)
+		}
+		return io.ReadAll(o.Stdin)
+	}
+	return os.ReadFile(o.IPTablesSave)
+}
+
+// localAddrs returns the node's addresses as a set; none when they cannot be
+// listed, which only makes fewer destinations count as local.
+func localAddrs() map[netip.Addr]bool {
+	out := map[netip.Addr]bool{}
+	addrs, _ := nodeaddr.List()
+	for _, a := range addrs {
+		out[a] = true
+	}
+	return out
+}

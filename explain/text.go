@@ -1,0 +1,187 @@
+package explain
+
+import (
+	"fmt"
+	"io"
+	"net/netip"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/uproxy/uproxy/observe"
+)
+
+// describe words a verdict, naming the Service port whose proxy port it reaches.
+func (x *explanation) describe(v verdict) string {
+	var d string
+	switch v.Target {
+	case "REDIRECT":
+		d = "REDIRECT to local port " + v.To
+	case "DNAT":
+		d = "DNAT to " + v.To
+	default:
+		return v.Target + " " + v.To
+	}
+	port := v.To
+	if ap, err := netip.ParseAddrPort(v.To); err == nil {
+		port = strconv.Itoa(int(ap.Port()))
+	}
+	for _, sm := range x.Services {
+		if pp := sm.Service.ProxyPort; pp != 0 && strconv.Itoa(pp) == port {
+			d += ", the proxy port of " + sm.Service.Name
+		}
+	}
+	return d
+}
+
+func (x *explanation) writeText(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	p := func(format string, a ...any) { fmt.Fprintf(tw, format, a...) }
+	p("Destination %s/%s", x.Destination, x.Protocol)
+	if x.Client != "" {
+		p(" from client %s", x.Client)
+	}
+	p("\nProxy mode: %s (asked %s)\n", x.Mode, x.MetricsAddress)
+	for _, n := range x.Notes {
+		p("Note: %s\n", n)
+	}
+	for _, sm := range x.Services {
+		st := sm.Service
+		p("\nService port %s (%s, matched as %s)\n", st.Name, st.Protocol, sm.MatchedAs)
+		p("  Served by %s.\n", sm.ServedBy)
+		p("  Scheduler %s, session affinity %s", st.Scheduler, st.SessionAffinity)
+		if st.AffinityTimeout > 0 {
+			p(" (%ds)", st.AffinityTimeout)
+		}
+		if st.Ejection != "" {
+			p(", outlier ejection %s", st.Ejection)
+		}
+		p(".\n  Endpoints:\n")
+		if len(st.Endpoints) == 0 {
+			p("    none: every connection fails (reset)\n")
+		}
+		for _, e := range st.Endpoints {
+			var state []string
+			switch {
+			case e.Ejected:
+				state = append(state, "EJECTED"+ejectedFor(e.EjectedUntil))
+			case !e.Usable:
+				state = append(state, "not used")
+			default:
+				state = append(state, "in use")
+			}
+			switch {
+			case e.Ready:
+				state = append(state, "ready")
+			case e.Serving:
+				state = append(state, "serving")
+			default:
+				state = append(state, "not ready")
+			}
+			if e.Terminating {
+				state = append(state, "terminating")
+			}
+			if st.ProxyPort == 0 && x.Mode == "iptables" {
+				// The kernel keeps no per-endpoint state but its rule counters.
+				p("    %s\t%s\tconnections sent %d (DNAT rule counter)\n", e.Address, strings.Join(state, ", "), e.Packets)
+				continue
+			}
+			p("    %s\t%s\tactive %d\tconsecutive failures %d\n", e.Address, strings.Join(state, ", "), e.ActiveConnections, e.ConsecutiveFailures)
+		}
+		switch {
+		case st.NextForClient != nil:
+			c := st.NextForClient
+			if c.Endpoint == "" && st.ProxyPort == 0 {
+				p("  Next for client %s: %s.\n", c.Client, c.Reason)
+			} else if c.Endpoint == "" {
+				p("  Next for client %s: none (%s).\n", c.Client, c.Reason)
+			} else {
+				p("  Next for client %s: %s, because %s.\n", c.Client, c.Endpoint, c.Reason)
+			}
+		case st.NextEndpoint != "":
+			p("  Next new client: %s (the scheduler's rotation; give --client IP for a given client's choice).\n", st.NextEndpoint)
+		}
+		if st.AffinityCounters != nil && st.SessionAffinity == "ClientIP" {
+			c := st.AffinityCounters
+			p("  Affinity: %d entries, %d hits, %d misses, %d resets after failed dials, %d expired.\n", len(st.Affinity), c.Hits, c.Misses, c.Resets, c.Expired)
+		}
+	}
+	tw.Flush()
+
+	p("\nRules (nat table):\n")
+	if x.RulesError != "" {
+		p("  unavailable: %s\n", x.RulesError)
+	}
+	for _, rp := range x.Rules {
+		from := "pods and other hosts"
+		if rp.Hook == "OUTPUT" {
+			from = "this node"
+		}
+		p("  From %s (%s):\n", from, rp.Hook)
+		for _, s := range rp.Steps {
+			mark := ""
+			if s.Maybe {
+				mark = " [sometimes: " + s.Note + "]"
+			}
+			p("    %s rule %d (line %d)%s:\n      %s\n", s.Chain, s.Rule, s.Line, mark, s.Text)
+		}
+		for i, v := range rp.Verdicts {
+			switch {
+			case v.Target == "none" && v.Certain:
+				p("    => no rule rewrites it: the packet goes to %s itself\n", x.Destination)
+			case v.Target == "none":
+				p("    => otherwise: no rule rewrites it\n")
+			default:
+				how := "always"
+				switch {
+				case !v.Certain:
+					how = "sometimes"
+				case i > 0:
+					how = "otherwise"
+				}
+				share := ""
+				if v.Chance > 0 && v.Chance < 1 {
+					share = fmt.Sprintf(", %.0f%% of new connections", 100*v.Chance)
+				}
+				p("    => %s %s (%s rule %d%s)\n", how, x.describe(v), rp.Steps[v.Via].Chain, rp.Steps[v.Via].Rule, share)
+			}
+		}
+	}
+	tw.Flush()
+
+	p("\nRecent retried or failed connections, newest first:\n")
+	switch {
+	case len(x.RecentFailures) > 0:
+	case x.Mode != "userspace" && len(x.Services) > 0:
+		p("  none recorded: in the %s mode uproxy does not see connections\n", x.Mode)
+	default:
+		p("  none\n")
+	}
+	for _, ev := range x.RecentFailures {
+		t := ev.Time.Local().Format("15:04:05.000")
+		if ev.Kind != observe.KindConnection {
+			p("  %s  %s %s: %s\n", t, ev.Kind, ev.Endpoint, ev.Reason)
+			continue
+		}
+		var as []string
+		for _, a := range ev.Attempts {
+			as = append(as, fmt.Sprintf("%s %s after %s", a.Endpoint, a.Result, a.Duration))
+		}
+		p("  %s  %s from %s: %s", t, ev.Outcome, ev.Client, strings.Join(as, ", "))
+		if ev.Error != "" {
+			p(" (%s)", ev.Error)
+		}
+		p("\n")
+	}
+	return tw.Flush()
+}
+
+// ejectedFor words the rest of an ejection: " for another 1.2s (until 15:04:05)".
+func ejectedFor(until string) string {
+	t, err := time.Parse(time.RFC3339Nano, until)
+	if err != nil {
+		return " until " + until
+	}
+	return fmt.Sprintf(" for another %s (until %s)", time.Until(t).Round(100*time.Millisecond), t.Local().Format("15:04:05"))
+}

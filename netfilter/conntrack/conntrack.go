@@ -1,0 +1,107 @@
+// Package conntrack deletes the UDP conntrack flows that a change of rules left
+// going the wrong way, for every mode and packet filter backend.
+//
+// Conntrack applies NAT once per flow, at its first packet. A UDP client that
+// keeps sending therefore stays where its first datagram went — a proxy port
+// that is gone, a removed endpoint, or straight to a virtual IP that had no rule
+// yet — until its flow is deleted:
+//
+//	stale := conntrack.StaleUDP{VIPs: map[netip.AddrPort]conntrack.Replies{vip: {Port: proxyPort}}}
+//	err := stale.Delete(conntrack.Netlink(), false)
+package conntrack
+
+import (
+	"fmt"
+	"net/netip"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// Deleter deletes conntrack flows; *netlink.Handle implements it.
+type Deleter interface {
+	ConntrackDeleteFilters(table netlink.ConntrackTableType, family netlink.InetFamily, filters ...netlink.CustomConntrackFilter) (uint, error)
+}
+
+// Netlink returns the Deleter of the network namespace the calling thread is in
+// at each call.
+func Netlink() Deleter {
+	// A zero Handle opens a netlink socket per request, in the namespace of the
+	// calling thread at that moment (NewHandle would pin the namespace of creation).
+	return &netlink.Handle{}
+}
+
+// Replies are where the flows to one destination may be answered from now. The
+// zero Replies allow nothing: the destination has no rule any more.
+type Replies struct {
+	// Port allows replies from this source port, any address: REDIRECT and
+	// DNAT to a local proxy port rewrite the reply's source port to the proxy
+	// port, its address being whichever local one the flow reached. 0: none.
+	Port uint16
+	// From allows replies from exactly these endpoints (DNAT to an endpoint).
+	From map[netip.AddrPort]bool
+}
+
+func (r Replies) allow(from netip.AddrPort) bool {
+	return r.Port != 0 && from.Port() == r.Port || r.From[from]
+}
+
+// StaleUDP matches the UDP flows to watched destinations whose replies come from
+// somewhere the rules no longer send them. A flow the rules never translated
+// matches too: the next datagram recreates it, through the rules as they are.
+type StaleUDP struct {
+	// VIPs are destinations by original address and port.
+	VIPs map[netip.AddrPort]Replies
+	// NodePorts are destinations by original port alone: any local address.
+	NodePorts map[uint16]Replies
+}
+
+// Empty reports whether s watches no destination.
+func (s StaleUDP) Empty() bool { return len(s.VIPs) == 0 && len(s.NodePorts) == 0 }
+
+// MatchConntrackFlow implements netlink.CustomConntrackFilter.
+func (s StaleUDP) MatchConntrackFlow(f *netlink.ConntrackFlow) bool {
+	if f.Forward.Protocol != unix.IPPROTO_UDP {
+		return false
+	}
+	reply, _ := netip.AddrFromSlice(f.Reverse.SrcIP)
+	from := netip.AddrPortFrom(reply.Unmap(), f.Reverse.SrcPort)
+	if dst, ok := netip.AddrFromSlice(f.Forward.DstIP); ok {
+		if r, ok := s.VIPs[netip.AddrPortFrom(dst.Unmap(), f.Forward.DstPort)]; ok {
+			return !r.allow(from)
+		}
+	}
+	if r, ok := s.NodePorts[f.Forward.DstPort]; ok {
+		return !r.allow(from)
+	}
+	return false
+}
+
+// Delete deletes the matching flows of one family (IPv6 when v6) through d.
+func (s StaleUDP) Delete(d Deleter, v6 bool) error {
+	fam, name := netlink.InetFamily(unix.AF_INET), "IPv4"
+	if v6 {
+		fam, name = netlink.InetFamily(unix.AF_INET6), "IPv6"
+	}
+	if _, err := d.ConntrackDeleteFilters(netlink.ConntrackTable, fam, s); err != nil {
+		return fmt.Errorf("delete stale %s UDP conntrack flows: %w", name, err)
+	}
+	return nil
+}
+
+// Recorder is a Deleter for unit tests: it deletes nothing and keeps the filters
+// of every call, by family.
+type Recorder struct {
+	// Filters holds the filters given for IPv4 ([0]) and IPv6 ([1]), in order.
+	Filters [2][]netlink.CustomConntrackFilter
+}
+
+// ConntrackDeleteFilters implements Deleter.
+func (r *Recorder) ConntrackDeleteFilters(_ netlink.ConntrackTableType, family netlink.InetFamily, filters ...netlink.CustomConntrackFilter) (uint, error) {
+	i := 0
+	if family == unix.AF_INET6 {
+		i = 1
+	}
+	r.Filters[i] = append(r.Filters[i], filters...)
+	return 0, nil
+}

@@ -1,0 +1,167 @@
+package iptables_test
+
+import (
+	"errors"
+	"fmt"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
+)
+
+// rules returns a chain's rules as iptables-save prints them.
+func rules(k *iptablestest.Fake, v6 bool, table, chain string) []string {
+	var out []string
+	if c := k.State(v6).Table(table).Chain(chain); c != nil {
+		for _, r := range c.Rules {
+			out = append(out, r.Text)
+		}
+	}
+	return out
+}
+
+// dump prints a family's state, one line per chain and rule.
+func dump(k *iptablestest.Fake, v6 bool) string {
+	var b strings.Builder
+	for _, t := range k.State(v6).Tables {
+		for _, c := range t.Chains {
+			fmt.Fprintf(&b, "%s %s %s\n", t.Name, c.Name, c.Policy)
+			for _, r := range c.Rules {
+				b.WriteString("  " + r.Text + "\n")
+			}
+		}
+	}
+	return b.String()
+}
+
+func mustApply(t *testing.T, k *iptablestest.Fake, v6 bool, input string) {
+	t.Helper()
+	if err := k.Apply(v6, input); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestCanary(t *testing.T) {
+	k := iptablestest.New()
+	c := iptables.Canary{Chain: "UPX-CANARY", Tables: []string{"nat", "filter"}}
+	tables, err := k.Tables(false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(what string, want, wantErr bool) {
+		t.Helper()
+		got, err := c.Intact(tables)
+		if got != want || (err != nil) != wantErr {
+			t.Errorf("%s: got %v, %v; want %v, error %v", what, got, err, want, wantErr)
+		}
+	}
+	check("never written", false, true)
+	write := func(table string) string {
+		return "*" + table + "\n:" + c.Chain + " - [0:0]\n" + c.Rule() + "\nCOMMIT\n"
+	}
+	mustApply(t, k, false, write("nat"))
+	check("written in nat only", false, true)
+	mustApply(t, k, false, write("filter"))
+	check("written in both tables", true, false)
+	k.Flush(false, "filter")
+	check("after iptables -t filter -F", false, false)
+	mustApply(t, k, false, write("filter"))
+	mustApply(t, k, false, "*nat\n:"+c.Chain+" - [0:0]\n-A "+c.Chain+" -j RETURN\nCOMMIT\n")
+	check("another rule in its place", false, false)
+}
+
+func TestEnsureJumps(t *testing.T) {
+	k := iptablestest.New()
+	mustApply(t, k, false, "*nat\n:KUBE-SERVICES - [0:0]\n:UPX-A - [0:0]\n:UPX-B - [0:0]\n:UPX-LAST - [0:0]\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n")
+	tables, _ := k.Tables(false)
+	jumps := []iptables.Jump{
+		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", "first of all", "-j", "UPX-A"}},
+		{Table: "nat", Chain: "PREROUTING", Last: true, Spec: []string{"-j", "UPX-LAST"}},
+		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-j", "UPX-B"}},
+	}
+	for i := range 2 {
+		if err := iptables.EnsureJumps(tables, false, jumps); err != nil {
+			t.Fatalf("EnsureJumps %d: %v", i, err)
+		}
+	}
+	want := []string{
+		`-A PREROUTING -m comment --comment "first of all" -j UPX-A`,
+		`-A PREROUTING -j UPX-B`,
+		`-A PREROUTING -j KUBE-SERVICES`,
+		`-A PREROUTING -j UPX-LAST`,
+	}
+	if got := rules(k, false, "nat", "PREROUTING"); !slices.Equal(got, want) {
+		t.Errorf("PREROUTING after two EnsureJumps:\ngot  %q\nwant %q", got, want)
+	}
+
+	// A jump that cannot go in is reported; the others still go in.
+	k = iptablestest.New()
+	mustApply(t, k, true, "*nat\n:UPX-A - [0:0]\nCOMMIT\n")
+	tables, _ = k.Tables(true)
+	err := iptables.EnsureJumps(tables, true, []iptables.Jump{
+		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-j", "UPX-MISSING"}},
+		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-j", "UPX-A"}},
+	})
+	if err == nil || !strings.Contains(err.Error(), "IPv6 jump nat/OUTPUT -> UPX-MISSING") {
+		t.Errorf("got error %v, want one naming the IPv6 jump to UPX-MISSING", err)
+	}
+	if got, want := rules(k, true, "nat", "OUTPUT"), []string{"-A OUTPUT -j UPX-A"}; !slices.Equal(got, want) {
+		t.Errorf("OUTPUT: got %q, want %q", got, want)
+	}
+}
+
+func TestRemoveChains(t *testing.T) {
+	ours := iptables.ChainSet{"nat": {"UPX-SERVICES"}, "filter": {"UPX-FILTER"}}
+	others := "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j RETURN\nCOMMIT\n"
+	mine := "*nat\n:UPX-SERVICES - [0:0]\n-A UPX-SERVICES -j RETURN\n-A PREROUTING -j UPX-SERVICES\n-A OUTPUT -j UPX-SERVICES\nCOMMIT\n" +
+		"*filter\n:UPX-FILTER - [0:0]\n-A INPUT -j UPX-FILTER\nCOMMIT\n"
+	for _, tc := range []struct {
+		name    string
+		saveErr [2]error
+		wantErr string
+		cleaned [2]bool
+	}{
+		{name: "both families", cleaned: [2]bool{true, true}},
+		{name: "no ip6tables", saveErr: [2]error{nil, fmt.Errorf("ip6tables-save: %w", exec.ErrNotFound)}, cleaned: [2]bool{true, false}},
+		{name: "IPv4 unreadable", saveErr: [2]error{errors.New("iptables-save: permission denied")}, wantErr: "read rules for cleanup: iptables-save: permission denied", cleaned: [2]bool{false, true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			k := iptablestest.New()
+			var before [2]string
+			for i, v6 := range []bool{false, true} {
+				mustApply(t, k, v6, others)
+				before[i] = dump(k, v6)
+				mustApply(t, k, v6, mine)
+				k.FailSave(v6, tc.saveErr[i])
+			}
+			err := iptables.RemoveChains(k, ours.Has)
+			if (err == nil) != (tc.wantErr == "") || err != nil && !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("got error %v, want %q", err, tc.wantErr)
+			}
+			for i, v6 := range []bool{false, true} {
+				restores := len(k.Restores(v6))
+				if cleaned := dump(k, v6) == before[i]; cleaned != tc.cleaned[i] || restores != map[bool]int{true: 1}[cleaned] {
+					t.Errorf("%s: got cleaned %v in %d restores, want %v:\n%s", iptables.FamilyName(v6), cleaned, restores, tc.cleaned[i], dump(k, v6))
+				}
+				k.FailSave(v6, nil)
+			}
+			// Readable again, what was left goes; then there is nothing to write.
+			for range 2 {
+				if err := iptables.RemoveChains(k, ours.Has); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i, v6 := range []bool{false, true} {
+				if got := dump(k, v6); got != before[i] {
+					t.Errorf("%s after the retry:\n%s\nwant:\n%s", iptables.FamilyName(v6), got, before[i])
+				}
+				if got := len(k.Restores(v6)); got != 1 {
+					t.Errorf("%s: got %d restores in all, want 1", iptables.FamilyName(v6), got)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,49 @@
+package service
+
+import (
+	"errors"
+	"net/netip"
+	"testing"
+	"time"
+)
+
+func TestSnapshotEqual(t *testing.T) {
+	port := func(p int, eps ...string) *Port {
+		sp := &Port{Name: PortName{Namespace: "ns", Name: "web"}, Protocol: TCP, Port: p,
+			ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")}}
+		for _, e := range eps {
+			sp.Endpoints = append(sp.Endpoints, Endpoint{Addr: netip.MustParseAddrPort(e), Ready: true})
+		}
+		return sp
+	}
+	base := func() *Snapshot {
+		return &Snapshot{Ports: []*Port{port(80, "10.244.1.2:8080")}, Errors: []error{errors.New("Service ns/bad: spec.ports: none")}, Built: time.Unix(1, 0)}
+	}
+	tests := []struct {
+		name   string
+		change func(*Snapshot)
+		equal  bool
+	}{
+		{"same state", func(*Snapshot) {}, true},
+		{"built later", func(s *Snapshot) { s.Built = time.Unix(2, 0) }, true},
+		{"equal ports, other pointers", func(s *Snapshot) { s.Ports = []*Port{port(80, "10.244.1.2:8080")} }, true},
+		{"equal error text, other error", func(s *Snapshot) { s.Errors = []error{errors.New("Service ns/bad: spec.ports: none")} }, true},
+		{"port changed", func(s *Snapshot) { s.Ports = []*Port{port(81, "10.244.1.2:8080")} }, false},
+		{"endpoint changed", func(s *Snapshot) { s.Ports = []*Port{port(80, "10.244.1.3:8080")} }, false},
+		{"port removed", func(s *Snapshot) { s.Ports = nil }, false},
+		{"error text changed", func(s *Snapshot) { s.Errors = []error{errors.New("Service ns/bad: spec.ports[0]: none")} }, false},
+		{"error fixed", func(s *Snapshot) { s.Errors = nil }, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a, b := base(), base()
+			tt.change(b)
+			if got := a.Equal(b); got != tt.equal {
+				t.Errorf("a.Equal(b): got %v, want %v", got, tt.equal)
+			}
+			if got := b.Equal(a); got != tt.equal {
+				t.Errorf("b.Equal(a): got %v, want %v", got, tt.equal)
+			}
+		})
+	}
+}
