@@ -9,10 +9,10 @@ import (
 	"github.com/uproxy/uproxy/kernelmodes"
 	kiptables "github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
-	"github.com/uproxy/uproxy/syncloop"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/socket"
+	"github.com/uproxy/uproxy/syncloop"
 )
 
 // proxyMode is what runProxy drives: the userspace proxier or a kernel mode.

@@ -15,7 +15,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/nodeaddr"
-	"github.com/uproxy/uproxy/syncloop"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/rules"
@@ -23,6 +22,7 @@ import (
 	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/source/file"
 	"github.com/uproxy/uproxy/source/kube"
+	"github.com/uproxy/uproxy/syncloop"
 )
 
 // runProxy runs the userspace mode until SIGINT/SIGTERM. synced, if not nil, is
