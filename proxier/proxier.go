@@ -116,8 +116,9 @@ func New(cfg Config) (*Proxier, error) {
 	if err != nil {
 		return nil, fmt.Errorf("userspace proxier: %w", err)
 	}
-	klog.V(1).InfoS("Started event loops", "loops", len(loops.Loops()))
-	return &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), loops: loops, ports: make(map[service.PortName]*servicePort)}, nil
+	p := &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), loops: loops}
+	p.ports = make(map[service.PortName]*servicePort)
+	return p, nil
 }
 
 // Sync makes the listeners and portals match s. A problem confined to one

@@ -19,8 +19,9 @@ type Config struct {
 }
 
 // DefaultLoops is the number of loops of a Config that sets none: one per P
-// (GOMAXPROCS) but one, and at least one. A loop holds its P even while it
-// waits, so the program should keep GOMAXPROCS one above its loops (main says why).
+// (GOMAXPROCS) but one, and at least one. A loop idle in epoll_wait holds its P,
+// which the runtime takes back only when no P is idle, so the program keeps
+// GOMAXPROCS one above its loops; poll itself never changes GOMAXPROCS.
 func DefaultLoops() int { return max(1, runtime.GOMAXPROCS(0)-1) }
 
 // Group is a set of loops that its owner starts with New and stops with Close.

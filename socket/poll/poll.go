@@ -20,9 +20,10 @@
 // allocation and no system call of its own: it is one interface call to its
 // descriptor's Handler, after a check that it belongs to the descriptor's current
 // registration. A Timer lives inside what it times, so arming, moving or cancelling
-// it allocates nothing; a loop with timers reads the clock twice per wake-up. A Post
-// costs one eventfd write, and none while an earlier wake-up is still pending.
-// Every 5ms a busy loop passes through the Go scheduler (see yieldEvery).
+// it allocates nothing. A wake-up reads the monotonic clock once, and the timers'
+// clock twice more while timers are armed. A Post costs one eventfd write, and
+// none while an earlier wake-up is still pending. Every 5ms a busy loop passes
+// through the Go scheduler (see yieldEvery).
 //
 // Everything a Loop does with descriptors and timers happens on its goroutine:
 // Watch, Unwatch, Forget, Schedule and Cancel are called there (from a Handler, a
