@@ -21,6 +21,7 @@ import (
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket"
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 // Config configures a Proxier. Zero values give the documented defaults.
@@ -51,6 +52,10 @@ type Config struct {
 	// EjectBase and EjectMax are the first ejection's length and the cap of its
 	// doubling; 0: affinity.DefaultEjectionBase (1s) and DefaultEjectionMax (30s).
 	EjectBase, EjectMax time.Duration
+	// EventLoops is how many event loops carry the TCP connections and UDP flows
+	// of every Service port; 0: poll.DefaultLoops (one per P but one, at least
+	// one). The program keeps GOMAXPROCS above it (see poll.DefaultLoops).
+	EventLoops int
 }
 
 // Proxier is the userspace mode. Sync is called from one goroutine (the sync
@@ -58,6 +63,13 @@ type Config struct {
 type Proxier struct {
 	cfg   Config
 	alloc *allocator
+	// loops carry every proxy's traffic; Shutdown closes them.
+	loops *poll.Group
+
+	// syncMu orders Sync and Shutdown: a Sync in flight finishes before Shutdown
+	// begins, and none starts after it (shutDown), so no proxy opens on closed loops.
+	syncMu   sync.Mutex
+	shutDown bool
 
 	// mu guards ports; Sync holds it only while changing the map, never while
 	// dialing or writing rules, so debug readers do not wait on the kernel.
@@ -67,8 +79,8 @@ type Proxier struct {
 	portErrors []error
 	// synced holds, for each Port of the last Sync's Snapshot in order, its
 	// running state (nil for a protocol not proxied). It is nil when that Sync
-	// left a port without a listener, or after Shutdown: the next Sync then
-	// takes the long way, which retries what failed.
+	// left a port without a listener: the next Sync then takes the long way,
+	// which retries what failed.
 	synced []syncedPort
 }
 
@@ -88,7 +100,8 @@ type servicePort struct {
 	done      chan struct{} // closed when Serve returns
 }
 
-// New returns a Proxier with no Service ports.
+// New returns a Proxier with no Service ports, with its event loops running; call
+// Shutdown to stop them.
 func New(cfg Config) (*Proxier, error) {
 	if cfg.Scheduler == "" {
 		cfg.Scheduler = "rr"
@@ -99,18 +112,29 @@ func New(cfg Config) (*Proxier, error) {
 	if cfg.Portals == nil {
 		cfg.Portals = rules.None{}
 	}
+	loops, err := poll.New(poll.Config{Loops: cfg.EventLoops})
+	if err != nil {
+		return nil, fmt.Errorf("userspace proxier: %w", err)
+	}
 	// The data path counts its backoffs; observe exports the count without
 	// linking the data path.
 	observe.SetAcceptBackoffs(socket.AcceptBackoffs)
-	return &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), ports: make(map[service.PortName]*servicePort)}, nil
+	p := &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), loops: loops}
+	p.ports = make(map[service.PortName]*servicePort)
+	return p, nil
 }
 
 // Sync makes the listeners and portals match s. A problem confined to one
 // Service port (its proxy port cannot be opened, its NodePort is taken) is logged
 // and leaves that port out until a later sync; it does not fail the sync, so one
 // bad Service never marks the whole node unhealthy. Sync fails only when the
-// portals as a whole could not be written.
+// portals as a whole could not be written, or after Shutdown.
 func (p *Proxier) Sync(s *service.Snapshot) error {
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	if p.shutDown {
+		return errors.New("userspace proxier is shut down")
+	}
 	var errs, portErrs *multierror.Error
 	portals, ok := p.syncSameListeners(s)
 	if !ok {
@@ -340,6 +364,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 			sp.tcp = &socket.TCPProxy{
 				Service:      port.Name.String(),
 				Picker:       bal,
+				Loops:        p.loops,
 				DialTimeouts: p.cfg.DialTimeouts,
 				Observer:     sp.observer,
 			}
@@ -356,6 +381,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 			sp.udp = &socket.UDPProxy{
 				Service:    port.Name.String(),
 				Picker:     bal,
+				Loops:      p.loops,
 				Timeout:    p.cfg.UDPTimeout,
 				MaxClients: p.cfg.UDPMaxClients,
 				Observer:   sp.observer,
@@ -434,8 +460,15 @@ func (p *Proxier) ProxyPort(name service.PortName) int {
 }
 
 // Shutdown stops accepting on every port, lets open TCP connections finish until
-// ctx is done, then resets what remains. Portals are left in place.
+// ctx is done, then resets what remains and closes the event loops. Portals are
+// left in place. Later Syncs fail; later Shutdowns do nothing.
 func (p *Proxier) Shutdown(ctx context.Context) error {
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	if p.shutDown {
+		return nil
+	}
+	p.shutDown = true
 	p.mu.Lock()
 	ports := p.ports
 	p.ports = make(map[service.PortName]*servicePort)
@@ -463,6 +496,10 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 		}()
 	}
 	wg.Wait()
+	// Every proxy has drained: nothing runs on the loops any more.
+	if err := p.loops.Close(); err != nil {
+		errs = multierror.Append(errs, fmt.Errorf("event loops: %w", err))
+	}
 	return errs.ErrorOrNil()
 }
 

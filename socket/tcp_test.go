@@ -25,6 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 func TestMain(m *testing.M) {
@@ -487,7 +488,12 @@ func runBackendProcess(mode, addr string) {
 // benchmark can read the proxy's own CPU time. It prints its address and serves
 // until its standard input closes.
 func runProxyProcess(to string) {
-	p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(netip.MustParseAddrPort(to))}
+	loops, err := poll.New(poll.Config{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(netip.MustParseAddrPort(to)), Loops: loops}
 	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -724,6 +730,8 @@ func sessionGoroutines() int {
 
 func TestTCPProxyManyConcurrentClients(t *testing.T) {
 	const clients = 300
+	// Three loops: the listener is watched by each, and connections spread over them.
+	loops := newLoops(t, 3, nil)
 	baseline := runtime.NumGoroutine()
 	var backends []*tcpServer
 	var eps []netip.AddrPort
@@ -736,6 +744,7 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 	rec := &recorder{}
 	// A generous timeout: on a loaded machine a retry would skew the checks below.
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec, DialTimeouts: []time.Duration{awaitTimeout}}
+	p.Loops = loops
 	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		t.Fatal(err)
@@ -820,7 +829,7 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 }
 
 func TestTCPProxyServeAfterClose(t *testing.T) {
-	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker()}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(), Loops: newLoops(t, 1, nil)}
 	if err := p.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}
@@ -1116,6 +1125,7 @@ func TestTCPProxyIPv6(t *testing.T) {
 			backend := startTCPServer(t, tt.backend, echo)
 			rec := &recorder{}
 			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
+			p.Loops = newLoops(t, 1, nil)
 			ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort(tt.listen))
 			if err != nil {
 				t.Fatal(err)
