@@ -176,18 +176,11 @@ func TestAcceptBackoffResumesOnTheLoopClock(t *testing.T) {
 	if !watching() {
 		t.Fatal("listener not watched while serving")
 	}
-	clientFD, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := os.NewFile(uintptr(clientFD), "client")
-	defer f.Close()
+	clientFD, f := rawClient(t)
 
 	st := starveDescriptors(t)
 	st.fill()
-	if err := unix.Connect(clientFD, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
-		t.Fatalf("connect client: %v", err)
-	}
+	connectRaw(t, clientFD, addr)
 	await(t, "an accept backoff", func() bool {
 		mu.Lock()
 		defer mu.Unlock()

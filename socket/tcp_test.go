@@ -884,17 +884,11 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		t.Fatalf("round trip before descriptors run out: got %q, %v", got, err)
 	}
 	warm.Close()
-	clientFD, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	clientFD, f := rawClient(t)
 
 	st := starveDescriptors(t)
 	st.fill()
-	if err := unix.Connect(clientFD, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
-		unix.Close(clientFD)
-		t.Fatalf("connect client: %v", err)
-	}
+	connectRaw(t, clientFD, addr)
 
 	const backoffs = 4
 	await(t, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
@@ -905,7 +899,6 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	})
 	st.restore()
 
-	f := os.NewFile(uintptr(clientFD), "client")
 	fc, err := net.FileConn(f)
 	f.Close()
 	if err != nil {
@@ -946,6 +939,28 @@ type starvation struct {
 // cleanup) closes the fillers and puts the limit back. Garbage collection is off
 // meanwhile: its finalizers close descriptors (pooled splice pipes) that the code
 // under test would take.
+// rawClient makes a client socket while descriptors are plentiful: connecting
+// it takes none, so it can reach the proxy after they have run out. t.Cleanup
+// closes it (f) if the test has not.
+func rawClient(t *testing.T) (fd int, f *os.File) {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f = os.NewFile(uintptr(fd), "client")
+	t.Cleanup(func() { f.Close() })
+	return fd, f
+}
+
+// connectRaw connects a rawClient socket to addr (IPv4).
+func connectRaw(t *testing.T, fd int, addr netip.AddrPort) {
+	t.Helper()
+	if err := unix.Connect(fd, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
+		t.Fatalf("connect client: %v", err)
+	}
+}
+
 func starveDescriptors(t *testing.T) *starvation {
 	t.Helper()
 	gc := debug.SetGCPercent(-1)
@@ -1031,19 +1046,12 @@ func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
 	}
 	warm.Close()
 	rec.awaitClosed(t, 1)
-	clientFD, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := os.NewFile(uintptr(clientFD), "client")
-	defer f.Close()
+	clientFD, _ := rawClient(t)
 
 	st := starveDescriptors(t)
 	st.fill()
 	st.free() // for accept; the dial finds none
-	if err := unix.Connect(clientFD, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
-		t.Fatalf("connect client: %v", err)
-	}
+	connectRaw(t, clientFD, addr)
 	closed := rec.awaitClosed(t, 2)
 	await(t, "an accept backoff", func() bool {
 		mu.Lock()
