@@ -116,9 +116,6 @@ func New(cfg Config) (*Proxier, error) {
 	if err != nil {
 		return nil, fmt.Errorf("userspace proxier: %w", err)
 	}
-	// The data path counts its backoffs; observe exports the count without
-	// linking the data path.
-	observe.SetAcceptBackoffs(socket.AcceptBackoffs)
 	p := &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), loops: loops}
 	p.ports = make(map[service.PortName]*servicePort)
 	return p, nil

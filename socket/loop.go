@@ -86,11 +86,9 @@ func (w *backoffWatch) unwatch(l *loop) {
 	}
 }
 
-// backoff stops watching for the next, doubled delay, counts it in AcceptBackoffs
-// and returns the delay.
+// backoff stops watching for the next, doubled delay and returns the delay.
 func (w *backoffWatch) backoff(l *loop) time.Duration {
 	w.delay = nextBackoff(w.delay)
-	acceptBackoffs.Add(1)
 	w.unwatch(l)
 	l.Schedule(&w.t, w.delay)
 	return w.delay

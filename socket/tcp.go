@@ -345,6 +345,7 @@ func (h *listenHandle) Handle(uint32) {
 // stays readable, and accepting at once would meet the same error.
 func (h *listenHandle) backoff(l *loop, err error, msg string) {
 	delay := h.backoffWatch.backoff(l)
+	h.ln.p.observer().BackedOff(h.ln.p.Service, err, delay)
 	if f := h.ln.p.acceptBackoff; f != nil {
 		f(err, delay)
 	} else {

@@ -867,14 +867,14 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	var mu sync.Mutex
 	var delays []time.Duration
 	var errs []error
-	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr)}
+	rec := &recorder{}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
 	p.acceptBackoff = func(err error, d time.Duration) {
 		mu.Lock()
 		defer mu.Unlock()
 		delays = append(delays, d)
 		errs = append(errs, err)
 	}
-	backoffsBefore := AcceptBackoffs()
 	addr := startTCPProxy(t, p)
 	// A first round trip shows the proxy serving. The client's socket is made
 	// before descriptors run out and connected after: its connection then waits in
@@ -910,9 +910,11 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		t.Fatalf("round trip once descriptors are back: got %q, %v, want \"ping\"", got, err)
 	}
 	mu.Lock()
-	if got := AcceptBackoffs() - backoffsBefore; got < uint64(len(delays)) {
-		t.Errorf("AcceptBackoffs grew by %d, want at least the %d backoffs seen", got, len(delays))
+	rec.mu.Lock()
+	if !slices.Equal(rec.backoffs, delays) {
+		t.Errorf("backoffs the Observer was told of: got %v, want those of the log hook %v", rec.backoffs, delays)
 	}
+	rec.mu.Unlock()
 	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
 	if !slices.Equal(delays[:backoffs], want) {
 		t.Errorf("backoff delays: got %v, want %v", delays[:backoffs], want)

@@ -217,6 +217,7 @@ func (s *udpSocket) Handle(uint32) {
 // backoff stops reading for a while after a temporary error (see TCP's accept).
 func (s *udpSocket) backoff(l *loop, err error) {
 	delay := s.backoffWatch.backoff(l)
+	s.p.observer().BackedOff(s.p.Service, err, delay)
 	klog.ErrorS(err, "UDP read failed, backing off", "service", s.p.Service, "delay", delay)
 }
 

@@ -148,6 +148,13 @@ type recorder struct {
 	opened   int
 	attempts []record.Attempt
 	closed   []record.Conn
+	backoffs []time.Duration
+}
+
+func (r *recorder) BackedOff(service string, err error, delay time.Duration) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.backoffs = append(r.backoffs, delay)
 }
 
 func (r *recorder) ConnOpened(service, protocol string) {
