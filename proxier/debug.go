@@ -40,7 +40,7 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 		ports = append(ports, sp)
 	}
 	p.mu.RUnlock()
-	sort.Slice(ports, func(i, j int) bool { return ports[i].port.Name.Less(ports[j].port.Name) })
+	sort.Slice(ports, func(i, j int) bool { return ports[i].name.Less(ports[j].name) })
 
 	out := make([]observe.ServiceState, 0, len(ports))
 	for _, sp := range ports {
@@ -50,7 +50,7 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 }
 
 func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
-	port := sp.port
+	port := sp.port.Load()
 	st := observe.PortState(port, p.cfg.Scheduler)
 	st.ProxyPort = sp.proxyPort
 	if sp.udp != nil {

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/go-multierror"
@@ -88,9 +89,14 @@ type syncedPort struct {
 	sp   *servicePort
 }
 
-// servicePort is the running state of one Service port.
+// servicePort is the running state of one Service port. Everything but port is
+// set before the port is published in Proxier.ports and never changes.
 type servicePort struct {
-	port      *service.Port // as of the last sync
+	name service.PortName
+	// port is the Port of the last sync. Ports are immutable, so readers on any
+	// goroutine (the /debug handlers) load it without a lock, and Sync's short
+	// way pays one atomic store per changed port.
+	port      atomic.Pointer[service.Port]
 	proxyPort int
 	balancer  *affinity.Balancer
 	observer  *observe.PortObserver
@@ -189,7 +195,7 @@ func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) 
 		// synced with has nothing new: with a builder that reuses the Ports of
 		// unchanged Services, an endpoint change costs one balancer update, not
 		// one per Service port.
-		if sp.port != port {
+		if sp.port.Load() != port {
 			p.updatePort(sp, port)
 		}
 		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
@@ -212,7 +218,7 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 	p.mu.Lock()
 	var closing []*servicePort
 	for name, sp := range p.ports {
-		if d := desired[name]; d == nil || !service.IdentityEqual(sp.port, d) {
+		if d := desired[name]; d == nil || !service.IdentityEqual(sp.port.Load(), d) {
 			closing = append(closing, sp)
 			delete(p.ports, name)
 		}
@@ -243,8 +249,7 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 			p.mu.Lock()
 			p.ports[port.Name] = sp
 			p.mu.Unlock()
-		}
-		if sp.port != port { // see syncSameListeners
+		} else if sp.port.Load() != port { // see syncSameListeners
 			p.updatePort(sp, port)
 		}
 		synced[i].sp = sp
@@ -300,7 +305,7 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 	}
 	sp.balancer.Update(addrs, dst, port.AffinityClientIP, port.AffinityTimeout)
 	sp.observer.Retain(addrs)
-	sp.port = port
+	sp.port.Store(port)
 }
 
 func (p *Proxier) listenHost() string {
@@ -337,6 +342,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 	}
 	bal.SetEjection(p.ejection())
 	sp := &servicePort{
+		name:     port.Name,
 		balancer: bal,
 		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
 		done:     make(chan struct{}),
@@ -344,6 +350,8 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 	// The balancer ejects endpoints from the dial reports of the socket layer;
 	// the observer only hears of its decisions.
 	bal.SetEjectionObserver(sp.observer)
+	// The first connection finds the endpoints, and a reader the Port.
+	p.updatePort(sp, port)
 	host := p.listenHost()
 	var lastErr error
 	ok := p.alloc.each(func(pp int) bool {
@@ -423,7 +431,7 @@ func (p *Proxier) closePort(sp *servicePort) {
 	<-sp.done
 	p.alloc.release(sp.proxyPort)
 	sp.observer.Forget()
-	klog.V(1).InfoS("Closed proxy port", "service", sp.port.Name, "proxyPort", sp.proxyPort)
+	klog.V(1).InfoS("Closed proxy port", "service", sp.name, "proxyPort", sp.proxyPort)
 }
 
 // ProxyPort returns the proxy port of a Service port (0 when it has none).
@@ -467,7 +475,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 			<-sp.done
 			if err != nil && !errors.Is(err, net.ErrClosed) {
 				mu.Lock()
-				errs = multierror.Append(errs, fmt.Errorf("%s: %w", sp.port.Name, err))
+				errs = multierror.Append(errs, fmt.Errorf("%s: %w", sp.name, err))
 				mu.Unlock()
 			}
 		}()
