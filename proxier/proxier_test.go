@@ -353,12 +353,20 @@ func TestFailedPortRetriedWithSameServices(t *testing.T) {
 	}
 }
 
-// loopResources counts the event loops' goroutines and epoll descriptors in the
-// process.
-func loopResources(t *testing.T) (goroutines, epolls int) {
+// loopResources returns the ids of the goroutines running event loops and counts
+// the epoll descriptors of the process. Ids, not a count: a loop closed by an
+// earlier test may still be returning when a count is taken.
+func loopResources(t *testing.T) (goroutines map[string]bool, epolls int) {
 	t.Helper()
 	buf := make([]byte, 1<<20)
-	goroutines = strings.Count(string(buf[:runtime.Stack(buf, true)]), "poll.(*Loop).run(")
+	goroutines = make(map[string]bool)
+	for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+		// Every loop goroutine, started or not yet, names its creator.
+		if strings.Contains(g, "created by github.com/uproxy/uproxy/socket/poll.New ") {
+			id, _, _ := strings.Cut(strings.TrimPrefix(g, "goroutine "), " ")
+			goroutines[id] = true
+		}
+	}
 	entries, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		t.Fatal(err)
@@ -401,8 +409,15 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, e := loopResources(t); e != e0+2 {
+	ours, e := loopResources(t)
+	if e != e0+2 {
 		t.Errorf("epoll descriptors with two loops: got %d, want %d", e, e0+2)
+	}
+	for id := range g0 {
+		delete(ours, id)
+	}
+	if len(ours) != 2 {
+		t.Errorf("loop goroutines started by New: got %d, want 2", len(ours))
 	}
 	held := port("held", service.TCP, ln.Addr().(*net.TCPAddr).AddrPort())
 	mustSync(t, p, snapshot(held))
@@ -429,9 +444,18 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 		t.Errorf("client after Shutdown: got %v, want its connection ended", err)
 	}
 	deadline = time.Now().Add(10 * time.Second)
-	for g, e := loopResources(t); g != g0 || e != e0; g, e = loopResources(t) {
+	// left counts our loop goroutines still running.
+	left := func(g map[string]bool) (n int) {
+		for id := range ours {
+			if g[id] {
+				n++
+			}
+		}
+		return n
+	}
+	for g, e := loopResources(t); left(g) != 0 || e != e0; g, e = loopResources(t) {
 		if time.Now().After(deadline) {
-			t.Fatalf("after Shutdown: %d loop goroutines and %d epoll descriptors, want %d and %d as before New", g, e, g0, e0)
+			t.Fatalf("after Shutdown: %d of the loop goroutines and %d epoll descriptors, want 0 and %d as before New", left(g), e, e0)
 		}
 		time.Sleep(time.Millisecond)
 	}
