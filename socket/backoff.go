@@ -22,11 +22,46 @@ func nextBackoff(prev time.Duration) time.Duration {
 	return min(2*prev, maxBackoff)
 }
 
-// isTemporary reports whether an accept or read error may go away by itself: a
-// shortage (see isShortage), or a connection the client aborted before it was
-// accepted.
-func isTemporary(err error) bool {
-	return isShortage(err) || errors.Is(err, syscall.ECONNABORTED)
+// errAction is what accepting (TCP) or reading a Service socket (UDP) does after
+// an error.
+type errAction uint8
+
+const (
+	// retryNow: the error belonged to one peer, not to the socket; go on at once.
+	retryNow errAction = iota
+	// backOff: the node is short of a resource; wait before trying again.
+	backOff
+	// giveUp: the socket itself is broken; stop serving it.
+	giveUp
+)
+
+// peerErrors belong to one connection or datagram, not to the socket that
+// reports them. accept(2) passes on a network error already pending on the
+// connection it was about to return (and asks callers to retry those as they
+// would EAGAIN); ECONNABORTED is a connection its client gave up before it was
+// accepted; ECONNREFUSED is how a UDP socket reports the ICMP error an earlier
+// datagram drew. Each is reported once and is gone with its peer.
+var peerErrors = [...]syscall.Errno{
+	syscall.ECONNABORTED, syscall.ECONNREFUSED,
+	syscall.ENETDOWN, syscall.EPROTO, syscall.ENOPROTOOPT, syscall.EHOSTDOWN,
+	syscall.ENONET, syscall.EHOSTUNREACH, syscall.EOPNOTSUPP, syscall.ENETUNREACH,
+}
+
+// actionAfter classifies an error of accept or of a Service socket's read
+// (EAGAIN is not an error there: the caller waits for the next event).
+func actionAfter(err error) errAction {
+	switch {
+	case errors.Is(err, syscall.EINTR):
+		return retryNow
+	case isShortage(err):
+		return backOff
+	}
+	for _, e := range peerErrors {
+		if errors.Is(err, e) {
+			return retryNow
+		}
+	}
+	return giveUp
 }
 
 // isShortage reports whether err says the process or the kernel ran short of file

@@ -54,8 +54,8 @@ type TCPProxy struct {
 	// Observer is told about every connection and attempt; nil means NopObserver.
 	Observer Observer
 
-	// acceptBackoff, when set, is told about each backoff of accepting - after a
-	// temporary accept error, or a dial that found the node short of sockets - and
+	// acceptBackoff, when set, is told about each backoff of accepting - after
+	// accept, or a dial of a connection it accepted, found the node short - and
 	// its wait (tests use it; the default logs). It runs on an event loop.
 	acceptBackoff func(err error, delay time.Duration)
 
@@ -322,13 +322,19 @@ func (h *listenHandle) Handle(uint32) {
 			continue
 		case err == unix.EAGAIN:
 			return
-		case err == unix.EINTR:
+		}
+		switch actionAfter(err) {
+		case retryNow:
+			// The connection is gone; the next one is taken (this one
+			// still counts against the batch, so an error that kept
+			// coming could not hold the loop).
 			continue
-		case isTemporary(err):
+		case backOff:
 			h.backoff(l, os.NewSyscallError("accept4", err), "Accept failed, backing off")
 			return
 		}
-		// The socket itself is broken: Serve reports it.
+		// The socket itself is broken (shut down, say): Serve reports it, and
+		// its owner may open another.
 		h.unwatch(l)
 		tl.mu.Lock()
 		if tl.err == nil {
@@ -340,8 +346,8 @@ func (h *listenHandle) Handle(uint32) {
 	}
 }
 
-// backoff stops accepting on this loop for a while after a temporary error of
-// accept, or a shortage that failed an accepted connection's dial: the listener
+// backoff stops accepting on this loop for a while after accept ran short of
+// descriptors or memory, or such a shortage failed an accepted connection's dial: the listener
 // stays readable, and accepting at once would meet the same error.
 func (h *listenHandle) backoff(l *loop, err error, msg string) {
 	delay := h.backoffWatch.backoff(l)

@@ -198,12 +198,15 @@ func (s *udpSocket) Handle(uint32) {
 	for r.read(uintptr(s.fd)) {
 		if r.errno != nil {
 			err := os.NewSyscallError("recvmmsg", r.errno)
-			if isTemporary(r.errno) {
+			r.release()
+			switch actionAfter(r.errno) {
+			case retryNow:
+				continue
+			case backOff:
 				s.backoff(l, err)
-			} else {
+			default:
 				s.stop(l, err)
 			}
-			r.release()
 			return
 		}
 		s.delay = 0
@@ -214,7 +217,7 @@ func (s *udpSocket) Handle(uint32) {
 	}
 }
 
-// backoff stops reading for a while after a temporary error (see TCP's accept).
+// backoff stops reading for a while after a shortage (see TCP's accept).
 func (s *udpSocket) backoff(l *loop, err error) {
 	delay := s.backoffWatch.backoff(l)
 	s.p.observer().BackedOff(s.p.Service, err, delay)
