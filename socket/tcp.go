@@ -347,8 +347,9 @@ func (h *listenHandle) Handle(uint32) {
 }
 
 // backoff stops accepting on this loop for a while after accept ran short of
-// descriptors or memory, or such a shortage failed an accepted connection's dial: the listener
-// stays readable, and accepting at once would meet the same error.
+// descriptors or memory, or such a shortage failed an accepted connection's
+// dial: the listener stays readable, and accepting at once would meet the same
+// error.
 func (h *listenHandle) backoff(l *loop, err error, msg string) {
 	delay := h.backoffWatch.backoff(l)
 	h.ln.p.observer().BackedOff(h.ln.p.Service, err, delay)
