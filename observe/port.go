@@ -34,6 +34,7 @@ type PortObserver struct {
 	connFailed  prometheus.Counter
 	duration    prometheus.Observer
 	expiries    prometheus.Counter
+	reopens     prometheus.Counter
 
 	// stats and udpClients are set by Attach before the port serves, and read
 	// without a lock afterwards.
@@ -69,6 +70,7 @@ func NewPortObserver(service, protocol string, events *Events) *PortObserver {
 		connFailed:  Connections.WithLabelValues(service, protocol, "failed"),
 		duration:    ConnectionDuration.WithLabelValues(service),
 		expiries:    UDPExpiries.WithLabelValues(service),
+		reopens:     ProxyPortReopens.WithLabelValues(service),
 		endpoints:   make(map[netip.AddrPort]*endpointMetrics),
 	}
 }
@@ -161,6 +163,13 @@ func (o *PortObserver) Readmitted(ep netip.AddrPort) {
 	if o.events != nil {
 		o.events.AddEndpoint(KindReadmission, o.service, o.protocol, ep, 0, "dial succeeded")
 	}
+}
+
+// Reopened records that the port's proxy socket, on proxy port from, failed for
+// good with failure and was reopened on proxy port to.
+func (o *PortObserver) Reopened(from, to int, failure error) {
+	o.reopens.Inc()
+	klog.InfoS("Reopened proxy port", "service", o.service, "protocol", o.protocol, "proxyPort", to, "previousProxyPort", from, "failure", failure)
 }
 
 func (o *PortObserver) ConnClosed(c *record.Conn) {
@@ -265,6 +274,7 @@ func (o *PortObserver) Forget() {
 	}
 	ConnectionDuration.DeleteLabelValues(o.service)
 	UDPExpiries.DeleteLabelValues(o.service)
+	ProxyPortReopens.DeleteLabelValues(o.service)
 	o.mu.Lock()
 	for _, em := range o.endpoints {
 		o.deleteEndpointSeries(em.name)

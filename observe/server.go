@@ -37,8 +37,14 @@ type ServiceState struct {
 	AffinityCounters *AffinityCounters `json:"affinityCounters,omitempty"`
 	ActiveClients    int               `json:"activeClients,omitempty"` // UDP client table size
 	// Ejection is the outlier ejection policy ("" when off), e.g. "after 3 consecutive failed dials".
-	Ejection     string  `json:"ejection,omitempty"`
-	RecentEvents []Event `json:"recentEvents,omitempty"`
+	Ejection string `json:"ejection,omitempty"`
+	// Reopens counts the times a sync reopened the proxy port's socket after it
+	// failed for good (userspace mode). ListenerError is the latest such
+	// failure, and ListenerDown is true from it until the sync that reopens it.
+	Reopens       int     `json:"reopens,omitempty"`
+	ListenerError string  `json:"listenerError,omitempty"`
+	ListenerDown  bool    `json:"listenerDown,omitempty"`
+	RecentEvents  []Event `json:"recentEvents,omitempty"`
 	// NextForClient is the choice the client of ?client=IP would get next (modes
 	// that choose endpoints in userspace only).
 	NextForClient *Choice `json:"nextForClient,omitempty"`

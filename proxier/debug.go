@@ -52,7 +52,13 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	port := sp.port.Load()
 	st := observe.PortState(port, p.cfg.Scheduler)
-	st.ProxyPort = sp.proxyPort
+	ls := sp.listener.Load()
+	st.ProxyPort, st.Reopens = ls.proxyPort, ls.reopens
+	if err := ls.serving.failed(); err != nil {
+		st.ListenerDown, st.ListenerError = true, err.Error()
+	} else if ls.lastFailure != nil {
+		st.ListenerError = ls.lastFailure.Error()
+	}
 	if sp.udp != nil {
 		st.ActiveClients = sp.udp.Clients()
 	}

@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/uproxy/uproxy/observe"
@@ -33,6 +34,7 @@ func TestDebugServicesDuringEndpointChurn(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
+	var reads atomic.Int64
 	errs := make(chan error, 4)
 	for range 4 {
 		wg.Add(1)
@@ -41,19 +43,22 @@ func TestDebugServicesDuringEndpointChurn(t *testing.T) {
 			for ctx.Err() == nil {
 				rec := httptest.NewRecorder()
 				handler.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/debug/services", nil))
-				var states []observe.ServiceState
-				if err := json.Unmarshal(rec.Body.Bytes(), &states); err != nil {
+				var view struct{ Services []observe.ServiceState }
+				if err := json.Unmarshal(rec.Body.Bytes(), &view); err != nil {
 					errs <- fmt.Errorf("decode /debug/services: %v", err)
 					return
 				}
-				if len(states) != 2 || len(states[0].Endpoints) != 2 || len(states[1].Endpoints) != 1 {
-					errs <- fmt.Errorf("/debug/services during churn: got %+v, want 2 endpoints of tcp, 1 of udp", states)
+				st := view.Services
+				if len(st) != 2 || len(st[0].Endpoints) != 2 || len(st[1].Endpoints) != 1 {
+					errs <- fmt.Errorf("/debug/services during churn: got %+v, want 2 endpoints of tcp, 1 of udp", st)
 					return
 				}
+				reads.Add(1)
 			}
 		}()
 	}
-	for i := 1; i <= 200; i++ {
+	// The churn goes on until the readers have read a good many times during it.
+	for i := 1; i <= 200 || (reads.Load() < 200 && len(errs) == 0); i++ {
 		mustSync(t, p, snap(i))
 	}
 	cancel()

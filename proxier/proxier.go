@@ -82,6 +82,10 @@ type Proxier struct {
 	// left a port without a listener: the next Sync then takes the long way,
 	// which retries what failed.
 	synced []syncedPort
+
+	// socketFailed is set when a proxy socket has failed for good: the next Sync
+	// takes the long way, which reopens it.
+	socketFailed atomic.Bool
 }
 
 type syncedPort struct {
@@ -89,20 +93,23 @@ type syncedPort struct {
 	sp   *servicePort
 }
 
-// servicePort is the running state of one Service port. Everything but port is
-// set before the port is published in Proxier.ports and never changes.
+// servicePort is the running state of one Service port. Everything but port and
+// listener is set before the port is published in Proxier.ports and never
+// changes.
 type servicePort struct {
 	name service.PortName
 	// port is the Port of the last sync. Ports are immutable, so readers on any
 	// goroutine (the /debug handlers) load it without a lock, and Sync's short
 	// way pays one atomic store per changed port.
-	port      atomic.Pointer[service.Port]
-	proxyPort int
-	balancer  *affinity.Balancer
-	observer  *observe.PortObserver
-	tcp       *socket.TCPProxy // exactly one of tcp, udp is set
-	udp       *socket.UDPProxy
-	done      chan struct{} // closed when Serve returns
+	port atomic.Pointer[service.Port]
+	// listener is the proxy socket: replaced whole, by Sync, when a failed
+	// socket is reopened (listener.go).
+	listener atomic.Pointer[listenerState]
+	balancer *affinity.Balancer
+	observer *observe.PortObserver
+	// Exactly one of tcp, udp is set; it serves every socket the port has had.
+	tcp *socket.TCPProxy
+	udp *socket.UDPProxy
 }
 
 // New returns a Proxier with no Service ports, with its event loops running; call
@@ -175,7 +182,7 @@ func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) 
 	p.mu.RLock()
 	synced := p.synced
 	p.mu.RUnlock()
-	if synced == nil || len(synced) != len(s.Ports) {
+	if synced == nil || len(synced) != len(s.Ports) || p.socketFailed.Swap(false) {
 		return nil, false
 	}
 	for i, port := range s.Ports {
@@ -198,7 +205,7 @@ func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) 
 		if sp.port.Load() != port {
 			p.updatePort(sp, port)
 		}
-		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
+		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.listener.Load().proxyPort})
 	}
 	return portals, true
 }
@@ -249,11 +256,18 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 			p.mu.Lock()
 			p.ports[port.Name] = sp
 			p.mu.Unlock()
-		} else if sp.port.Load() != port { // see syncSameListeners
-			p.updatePort(sp, port)
+		} else {
+			if sp.port.Load() != port { // see syncSameListeners
+				p.updatePort(sp, port)
+			}
+			if err := p.reopenFailed(sp); err != nil {
+				portErrs = multierror.Append(portErrs, err)
+				complete = false
+				continue
+			}
 		}
 		synced[i].sp = sp
-		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.proxyPort})
+		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.listener.Load().proxyPort})
 	}
 	p.mu.Lock()
 	if complete && sortedByName(s.Ports) {
@@ -308,21 +322,6 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 	sp.port.Store(port)
 }
 
-func (p *Proxier) listenHost() string {
-	if !p.cfg.BindAddress.IsValid() || p.cfg.BindAddress.IsUnspecified() {
-		return "" // every address, both families
-	}
-	return p.cfg.BindAddress.String()
-}
-
-// listenConfig disables Go's default TCP keepalive on accepted sockets: it costs
-// several setsockopt calls per connection, and the backend side decides liveness.
-var listenConfig = func() net.ListenConfig {
-	lc := net.ListenConfig{KeepAlive: -1}
-	lc.SetMultipathTCP(false)
-	return lc
-}()
-
 func (p *Proxier) ejection() affinity.Ejection {
 	e := affinity.Ejection{After: p.cfg.EjectAfter, Base: p.cfg.EjectBase, Max: p.cfg.EjectMax}
 	if e.Base <= 0 {
@@ -345,79 +344,42 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 		name:     port.Name,
 		balancer: bal,
 		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
-		done:     make(chan struct{}),
 	}
 	// The balancer ejects endpoints from the dial reports of the socket layer;
 	// the observer only hears of its decisions.
 	bal.SetEjectionObserver(sp.observer)
 	// The first connection finds the endpoints, and a reader the Port.
 	p.updatePort(sp, port)
-	host := p.listenHost()
-	var lastErr error
-	ok := p.alloc.each(func(pp int) bool {
-		addr := net.JoinHostPort(host, fmt.Sprint(pp))
-		switch port.Protocol {
-		case service.TCP:
-			ln, err := listenConfig.Listen(context.Background(), "tcp", addr)
-			if err != nil {
-				lastErr = err
-				return false
-			}
-			tl := ln.(*net.TCPListener)
-			sp.proxyPort = tl.Addr().(*net.TCPAddr).Port
-			sp.tcp = &socket.TCPProxy{
-				Service:      port.Name.String(),
-				Picker:       bal,
-				Loops:        p.loops,
-				DialTimeouts: p.cfg.DialTimeouts,
-				Observer:     sp.observer,
-			}
-			sp.observer.Attach(balancerStats(bal), nil)
-			go serveTCP(sp, tl)
-		case service.UDP:
-			pc, err := listenConfig.ListenPacket(context.Background(), "udp", addr)
-			if err != nil {
-				lastErr = err
-				return false
-			}
-			uc := pc.(*net.UDPConn)
-			sp.proxyPort = uc.LocalAddr().(*net.UDPAddr).Port
-			sp.udp = &socket.UDPProxy{
-				Service:    port.Name.String(),
-				Picker:     bal,
-				Loops:      p.loops,
-				Timeout:    p.cfg.UDPTimeout,
-				MaxClients: p.cfg.UDPMaxClients,
-				Observer:   sp.observer,
-			}
-			udp := sp.udp
-			sp.observer.Attach(balancerStats(bal), udp.Clients)
-			go serveUDP(sp, uc)
+	switch port.Protocol {
+	case service.TCP:
+		sp.tcp = &socket.TCPProxy{
+			Service:      port.Name.String(),
+			Picker:       bal,
+			Loops:        p.loops,
+			DialTimeouts: p.cfg.DialTimeouts,
+			Observer:     sp.observer,
 		}
-		return true
-	})
-	if !ok {
-		if lastErr == nil {
-			lastErr = fmt.Errorf("every port of range %s is in use", p.alloc.r)
+		sp.observer.Attach(balancerStats(bal), nil)
+	case service.UDP:
+		sp.udp = &socket.UDPProxy{
+			Service:    port.Name.String(),
+			Picker:     bal,
+			Loops:      p.loops,
+			Timeout:    p.cfg.UDPTimeout,
+			MaxClients: p.cfg.UDPMaxClients,
+			Observer:   sp.observer,
 		}
-		return nil, fmt.Errorf("open proxy port for %s/%s: %w", port.Name, port.Protocol, lastErr)
+		sp.observer.Attach(balancerStats(bal), sp.udp.Clients)
 	}
-	klog.V(1).InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", sp.proxyPort)
+	ls, err := p.listenAnywhere(sp)
+	if err != nil {
+		// Nothing was served: the port leaves no series and no scrape behind.
+		sp.observer.Forget()
+		return nil, fmt.Errorf("open proxy port for %s/%s: %w", port.Name, port.Protocol, err)
+	}
+	sp.listener.Store(ls)
+	klog.V(1).InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", ls.proxyPort)
 	return sp, nil
-}
-
-func serveTCP(sp *servicePort, ln *net.TCPListener) {
-	defer close(sp.done)
-	if err := sp.tcp.Serve(ln); err != nil && !errors.Is(err, net.ErrClosed) {
-		klog.ErrorS(err, "Proxy listener stopped", "service", sp.tcp.Service)
-	}
-}
-
-func serveUDP(sp *servicePort, conn *net.UDPConn) {
-	defer close(sp.done)
-	if err := sp.udp.Serve(conn); err != nil && !errors.Is(err, net.ErrClosed) {
-		klog.ErrorS(err, "Proxy socket stopped", "service", sp.udp.Service)
-	}
 }
 
 // closePort stops accepting for a Service port that went away. Open TCP
@@ -428,10 +390,11 @@ func (p *Proxier) closePort(sp *servicePort) {
 	} else {
 		sp.udp.Close()
 	}
-	<-sp.done
-	p.alloc.release(sp.proxyPort)
+	ls := sp.listener.Load()
+	<-ls.serving.done
+	p.alloc.release(ls.proxyPort)
 	sp.observer.Forget()
-	klog.V(1).InfoS("Closed proxy port", "service", sp.name, "proxyPort", sp.proxyPort)
+	klog.V(1).InfoS("Closed proxy port", "service", sp.name, "proxyPort", ls.proxyPort)
 }
 
 // ProxyPort returns the proxy port of a Service port (0 when it has none).
@@ -439,7 +402,7 @@ func (p *Proxier) ProxyPort(name service.PortName) int {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	if sp := p.ports[name]; sp != nil {
-		return sp.proxyPort
+		return sp.listener.Load().proxyPort
 	}
 	return 0
 }
@@ -472,7 +435,7 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 			} else {
 				err = sp.udp.Close()
 			}
-			<-sp.done
+			<-sp.listener.Load().serving.done
 			if err != nil && !errors.Is(err, net.ErrClosed) {
 				mu.Lock()
 				errs = multierror.Append(errs, fmt.Errorf("%s: %w", sp.name, err))

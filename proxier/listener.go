@@ -1,0 +1,143 @@
+package proxier
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+
+	"k8s.io/klog/v2"
+)
+
+// A Service port's proxy socket can fail for good while the port lives on (a
+// listening socket shut down under the proxy: accept then says EINVAL). Its
+// Serve returns the error, which marks the Proxier; the next Sync takes the long
+// way and reopens the socket, on the same proxy port while that is free, and
+// serves it with the same proxy, so the connections the dead socket accepted
+// carry on and the port keeps its balancer, affinity and metrics.
+
+// listenerState is a Service port's proxy socket and what befell the ones
+// before it. It is never changed once stored: a reopen stores a new one.
+type listenerState struct {
+	proxyPort int
+	serving   *serving
+	// reopens counts the sockets of the port that failed for good and were
+	// replaced; lastFailure is why the latest of them failed.
+	reopens     int
+	lastFailure error
+}
+
+// serving is one Serve of a proxy socket. err, set before done is closed, is
+// why the socket failed for good (nil when it was closed).
+type serving struct {
+	done chan struct{}
+	err  error
+}
+
+// failed returns why the socket failed for good, or nil while it serves or
+// after it was closed.
+func (sv *serving) failed() error {
+	select {
+	case <-sv.done:
+		return sv.err
+	default:
+		return nil
+	}
+}
+
+// listenConfig disables Go's default TCP keepalive on accepted sockets: the
+// socket layer takes the listening socket over and sets its own (see
+// socket.TCPProxy.KeepAlive).
+var listenConfig = func() net.ListenConfig {
+	lc := net.ListenConfig{KeepAlive: -1}
+	lc.SetMultipathTCP(false)
+	return lc
+}()
+
+func (p *Proxier) listenHost() string {
+	if !p.cfg.BindAddress.IsValid() || p.cfg.BindAddress.IsUnspecified() {
+		return "" // every address, both families
+	}
+	return p.cfg.BindAddress.String()
+}
+
+// listen opens sp's proxy socket on proxy port pp and starts serving it.
+func (p *Proxier) listen(sp *servicePort, pp int) (*serving, error) {
+	addr := net.JoinHostPort(p.listenHost(), strconv.Itoa(pp))
+	sv := &serving{done: make(chan struct{})}
+	if sp.tcp != nil {
+		ln, err := listenConfig.Listen(context.Background(), "tcp", addr)
+		if err != nil {
+			return nil, err
+		}
+		go p.serve(sp, sv, func() error { return sp.tcp.Serve(ln.(*net.TCPListener)) })
+	} else {
+		pc, err := listenConfig.ListenPacket(context.Background(), "udp", addr)
+		if err != nil {
+			return nil, err
+		}
+		go p.serve(sp, sv, func() error { return sp.udp.Serve(pc.(*net.UDPConn)) })
+	}
+	return sv, nil
+}
+
+// listenAnywhere opens sp's proxy socket on a free port of the range.
+func (p *Proxier) listenAnywhere(sp *servicePort) (*listenerState, error) {
+	var ls *listenerState
+	var lastErr error
+	ok := p.alloc.each(func(pp int) bool {
+		sv, err := p.listen(sp, pp)
+		if err != nil {
+			lastErr = err
+			return false
+		}
+		ls = &listenerState{proxyPort: pp, serving: sv}
+		return true
+	})
+	if !ok {
+		if lastErr == nil {
+			lastErr = fmt.Errorf("every port of range %s is in use", p.alloc.r)
+		}
+		return nil, lastErr
+	}
+	return ls, nil
+}
+
+// serve runs one Serve of sp's proxy (run) and records how it ended.
+func (p *Proxier) serve(sp *servicePort, sv *serving, run func() error) {
+	if err := run(); err != nil && !errors.Is(err, net.ErrClosed) {
+		klog.ErrorS(err, "Proxy socket failed; the next sync reopens it", "service", sp.name)
+		sv.err = err
+	}
+	close(sv.done)
+	if sv.err != nil {
+		p.socketFailed.Store(true)
+	}
+}
+
+// reopenFailed replaces sp's proxy socket if it has failed for good: on the same
+// proxy port while that is free (clients and portals keep it), else on another
+// of the range. While no port can be had the dead socket's port stays held, to
+// be tried first by the next Sync.
+func (p *Proxier) reopenFailed(sp *servicePort) error {
+	old := sp.listener.Load()
+	failure := old.serving.failed()
+	if failure == nil {
+		return nil
+	}
+	ls := &listenerState{proxyPort: old.proxyPort, reopens: old.reopens + 1, lastFailure: failure}
+	sv, err := p.listen(sp, old.proxyPort)
+	if err != nil {
+		moved, err := p.listenAnywhere(sp)
+		if err != nil {
+			return fmt.Errorf("reopen proxy port %d of %s after %v: %w", old.proxyPort, sp.name, failure, err)
+		}
+		p.alloc.release(old.proxyPort)
+		ls.proxyPort, sv = moved.proxyPort, moved.serving
+	}
+	ls.serving = sv
+	sp.listener.Store(ls)
+	sp.observer.Reopened(old.proxyPort, ls.proxyPort, failure)
+	return nil
+}
