@@ -93,7 +93,8 @@ func (sd *tcpSide) Handle(ev uint32) {
 // while the destination is writable, and written on at once; only what it does not
 // take (a short write) is kept, in pending.
 // A read that fills the buffer marks a bulk transfer: from then on the direction
-// splices through a pipe, and the bytes never enter user space.
+// splices through a pipe, and the bytes never enter user space (while a pipe can
+// be had: see fill).
 type tcpDirection struct {
 	pending []byte
 	off     int
@@ -432,12 +433,17 @@ func (d *tcpDirection) flush(dst *tcpSide) error {
 	}
 }
 
-// fill splices what src holds into a pipe (taking one from the pool).
+// fill splices what src holds into a pipe (taking one from the pool). When no
+// pipe can be had (the process or the node is out of descriptors or memory) the
+// direction goes back to copying through the loop's buffer, which needs nothing
+// more: the connection is not at fault, and resetting it would free no more than
+// its own two sockets. The next read that fills the buffer tries a pipe again.
 func (d *tcpDirection) fill(src *tcpSide) error {
 	if d.pipe == nil {
 		p, err := getPipe()
 		if err != nil {
-			return err
+			d.splice = false
+			return nil
 		}
 		d.pipe = p
 	}
