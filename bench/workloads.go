@@ -256,9 +256,9 @@ func udpLoop(p *path, m *meter, g *generator) error {
 
 // sample is the CPU (and memory) of everything that works during a trial.
 type sample struct {
-	proxy, backend   usage
-	client, machine  time.Duration
-	hasProxy, failed bool
+	proxy, backend  usage
+	client, machine time.Duration
+	hasProxy        bool
 }
 
 func takeSample(p *path) (sample, error) {

@@ -13,12 +13,11 @@ import (
 
 // UDP sockets are read with recvmmsg(2): one call takes every datagram queued (up
 // to batchLen), and a call that returns fewer than it asked for has seen the queue
-// empty. The poller is edge-triggered and, within one RawConn.Read, latches a
-// readiness event that arrives while nobody waits, so after such a call the reader
-// waits at once instead of asking again only to hear EAGAIN: one syscall fewer per
-// wake-up, the common case for request/response traffic. RawConn.Read clears the
-// latch when it starts, so the datagrams are handled inside its callback and a new
-// RawConn.Read always reads before it waits (begin).
+// empty. The loops watch sockets edge-triggered, so a handler must read until the
+// queue is empty, and a datagram that arrives afterwards is a new event: after a
+// short batch the reader stops at once instead of asking again only to hear
+// EAGAIN - one syscall fewer per event, the common case for request/response
+// traffic. Each event's first read always asks (begin).
 
 // batchLen is how many datagrams one read of a Service socket takes at most; an
 // endpoint socket, which carries one client's replies, is read replyBatchLen at a
@@ -42,7 +41,7 @@ type datagramBatch struct {
 	hdrs  [batchLen]mmsghdr
 	iovs  [batchLen]unix.Iovec
 	names [batchLen]unix.RawSockaddrInet6
-	oob   [batchLen][pktinfoSpaceConst]byte
+	oob   [batchLen][pktinfoSpace]byte
 	// buf holds len(buf)/maxDatagram datagrams, one per maxDatagram bytes.
 	buf []byte
 }
@@ -51,10 +50,11 @@ func newDatagramBatch(n int) *datagramBatch {
 	return &datagramBatch{buf: make([]byte, n*maxDatagram)}
 }
 
-// pktinfoSpaceConst is pktinfoSpace as a constant, for array sizes: the aligned
-// header (16 bytes on 64-bit Linux, 12 on 32-bit) plus struct in6_pktinfo (20),
-// rounded up; 64 covers both.
-const pktinfoSpaceConst = 64
+// pktinfoSpace is the control-message room of one datagram, enough for one IPv4
+// or IPv6 pktinfo: the aligned header (16 bytes on 64-bit Linux, 12 on 32-bit)
+// plus struct in6_pktinfo (20), rounded up; 64 covers both. A constant, for
+// array sizes.
+const pktinfoSpace = 64
 
 // Batches for Service sockets and for endpoint sockets.
 var (
@@ -62,8 +62,8 @@ var (
 	replyBatches   = sync.Pool{New: func() any { return newDatagramBatch(replyBatchLen) }}
 )
 
-// batchReader reads a socket in batches inside RawConn.Read. readFn is read,
-// bound once.
+// batchReader reads a socket in batches, for the handler of one event at a time;
+// each loop has one per kind of socket (see loop).
 type batchReader struct {
 	batch *datagramBatch // nil while waiting
 	pool  *sync.Pool
@@ -75,9 +75,8 @@ type batchReader struct {
 	// n datagrams were read, or errno ended the read.
 	n     int
 	errno error
-	// drained says the last read saw the queue empty: the next one waits first.
+	// drained says the last read saw the queue empty: the next one stops.
 	drained bool
-	readFn  func(fd uintptr) bool
 }
 
 func newBatchReader(withAddrs bool) *batchReader {
@@ -85,17 +84,16 @@ func newBatchReader(withAddrs bool) *batchReader {
 	if withAddrs {
 		r.pool, r.max = &serviceBatches, batchLen
 	}
-	r.readFn = r.read
 	return r
 }
 
-// begin readies r for a new RawConn.Read, whose first read must not be skipped:
-// an event latched before it started has been forgotten.
+// begin readies r for a new event, whose first read must not be skipped: the
+// event says something arrived after the last read saw the queue empty.
 func (r *batchReader) begin() { r.drained = false }
 
-// read runs inside RawConn.Read: false waits for readability, true returns with
-// n datagrams or errno.
-func (r *batchReader) read(fd uintptr) bool {
+// read reads the next batch from socket fd: true with n datagrams or errno,
+// false once the queue is empty (the handler is done until the next event).
+func (r *batchReader) read(fd int) bool {
 	if r.drained {
 		r.drained = false
 		r.release()
@@ -114,11 +112,11 @@ func (r *batchReader) read(fd uintptr) bool {
 			h.hdr.Name = (*byte)(unsafe.Pointer(&b.names[i]))
 			h.hdr.Namelen = unix.SizeofSockaddrInet6
 			h.hdr.Control = &b.oob[i][0]
-			h.hdr.SetControllen(pktinfoSpaceConst)
+			h.hdr.SetControllen(pktinfoSpace)
 		}
 	}
 	for {
-		n, _, e := unix.Syscall6(unix.SYS_RECVMMSG, fd, uintptr(unsafe.Pointer(&b.hdrs[0])), uintptr(r.max), unix.MSG_DONTWAIT, 0, 0)
+		n, _, e := unix.Syscall6(unix.SYS_RECVMMSG, uintptr(fd), uintptr(unsafe.Pointer(&b.hdrs[0])), uintptr(r.max), unix.MSG_DONTWAIT, 0, 0)
 		switch e {
 		case 0:
 			r.n, r.errno = int(n), nil

@@ -39,9 +39,6 @@ func enablePktinfo(conn *net.UDPConn) bool {
 	return enabled
 }
 
-// pktinfoSpace is enough control-message room for one IPv4 or IPv6 pktinfo.
-var pktinfoSpace = unix.CmsgSpace(unix.SizeofInet6Pktinfo)
-
 // datagramDestination returns the destination address a datagram was sent to,
 // from its control messages (invalid when they carry none).
 func datagramDestination(oob []byte) netip.Addr {

@@ -207,13 +207,15 @@ func (l *loop) dial(ep netip.AddrPort, sotype int) (int, error) {
 		unix.Close(fd)
 		return -1, err
 	}
-	for {
-		err = unix.Connect(fd, sa)
-		if err != unix.EINTR {
-			break
-		}
+	err = unix.Connect(fd, sa)
+	// A TCP connect goes on in the background after EINPROGRESS, and also after
+	// EINTR (a signal came first; connect(2), POSIX): either way the socket's
+	// first output event ends it, and connecting again would only say EALREADY.
+	// A UDP connect only sets the peer; it never waits, so never sees EINTR.
+	if sotype == unix.SOCK_STREAM && (err == unix.EINPROGRESS || err == unix.EINTR) {
+		err = nil
 	}
-	if err != nil && !(err == unix.EINPROGRESS && sotype == unix.SOCK_STREAM) {
+	if err != nil {
 		unix.Close(fd)
 		return -1, os.NewSyscallError("connect", err)
 	}

@@ -937,10 +937,6 @@ type starvation struct {
 	once    sync.Once
 }
 
-// starveDescriptors lowers RLIMIT_NOFILE as far as it goes; restore (also run at
-// cleanup) closes the fillers and puts the limit back. Garbage collection is off
-// meanwhile: its finalizers close descriptors (pooled splice pipes) that the code
-// under test would take.
 // rawClient makes a client socket while descriptors are plentiful: connecting
 // it takes none, so it can reach the proxy after they have run out. t.Cleanup
 // closes it (f) if the test has not.
@@ -963,6 +959,10 @@ func connectRaw(t *testing.T, fd int, addr netip.AddrPort) {
 	}
 }
 
+// starveDescriptors lowers RLIMIT_NOFILE as far as it goes; restore (also run at
+// cleanup) closes the fillers and puts the limit back. Garbage collection is off
+// meanwhile: its finalizers close descriptors (pooled splice pipes) that the code
+// under test would take.
 func starveDescriptors(t *testing.T) *starvation {
 	t.Helper()
 	gc := debug.SetGCPercent(-1)

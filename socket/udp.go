@@ -195,7 +195,7 @@ func (s *udpSocket) Handle(uint32) {
 	p, l := s.p, s.p.l
 	r := l.serviceReader
 	r.begin()
-	for r.read(uintptr(s.fd)) {
+	for r.read(s.fd) {
 		if r.errno != nil {
 			err := os.NewSyscallError("recvmmsg", r.errno)
 			r.release()
@@ -436,7 +436,7 @@ func (c *udpClient) Handle(uint32) {
 	l := c.p.l
 	r := l.replyReader
 	r.begin()
-	for r.read(uintptr(c.fd)) {
+	for r.read(c.fd) {
 		if r.errno != nil {
 			err := r.errno
 			r.release()
