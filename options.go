@@ -30,6 +30,8 @@ type options struct {
 	udpTimeout         time.Duration
 	udpMaxClients      int
 	dialTimeouts       string
+	tcpKeepAlive       time.Duration
+	tcpIdleTimeout     time.Duration
 	scheduler          string
 	proxyMode          string
 	metricsBindAddress string
@@ -69,6 +71,7 @@ func defaultOptions() *options {
 		udpTimeout:         250 * time.Millisecond,
 		udpMaxClients:      4096,
 		dialTimeouts:       "250ms,500ms,1s,2s",
+		tcpKeepAlive:       socket.DefaultKeepAlive,
 		scheduler:          "rr",
 		proxyMode:          "userspace",
 		metricsBindAddress: "127.0.0.1:10249",
@@ -98,6 +101,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.udpTimeout, "udp-timeout", o.udpTimeout, "how long an idle UDP client keeps its backend")
 	f.IntVar(&o.udpMaxClients, "udp-max-clients", o.udpMaxClients, "most UDP clients tracked per Service port")
 	f.StringVar(&o.dialTimeouts, "dial-timeouts", o.dialTimeouts, "per-attempt TCP dial timeouts; one attempt per entry, each to another endpoint while any remains")
+	f.DurationVar(&o.tcpKeepAlive, "tcp-keepalive", o.tcpKeepAlive, "TCP keepalive on both sockets of every proxied connection: probes after this long without a packet, then every this long, until net.ipv4.tcp_keepalive_probes go unanswered (whole seconds, up to 32767s); 0: off")
+	f.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", o.tcpIdleTimeout, "reset both sides of a proxied TCP connection once no byte has moved either way for this long; 0: never, as kube-proxy")
 	f.StringVar(&o.scheduler, "scheduler", o.scheduler, "backend scheduler: "+strings.Join(affinity.Schedulers, ", ")+" (ipvs mode: also wrr, wlc)")
 	f.StringVar(&o.proxyMode, "proxy-mode", o.proxyMode, "userspace (proxy ports, retries), iptables (kernel DNAT), ipvs, or auto (ipvs, else iptables, else userspace)")
 	f.StringVar(&o.metricsBindAddress, "metrics-bind-address", o.metricsBindAddress, "address of /metrics and /debug (empty: off)")
@@ -161,6 +166,18 @@ func (o *options) validate() (*config, error) {
 	if c.proxier.DialTimeouts, err = socket.ParseDialTimeouts(o.dialTimeouts); err != nil {
 		return nil, fmt.Errorf("--dial-timeouts: %w", err)
 	}
+	switch {
+	case o.tcpKeepAlive == 0:
+		c.proxier.TCPKeepAlive = -1 // off; the Config's zero is the default
+	case o.tcpKeepAlive < time.Second || o.tcpKeepAlive > 32767*time.Second:
+		return nil, fmt.Errorf("--tcp-keepalive %v: want 0 (off) or 1s to 32767s, the kernel's bounds", o.tcpKeepAlive)
+	default:
+		c.proxier.TCPKeepAlive = o.tcpKeepAlive
+	}
+	if o.tcpIdleTimeout < 0 {
+		return nil, fmt.Errorf("--tcp-idle-timeout %v: must not be negative (0: never)", o.tcpIdleTimeout)
+	}
+	c.proxier.TCPIdleTimeout = o.tcpIdleTimeout
 	if !slices.Contains(affinity.Schedulers, o.scheduler) && !slices.Contains(ipvs.Schedulers, o.scheduler) {
 		return nil, fmt.Errorf("--scheduler %q: want one of %s (ipvs mode: also wrr, wlc)", o.scheduler, strings.Join(affinity.Schedulers, ", "))
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spf13/cobra"
 )
@@ -20,6 +21,10 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--dial-mark-bit=-2"}, "--dial-mark-bit"},
 		{[]string{"--dial-timeouts=1s,,2s"}, "--dial-timeouts"},
 		{[]string{"--udp-timeout=0s"}, "--udp-timeout"},
+		{[]string{"--tcp-keepalive=-1s"}, "--tcp-keepalive"},
+		{[]string{"--tcp-keepalive=500ms"}, "--tcp-keepalive"},
+		{[]string{"--tcp-keepalive=10h"}, "--tcp-keepalive"},
+		{[]string{"--tcp-idle-timeout=-1s"}, "--tcp-idle-timeout"},
 		{[]string{"--bind-address=not-an-ip"}, "--bind-address"},
 	}
 	for _, tt := range tests {
@@ -55,6 +60,35 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		}
 		if c, err := o.validate(); err != nil || c.dialMark != want {
 			t.Errorf("validate with --dial-mark-bit=%s: got %+v, %v; want dial mark %#x", bit, c, err, want)
+		}
+	}
+}
+
+// --tcp-keepalive and --tcp-idle-timeout reach the proxier's Config, whose zero
+// keepalive is the default: the flag's 0 (off) becomes a negative one.
+func TestTCPLivenessFlags(t *testing.T) {
+	tests := []struct {
+		args                    []string
+		wantKeepAlive, wantIdle time.Duration
+	}{
+		{nil, 15 * time.Second, 0},
+		{[]string{"--tcp-keepalive=0"}, -1, 0},
+		{[]string{"--tcp-keepalive=1m", "--tcp-idle-timeout=1h"}, time.Minute, time.Hour},
+	}
+	for _, tt := range tests {
+		o := defaultOptions()
+		cmd := &cobra.Command{Use: "uproxy"}
+		o.addFlags(cmd)
+		if err := cmd.Flags().Parse(tt.args); err != nil {
+			t.Fatal(err)
+		}
+		c, err := o.validate()
+		if err != nil {
+			t.Fatalf("validate with %v: %v", tt.args, err)
+		}
+		if c.proxier.TCPKeepAlive != tt.wantKeepAlive || c.proxier.TCPIdleTimeout != tt.wantIdle {
+			t.Errorf("validate with %v: got keepalive %v, idle timeout %v; want %v, %v",
+				tt.args, c.proxier.TCPKeepAlive, c.proxier.TCPIdleTimeout, tt.wantKeepAlive, tt.wantIdle)
 		}
 	}
 }

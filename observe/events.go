@@ -18,6 +18,9 @@ const (
 	KindReadmission = "readmission"
 )
 
+// ReasonIdle is the Reason of a connection closed by the idle timeout.
+const ReasonIdle = "idle"
+
 // Connection outcomes.
 const (
 	OutcomeSuccess = "success" // served by its first attempt
@@ -46,7 +49,8 @@ type Event struct {
 	Duration   string  `json:"duration"`
 	DurationMs float64 `json:"durationMs"`
 	Error      string  `json:"error,omitempty"`
-	// Reason explains an ejection or re-admission.
+	// Reason explains an ejection or re-admission, or why the proxy closed a
+	// connection: ReasonIdle.
 	Reason string `json:"reason,omitempty"`
 }
 
@@ -112,6 +116,10 @@ func NewEvents(n int) *Events {
 
 // Add records the connection c (it keeps no reference to c).
 func (e *Events) Add(c *record.Conn) {
+	reason := ""
+	if c.IdledOut() {
+		reason = ReasonIdle
+	}
 	e.mu.Lock()
 	r := e.take()
 	r.kind = KindConnection
@@ -120,7 +128,7 @@ func (e *Events) Add(c *record.Conn) {
 	r.client, r.endpoint = c.Client, c.Endpoint
 	r.attempts = append(r.attempts[:0], c.Attempts...)
 	r.bytesIn, r.bytesOut = c.BytesIn, c.BytesOut
-	r.duration, r.err, r.reason = c.Duration, c.Err, ""
+	r.duration, r.err, r.reason = c.Duration, c.Err, reason
 	e.mu.Unlock()
 }
 

@@ -108,6 +108,10 @@ var (
 		Name: "uproxy_endpoint_readmissions_total",
 		Help: "Times an ejected endpoint was re-admitted by a successful dial, by Service port and endpoint.",
 	}, []string{"service", "endpoint"})
+	IdleTimeouts = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_idle_timeouts_total",
+		Help: "TCP connections reset after no byte moved either way for --tcp-idle-timeout, by Service port.",
+	}, []string{"service"})
 	ProxyPortReopens = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_proxy_port_reopens_total",
 		Help: "Times a sync reopened a Service port's proxy socket after it failed for good, by Service port.",
@@ -122,7 +126,7 @@ func init() {
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
 		IPTablesRestoreFailures,
 		Connections, DialAttempts, DialDuration, Retries, ActiveConnections, ConnectionDuration,
-		Bytes, UDPExpiries, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens,
+		Bytes, UDPExpiries, IdleTimeouts, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens,
 		portsCollector{},
 	)
 }

@@ -1,10 +1,13 @@
 package observe_test
 
 import (
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -404,5 +407,46 @@ func TestNextForClient(t *testing.T) {
 		if got.Endpoint != c.endpoint || got.Sticky != c.sticky || !strings.Contains(got.Reason, c.reasonHas) {
 			t.Errorf("client %s: got %+v, want endpoint %s sticky %v, reason containing %q", c.client, got, c.endpoint, c.sticky, c.reasonHas)
 		}
+	}
+}
+
+// A connection reset by the idle timeout shows as such in /debug/events (reason
+// idle) and in uproxy_idle_timeouts_total; one that ends by itself does not.
+func TestIdleTimeoutEventAndMetric(t *testing.T) {
+	// Long enough that the first connection ends by itself first, even on a
+	// loaded machine.
+	const timeout = 300 * time.Millisecond
+	w := mkWorld(t, proxier.Config{TCPIdleTimeout: timeout})
+	svc, pp := w.addService(service.TCP, false, echoBackend(t, "127.0.0.2"))
+	if got, err := echoThrough(t, pp, "ended by the client"); err != nil || got != "ended by the client" {
+		t.Fatalf("echo: got %q, %v", got, err)
+	}
+	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", pp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, "idle"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 4)); err != nil {
+		t.Fatalf("echo before idling: %v", err)
+	}
+	// Nothing more is sent: the proxy resets the connection after the timeout.
+	if _, err := c.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("read while idle: got %v, want a reset after %v", err, timeout)
+	}
+	await(t, "both connections recorded", func() bool { return len(w.eventsOf("?service="+svc)) == 2 })
+	evs := w.eventsOf("?service=" + svc) // newest first
+	if ev := evs[0]; ev.Reason != observe.ReasonIdle || !strings.Contains(ev.Error, "idle timeout") || ev.Outcome != "success" || ev.BytesIn != 4 {
+		t.Errorf("event of the idle connection: got reason %q, error %q, outcome %q, %d bytes in; want %q, an idle timeout, success, 4",
+			ev.Reason, ev.Error, ev.Outcome, ev.BytesIn, observe.ReasonIdle)
+	}
+	if ev := evs[1]; ev.Reason != "" || ev.Error != "" {
+		t.Errorf("event of the connection the client ended: got reason %q, error %q; want neither", ev.Reason, ev.Error)
+	}
+	if got := metricOr0(t, "uproxy_idle_timeouts_total", map[string]string{"service": svc}); got != 1 {
+		t.Errorf("uproxy_idle_timeouts_total: got %v, want 1", got)
 	}
 }

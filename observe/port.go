@@ -34,6 +34,7 @@ type PortObserver struct {
 	connFailed  prometheus.Counter
 	duration    prometheus.Observer
 	expiries    prometheus.Counter
+	idle        prometheus.Counter
 	reopens     prometheus.Counter
 
 	// stats and udpClients are set by Attach before the port serves, and read
@@ -70,6 +71,7 @@ func NewPortObserver(service, protocol string, events *Events) *PortObserver {
 		connFailed:  Connections.WithLabelValues(service, protocol, "failed"),
 		duration:    ConnectionDuration.WithLabelValues(service),
 		expiries:    UDPExpiries.WithLabelValues(service),
+		idle:        IdleTimeouts.WithLabelValues(service),
 		reopens:     ProxyPortReopens.WithLabelValues(service),
 		endpoints:   make(map[netip.AddrPort]*endpointMetrics),
 	}
@@ -198,6 +200,9 @@ func (o *PortObserver) ConnClosed(c *record.Conn) {
 		// port closed, which ends every session at once).
 		o.expiries.Inc()
 	}
+	if c.IdledOut() {
+		o.idle.Inc()
+	}
 	if o.events != nil {
 		o.events.Add(c)
 	}
@@ -274,6 +279,7 @@ func (o *PortObserver) Forget() {
 	}
 	ConnectionDuration.DeleteLabelValues(o.service)
 	UDPExpiries.DeleteLabelValues(o.service)
+	IdleTimeouts.DeleteLabelValues(o.service)
 	ProxyPortReopens.DeleteLabelValues(o.service)
 	o.mu.Lock()
 	for _, em := range o.endpoints {

@@ -46,15 +46,6 @@ func (sv *serving) failed() error {
 	}
 }
 
-// listenConfig disables Go's default TCP keepalive on accepted sockets: the
-// socket layer takes the listening socket over and sets its own (see
-// socket.TCPProxy.KeepAlive).
-var listenConfig = func() net.ListenConfig {
-	lc := net.ListenConfig{KeepAlive: -1}
-	lc.SetMultipathTCP(false)
-	return lc
-}()
-
 func (p *Proxier) listenHost() string {
 	if !p.cfg.BindAddress.IsValid() || p.cfg.BindAddress.IsUnspecified() {
 		return "" // every address, both families
@@ -67,13 +58,13 @@ func (p *Proxier) listen(sp *servicePort, pp int) (*serving, error) {
 	addr := net.JoinHostPort(p.listenHost(), strconv.Itoa(pp))
 	sv := &serving{done: make(chan struct{})}
 	if sp.tcp != nil {
-		ln, err := listenConfig.Listen(context.Background(), "tcp", addr)
+		ln, err := sp.tcp.Listen(context.Background(), "tcp", addr)
 		if err != nil {
 			return nil, err
 		}
-		go p.serve(sp, sv, func() error { return sp.tcp.Serve(ln.(*net.TCPListener)) })
+		go p.serve(sp, sv, func() error { return sp.tcp.Serve(ln) })
 	} else {
-		pc, err := listenConfig.ListenPacket(context.Background(), "udp", addr)
+		pc, err := new(net.ListenConfig).ListenPacket(context.Background(), "udp", addr)
 		if err != nil {
 			return nil, err
 		}

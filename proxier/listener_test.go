@@ -136,3 +136,40 @@ func TestSyncReopensAFailedProxySocket(t *testing.T) {
 		})
 	}
 }
+
+// Config.TCPKeepAlive reaches the proxy sockets: a listening socket carries it
+// for every connection it accepts to inherit.
+func TestTCPKeepAliveReachesTheListener(t *testing.T) {
+	tests := []struct {
+		name      string
+		keepAlive time.Duration
+		wantIdle  int // seconds; 0: keepalive off
+	}{
+		{name: "default", wantIdle: 15},
+		{name: "20s", keepAlive: 20 * time.Second, wantIdle: 20},
+		{name: "off", keepAlive: -1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			w := newWorld(t)
+			p := newProxier(t, Config{TCPKeepAlive: tt.keepAlive})
+			svc := port("web", service.TCP, w.tcpBackend("a", "127.0.0.2"))
+			mustSync(t, p, snapshot(svc))
+			fd := listeningSocket(t, p.ProxyPort(svc.Name))
+			on, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE)
+			if err != nil {
+				t.Fatal(err)
+			}
+			idle, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if on == 0 {
+				idle = 0
+			}
+			if idle != tt.wantIdle {
+				t.Errorf("keepalive idle time of the listening socket: got %ds, want %ds (0: off)", idle, tt.wantIdle)
+			}
+		})
+	}
+}

@@ -35,6 +35,12 @@ type Config struct {
 	Scheduler string
 	// DialTimeouts has one per-attempt timeout per TCP dial attempt; nil: socket defaults.
 	DialTimeouts []time.Duration
+	// TCPKeepAlive is the keepalive idle time and probe interval on both sockets
+	// of every TCP connection; 0: socket.DefaultKeepAlive (15s), negative: off.
+	TCPKeepAlive time.Duration
+	// TCPIdleTimeout resets a TCP connection through which no byte moved either
+	// way for that long; 0: never, as kube-proxy.
+	TCPIdleTimeout time.Duration
 	// UDPTimeout is the idle expiry of UDP client entries; 0: socket default (250ms).
 	UDPTimeout time.Duration
 	// UDPMaxClients bounds each UDP Service's client table; 0: socket default.
@@ -357,6 +363,8 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 			Picker:       bal,
 			Loops:        p.loops,
 			DialTimeouts: p.cfg.DialTimeouts,
+			KeepAlive:    p.cfg.TCPKeepAlive,
+			IdleTimeout:  p.cfg.TCPIdleTimeout,
 			Observer:     sp.observer,
 		}
 		sp.observer.Attach(balancerStats(bal), nil)

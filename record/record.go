@@ -4,9 +4,14 @@
 package record
 
 import (
+	"errors"
 	"net/netip"
 	"time"
 )
+
+// ErrIdle is the Err (wrapped) of a TCP connection the proxy closed because no
+// byte moved either way for its idle timeout.
+var ErrIdle = errors.New("idle timeout")
 
 // Attempt is one dial of one endpoint for one connection.
 type Attempt struct {
@@ -33,3 +38,7 @@ type Conn struct {
 	// Err is why the connection failed or ended abnormally (nil for a clean end).
 	Err error
 }
+
+// IdledOut reports whether the proxy closed the connection because it was idle
+// for its idle timeout.
+func (c *Conn) IdledOut() bool { return c.Err != nil && errors.Is(c.Err, ErrIdle) }

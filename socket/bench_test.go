@@ -2,6 +2,7 @@ package socket
 
 import (
 	"bytes"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -57,6 +58,12 @@ type benchTarget struct {
 	proxyCPU func() time.Duration // nil unless the proxy is a child process
 }
 
+// benchKeepAlive is the TCPProxy.KeepAlive of the benchmarks' proxies, in this
+// process and in a child, to compare what keepalive costs per connection:
+//
+//	go test -run '^$' -bench TCPConnect ./socket/ -args -keepalive=-1s
+var benchKeepAlive = flag.Duration("keepalive", 0, "TCPProxy.KeepAlive of the benchmarks' proxies (0: DefaultKeepAlive, negative: off)")
+
 // benchNames are the sub-benchmarks of TCP benchmarks: straight to the backend,
 // through an in-process proxy, and through a proxy in a child process (whose own
 // CPU time is then reported as proxy-cpu-*).
@@ -68,10 +75,11 @@ func startBenchTarget(b *testing.B, name string, handle func(*net.TCPConn)) benc
 	backend := startTCPServer(b, "127.0.0.2", handle)
 	switch name {
 	case "proxied":
-		p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(backend.addr)}
+		p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(backend.addr), KeepAlive: *benchKeepAlive}
 		return benchTarget{addr: startTCPProxy(b, p)}
 	case "proxied-child":
-		addr, cmd := startChildProcess(b, "SOCKET_TEST_PROXY_TO="+backend.addr.String())
+		addr, cmd := startChildProcess(b, "SOCKET_TEST_PROXY_TO="+backend.addr.String(),
+			"SOCKET_TEST_PROXY_KEEPALIVE="+benchKeepAlive.String())
 		return benchTarget{addr: addr, proxyCPU: func() time.Duration { return childCPU(b, cmd.Process.Pid) }}
 	}
 	return benchTarget{addr: backend.addr}

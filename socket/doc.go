@@ -7,9 +7,9 @@
 //
 //	loops, err := poll.New(poll.Config{}) // shared by every proxy
 //	if err != nil { ... }
-//	ln, err := socket.ListenTCP(ctx, netip.MustParseAddrPort("0.0.0.0:0"))
-//	if err != nil { ... }
 //	p := &socket.TCPProxy{Service: "ns/web:http", Picker: balancer, Loops: loops, Observer: metrics}
+//	ln, err := p.Listen(ctx, "tcp", ":0")
+//	if err != nil { ... }
 //	go p.Serve(ln)
 //	...
 //	err = p.Shutdown(ctx) // stop accepting, let connections finish, reset the rest
@@ -21,11 +21,25 @@
 // Costs are part of the contract. Connections run on a few event loops (loop.go;
 // what a loop costs, per event and per timer, is poll's contract), not on
 // goroutines of their own: an open TCP connection is a small struct and its two
-// sockets, with no stack, no pipe and no buffer while it is idle. Small transfers
-// are read into the loop's buffer (one per loop, shared by every proxy on it) and
+// sockets, with no stack, no pipe and no buffer while it is idle; its one timer
+// (the dial timeout, then the idle timeout) lives inside it. Small transfers are
+// read into the loop's buffer (one per loop, shared by every proxy on it) and
 // written on at once; bulk ones splice through pooled pipes and never enter user
-// space (session.go). The only socket option set per connection is TCP_NODELAY on
-// the backend socket (client sockets inherit it from the listener); keepalive is
-// off on both sides, since the proxy relays bytes, not liveness, and the endpoints
-// keep their own keepalive.
+// space (session.go), unless no pipe can be had, when they go through the buffer.
+//
+// The system calls of a TCP connection, beyond those that move its bytes:
+//
+//   - client socket: accept4, epoll_ctl (add). It inherits TCP_NODELAY and the
+//     keepalive settings from the listener, which Listen gives them once.
+//   - backend socket: socket, setsockopt TCP_NODELAY, setsockopt SO_MARK when a
+//     dial mark is set (mark.go), setsockopt SO_KEEPALIVE, TCP_KEEPIDLE and
+//     TCP_KEEPINTVL while keepalive is on (TCPProxy.KeepAlive; TCP_KEEPCNT is the
+//     node's), connect, epoll_ctl (add); each failed attempt adds a getsockopt
+//     SO_ERROR (or nothing, when the dial timer ends it) and a close.
+//   - end: shutdown SHUT_WR to pass on a half-close, a close per socket, and a
+//     setsockopt SO_LINGER before the close of each socket that is reset.
+//
+// That is 6 calls to set a connection up with keepalive off and no dial mark, 9
+// with keepalive on (the default). The idle timeout (TCPProxy.IdleTimeout) costs
+// no system call: a reading of the loop's clock when bytes have moved.
 package socket

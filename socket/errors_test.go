@@ -80,7 +80,7 @@ func TestTCPProxyServesAgainAfterItsListenerDies(t *testing.T) {
 		}
 	})
 	serve := func() (netip.AddrPort, chan error) {
-		ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+		ln, err := p.Listen(context.Background(), "tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -3,7 +3,6 @@ package socket
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"fmt"
 	"io"
 	"net"
@@ -416,7 +415,7 @@ func TestUDPProxyNoLeaksOverClientChurn(t *testing.T) {
 // kept open past the baseline is seen.
 func TestAwaitBaselineSeesALeak(t *testing.T) {
 	_, before := processSockets(t)
-	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}

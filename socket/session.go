@@ -27,10 +27,15 @@ type tcpSession struct {
 	up, down tcpDirection
 	state    sessionState
 
-	// Dialing: when the attempt in flight began, and its timeout. (Attempts begun
-	// before it are in rec.Attempts.)
+	// Dialing: when the attempt in flight began. (Attempts begun before it are
+	// in rec.Attempts.)
 	attemptStart time.Time
-	dialTimer    poll.Timer
+	// timer is the dial timeout of the attempt in flight while dialing, and the
+	// idle timeout once open (TCPProxy.IdleTimeout). lastMoved is when (loop.Now)
+	// a byte last moved either way: the idle timer checks it when it expires
+	// rather than being moved at every transfer.
+	timer     poll.Timer
+	lastMoved int64
 
 	err error // why the session was aborted
 	rec record.Conn
@@ -117,7 +122,7 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 	// A new connection's send buffer is empty.
 	s.client = tcpSide{s: s, fd: fd, writable: true}
 	s.backend = tcpSide{s: s, fd: -1}
-	s.dialTimer = poll.NewTimer(s)
+	s.timer = poll.NewTimer(s)
 	s.rec = record.Conn{Service: p.Service, Protocol: "TCP", Client: client, Start: time.Now()}
 	s.rec.Attempts = s.attempts[:0]
 	if !p.track(s) {
@@ -159,11 +164,11 @@ func (s *tcpSession) dialNext(lastErr error) {
 		}
 		s.attemptStart = time.Now()
 		s.rec.Endpoint = ep
-		fd, err := s.l.dial(ep, unix.SOCK_STREAM)
+		fd, err := s.l.dial(ep, unix.SOCK_STREAM, p.keepAliveSecs())
 		if err == nil {
 			s.backend.fd = fd
 			if err = s.l.Watch(fd, &s.backend, sessionEvents); err == nil {
-				s.l.Schedule(&s.dialTimer, timeout)
+				s.l.Schedule(&s.timer, timeout)
 				return
 			}
 			s.backend.fd = -1
@@ -188,17 +193,22 @@ func (s *tcpSession) dialNext(lastErr error) {
 }
 
 // dial opens a non-blocking socket of sotype (SOCK_STREAM or SOCK_DGRAM) to ep,
-// with the dial mark, and connects it. A TCP socket also gets TCP_NODELAY, and a
-// nil error means its connect is in progress (or done): the socket's first output
-// event ends it. A UDP connect only sets the peer.
-func (l *loop) dial(ep netip.AddrPort, sotype int) (int, error) {
+// with the dial mark, and connects it. A TCP socket also gets TCP_NODELAY and,
+// unless keepAliveSecs is 0, keepalive (see setKeepAlive); a nil error means its
+// connect is in progress (or done): the socket's first output event ends it. A
+// UDP connect only sets the peer.
+func (l *loop) dial(ep netip.AddrPort, sotype, keepAliveSecs int) (int, error) {
 	family, sa := l.sockaddr(ep)
 	fd, err := unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
 	}
 	if sotype == unix.SOCK_STREAM {
-		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+		err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+		if err == nil && keepAliveSecs > 0 {
+			err = setKeepAlive(fd, keepAliveSecs)
+		}
+		if err != nil {
 			unix.Close(fd)
 			return -1, os.NewSyscallError("setsockopt", err)
 		}
@@ -256,25 +266,44 @@ func (s *tcpSession) connectEvent(ev uint32) {
 	if ev&unix.EPOLLOUT == 0 {
 		return
 	}
-	s.l.Cancel(&s.dialTimer)
+	s.l.Cancel(&s.timer)
 	a := record.Attempt{Endpoint: s.rec.Endpoint, Start: s.attemptStart, Duration: time.Since(s.attemptStart)}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	s.p.observer().AttemptDone(s.p.Service, a)
 	s.p.Picker.DialSucceeded(a.Endpoint)
 	s.state = open
+	if idle := s.p.IdleTimeout; idle > 0 {
+		s.lastMoved = s.l.Now()
+		s.l.Schedule(&s.timer, idle)
+	}
 	s.pump()
 }
 
-// Expire is the dial timeout of the attempt in flight.
+// Expire is the dial timeout of the attempt in flight while dialing, and the
+// idle timeout once open: it closes the connection if no byte has moved since
+// the timeout began, and otherwise looks again when it would have.
 func (s *tcpSession) Expire() {
-	if s.state == dialing {
+	switch s.state {
+	case dialing:
 		s.retry(os.ErrDeadlineExceeded)
+	case open:
+		timeout := s.p.IdleTimeout
+		if idle := time.Duration(s.l.Now() - s.lastMoved); idle < timeout {
+			s.l.Schedule(&s.timer, timeout-idle)
+			return
+		}
+		// A reset, not a FIN, on both sides: an idle connection may be idle
+		// in the middle of an exchange, and a FIN would tell a peer that
+		// reads to the end that what it got was all; a reset says the
+		// connection was cut. Nor does a reset leave a socket behind
+		// retransmitting its FIN to a peer that vanished.
+		s.abort(fmt.Errorf("no byte either way for %v: %w", timeout, record.ErrIdle))
 	}
 }
 
 // retry fails the attempt in flight with err and moves on to the next.
 func (s *tcpSession) retry(err error) {
-	s.l.Cancel(&s.dialTimer)
+	s.l.Cancel(&s.timer)
 	s.backend.close(s.l, false)
 	s.dialNext(s.attemptFailed(dialError(s.rec.Endpoint, err)))
 }
@@ -297,6 +326,7 @@ func (s *tcpSession) attemptFailed(err error) error {
 // pump moves whatever both directions can move now, and ends the session once both
 // are done or one fails.
 func (s *tcpSession) pump() {
+	moved := s.up.bytes + s.down.bytes
 	if err := s.move(&s.up, &s.client, &s.backend, &s.down); err != nil {
 		s.abort(fmt.Errorf("copy client to backend: %w", err))
 		return
@@ -304,6 +334,10 @@ func (s *tcpSession) pump() {
 	if err := s.move(&s.down, &s.backend, &s.client, &s.up); err != nil {
 		s.abort(fmt.Errorf("copy backend to client: %w", err))
 		return
+	}
+	// The clock is read only when a byte moved, and only for an idle timeout.
+	if s.p.IdleTimeout > 0 && s.up.bytes+s.down.bytes != moved {
+		s.lastMoved = s.l.Now()
 	}
 	if s.up.done && s.down.done {
 		s.finish()
@@ -492,7 +526,6 @@ func (s *tcpSession) abort(err error) {
 	switch s.state {
 	case dialing:
 		if s.backend.fd >= 0 {
-			s.l.Cancel(&s.dialTimer)
 			s.backend.close(s.l, false)
 			s.attemptFailed(dialError(s.rec.Endpoint, err))
 		}
@@ -523,6 +556,7 @@ func (sd *tcpSide) close(l *loop, reset bool) {
 
 // end delivers the connection's record and forgets it.
 func (s *tcpSession) end(err error) {
+	s.l.Cancel(&s.timer)
 	s.state = ended
 	for _, d := range []*tcpDirection{&s.up, &s.down} {
 		if d.pipe != nil {

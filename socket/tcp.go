@@ -11,6 +11,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -23,19 +24,46 @@ import (
 // ErrShutdown is the Err of connections reset because Shutdown's grace period ended.
 var ErrShutdown = errors.New("proxy shut down")
 
-// ListenTCP opens a TCP proxy listener on addr. Serve takes the socket over from the
-// returned listener; the listener only carries it there.
-func ListenTCP(ctx context.Context, addr netip.AddrPort) (*net.TCPListener, error) {
-	network := "tcp4"
-	if addr.Addr().Is6() && !addr.Addr().Is4In6() {
-		network = "tcp6"
-	}
-	lc := net.ListenConfig{KeepAlive: -1}
-	ln, err := lc.Listen(ctx, network, addr.String())
+// DefaultKeepAlive is the keepalive idle time and probe interval of a TCPProxy
+// that sets none, as Go's net package.
+const DefaultKeepAlive = 15 * time.Second
+
+// maxKeepAlive is the kernel's bound on TCP_KEEPIDLE and TCP_KEEPINTVL (32767s).
+const maxKeepAlive = 32767 * time.Second
+
+// Listen opens a listener for Serve on address ("tcp", "tcp4" or "tcp6", as
+// net.Listen; plain TCP, not multipath). Its socket gets the options that every
+// accepted socket inherits - TCP_NODELAY and the proxy's keepalive - before it
+// listens: a connection is made, and takes its options, as it enters the accept
+// queue, so one queued before Serve began would otherwise have none. Serve takes
+// the socket over; the listener only carries it there.
+func (p *TCPProxy) Listen(ctx context.Context, network, address string) (*net.TCPListener, error) {
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var err error
+		if cerr := c.Control(func(fd uintptr) { err = p.setListenerOptions(int(fd)) }); cerr != nil {
+			return cerr
+		}
+		return err
+	}}
+	lc.SetMultipathTCP(false)
+	ln, err := lc.Listen(ctx, network, address)
 	if err != nil {
-		return nil, fmt.Errorf("listen on %s: %w", addr, err)
+		return nil, err // a *net.OpError: "listen tcp ADDRESS: ..."
 	}
 	return ln.(*net.TCPListener), nil
+}
+
+// setListenerOptions gives listening socket fd the options every socket it
+// accepts inherits, sparing their setsockopt calls per connection.
+func (p *TCPProxy) setListenerOptions(fd int) error {
+	err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	if err == nil {
+		err = setKeepAlive(fd, p.keepAliveSecs())
+	}
+	if err != nil {
+		return os.NewSyscallError("setsockopt", err)
+	}
+	return nil
 }
 
 // TCPProxy proxies the TCP connections of one Service port to its endpoints. Set the
@@ -51,6 +79,18 @@ type TCPProxy struct {
 	Loops *poll.Group
 	// DialTimeouts holds one timeout per dial attempt; nil means DefaultDialTimeouts.
 	DialTimeouts []time.Duration
+	// KeepAlive turns TCP keepalive on for both sockets of every connection: after
+	// KeepAlive without a packet from the peer the kernel probes it, every
+	// KeepAlive, and resets the connection when the node's
+	// net.ipv4.tcp_keepalive_probes (9 by default) go unanswered: 150s after a
+	// peer vanished without a FIN, by default. Zero means DefaultKeepAlive,
+	// negative turns keepalive off. It is counted in whole seconds, rounded up,
+	// at most 32767s.
+	KeepAlive time.Duration
+	// IdleTimeout closes a connection through which no byte has moved, either
+	// way, for that long: both sockets are reset (the record's Err wraps
+	// record.ErrIdle). Zero (or negative) never closes one, as kube-proxy.
+	IdleTimeout time.Duration
 	// Observer is told about every connection and attempt; nil means NopObserver.
 	Observer Observer
 
@@ -91,6 +131,19 @@ func (p *TCPProxy) observer() Observer {
 	return p.Observer
 }
 
+// keepAliveSecs returns the keepalive idle time and interval in seconds, as the
+// kernel takes them; 0 when keepalive is off.
+func (p *TCPProxy) keepAliveSecs() int {
+	d := p.KeepAlive
+	switch {
+	case d < 0:
+		return 0
+	case d == 0:
+		d = DefaultKeepAlive
+	}
+	return int((min(d, maxKeepAlive) + time.Second - 1) / time.Second)
+}
+
 func (p *TCPProxy) dialTimeouts() []time.Duration {
 	if len(p.DialTimeouts) == 0 {
 		return DefaultDialTimeouts
@@ -101,7 +154,7 @@ func (p *TCPProxy) dialTimeouts() []time.Duration {
 // Serve accepts connections on ln and proxies them on the event loops until Close
 // or Shutdown, after which it returns nil; it returns an error if accepting fails
 // for good. Serve takes ln's socket over: ln itself is closed at once, and the
-// socket when Serve returns. Use ListenTCP to create ln.
+// socket when Serve returns. Use Listen to create ln.
 func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 	p.init()
 	if p.Loops == nil {
@@ -138,19 +191,39 @@ func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 }
 
 // takeListener moves ln's socket out of Go's poller: it keeps a duplicate of the
-// descriptor and closes ln. The listening socket gets TCP_NODELAY, which every
-// accepted socket inherits, sparing a setsockopt per connection.
+// descriptor and closes ln. The socket gets the listener options again, once, in
+// case ln was not made by Listen; connections already queued then lack them.
 func takeListener(p *TCPProxy, ln *net.TCPListener) (*tcpListener, error) {
 	addr := ln.Addr().String()
 	fd, err := takeFD(ln)
 	if err != nil {
 		return nil, err
 	}
-	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
+	if err := p.setListenerOptions(fd); err != nil {
 		unix.Close(fd)
-		return nil, os.NewSyscallError("setsockopt", err)
+		return nil, err
 	}
 	return &tcpListener{p: p, fd: fd, addr: addr, done: make(chan struct{})}, nil
+}
+
+// setKeepAlive sets TCP keepalive on socket fd: probes after secs seconds
+// without a packet from the peer, then every secs seconds; secs 0 turns it off.
+// TCP_KEEPCNT is left to the node (net.ipv4.tcp_keepalive_probes): how many
+// unanswered probes mean a dead peer is a property of the node's network, which
+// its operator tunes, not of one proxy; and leaving it spares a setsockopt per
+// backend socket.
+func setKeepAlive(fd, secs int) error {
+	if secs == 0 {
+		// Off is the kernel's default, but a caller's listener may have it on.
+		return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 0)
+	}
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1); err != nil {
+		return err
+	}
+	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, secs); err != nil {
+		return err
+	}
+	return unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, secs)
 }
 
 // isClosed reports whether Close has closed every listener.

@@ -35,7 +35,8 @@ func TestMain(m *testing.M) {
 		return
 	}
 	if to := os.Getenv("SOCKET_TEST_PROXY_TO"); to != "" {
-		runProxyProcess(to)
+		keepAlive, _ := time.ParseDuration(os.Getenv("SOCKET_TEST_PROXY_KEEPALIVE"))
+		runProxyProcess(to, keepAlive)
 		return
 	}
 	os.Exit(m.Run())
@@ -484,17 +485,17 @@ func runBackendProcess(mode, addr string) {
 	select {}
 }
 
-// runProxyProcess is a TCPProxy to the endpoint to in a separate process, so a
-// benchmark can read the proxy's own CPU time. It prints its address and serves
-// until its standard input closes.
-func runProxyProcess(to string) {
+// runProxyProcess is a TCPProxy to the endpoint to, with keepAlive, in a separate
+// process, so a benchmark can read the proxy's own CPU time. It prints its address
+// and serves until its standard input closes.
+func runProxyProcess(to string, keepAlive time.Duration) {
 	loops, err := poll.New(poll.Config{})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
 	}
-	p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(netip.MustParseAddrPort(to)), Loops: loops}
-	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(netip.MustParseAddrPort(to)), Loops: loops, KeepAlive: keepAlive}
+	ln, err := p.Listen(context.Background(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
@@ -745,7 +746,7 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 	// A generous timeout: on a loaded machine a retry would skew the checks below.
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec, DialTimeouts: []time.Duration{awaitTimeout}}
 	p.Loops = loops
-	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	ln, err := p.Listen(context.Background(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -833,7 +834,7 @@ func TestTCPProxyServeAfterClose(t *testing.T) {
 	if err := p.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}
-	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	ln, err := p.Listen(context.Background(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1136,7 +1137,7 @@ func TestTCPProxyIPv6(t *testing.T) {
 			rec := &recorder{}
 			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
 			p.Loops = newLoops(t, 1, nil)
-			ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort(tt.listen))
+			ln, err := p.Listen(context.Background(), "tcp", tt.listen)
 			if err != nil {
 				t.Fatal(err)
 			}

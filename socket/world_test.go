@@ -341,7 +341,7 @@ func startTCPProxy(t testing.TB, p *TCPProxy) netip.AddrPort {
 	if p.Loops == nil {
 		p.Loops = newLoops(t, 1, nil)
 	}
-	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
+	ln, err := p.Listen(context.Background(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
