@@ -2,7 +2,6 @@ package socket
 
 import (
 	"crypto/sha256"
-	"io"
 	"runtime"
 	"testing"
 )
@@ -30,22 +29,11 @@ func TestTCPProxyCopiesWithoutPipes(t *testing.T) {
 	st.fill()
 
 	up := payload(3, size)
-	written := make(chan error, 1)
-	go func() {
-		_, err := client.Write(up)
-		if err == nil {
-			err = client.CloseWrite()
-		}
-		written <- err
-	}()
-	got, err := io.ReadAll(client)
-	if err != nil {
-		t.Fatalf("read the echo without pipes: got %v after %d bytes, want EOF", err, len(got))
-	}
-	if err := <-written; err != nil {
-		t.Fatalf("write without pipes: %v", err)
-	}
+	got, err := exchangeAll(client, up)
 	st.restore()
+	if err != nil {
+		t.Fatalf("echo without pipes: %v", err)
+	}
 	if len(got) != size || sha256.Sum256(got) != sha256.Sum256(up) {
 		t.Fatalf("echo without pipes: got %d bytes (sha256 %x), want %d bytes (sha256 %x)", len(got), sha256.Sum256(got), size, sha256.Sum256(up))
 	}

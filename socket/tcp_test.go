@@ -320,20 +320,9 @@ func TestTCPProxyLargeTransfers(t *testing.T) {
 			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
 			client := dialProxy(t, startTCPProxy(t, p))
 
-			written := make(chan error, 1)
-			go func() {
-				_, err := client.Write(up)
-				if err == nil {
-					err = client.CloseWrite()
-				}
-				written <- err
-			}()
-			got, err := io.ReadAll(client)
+			got, err := exchangeAll(client, up)
 			if err != nil {
-				t.Fatalf("read reply: got %v after %d bytes, want EOF", err, len(got))
-			}
-			if err := <-written; err != nil {
-				t.Fatalf("write request: %v", err)
+				t.Fatalf("request and reply: %v", err)
 			}
 			if len(got) != len(tt.want) || sha256.Sum256(got) != sha256.Sum256(tt.want) {
 				t.Fatalf("reply: got %d bytes (sha256 %x), want %d bytes (sha256 %x)", len(got), sha256.Sum256(got), len(tt.want), sha256.Sum256(tt.want))

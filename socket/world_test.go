@@ -383,6 +383,27 @@ func roundTrip(c net.Conn, msg []byte) ([]byte, error) {
 	return got, nil
 }
 
+// exchangeAll writes b to c, then half-closes it, while it reads everything c
+// returns until EOF: both directions at once, as a bulk transfer needs.
+func exchangeAll(c *net.TCPConn, b []byte) ([]byte, error) {
+	written := make(chan error, 1)
+	go func() {
+		_, err := c.Write(b)
+		if err == nil {
+			err = c.CloseWrite()
+		}
+		written <- err
+	}()
+	got, err := io.ReadAll(c)
+	if err != nil {
+		return got, fmt.Errorf("read: got %w after %d bytes, want EOF", err, len(got))
+	}
+	if err := <-written; err != nil {
+		return got, fmt.Errorf("write: %w", err)
+	}
+	return got, nil
+}
+
 // isReset reports whether err is a connection reset.
 func isReset(err error) bool { return errors.Is(err, syscall.ECONNRESET) }
 
