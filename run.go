@@ -113,7 +113,11 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			runner.Update(s)
 		})
 	}()
-	go runner.Run(ctx)
+	syncDone := make(chan struct{})
+	go func() {
+		defer close(syncDone)
+		runner.Run(ctx)
+	}()
 
 	select {
 	case <-ctx.Done():
@@ -123,23 +127,36 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		}
 	}
 	stop()
+	var shutdown func(context.Context) error
 	if px != nil {
-		klog.InfoS("Shutting down", "grace", o.shutdownGrace)
-		sctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
+		shutdown = px.Shutdown
+	}
+	finish(syncDone, shutdown, o.shutdownGrace, mode, o.cleanupOnExit)
+	return err
+}
+
+// finish ends a run whose context is done: it waits for the sync loop to return
+// (a sync in flight completes first), so that no sync can rewrite what the
+// cleanup below removes; then it shuts the userspace proxier down (shutdown, nil
+// for a kernel mode) within grace, and removes the mode's rules if cleanupOnExit.
+func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grace time.Duration, mode interface{ Cleanup() error }, cleanupOnExit bool) {
+	<-syncDone
+	if shutdown != nil {
+		klog.InfoS("Shutting down", "grace", grace)
+		ctx, cancel := context.WithTimeout(context.Background(), grace)
 		defer cancel()
-		if serr := px.Shutdown(sctx); serr != nil {
-			klog.ErrorS(serr, "Shutdown")
+		if err := shutdown(ctx); err != nil {
+			klog.ErrorS(err, "Shutdown")
 		}
 	}
 	// Kernel modes keep serving from the kernel after exit unless asked not to.
-	if o.cleanupOnExit {
+	if cleanupOnExit {
 		if cerr := mode.Cleanup(); cerr != nil {
 			klog.ErrorS(cerr, "Removing the portal rules on exit (--cleanup-on-exit)")
 		} else {
 			klog.InfoS("Removed the portal rules on exit (--cleanup-on-exit)")
 		}
 	}
-	return err
 }
 
 func newPortals(cfg *config, prefix string) (rules.Portals, error) {
