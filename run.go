@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -35,6 +36,14 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	if err != nil {
 		return err
 	}
+	// The HTTP addresses are bound before anything else happens (or is logged),
+	// so a port in use is reported as its flag's error at once.
+	metricsLn, healthzLn, err := bindHTTP(cfg)
+	if err != nil {
+		return err
+	}
+	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn}
+	defer srv.Stop(context.Background())
 	raiseFileLimit()
 	if ctx == nil {
 		ctx = context.Background()
@@ -88,19 +97,10 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			},
 		},
 	}
-	srv := &observe.Server{
-		MetricsAddr: cfg.metricsAddr,
-		HealthzAddr: cfg.healthzAddr,
-		Mode:        modeName,
-		Services:    mode,
-		Events:      events,
-		Health:      health,
-		Debug:       o.debug,
-	}
+	srv.Mode, srv.Services, srv.Events, srv.Health, srv.Debug = modeName, mode, events, health, o.debug
 	if err := srv.Start(); err != nil {
 		return err
 	}
-	defer srv.Stop(context.Background())
 
 	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
 	srcErr := make(chan error, 1)
@@ -157,6 +157,25 @@ func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grac
 			klog.InfoS("Removed the portal rules on exit (--cleanup-on-exit)")
 		}
 	}
+}
+
+// bindHTTP binds --metrics-bind-address and --healthz-bind-address (nil for an
+// empty one); an error names the flag.
+func bindHTTP(cfg *config) (metrics, healthz net.Listener, err error) {
+	if cfg.metricsAddr != "" {
+		if metrics, err = net.Listen("tcp", cfg.metricsAddr); err != nil {
+			return nil, nil, fmt.Errorf("--metrics-bind-address %s: %w", cfg.metricsAddr, err)
+		}
+	}
+	if cfg.healthzAddr != "" {
+		if healthz, err = net.Listen("tcp", cfg.healthzAddr); err != nil {
+			if metrics != nil {
+				metrics.Close()
+			}
+			return nil, nil, fmt.Errorf("--healthz-bind-address %s: %w", cfg.healthzAddr, err)
+		}
+	}
+	return metrics, healthz, nil
 }
 
 func newPortals(cfg *config, prefix string) (rules.Portals, error) {
