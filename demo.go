@@ -17,8 +17,14 @@ import (
 	"github.com/uproxy/uproxy/service"
 )
 
-func newDemoCommand(opts *options) *cobra.Command {
-	return &cobra.Command{
+func newDemoCommand() *cobra.Command {
+	// The demo's own flags: the run flags with the defaults it really uses, less
+	// those that choose what it runs on (it writes its own manifests).
+	opts := defaultOptions()
+	opts.rules = "none"
+	opts.bindAddress = "127.0.0.1"
+	opts.healthzBindAddress = "127.0.0.1:10256"
+	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Run the proxy on an embedded demo: backends on loopback, no root needed",
 		Long: `demo starts a few backends on loopback addresses (127.0.0.2 and up), writes
@@ -31,6 +37,14 @@ Edit the manifests while it runs: they are reloaded.`,
 			return runDemo(cmd, opts)
 		},
 	}
+	opts.addFlags(cmd)
+	for _, name := range []string{"services", "kubeconfig", "master", "kube-api-qps", "kube-api-burst",
+		"kube-api-content-type", "config", "config-sync-period", "service-proxy-name", "cleanup"} {
+		if err := cmd.Flags().MarkHidden(name); err != nil {
+			panic(fmt.Sprintf("demo flags: %v", err)) // a flag renamed without this list
+		}
+	}
+	return cmd
 }
 
 // demoBackends are the servers the demo runs; stop closes them.
@@ -142,15 +156,6 @@ func runDemo(cmd *cobra.Command, opts *options) error {
 	}
 
 	opts.services = path
-	if !cmd.Flags().Changed("rules") {
-		opts.rules = "none"
-	}
-	if !cmd.Flags().Changed("bind-address") {
-		opts.bindAddress = "127.0.0.1"
-	}
-	if !cmd.Flags().Changed("healthz-bind-address") {
-		opts.healthzBindAddress = "127.0.0.1:10256"
-	}
 	out := cmd.OutOrStdout()
 	var once sync.Once
 	return runProxy(cmd.Context(), opts, func(px *proxier.Proxier, s *service.Snapshot) {

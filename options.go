@@ -107,13 +107,13 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.healthzBindAddress, "healthz-bind-address", o.healthzBindAddress, "address of /healthz and /livez (empty: off)")
 	f.DurationVar(&o.syncPeriod, "sync-period", o.syncPeriod, "most time between two syncs")
 	f.DurationVar(&o.minSyncPeriod, "min-sync-period", o.minSyncPeriod, "least time between two syncs")
-	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, "prefix of every iptables chain uproxy owns")
+	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, chainPrefixHelp)
 	f.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", o.nodePortAddresses, "CIDRs of the node addresses NodePorts answer on (empty: all)")
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
 	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit")
 	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")
-	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve /debug/services and /debug/events on the metrics address")
+	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve the /debug/ page, /debug/services and /debug/events on the metrics address")
 	f.StringVar(&o.kubeconfig, "kubeconfig", o.kubeconfig, "kubeconfig file of the API server to follow Services and EndpointSlices from (without --services; neither this nor --master: in-cluster config)")
 	f.StringVar(&o.master, "master", o.master, "address of the API server (overrides the kubeconfig's)")
 	f.Float32Var(&o.kubeAPIQPS, "kube-api-qps", o.kubeAPIQPS, "requests per second to the API server")
@@ -142,6 +142,8 @@ type config struct {
 
 // maxEventLoops bounds --event-loops: more threads than this only contend.
 const maxEventLoops = 256
+
+const chainPrefixHelp = "prefix of every iptables chain uproxy owns"
 
 // kube-proxy's packet mark bits (its --iptables-masquerade-bit default, and the
 // drop mark of its iptables mode): the dial mark must not collide with them when

@@ -162,7 +162,7 @@ func Run(w io.Writer, destination string, o Options) error {
 		if m := matchService(st, dst, proto, local); m != "" {
 			served := "the kernel (" + mode + " mode): the rules below rewrite the destination to an endpoint; no proxy process sees the connection"
 			if st.ProxyPort != 0 {
-				served = fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", st.ProxyPort, mode)
+				served = servedByProxy(st, mode)
 			}
 			x.Services = append(x.Services, serviceMatch{MatchedAs: m, ServedBy: served, Service: st})
 		}
@@ -199,6 +199,14 @@ func Run(w io.Writer, destination string, o Options) error {
 			x.kernelChoices()
 		}
 	}
+	if err == nil && x.Mode == "userspace" && !x.anyRewrite() {
+		for _, sm := range x.Services {
+			if sm.MatchedAs != "proxyPort" {
+				x.Notes = append(x.Notes, fmt.Sprintf("no portal rule sends %s/%s to the proxy (uproxy runs with --rules none, or its rules were removed): connect to %s's proxy port %d on this node instead",
+					dst, proto, sm.Service.Name, sm.Service.ProxyPort))
+			}
+		}
+	}
 	if len(x.Services) > 0 && x.Mode != "userspace" {
 		x.Notes = append(x.Notes, fmt.Sprintf("in the %s mode the kernel forwards each connection itself: uproxy never sees it, so it cannot retry a failed dial and records no connection events; only the connection's client sees a failure", x.Mode))
 	}
@@ -209,6 +217,27 @@ func Run(w io.Writer, destination string, o Options) error {
 		return enc.Encode(x)
 	}
 	return x.writeText(w)
+}
+
+// servedByProxy says what the userspace mode does with a connection (TCP) or
+// datagrams (UDP) of st.
+func servedByProxy(st observe.ServiceState, mode string) string {
+	if strings.EqualFold(st.Protocol, "UDP") {
+		return fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy gives each client address an endpoint and forwards its datagrams there, and the replies back; a UDP send cannot fail, so nothing is retried (an endpoint that answers with ICMP port unreachable counts as a failed one)", st.ProxyPort, mode)
+	}
+	return fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", st.ProxyPort, mode)
+}
+
+// anyRewrite reports whether a traced rule may send the packet somewhere else.
+func (x *explanation) anyRewrite() bool {
+	for _, rp := range x.Rules {
+		for _, v := range rp.Verdicts {
+			if v.Target == "DNAT" || v.Target == "REDIRECT" {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // parseDestination parses IP:PORT[/tcp|udp] (protocol default tcp).

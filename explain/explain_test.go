@@ -256,6 +256,18 @@ func TestExplainUserspace(t *testing.T) {
 		}
 	})
 
+	t.Run("without portals", func(t *testing.T) {
+		bare := writeFile(t, "*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n")
+		out := runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: bare})
+		want := fmt.Sprintf("no portal rule sends 10.96.0.10:80/TCP to the proxy (uproxy runs with --rules none, or its rules were removed): connect to shop/web:http's proxy port %d on this node instead", pp)
+		if !strings.Contains(out, want) {
+			t.Errorf("output: missing %q\n%s", want, out)
+		}
+		if with := runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: rulesFile}); strings.Contains(with, "no portal rule") {
+			t.Errorf("output with the portals in place: says there are none\n%s", with)
+		}
+	})
+
 	t.Run("proxy port itself", func(t *testing.T) {
 		out := runExplain(t, fmt.Sprintf("127.0.0.1:%d", pp), Options{MetricsAddress: addr, IPTablesSave: rulesFile})
 		if !strings.Contains(out, "matched as proxyPort") {
@@ -387,6 +399,26 @@ func TestTraceKernelRules(t *testing.T) {
 			}
 			if got := fmt.Sprintf("%s %v: %s", c.Endpoint, c.Sticky, c.Reason); got != tc.choice {
 				t.Errorf("next for client: got %q, want %q", got, tc.choice)
+			}
+		})
+	}
+}
+
+// Each protocol's served-by line says what the proxy does with it: TCP retries a
+// failed dial, UDP has no dial to fail.
+func TestServedByProxy(t *testing.T) {
+	tests := []struct {
+		protocol      string
+		want, wantNot string
+	}{
+		{"TCP", "retries another if the dial fails", "datagrams"},
+		{"UDP", "nothing is retried", "retries another"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.protocol, func(t *testing.T) {
+			got := servedByProxy(observe.ServiceState{Protocol: tt.protocol, ProxyPort: 40001}, "userspace")
+			if !strings.Contains(got, tt.want) || strings.Contains(got, tt.wantNot) || !strings.Contains(got, "40001") {
+				t.Errorf("got %q, want it to say %q and the proxy port, not %q", got, tt.want, tt.wantNot)
 			}
 		})
 	}
