@@ -36,6 +36,7 @@ import (
 
 	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -47,9 +48,10 @@ type Portal struct {
 	ProxyPort int
 }
 
-// Config configures IPTables. The zero value needs only NodeIPs.
+// Config configures IPTables and NFTables. The zero value needs only NodeIPs.
 type Config struct {
 	// ChainPrefix names the chains; iptables.DefaultChainPrefix when empty.
+	// NFTables names its table after it, lower-cased (nftables.TableName).
 	ChainPrefix string
 	// NodeIPs holds the node's address per family: the HOST chains DNAT to
 	// nodeIP:proxyPort, because REDIRECT from OUTPUT rewrites the destination to
@@ -73,11 +75,24 @@ type Config struct {
 
 	// IPTables is iptables and ip6tables; nil runs the commands (iptables.Commands).
 	IPTables iptables.Kernel
+	// NFTables is the nftables table NFTables owns, the one ChainPrefix names;
+	// nil runs nft and reads rules over netlink (nftables.New).
+	NFTables nftables.Kernel
 	// Conntrack deletes stale UDP flows; nil uses netlink (conntrack.Netlink).
 	Conntrack conntrack.Deleter
 	// Listen holds a NodePort open: network is tcp4, tcp6, udp4 or udp6; nil
 	// uses net.Listen and net.ListenPacket.
 	Listen func(network, address string) (io.Closer, error)
+}
+
+// nodeIP returns the first usable node IP of family f in NodeIPs.
+func (c *Config) nodeIP(f int) (netip.Addr, error) {
+	for _, ip := range c.NodeIPs {
+		if ip = ip.Unmap().WithZone(""); ip.IsValid() && familyOf(ip) == f && !ip.IsUnspecified() {
+			return ip, nil
+		}
+	}
+	return netip.Addr{}, fmt.Errorf("no %s node IP: the portals of the node's own connections DNAT to node IP:proxy port", familyName(f))
 }
 
 func (c *Config) listen(network, address string) (io.Closer, error) {
