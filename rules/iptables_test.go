@@ -14,6 +14,7 @@ import (
 	"github.com/hashicorp/go-multierror"
 	"github.com/vishvananda/netlink"
 
+	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -506,9 +507,33 @@ func flow(dst string, dport, replySport uint16) *netlink.ConntrackFlow {
 	return f
 }
 
+// TestStaleUDPFlows: both backends delete the flows a change left going the
+// wrong way, and only after a change of UDP portals.
 func TestStaleUDPFlows(t *testing.T) {
-	k := newFakeKernel()
-	p := newTestIPTables(t, k, Config{})
+	backends := []struct {
+		name  string
+		build func(t *testing.T, ct *conntrack.Recorder) Portals
+	}{
+		{"iptables", func(t *testing.T, ct *conntrack.Recorder) Portals {
+			k := newFakeKernel()
+			p := newTestIPTables(t, k, Config{})
+			p.cfg.Conntrack = ct
+			return p
+		}},
+		{"nftables", func(t *testing.T, ct *conntrack.Recorder) Portals {
+			p, _ := newTestNFTables(t, Config{Conntrack: ct})
+			return p
+		}},
+	}
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			ct := &conntrack.Recorder{}
+			testStaleUDPFlows(t, b.build(t, ct), ct)
+		})
+	}
+}
+
+func testStaleUDPFlows(t *testing.T, p Portals, ct *conntrack.Recorder) {
 	np := freePort(t, "udp4")
 	dns := port("ns", "dns", "", service.UDP, 53)
 	dns.ClusterIPs = ips("10.96.0.53")
@@ -546,8 +571,8 @@ func TestStaleUDPFlows(t *testing.T) {
 		if err := p.Sync(st.portals); err != nil {
 			t.Fatalf("%s: Sync: %v", st.name, err)
 		}
-		got := k.ct.Filters[v4]
-		k.ct.Filters[v4] = nil
+		got := ct.Filters[v4]
+		ct.Filters[v4] = nil
 		if st.matches == nil {
 			if len(got) != 0 {
 				t.Errorf("step %d %s: got %d conntrack passes, want none", i, st.name, len(got))
