@@ -1,10 +1,13 @@
 package main
 
 import (
+	"os"
 	"strings"
 	"testing"
 
 	"github.com/spf13/cobra"
+
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // Each bad flag value is refused at start with an error naming the flag.
@@ -21,6 +24,7 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--dial-timeouts=1s,,2s"}, "--dial-timeouts"},
 		{[]string{"--udp-timeout=0s"}, "--udp-timeout"},
 		{[]string{"--bind-address=not-an-ip"}, "--bind-address"},
+		{[]string{"--rules=ipfw"}, "--rules"},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
@@ -57,4 +61,46 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 			t.Errorf("validate with --dial-mark-bit=%s: got %+v, %v; want dial mark %#x", bit, c, err, want)
 		}
 	}
+}
+
+// --rules takes each backend by name; auto leaves the choice to the start,
+// where the kernel is probed, unless the proxy cannot touch the kernel at all.
+func TestValidateRules(t *testing.T) {
+	autoWant := "none"
+	if os.Geteuid() == 0 {
+		autoWant = "auto"
+	}
+	for flag, want := range map[string]string{"nftables": "nftables", "iptables": "iptables", "none": "none", "auto": autoWant} {
+		o := defaultOptions()
+		cmd := &cobra.Command{Use: "uproxy"}
+		o.addFlags(cmd)
+		if err := cmd.Flags().Parse([]string{"--rules=" + flag}); err != nil {
+			t.Fatal(err)
+		}
+		if c, err := o.validate(); err != nil || c.rules != want {
+			t.Errorf("validate with --rules=%s: got %+v, %v; want rules %q", flag, c, err, want)
+		}
+	}
+}
+
+// chooseRules keeps an explicit backend and, for auto, takes nftables where
+// the kernel and nft run the portals' layout, else iptables.
+func TestChooseRules(t *testing.T) {
+	for _, r := range []string{"nftables", "iptables", "none"} {
+		if got := chooseRules(r, "UPROXY"); got != r {
+			t.Errorf("chooseRules(%q): got %q, want it kept", r, got)
+		}
+	}
+	t.Run("nft missing", func(t *testing.T) {
+		t.Setenv("PATH", t.TempDir())
+		if got := chooseRules("auto", "UPROXY"); got != "iptables" {
+			t.Errorf("chooseRules(auto) without nft: got %q, want iptables", got)
+		}
+	})
+	t.Run("nft and the kernel support it", func(t *testing.T) {
+		testbed.RequireNFTables(t)
+		if got := chooseRules("auto", "UPROXY"); got != "nftables" {
+			t.Errorf("chooseRules(auto) as root with nft: got %q, want nftables", got)
+		}
+	})
 }
