@@ -680,7 +680,9 @@ func benchPortals(n, proxyBase int) []Portal {
 			sp.ExternalIPs = []netip.Addr{netip.AddrFrom4([4]byte{10, 250, byte(i >> 8), byte(i)})}
 			sp.NodePort = 30000 + i/10
 		}
-		out[i] = Portal{Port: sp, ProxyPort: proxyBase + i}
+		// Past 65535 the proxy ports wrap around to 1024: at 50k Service ports
+		// some share one, which the portals do not mind.
+		out[i] = Portal{Port: sp, ProxyPort: 1024 + (proxyBase+i-1024)%(65536-1024)}
 	}
 	return out
 }

@@ -57,6 +57,12 @@ type NFTables struct {
 	// other handles at the start of a sync mean someone flushed or deleted the
 	// table, so it is written whole again.
 	handles map[string][]int
+	// entries and dups are the validated portals of the last sync that wrote
+	// and cleared stale flows, and the key conflicts found in them; nil when
+	// unknown. While the table is intact, equal entries would make the same
+	// elements, so a sync that brings them compares nothing else.
+	entries []entry
+	dups    []error
 	udp     [2]staleFlows
 }
 
@@ -101,15 +107,29 @@ func (p *NFTables) Sync(portals []Portal) error {
 	defer p.mu.Unlock()
 	entries, errs := entriesOf(portals, p.enabled)
 	errs = append(errs, p.holder.sync(entries, p.enabled)...)
+	ctx := context.Background()
+	if p.written != nil && !p.intact(ctx) {
+		klog.InfoS("Portal table was flushed or deleted by someone else; rewriting it", "table", p.table)
+		p.written, p.entries = nil, nil
+	}
+	if p.written != nil && p.entries != nil && equalEntries(p.entries, entries) {
+		return multierror.Append(nil, append(errs, p.dups...)...).ErrorOrNil()
+	}
+	p.entries = nil
 	want, dups := p.layout.elements(entries)
 	errs = append(errs, dups...)
-	if err := p.write(want); err != nil {
+	if err := p.write(ctx, want); err != nil {
 		return multierror.Append(nil, append(errs, err)...)
 	}
+	cleared := true
 	for _, fam := range p.layout.fams {
 		if err := p.udp[fam.f].sync(p.cfg.Conntrack, entries, fam.f); err != nil {
 			errs = append(errs, err)
+			cleared = false
 		}
+	}
+	if cleared {
+		p.entries, p.dups = entries, dups
 	}
 	return multierror.Append(nil, errs...).ErrorOrNil()
 }
@@ -117,12 +137,7 @@ func (p *NFTables) Sync(portals []Portal) error {
 // write makes the table hold want: the whole table when its state is unknown
 // (first sync, failed write, external flush), else only the elements that
 // changed; nothing at all when none did.
-func (p *NFTables) write(want nftElements) error {
-	ctx := context.Background()
-	if p.written != nil && !p.intact(ctx) {
-		klog.InfoS("Portal table was flushed or deleted by someone else; rewriting it", "table", p.table)
-		p.written = nil
-	}
+func (p *NFTables) write(ctx context.Context, want nftElements) error {
 	k := p.cfg.NFTables
 	tx := k.NewTransaction()
 	whole := p.written == nil
@@ -184,7 +199,7 @@ func (p *NFTables) Cleanup() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.holder.close()
-	p.written, p.handles = nil, nil
+	p.written, p.handles, p.entries = nil, nil, nil
 	for f := range p.udp {
 		p.udp[f].forget()
 	}

@@ -90,9 +90,9 @@ add rule inet uproxy output fib daddr type local meta l4proto { tcp, udp } dnat 
 add element inet uproxy external-ips4 { 10.250.0.5 . tcp . 80 comment "shop/web:http" : 40001 }
 add element inet uproxy external-ips6 { fd00:250::5 . tcp . 80 comment "shop/web:http" : 40001 }
 add element inet uproxy nodeports4 { tcp . ` + NP + ` comment "shop/web:http" : 40001 }
-add element inet uproxy service-ips4 { 10.251.0.7 . tcp . 80 comment "shop/web:http" : 40001 }
 add element inet uproxy service-ips4 { 10.96.0.10 . tcp . 80 comment "shop/web:http" : 40001 }
 add element inet uproxy service-ips4 { 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : 40002 }
+add element inet uproxy service-ips4 { 10.251.0.7 . tcp . 80 comment "shop/web:http" : 40001 }
 add element inet uproxy service-ips6 { fd00:96::10 . tcp . 80 comment "shop/web:http" : 40001 }
 `
 	if got := writes(k, 0); got != want {
@@ -256,6 +256,9 @@ func TestNFTablesDuplicateKey(t *testing.T) {
 	if !errors.As(me.Errors[0], &pe) || pe.Service != second.Name || pe.Port != 80 ||
 		!strings.Contains(pe.Error(), "10.96.0.1 . tcp . 80 in map service-ips4 already used by ns/a") {
 		t.Errorf("error: got %v, want a PortalError of ns/b naming ns/a", me.Errors[0])
+	}
+	if again := p.Sync([]Portal{{second, 40002}, {first, 40001}}); again == nil || again.Error() != err.Error() || len(k.Transactions) != 1 {
+		t.Errorf("an unchanged sync: got %v and %d transactions, want the same error and no write", again, len(k.Transactions)-1)
 	}
 	m := k.Table.Maps["service-ips4"]
 	if e := m.FindElement("10.96.0.1", "tcp", "80"); e == nil || e.Value[0] != "40001" {

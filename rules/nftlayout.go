@@ -46,6 +46,12 @@ type nftFamily struct {
 	// nodePortPrefixes are the NodePortAddresses of the family; empty with
 	// nodePorts means every local address.
 	nodePortPrefixes []netip.Prefix
+	// The names of the family's maps and set: they end in 4 or 6, since a
+	// map's key type names the address family. serviceIPs maps ClusterIP or
+	// LoadBalancer IP . protocol . port to the proxy port; externalIPs does
+	// the same for ExternalIPs, which are captured under narrower conditions;
+	// nodePortMap maps protocol . NodePort to the proxy port.
+	serviceIPs, externalIPs, nodePortMap, nodePortAddresses string
 }
 
 func newNFTFamily(f int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) nftFamily {
@@ -59,25 +65,14 @@ func newNFTFamily(f int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) nf
 		}
 	}
 	fam.nodePorts = len(nodePortAddresses) == 0 || len(fam.nodePortPrefixes) > 0
+	n := "4"
+	if f == v6 {
+		n = "6"
+	}
+	fam.serviceIPs, fam.externalIPs, fam.nodePortMap, fam.nodePortAddresses =
+		"service-ips"+n, "external-ips"+n, "nodeports"+n, "nodeport-addresses"+n
 	return fam
 }
-
-// The maps and sets of a family: names end in 4 or 6, since a map's key type
-// names the address family.
-func (fam nftFamily) name(base string) string {
-	if fam.f == v6 {
-		return base + "6"
-	}
-	return base + "4"
-}
-
-// serviceIPs maps ClusterIP or LoadBalancer IP . protocol . port to the proxy
-// port; externalIPs does the same for ExternalIPs, which are captured under
-// narrower conditions; nodePorts maps protocol . NodePort to the proxy port.
-func (fam nftFamily) serviceIPs() string        { return fam.name("service-ips") }
-func (fam nftFamily) externalIPs() string       { return fam.name("external-ips") }
-func (fam nftFamily) nodePortMap() string       { return fam.name("nodeports") }
-func (fam nftFamily) nodePortAddresses() string { return fam.name("nodeport-addresses") }
 
 // write adds the whole table except the map elements to tx. The table is
 // deleted and created again in the same transaction, which the kernel applies
@@ -97,18 +92,18 @@ func (l *nftLayout) write(tx *knftables.Transaction) {
 	}
 	for _, fam := range l.fams {
 		vip := fam.addrType + " . inet_proto . inet_service : inet_service"
-		tx.Add(&knftables.Map{Name: fam.serviceIPs(), Type: vip, Comment: knftables.PtrTo("ClusterIPs and LoadBalancer IPs")})
-		tx.Add(&knftables.Map{Name: fam.externalIPs(), Type: vip, Comment: knftables.PtrTo("ExternalIPs")})
+		tx.Add(&knftables.Map{Name: fam.serviceIPs, Type: vip, Comment: knftables.PtrTo("ClusterIPs and LoadBalancer IPs")})
+		tx.Add(&knftables.Map{Name: fam.externalIPs, Type: vip, Comment: knftables.PtrTo("ExternalIPs")})
 		if fam.nodePorts {
-			tx.Add(&knftables.Map{Name: fam.nodePortMap(), Type: "inet_proto . inet_service : inet_service", Comment: knftables.PtrTo("NodePorts")})
+			tx.Add(&knftables.Map{Name: fam.nodePortMap, Type: "inet_proto . inet_service : inet_service", Comment: knftables.PtrTo("NodePorts")})
 		}
 		if len(fam.nodePortPrefixes) > 0 {
 			// auto-merge lets overlapping --nodeport-addresses in, as iptables takes them.
-			tx.Add(&knftables.Set{Name: fam.nodePortAddresses(), Type: fam.addrType,
+			tx.Add(&knftables.Set{Name: fam.nodePortAddresses, Type: fam.addrType,
 				Flags: []knftables.SetFlag{knftables.IntervalFlag}, AutoMerge: knftables.PtrTo(true),
 				Comment: knftables.PtrTo("--nodeport-addresses")})
 			for _, p := range fam.nodePortPrefixes {
-				tx.Add(&knftables.Element{Set: fam.nodePortAddresses(), Key: []string{p.String()}})
+				tx.Add(&knftables.Element{Set: fam.nodePortAddresses, Key: []string{p.String()}})
 			}
 		}
 	}
@@ -135,10 +130,10 @@ func (l *nftLayout) rules(tx *knftables.Transaction) {
 		// ExternalIPs as in the iptables backend (see renderer.portalsContainer):
 		// from outside only when the source is not a node address, from the node
 		// only when the node owns the address.
-		add(nftPrerouting, "Service IPs", l4, redirect, vip+fam.serviceIPs())
-		add(nftPrerouting, "ExternalIPs from outside the node", "fib saddr type != local", l4, redirect, vip+fam.externalIPs())
-		add(nftOutput, "Service IPs", l4, dnat, vip+fam.serviceIPs())
-		add(nftOutput, "ExternalIPs the node owns", "fib daddr type local", l4, dnat, vip+fam.externalIPs())
+		add(nftPrerouting, "Service IPs", l4, redirect, vip+fam.serviceIPs)
+		add(nftPrerouting, "ExternalIPs from outside the node", "fib saddr type != local", l4, redirect, vip+fam.externalIPs)
+		add(nftOutput, "Service IPs", l4, dnat, vip+fam.serviceIPs)
+		add(nftOutput, "ExternalIPs the node owns", "fib daddr type local", l4, dnat, vip+fam.externalIPs)
 		if !fam.nodePorts {
 			continue
 		}
@@ -147,9 +142,9 @@ func (l *nftLayout) rules(tx *knftables.Transaction) {
 		// family is matched explicitly.
 		dst := []string{"fib daddr type local"}
 		if len(fam.nodePortPrefixes) > 0 {
-			dst = append(dst, fam.ip+" daddr @"+fam.nodePortAddresses())
+			dst = append(dst, fam.ip+" daddr @"+fam.nodePortAddresses)
 		}
-		np := "meta l4proto . th dport map @" + fam.nodePortMap()
+		np := "meta l4proto . th dport map @" + fam.nodePortMap
 		add(nftPrerouting, "NodePorts", dst, "meta nfproto", fam.nfproto, l4, redirect, np)
 		add(nftOutput, "NodePorts", dst, "meta nfproto", fam.nfproto, l4, dnat, np)
 	}
@@ -163,17 +158,43 @@ func (fam nftFamily) nodeAddress() string {
 	return fam.nodeIP.String()
 }
 
-// nftElement is one map element: the proxy port a key leads to, and the Service
-// port it belongs to, which is also its comment.
-type nftElement struct {
-	key   []string
-	value string
-	owner service.PortName
+// nftKey is a map element's key: address . protocol . port, or for a NodePort
+// (addr not valid) protocol . port. Keys stay structs until they are written,
+// so a sync that changes little allocates little.
+type nftKey struct {
+	addr  netip.Addr
+	proto string
+	port  int
 }
 
-// nftElements are the elements of every map, by map name, then by key (its
-// parts joined with " . ").
-type nftElements map[string]map[string]nftElement
+func (k nftKey) strings() []string {
+	if !k.addr.IsValid() {
+		return []string{k.proto, strconv.Itoa(k.port)}
+	}
+	return []string{k.addr.String(), k.proto, strconv.Itoa(k.port)}
+}
+
+func (k nftKey) String() string { return strings.Join(k.strings(), " . ") }
+
+func compareKeys(a, b nftKey) int {
+	if c := a.addr.Compare(b.addr); c != 0 {
+		return c
+	}
+	if c := strings.Compare(a.proto, b.proto); c != 0 {
+		return c
+	}
+	return a.port - b.port
+}
+
+// nftElement is where a key leads: the proxy port, and the Service port it
+// belongs to, which is also the element's comment.
+type nftElement struct {
+	proxyPort int
+	owner     service.PortName
+}
+
+// nftElements are the elements of every map, by map name, then by key.
+type nftElements map[string]map[nftKey]nftElement
 
 // elements returns the map elements of entries, with an error for each key
 // already taken by an earlier entry (entries are sorted, so the first claimant
@@ -182,45 +203,43 @@ type nftElements map[string]map[string]nftElement
 func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
 	els := nftElements{}
 	for _, fam := range l.fams {
-		els[fam.serviceIPs()] = map[string]nftElement{}
-		els[fam.externalIPs()] = map[string]nftElement{}
+		els[fam.serviceIPs] = map[nftKey]nftElement{}
+		els[fam.externalIPs] = map[nftKey]nftElement{}
 		if fam.nodePorts {
-			els[fam.nodePortMap()] = map[string]nftElement{}
+			els[fam.nodePortMap] = map[nftKey]nftElement{}
 		}
 	}
 	var errs []error
 	for i := range entries {
 		e := &entries[i]
-		proxy := strconv.Itoa(e.proxyPort)
-		add := func(m string, port int, key ...string) {
-			k := strings.Join(key, " . ")
-			if old, ok := els[m][k]; ok {
+		add := func(m map[nftKey]nftElement, name string, port int, k nftKey) {
+			if old, ok := m[k]; ok {
 				if old.owner != e.name {
 					errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
-						Err: fmt.Errorf("%s in map %s already used by %s", k, m, old.owner)})
+						Err: fmt.Errorf("%s in map %s already used by %s", k, name, old.owner)})
 				}
 				return
 			}
-			els[m][k] = nftElement{key: key, value: proxy, owner: e.name}
+			m[k] = nftElement{proxyPort: e.proxyPort, owner: e.name}
 		}
-		port := strconv.Itoa(e.port)
 		for _, fam := range l.fams {
 			if !e.families[fam.f] {
 				continue
 			}
 			for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
-				m := fam.serviceIPs()
+				name := fam.serviceIPs
 				if kind == 2 {
-					m = fam.externalIPs()
+					name = fam.externalIPs
 				}
+				m := els[name]
 				for _, ip := range ips {
 					if familyOf(ip) == fam.f {
-						add(m, e.port, ip.String(), e.proto, port)
+						add(m, name, e.port, nftKey{ip, e.proto, e.port})
 					}
 				}
 			}
 			if e.nodePort != 0 && e.nodePortHeld[fam.f] && fam.nodePorts {
-				add(fam.nodePortMap(), e.nodePort, e.proto, strconv.Itoa(e.nodePort))
+				add(els[fam.nodePortMap], fam.nodePortMap, e.nodePort, nftKey{proto: e.proto, port: e.nodePort})
 			}
 		}
 	}
@@ -230,8 +249,13 @@ func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
 // addAll adds every element of els to tx.
 func (els nftElements) addAll(tx *knftables.Transaction) {
 	for _, m := range sortedKeys(els) {
-		for _, k := range sortedKeys(els[m]) {
-			tx.Add(els[m][k].object(m))
+		keys := make([]nftKey, 0, len(els[m]))
+		for k := range els[m] {
+			keys = append(keys, k)
+		}
+		slices.SortFunc(keys, compareKeys)
+		for _, k := range keys {
+			tx.Add(els[m][k].object(m, k))
 		}
 	}
 }
@@ -243,24 +267,24 @@ func (els nftElements) changes(tx *knftables.Transaction, now nftElements) {
 	var adds []*knftables.Element
 	for _, m := range sortedKeys(now) {
 		was, cur := els[m], now[m]
-		var gone, added []string
+		var gone, added []nftKey
 		for k, old := range was {
-			if e, ok := cur[k]; !ok || e.value != old.value || e.owner != old.owner {
+			if e, ok := cur[k]; !ok || e != old {
 				gone = append(gone, k)
 			}
 		}
 		for k, e := range cur {
-			if old, ok := was[k]; !ok || e.value != old.value || e.owner != old.owner {
+			if old, ok := was[k]; !ok || e != old {
 				added = append(added, k)
 			}
 		}
-		slices.Sort(gone)
-		slices.Sort(added)
+		slices.SortFunc(gone, compareKeys)
+		slices.SortFunc(added, compareKeys)
 		for _, k := range gone {
-			tx.Delete(&knftables.Element{Map: m, Key: was[k].key})
+			tx.Delete(&knftables.Element{Map: m, Key: k.strings()})
 		}
 		for _, k := range added {
-			adds = append(adds, cur[k].object(m))
+			adds = append(adds, cur[k].object(m, k))
 		}
 	}
 	for _, e := range adds {
@@ -268,12 +292,12 @@ func (els nftElements) changes(tx *knftables.Transaction, now nftElements) {
 	}
 }
 
-func (e nftElement) object(m string) *knftables.Element {
+func (e nftElement) object(m string, k nftKey) *knftables.Element {
 	comment := e.owner.String()
 	if len(comment) > knftables.CommentLengthMax {
 		comment = comment[:knftables.CommentLengthMax]
 	}
-	return &knftables.Element{Map: m, Key: e.key, Value: []string{e.value}, Comment: &comment}
+	return &knftables.Element{Map: m, Key: k.strings(), Value: []string{strconv.Itoa(e.proxyPort)}, Comment: &comment}
 }
 
 func sortedKeys[V any](m map[string]V) []string {
