@@ -105,7 +105,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.healthzBindAddress, "healthz-bind-address", o.healthzBindAddress, "address of /healthz and /livez (empty: off)")
 	f.DurationVar(&o.syncPeriod, "sync-period", o.syncPeriod, "most time between two syncs")
 	f.DurationVar(&o.minSyncPeriod, "min-sync-period", o.minSyncPeriod, "least time between two syncs")
-	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, "prefix of every iptables chain uproxy owns")
+	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, "prefix of every iptables chain uproxy owns; lower-cased, the name of its nftables table (--rules nftables)")
 	f.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", o.nodePortAddresses, "CIDRs of the node addresses NodePorts answer on (empty: all)")
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")

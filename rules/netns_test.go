@@ -687,18 +687,21 @@ func benchPortals(n, proxyBase int) []Portal {
 	return out
 }
 
-// BenchmarkNodeDialThroughPortals measures the CPU of one TCP connection opened on
-// the node (connect, accept, close) while 10k portals are programmed: what each of
-// the proxy's dials to an endpoint pays, with its dial mark and without it, and
-// with no portals at all.
+// BenchmarkNodeDialThroughPortals measures, for each backend, the CPU of one TCP
+// connection opened on the node (connect, accept, close) while 10k portals are
+// programmed: what each of the proxy's dials to an endpoint pays, with its dial
+// mark and without it, and with no portals at all.
 func BenchmarkNodeDialThroughPortals(b *testing.B) {
-	testbed.RequireIPTables(b)
+	for _, be := range realBackends {
+		b.Run(be.name, func(b *testing.B) { benchmarkNodeDialThroughPortals(b, be) })
+	}
+}
+
+func benchmarkNodeDialThroughPortals(b *testing.B, be realBackend) {
+	be.require(b)
 	tp := testbed.New(b)
 	node := tp.NS(testbed.Node)
-	p, err := NewIPTables(Config{NodeIPs: []netip.Addr{node.IPv4}, DialMark: testDialMark})
-	if err != nil {
-		b.Fatal(err)
-	}
+	p, _ := be.build(b, Config{NodeIPs: []netip.Addr{node.IPv4}, DialMark: testDialMark})
 	ln := tp.Listen(testbed.Node, "tcp", node.IPv4.String()+":0")
 	to := ln.Addr().(*net.TCPAddr).AddrPort()
 	sa := &unix.SockaddrInet4{Addr: to.Addr().As4(), Port: int(to.Port())}

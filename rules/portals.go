@@ -1,14 +1,18 @@
-// Package rules programs the iptables portals of the userspace mode: nat rules that
-// steer a Service's virtual IPs and NodePorts to the local proxy port serving it.
+// Package rules programs the portals of the userspace mode: nat rules that steer
+// a Service's virtual IPs and NodePorts to the local proxy port serving it. It
+// has two backends behind one interface, Portals: IPTables (a rule per Service
+// port, as the legacy userspace proxy had) and NFTables (one nftables table
+// whose maps hold the Service ports, so neither a new connection nor a sync
+// costs more with more Services; see NFTables for its layout).
 //
 // The proxier opens one proxy listener per Service port and hands the whole desired
 // state to Sync on every sync:
 //
-//	p, err := rules.NewIPTables(rules.Config{NodeIPs: []netip.Addr{nodeIP}})
+//	p, err := rules.NewNFTables(rules.Config{NodeIPs: []netip.Addr{nodeIP}}) // or NewIPTables
 //	...
 //	err = p.Sync([]rules.Portal{{Port: port, ProxyPort: 40123}})
 //
-// Chains (prefix P, "UPROXY" by default), nat table of each family:
+// IPTables' chains (prefix P, "UPROXY" by default), nat table of each family:
 //
 //	P-PORTALS-CONTAINER   first in PREROUTING: VIP:port -> REDIRECT to the proxy port
 //	P-PORTALS-HOST        first in OUTPUT: VIP:port -> DNAT to node IP:proxy port
@@ -19,11 +23,13 @@
 // and in the filter table P-NODEPORT-NON-LOCAL, first in INPUT, accepting traffic
 // redirected from a NodePort to its proxy port.
 //
-// Everything except the jump rules is written with one iptables-restore --noflush
-// per family, each chain declared (and so flushed) and rewritten whole, and only
-// when the text differs from the last successful write. This package renders the
-// rules and decides when to write them; netfilter/iptables writes them, reads
-// them back and removes them, as it does for every mode.
+// IPTables writes everything except the jump rules with one iptables-restore
+// --noflush per family, each chain declared (and so flushed) and rewritten
+// whole, and only when the text differs from the last successful write.
+// NFTables writes only the map elements that changed, in one nft transaction.
+// This package renders the rules and decides when to write them;
+// netfilter/iptables and netfilter/nftables write them, read them back and
+// remove them, as they do for every mode.
 package rules
 
 import (
@@ -62,11 +68,13 @@ type Config struct {
 	// prefixes (--nodeport-addresses); empty means every local address. A family
 	// with no prefix here gets no NodePorts.
 	NodePortAddresses []netip.Prefix
-	// IPv6 also programs ip6tables with the Services' IPv6 addresses.
+	// IPv6 also programs the Services' IPv6 addresses (ip6tables, or the
+	// nftables table's IPv6 maps).
 	IPv6 bool
 	// DialMark is the packet mark of the proxy's own connections to endpoints
-	// (socket.SetDialMark); the HOST chains return at once for packets carrying
-	// it rather than trying every portal. 0: no such rule.
+	// (socket.SetDialMark); the portals of the node's own connections (the
+	// HOST chains, the nftables output chain) return at once for packets
+	// carrying it rather than trying every portal. 0: no such rule.
 	DialMark uint32
 
 	// The kernel, as the portals reach it. Every call happens on the goroutine
