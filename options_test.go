@@ -10,6 +10,18 @@ import (
 	"github.com/uproxy/uproxy/testbed"
 )
 
+// validateArgs parses args as the command line and validates the options.
+func validateArgs(t *testing.T, args ...string) (*config, error) {
+	t.Helper()
+	o := defaultOptions()
+	cmd := &cobra.Command{Use: "uproxy"}
+	o.addFlags(cmd)
+	if err := cmd.Flags().Parse(args); err != nil {
+		t.Fatalf("parse %v: %v", args, err)
+	}
+	return o.validate()
+}
+
 // Each bad flag value is refused at start with an error naming the flag.
 func TestValidateNamesTheBadFlag(t *testing.T) {
 	tests := []struct {
@@ -28,36 +40,18 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
-			o := defaultOptions()
-			cmd := &cobra.Command{Use: "uproxy"}
-			o.addFlags(cmd)
-			if err := cmd.Flags().Parse(tt.args); err != nil {
-				t.Fatalf("parse %v: %v", tt.args, err)
-			}
-			_, err := o.validate()
+			_, err := validateArgs(t, tt.args...)
 			if err == nil || !strings.HasPrefix(err.Error(), tt.wantFlag) {
 				t.Errorf("validate with %v: got %v, want an error starting with %q", tt.args, err, tt.wantFlag)
 			}
 		})
 	}
-	o := defaultOptions()
-	cmd := &cobra.Command{Use: "uproxy"}
-	o.addFlags(cmd)
-	if err := cmd.Flags().Parse([]string{"--event-loops=3"}); err != nil {
-		t.Fatal(err)
-	}
-	c, err := o.validate()
+	c, err := validateArgs(t, "--event-loops=3")
 	if err != nil || c.eventLoops != 3 {
 		t.Errorf("validate with --event-loops=3: got %v, %v; want 3 event loops", c, err)
 	}
 	for bit, want := range map[string]uint32{"13": 0x2000, "0": 1, "31": 0x80000000, "-1": 0} {
-		o := defaultOptions()
-		cmd := &cobra.Command{Use: "uproxy"}
-		o.addFlags(cmd)
-		if err := cmd.Flags().Parse([]string{"--dial-mark-bit=" + bit}); err != nil {
-			t.Fatal(err)
-		}
-		if c, err := o.validate(); err != nil || c.dialMark != want {
+		if c, err := validateArgs(t, "--dial-mark-bit="+bit); err != nil || c.dialMark != want {
 			t.Errorf("validate with --dial-mark-bit=%s: got %+v, %v; want dial mark %#x", bit, c, err, want)
 		}
 	}
@@ -71,13 +65,7 @@ func TestValidateRules(t *testing.T) {
 		autoWant = "auto"
 	}
 	for flag, want := range map[string]string{"nftables": "nftables", "iptables": "iptables", "none": "none", "auto": autoWant} {
-		o := defaultOptions()
-		cmd := &cobra.Command{Use: "uproxy"}
-		o.addFlags(cmd)
-		if err := cmd.Flags().Parse([]string{"--rules=" + flag}); err != nil {
-			t.Fatal(err)
-		}
-		if c, err := o.validate(); err != nil || c.rules != want {
+		if c, err := validateArgs(t, "--rules="+flag); err != nil || c.rules != want {
 			t.Errorf("validate with --rules=%s: got %+v, %v; want rules %q", flag, c, err, want)
 		}
 	}

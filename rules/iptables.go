@@ -58,13 +58,13 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p := &IPTables{cfg: cfg, chains: chainNames(prefix)}
 	p.holder = nodePortHolder{listen: p.cfg.listen, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}}
-	for f := v4; f <= v6; f++ {
-		if f == v6 && !cfg.IPv6 {
+	nodeIPs, err := cfg.familyNodeIPs()
+	if err != nil {
+		return nil, err
+	}
+	for f, nodeIP := range nodeIPs {
+		if !nodeIP.IsValid() {
 			continue
-		}
-		nodeIP, err := cfg.nodeIP(f)
-		if err != nil {
-			return nil, err
 		}
 		t, err := p.cfg.IPTables.Tables(f == v6)
 		if err != nil {

@@ -324,14 +324,8 @@ func testRealPortals(t *testing.T, b realBackend) {
 	udpPortA := udpA.LocalAddr().(*net.UDPAddr).Port
 	udpPortB := udpB.LocalAddr().(*net.UDPAddr).Port
 
-	web := port("shop", "web", "http", service.TCP, 80)
-	web.ClusterIPs = ips("10.96.0.10", "fd00:96::10")
-	web.ExternalIPs = ips("10.250.0.5", "fd00:250::5")
-	web.LoadBalancerIPs = ips("10.251.0.7")
-	web.NodePort = 30080
-	dns := port("kube-system", "dns", "dns", service.UDP, 53)
-	dns.ClusterIPs = ips("10.96.0.53", "fd00:96::53")
-	dns.NodePort = 30053
+	web := webPort(30080)
+	dns := dnsPort(30053, "10.96.0.53", "fd00:96::53")
 	portals := []Portal{{web, int(tcpProxy.Port())}, {dns, udpPortA}}
 
 	p, writes := b.build(t, Config{

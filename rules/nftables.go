@@ -79,13 +79,13 @@ func NewNFTables(cfg Config) (*NFTables, error) {
 	}
 	p := &NFTables{table: nftables.Table{Family: knftables.InetFamily, Name: name}}
 	p.layout.dialMark = cfg.DialMark
-	for f := v4; f <= v6; f++ {
-		if f == v6 && !cfg.IPv6 {
+	nodeIPs, err := cfg.familyNodeIPs()
+	if err != nil {
+		return nil, err
+	}
+	for f, nodeIP := range nodeIPs {
+		if !nodeIP.IsValid() {
 			continue
-		}
-		nodeIP, err := cfg.nodeIP(f)
-		if err != nil {
-			return nil, err
 		}
 		p.enabled[f] = true
 		p.layout.fams = append(p.layout.fams, newNFTFamily(f, nodeIP, cfg.NodePortAddresses))

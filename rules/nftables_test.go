@@ -1,6 +1,7 @@
 package rules
 
 import (
+	"cmp"
 	"errors"
 	"net/netip"
 	"strconv"
@@ -11,6 +12,7 @@ import (
 	"sigs.k8s.io/knftables"
 
 	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
 	"github.com/uproxy/uproxy/service"
@@ -18,7 +20,7 @@ import (
 
 func newTestNFTables(t *testing.T, cfg Config) (*NFTables, *nftablestest.Fake) {
 	t.Helper()
-	name, err := nftables.TableName(cfg.ChainPrefix + "uproxy")
+	name, err := nftables.TableName(cmp.Or(cfg.ChainPrefix, iptables.DefaultChainPrefix))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,15 +29,7 @@ func newTestNFTables(t *testing.T, cfg Config) (*NFTables, *nftablestest.Fake) {
 	if cfg.Conntrack == nil {
 		cfg.Conntrack = &conntrack.Recorder{}
 	}
-	if cfg.NodeIPs == nil {
-		cfg.NodeIPs = []netip.Addr{nodeIPv4, nodeIPv6}
-	}
-	p, err := NewNFTables(cfg)
-	if err != nil {
-		t.Fatalf("NewNFTables: %v", err)
-	}
-	t.Cleanup(func() { p.holder.close() })
-	return p, k
+	return newTestPortals(t, cfg, NewNFTables), k
 }
 
 // writes returns the transactions run since the first n.
@@ -43,13 +37,8 @@ func writes(k *nftablestest.Fake, n int) string { return strings.Join(k.Transact
 
 func TestNFTablesFirstSyncWritesWholeTable(t *testing.T) {
 	np := freePort(t, "tcp4")
-	web := port("shop", "web", "http", service.TCP, 80)
-	web.ClusterIPs = ips("10.96.0.10", "fd00:96::10")
-	web.ExternalIPs = ips("10.250.0.5", "fd00:250::5")
-	web.LoadBalancerIPs = ips("10.251.0.7")
-	web.NodePort = np
-	dns := port("kube-system", "dns", "dns", service.UDP, 53)
-	dns.ClusterIPs = ips("10.96.0.53")
+	web := webPort(np)
+	dns := dnsPort(0, "10.96.0.53")
 	sctp := port("shop", "sig", "", service.SCTP, 9)
 	sctp.ClusterIPs = ips("10.96.0.9")
 
@@ -294,27 +283,5 @@ func TestNFTablesCleanupDeletesTable(t *testing.T) {
 	}
 	if k.Table == nil || k.Table.Maps["service-ips4"].FindElement("10.96.0.1", "tcp", "80") == nil {
 		t.Errorf("Sync after Cleanup:\n%s", k.Dump())
-	}
-}
-
-func TestNFTablesConfigValidation(t *testing.T) {
-	tests := []struct {
-		name string
-		cfg  Config
-		want string
-	}{
-		{"no IPv4 node IP", Config{NodeIPs: ips("fd00::1")}, "no IPv4 node IP"},
-		{"no IPv6 node IP", Config{NodeIPs: ips("10.0.0.1"), IPv6: true}, "no IPv6 node IP"},
-		{"prefix nft cannot name a table after", Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "9UP"}, `nftables table name "9up"`},
-		{"kube-proxy's", Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "KUBE-P"}, "kube* tables belong to kube-proxy"},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			tt.cfg.NFTables = nftablestest.New(nftables.Table{Family: knftables.InetFamily, Name: "uproxy"})
-			_, err := NewNFTables(tt.cfg)
-			if err == nil || !strings.Contains(err.Error(), tt.want) {
-				t.Errorf("NewNFTables: got %v, want an error containing %q", err, tt.want)
-			}
-		})
 	}
 }

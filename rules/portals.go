@@ -93,14 +93,26 @@ type Config struct {
 	Listen func(network, address string) (io.Closer, error)
 }
 
-// nodeIP returns the first usable node IP of family f in NodeIPs.
-func (c *Config) nodeIP(f int) (netip.Addr, error) {
-	for _, ip := range c.NodeIPs {
-		if ip = ip.Unmap().WithZone(""); ip.IsValid() && familyOf(ip) == f && !ip.IsUnspecified() {
-			return ip, nil
+// familyNodeIPs returns, for each family the portals program (IPv4, and IPv6
+// when IPv6 is set), the first usable node IP of that family in NodeIPs; the
+// entry of a family not programmed is the zero Addr.
+func (c *Config) familyNodeIPs() ([2]netip.Addr, error) {
+	var out [2]netip.Addr
+	for f := v4; f <= v6; f++ {
+		if f == v6 && !c.IPv6 {
+			continue
+		}
+		for _, ip := range c.NodeIPs {
+			if ip = ip.Unmap().WithZone(""); ip.IsValid() && familyOf(ip) == f && !ip.IsUnspecified() {
+				out[f] = ip
+				break
+			}
+		}
+		if !out[f].IsValid() {
+			return out, fmt.Errorf("no %s node IP: the portals of the node's own connections DNAT to node IP:proxy port", familyName(f))
 		}
 	}
-	return netip.Addr{}, fmt.Errorf("no %s node IP: the portals of the node's own connections DNAT to node IP:proxy port", familyName(f))
+	return out, nil
 }
 
 func (c *Config) listen(network, address string) (io.Closer, error) {
