@@ -42,6 +42,9 @@ and retries another when a dial fails.`,
 		},
 	}
 	opts.addFlags(root)
+	// `uproxy --version` answers as `uproxy version` does.
+	root.Version = version
+	root.SetVersionTemplate("uproxy {{.Version}}\n")
 
 	goflags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(goflags)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"runtime"
 
 	"k8s.io/klog/v2"
 
@@ -12,7 +13,7 @@ import (
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/rules"
-	"github.com/uproxy/uproxy/socket"
+	"github.com/uproxy/uproxy/socket/poll"
 	"github.com/uproxy/uproxy/syncloop"
 )
 
@@ -62,7 +63,7 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 		}
 		cfg.proxier.Portals = portals
 		cfg.proxier.Events = events
-		socket.SetEventLoops(cfg.eventLoops)
+		cfg.proxier.EventLoops = reserveEventLoopProcs(cfg.eventLoops)
 		px, err := proxier.New(cfg.proxier)
 		if err != nil {
 			return "", nil, nil, err
@@ -94,6 +95,23 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 		return name, m, nil, nil
 	}
 	return "", nil, nil, fmt.Errorf("--proxy-mode %q: unknown mode %q", o.proxyMode, name)
+}
+
+// reserveEventLoopProcs returns how many event loops the userspace mode runs
+// (--event-loops; 0: poll.DefaultLoops) and makes sure there is a P (GOMAXPROCS)
+// more than loops. A loop spends its idle time blocked in epoll_wait, holding a
+// scheduler slot (P) that the runtime takes back only when no P is idle - and then
+// on nearly every event, with its monitor thread polling every 20µs. So there is
+// always one P more than loops, which also runs the control plane.
+func reserveEventLoopProcs(loops int) int {
+	if loops <= 0 {
+		loops = poll.DefaultLoops()
+	}
+	if runtime.GOMAXPROCS(0) < loops+1 {
+		runtime.GOMAXPROCS(loops + 1)
+	}
+	klog.V(1).InfoS("Event loops", "loops", loops, "gomaxprocs", runtime.GOMAXPROCS(0))
+	return loops
 }
 
 // runCleanup removes every mode's rules, links and virtual servers.

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -14,7 +15,9 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/kernelmodes"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
+	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
 	"github.com/uproxy/uproxy/rules"
@@ -141,6 +144,14 @@ type config struct {
 // maxEventLoops bounds --event-loops: more threads than this only contend.
 const maxEventLoops = 256
 
+// kube-proxy's packet mark bits (its --iptables-masquerade-bit default, and the
+// drop mark of its iptables mode): the dial mark must not collide with them when
+// both proxies run on a node.
+const (
+	kubeProxyMasqueradeBit = 14
+	kubeProxyDropBit       = 15
+)
+
 // validate checks every flag and says which one is wrong and why.
 func (o *options) validate() (*config, error) {
 	c := &config{metricsAddr: o.metricsBindAddress, healthzAddr: o.healthzBindAddress}
@@ -166,12 +177,28 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--scheduler %q: want one of %s (ipvs mode: also wrr, wlc)", o.scheduler, strings.Join(affinity.Schedulers, ", "))
 	}
 	c.proxier.Scheduler = o.scheduler
+	switch o.proxyMode {
+	case kernelmodes.Userspace:
+		if err := checkUserspaceScheduler(o.scheduler); err != nil {
+			return nil, err
+		}
+	case kernelmodes.Auto, "", kernelmodes.IPTables, kernelmodes.IPVS:
+	default:
+		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables or ipvs", o.proxyMode)
+	}
+	if o.events < 0 {
+		return nil, fmt.Errorf("--events %d: must not be negative (0: the default, %d)", o.events, observe.DefaultEvents)
+	}
 	for _, a := range []struct{ flag, v string }{{"--metrics-bind-address", o.metricsBindAddress}, {"--healthz-bind-address", o.healthzBindAddress}} {
 		if a.v == "" {
 			continue
 		}
-		if _, _, err := net.SplitHostPort(a.v); err != nil {
+		_, port, err := net.SplitHostPort(a.v)
+		if err != nil {
 			return nil, fmt.Errorf("%s %q: want HOST:PORT", a.flag, a.v)
+		}
+		if n, err := strconv.ParseUint(port, 10, 16); err != nil || (port != "0" && n == 0) {
+			return nil, fmt.Errorf("%s %q: port %q is not a number from 0 to 65535", a.flag, a.v, port)
 		}
 	}
 	if o.syncPeriod <= 0 {
@@ -203,6 +230,10 @@ func (o *options) validate() (*config, error) {
 	c.eventLoops = o.eventLoops
 	if o.dialMarkBit < -1 || o.dialMarkBit > 31 {
 		return nil, fmt.Errorf("--dial-mark-bit %d: want a bit number from 0 to 31, or -1 for none", o.dialMarkBit)
+	}
+	if o.dialMarkBit == kubeProxyMasqueradeBit || o.dialMarkBit == kubeProxyDropBit {
+		return nil, fmt.Errorf("--dial-mark-bit %d: kube-proxy marks packets with bit %d (masquerade) and %d (drop); choose another bit, or -1 for none",
+			o.dialMarkBit, kubeProxyMasqueradeBit, kubeProxyDropBit)
 	}
 	if o.dialMarkBit >= 0 {
 		c.dialMark = 1 << o.dialMarkBit

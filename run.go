@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -35,6 +36,14 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	if err != nil {
 		return err
 	}
+	// The HTTP addresses are bound before anything else happens (or is logged),
+	// so a port in use is reported as its flag's error at once.
+	metricsLn, healthzLn, err := bindHTTP(cfg)
+	if err != nil {
+		return err
+	}
+	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn}
+	defer srv.Stop(context.Background())
 	raiseFileLimit()
 	if ctx == nil {
 		ctx = context.Background()
@@ -88,19 +97,10 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			},
 		},
 	}
-	srv := &observe.Server{
-		MetricsAddr: cfg.metricsAddr,
-		HealthzAddr: cfg.healthzAddr,
-		Mode:        modeName,
-		Services:    mode,
-		Events:      events,
-		Health:      health,
-		Debug:       o.debug,
-	}
+	srv.Mode, srv.Services, srv.Events, srv.Health, srv.Debug = modeName, mode, events, health, o.debug
 	if err := srv.Start(); err != nil {
 		return err
 	}
-	defer srv.Stop(context.Background())
 
 	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
 	srcErr := make(chan error, 1)
@@ -113,7 +113,11 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			runner.Update(s)
 		})
 	}()
-	go runner.Run(ctx)
+	syncDone := make(chan struct{})
+	go func() {
+		defer close(syncDone)
+		runner.Run(ctx)
+	}()
 
 	select {
 	case <-ctx.Done():
@@ -123,23 +127,55 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		}
 	}
 	stop()
+	var shutdown func(context.Context) error
 	if px != nil {
-		klog.InfoS("Shutting down", "grace", o.shutdownGrace)
-		sctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
+		shutdown = px.Shutdown
+	}
+	finish(syncDone, shutdown, o.shutdownGrace, mode, o.cleanupOnExit)
+	return err
+}
+
+// finish ends a run whose context is done: it waits for the sync loop to return
+// (a sync in flight completes first), so that no sync can rewrite what the
+// cleanup below removes; then it shuts the userspace proxier down (shutdown, nil
+// for a kernel mode) within grace, and removes the mode's rules if cleanupOnExit.
+func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grace time.Duration, mode interface{ Cleanup() error }, cleanupOnExit bool) {
+	<-syncDone
+	if shutdown != nil {
+		klog.InfoS("Shutting down", "grace", grace)
+		ctx, cancel := context.WithTimeout(context.Background(), grace)
 		defer cancel()
-		if serr := px.Shutdown(sctx); serr != nil {
-			klog.ErrorS(serr, "Shutdown")
+		if err := shutdown(ctx); err != nil {
+			klog.ErrorS(err, "Shutdown")
 		}
 	}
 	// Kernel modes keep serving from the kernel after exit unless asked not to.
-	if o.cleanupOnExit {
+	if cleanupOnExit {
 		if cerr := mode.Cleanup(); cerr != nil {
 			klog.ErrorS(cerr, "Removing the portal rules on exit (--cleanup-on-exit)")
 		} else {
 			klog.InfoS("Removed the portal rules on exit (--cleanup-on-exit)")
 		}
 	}
-	return err
+}
+
+// bindHTTP binds --metrics-bind-address and --healthz-bind-address (nil for an
+// empty one); an error names the flag.
+func bindHTTP(cfg *config) (metrics, healthz net.Listener, err error) {
+	if cfg.metricsAddr != "" {
+		if metrics, err = net.Listen("tcp", cfg.metricsAddr); err != nil {
+			return nil, nil, fmt.Errorf("--metrics-bind-address %s: %w", cfg.metricsAddr, err)
+		}
+	}
+	if cfg.healthzAddr != "" {
+		if healthz, err = net.Listen("tcp", cfg.healthzAddr); err != nil {
+			if metrics != nil {
+				metrics.Close()
+			}
+			return nil, nil, fmt.Errorf("--healthz-bind-address %s: %w", cfg.healthzAddr, err)
+		}
+	}
+	return metrics, healthz, nil
 }
 
 // chooseRules resolves --rules auto (as root): nftables where nft and the

@@ -4,7 +4,6 @@ package observe
 
 import (
 	"errors"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -99,6 +98,12 @@ var (
 		Name: "uproxy_endpoint_ejections_total",
 		Help: "Times an endpoint was ejected by passive outlier detection (consecutive failed dials), by Service port and endpoint.",
 	}, []string{"service", "endpoint"})
+	// AcceptBackoffs has no Service label: a shortage of descriptors or memory is
+	// the node's, whichever Service port happened to meet it.
+	AcceptBackoffs = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "uproxy_accept_backoffs_total",
+		Help: "Times an accept (TCP) or read (UDP) loop backed off after running short of descriptors, buffers or memory.",
+	})
 	Readmissions = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_endpoint_readmissions_total",
 		Help: "Times an ejected endpoint was re-admitted by a successful dial, by Service port and endpoint.",
@@ -113,30 +118,10 @@ func init() {
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
 		IPTablesRestoreFailures,
 		Connections, DialAttempts, DialDuration, Retries, ActiveConnections, ConnectionDuration,
-		Bytes, UDPExpiries, Ejections, Readmissions,
+		Bytes, UDPExpiries, Ejections, Readmissions, AcceptBackoffs,
 		portsCollector{},
-		prometheus.NewCounterFunc(prometheus.CounterOpts{
-			Name: "uproxy_accept_backoffs_total",
-			Help: "Times an accept (TCP) or read (UDP) loop backed off after running short of descriptors, buffers or memory.",
-		}, func() float64 {
-			if read := acceptBackoffs.Load(); read != nil {
-				return float64((*read)())
-			}
-			return 0
-		}),
 	)
 }
-
-// acceptBackoffs reads the count behind uproxy_accept_backoffs_total. The data
-// path keeps it and the userspace mode hands it over (SetAcceptBackoffs), so that
-// observe need not link the data path; until then, as in the kernel modes, which
-// accept nothing themselves, the counter reads 0.
-var acceptBackoffs atomic.Pointer[func() uint64]
-
-// SetAcceptBackoffs makes read the source of uproxy_accept_backoffs_total: a
-// process-wide count of accept (TCP) or read (UDP) loop backoffs that only grows.
-// Setting the same source again changes nothing.
-func SetAcceptBackoffs(read func() uint64) { acceptBackoffs.Store(&read) }
 
 // Dial results, the values of the result label of uproxy_dial_attempts_total.
 const (

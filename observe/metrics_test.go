@@ -5,14 +5,12 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/observe"
-	"github.com/uproxy/uproxy/proxier"
-	"github.com/uproxy/uproxy/socket"
 )
 
 // DialResult names what the data path and the balancer return, as wrapped on
@@ -42,22 +40,17 @@ func TestDialResult(t *testing.T) {
 	}
 }
 
-// uproxy_accept_backoffs_total reads the source it is handed, and the userspace
-// mode hands it the data path's own count.
+// uproxy_accept_backoffs_total counts every backoff a port's observer is told of,
+// whichever port.
 func TestAcceptBackoffsMetric(t *testing.T) {
 	const name = "uproxy_accept_backoffs_total"
-	var n atomic.Uint64
-	observe.SetAcceptBackoffs(n.Load)
-	t.Cleanup(func() { observe.SetAcceptBackoffs(socket.AcceptBackoffs) })
-	for _, want := range []uint64{3, 5} {
-		n.Store(want)
-		if got, ok := metric(t, name, nil); !ok || got != float64(want) {
-			t.Errorf("%s with its source at %d: got %v (exported %v), want %d", name, want, got, ok, want)
-		}
-	}
-
-	mkWorld(t, proxier.Config{})
-	if got, want := metricOr0(t, name, nil), float64(socket.AcceptBackoffs()); got != want {
-		t.Errorf("%s once a userspace proxier exists: got %v, want socket.AcceptBackoffs() = %v", name, got, want)
+	before := metricOr0(t, name, nil)
+	a := observe.NewPortObserver("ns/a:tcp", "TCP", nil)
+	b := observe.NewPortObserver("ns/b:udp", "UDP", nil)
+	a.BackedOff("ns/a:tcp", syscall.EMFILE, 5*time.Millisecond)
+	a.BackedOff("ns/a:tcp", syscall.EMFILE, 10*time.Millisecond)
+	b.BackedOff("ns/b:udp", syscall.ENOBUFS, 5*time.Millisecond)
+	if got := metricOr0(t, name, nil) - before; got != 3 {
+		t.Errorf("%s after 3 backoffs on two ports: grew by %v, want 3", name, got)
 	}
 }

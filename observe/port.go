@@ -100,6 +100,11 @@ func (o *PortObserver) Attach(stats func() BalancerStats, udpClients func() int)
 
 func (o *PortObserver) ConnOpened(service, protocol string) { o.active.Inc() }
 
+// BackedOff counts a pause of the port's accepting or reading after a shortage.
+func (o *PortObserver) BackedOff(service string, err error, delay time.Duration) {
+	AcceptBackoffs.Inc()
+}
+
 func (o *PortObserver) AttemptDone(service string, a record.Attempt) {
 	em, attempts := o.children(a.Endpoint, dialResult(a.Err))
 	attempts.Inc()

@@ -144,6 +144,11 @@ type Server struct {
 	Health      *Health
 	// Debug enables the /debug/ handlers (default on via the flag).
 	Debug bool
+	// MetricsListener and HealthzListener, when set, are served instead of
+	// binding MetricsAddr and HealthzAddr: a program that binds its addresses
+	// before anything else can report a taken port as its flag's error. Stop
+	// closes them, also when Start never ran.
+	MetricsListener, HealthzListener net.Listener
 
 	servers []*http.Server
 }
@@ -257,30 +262,29 @@ func writeJSON(w http.ResponseWriter, v any) {
 // Start binds both addresses and serves them in the background. Binding errors
 // are returned at once, so a bad address is reported at start.
 func (s *Server) Start() error {
-	var binds []struct {
+	type bind struct {
 		addr string
+		ln   net.Listener
 		h    http.Handler
 	}
-	if s.MetricsAddr != "" {
-		binds = append(binds, struct {
-			addr string
-			h    http.Handler
-		}{s.MetricsAddr, s.MetricsHandler()})
+	var binds []bind
+	if s.MetricsAddr != "" || s.MetricsListener != nil {
+		binds = append(binds, bind{s.MetricsAddr, s.MetricsListener, s.MetricsHandler()})
 	}
-	if s.HealthzAddr != "" && s.Health != nil {
+	if (s.HealthzAddr != "" || s.HealthzListener != nil) && s.Health != nil {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", s.Health)
 		mux.Handle("/livez", s.Health.Livez())
-		binds = append(binds, struct {
-			addr string
-			h    http.Handler
-		}{s.HealthzAddr, mux})
+		binds = append(binds, bind{s.HealthzAddr, s.HealthzListener, mux})
 	}
 	for _, b := range binds {
-		ln, err := net.Listen("tcp", b.addr)
-		if err != nil {
-			s.Stop(context.Background())
-			return fmt.Errorf("listen on %s: %w", b.addr, err)
+		ln := b.ln
+		if ln == nil {
+			var err error
+			if ln, err = net.Listen("tcp", b.addr); err != nil {
+				s.Stop(context.Background())
+				return fmt.Errorf("listen on %s: %w", b.addr, err)
+			}
 		}
 		srv := &http.Server{Handler: b.h, ReadHeaderTimeout: 10 * time.Second}
 		s.servers = append(s.servers, srv)
@@ -300,4 +304,10 @@ func (s *Server) Stop(ctx context.Context) {
 		srv.Shutdown(ctx)
 	}
 	s.servers = nil
+	// Shutdown closed the listeners it served; these may never have been.
+	for _, ln := range []net.Listener{s.MetricsListener, s.HealthzListener} {
+		if ln != nil {
+			ln.Close()
+		}
+	}
 }

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"sort"
 	"sync"
 	"time"
 
@@ -21,6 +20,7 @@ import (
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket"
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 // Config configures a Proxier. Zero values give the documented defaults.
@@ -51,6 +51,10 @@ type Config struct {
 	// EjectBase and EjectMax are the first ejection's length and the cap of its
 	// doubling; 0: affinity.DefaultEjectionBase (1s) and DefaultEjectionMax (30s).
 	EjectBase, EjectMax time.Duration
+	// EventLoops is how many event loops carry the TCP connections and UDP flows
+	// of every Service port; 0: poll.DefaultLoops (one per P but one, at least
+	// one). The program keeps GOMAXPROCS above it (see poll.DefaultLoops).
+	EventLoops int
 }
 
 // Proxier is the userspace mode. Sync is called from one goroutine (the sync
@@ -58,6 +62,13 @@ type Config struct {
 type Proxier struct {
 	cfg   Config
 	alloc *allocator
+	// loops carry every proxy's traffic; Shutdown closes them.
+	loops *poll.Group
+
+	// syncMu orders Sync and Shutdown: a Sync in flight finishes before Shutdown
+	// begins, and none starts after it (shutDown), so no proxy opens on closed loops.
+	syncMu   sync.Mutex
+	shutDown bool
 
 	// mu guards ports; Sync holds it only while changing the map, never while
 	// dialing or writing rules, so debug readers do not wait on the kernel.
@@ -67,8 +78,8 @@ type Proxier struct {
 	portErrors []error
 	// synced holds, for each Port of the last Sync's Snapshot in order, its
 	// running state (nil for a protocol not proxied). It is nil when that Sync
-	// left a port without a listener, or after Shutdown: the next Sync then
-	// takes the long way, which retries what failed.
+	// left a port without a listener: the next Sync then takes the long way,
+	// which retries what failed.
 	synced []syncedPort
 }
 
@@ -88,7 +99,8 @@ type servicePort struct {
 	done      chan struct{} // closed when Serve returns
 }
 
-// New returns a Proxier with no Service ports.
+// New returns a Proxier with no Service ports, with its event loops running; call
+// Shutdown to stop them.
 func New(cfg Config) (*Proxier, error) {
 	if cfg.Scheduler == "" {
 		cfg.Scheduler = "rr"
@@ -99,18 +111,26 @@ func New(cfg Config) (*Proxier, error) {
 	if cfg.Portals == nil {
 		cfg.Portals = rules.None{}
 	}
-	// The data path counts its backoffs; observe exports the count without
-	// linking the data path.
-	observe.SetAcceptBackoffs(socket.AcceptBackoffs)
-	return &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), ports: make(map[service.PortName]*servicePort)}, nil
+	loops, err := poll.New(poll.Config{Loops: cfg.EventLoops})
+	if err != nil {
+		return nil, fmt.Errorf("userspace proxier: %w", err)
+	}
+	p := &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), loops: loops}
+	p.ports = make(map[service.PortName]*servicePort)
+	return p, nil
 }
 
 // Sync makes the listeners and portals match s. A problem confined to one
 // Service port (its proxy port cannot be opened, its NodePort is taken) is logged
 // and leaves that port out until a later sync; it does not fail the sync, so one
 // bad Service never marks the whole node unhealthy. Sync fails only when the
-// portals as a whole could not be written.
+// portals as a whole could not be written, or after Shutdown.
 func (p *Proxier) Sync(s *service.Snapshot) error {
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	if p.shutDown {
+		return errors.New("userspace proxier is shut down")
+	}
 	var errs, portErrs *multierror.Error
 	portals, ok := p.syncSameListeners(s)
 	if !ok {
@@ -340,6 +360,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 			sp.tcp = &socket.TCPProxy{
 				Service:      port.Name.String(),
 				Picker:       bal,
+				Loops:        p.loops,
 				DialTimeouts: p.cfg.DialTimeouts,
 				Observer:     sp.observer,
 			}
@@ -356,6 +377,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 			sp.udp = &socket.UDPProxy{
 				Service:    port.Name.String(),
 				Picker:     bal,
+				Loops:      p.loops,
 				Timeout:    p.cfg.UDPTimeout,
 				MaxClients: p.cfg.UDPMaxClients,
 				Observer:   sp.observer,
@@ -374,25 +396,6 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 	}
 	klog.V(1).InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", sp.proxyPort)
 	return sp, nil
-}
-
-// balancerStats reads b for the metrics scrape, in observe's terms.
-func balancerStats(b *affinity.Balancer) func() observe.BalancerStats {
-	return func() observe.BalancerStats {
-		c, eps := b.Stats()
-		st := observe.BalancerStats{
-			Affinity: observe.AffinityCounters{
-				Hits: c.AffinityHits, Misses: c.AffinityMisses,
-				Resets: c.AffinityResets, Expired: c.AffinityExpired,
-			},
-			Endpoints: make([]observe.EndpointStats, len(eps)),
-		}
-		for i, e := range eps {
-			// Stats leaves EjectedUntil zero once the ejection has ended.
-			st.Endpoints[i] = observe.EndpointStats{Addr: e.Addr, Active: e.Active, Failures: e.Failures, Ejected: !e.EjectedUntil.IsZero()}
-		}
-		return st
-	}
 }
 
 func serveTCP(sp *servicePort, ln *net.TCPListener) {
@@ -434,8 +437,15 @@ func (p *Proxier) ProxyPort(name service.PortName) int {
 }
 
 // Shutdown stops accepting on every port, lets open TCP connections finish until
-// ctx is done, then resets what remains. Portals are left in place.
+// ctx is done, then resets what remains and closes the event loops. Portals are
+// left in place. Later Syncs fail; later Shutdowns do nothing.
 func (p *Proxier) Shutdown(ctx context.Context) error {
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	if p.shutDown {
+		return nil
+	}
+	p.shutDown = true
 	p.mu.Lock()
 	ports := p.ports
 	p.ports = make(map[service.PortName]*servicePort)
@@ -463,108 +473,12 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 		}()
 	}
 	wg.Wait()
+	// Every proxy has drained: nothing runs on the loops any more.
+	if err := p.loops.Close(); err != nil {
+		errs = multierror.Append(errs, fmt.Errorf("event loops: %w", err))
+	}
 	return errs.ErrorOrNil()
 }
 
 // Cleanup removes the portals.
 func (p *Proxier) Cleanup() error { return p.cfg.Portals.Cleanup() }
-
-// DebugServices reports every Service port for /debug/services.
-func (p *Proxier) DebugServices() []observe.ServiceState {
-	p.mu.RLock()
-	ports := make([]*servicePort, 0, len(p.ports))
-	for _, sp := range p.ports {
-		ports = append(ports, sp)
-	}
-	p.mu.RUnlock()
-	sort.Slice(ports, func(i, j int) bool { return ports[i].port.Name.Less(ports[j].port.Name) })
-
-	out := make([]observe.ServiceState, 0, len(ports))
-	for _, sp := range ports {
-		out = append(out, p.debugState(sp))
-	}
-	return out
-}
-
-func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
-	port := sp.port
-	st := observe.PortState(port, p.cfg.Scheduler)
-	st.ProxyPort = sp.proxyPort
-	if sp.udp != nil {
-		st.ActiveClients = sp.udp.Clients()
-	}
-	bs := sp.balancer.State()
-	balanced := make(map[netip.AddrPort]affinity.EndpointState, len(bs.Endpoints))
-	for _, e := range bs.Endpoints {
-		balanced[e.Addr] = e
-	}
-	if e := p.ejection(); e.After > 0 {
-		st.Ejection = fmt.Sprintf("after %d consecutive failed dials, for %v doubling up to %v", e.After, e.Base, e.Max)
-	}
-	usable := make(map[netip.AddrPort]bool)
-	for _, e := range port.ClusterEndpoints(p.cfg.Zone) {
-		usable[e.Addr] = true
-	}
-	for _, e := range port.Endpoints {
-		b := balanced[e.Addr]
-		es := observe.EndpointState{
-			Address:             e.Addr.String(),
-			Ready:               e.Ready,
-			Serving:             e.Serving,
-			Terminating:         e.Terminating,
-			Usable:              usable[e.Addr],
-			ActiveConnections:   b.Active,
-			ConsecutiveFailures: b.Failures,
-			Ejected:             !b.EjectedUntil.IsZero(),
-		}
-		if es.Ejected {
-			es.EjectedUntil = b.EjectedUntil.UTC().Format(time.RFC3339Nano)
-		}
-		st.Endpoints = append(st.Endpoints, es)
-	}
-	for _, a := range bs.Affinity {
-		st.Affinity = append(st.Affinity, observe.AffinityEntry{
-			Client:   a.Client.String(),
-			Endpoint: a.Endpoint.String(),
-			LastUsed: a.LastUsed.UTC().Format(time.RFC3339),
-		})
-	}
-	if bs.Next.IsValid() {
-		st.NextEndpoint = bs.Next.String()
-	}
-	st.AffinityCounters = &observe.AffinityCounters{
-		Hits: bs.Counters.AffinityHits, Misses: bs.Counters.AffinityMisses,
-		Resets: bs.Counters.AffinityResets, Expired: bs.Counters.AffinityExpired,
-	}
-	if p.cfg.Events != nil {
-		st.RecentEvents = p.cfg.Events.Recent(st.Name, 10)
-	}
-	return st
-}
-
-// NextChoice says which endpoint client would get next from the Service port
-// named service (ns/name:port), and why, without changing any state.
-func (p *Proxier) NextChoice(service string, client netip.Addr) (observe.Choice, bool) {
-	p.mu.RLock()
-	var sp *servicePort
-	for name, s := range p.ports {
-		if name.String() == service {
-			sp = s
-			break
-		}
-	}
-	p.mu.RUnlock()
-	if sp == nil {
-		return observe.Choice{}, false
-	}
-	out := observe.Choice{Client: client.String()}
-	c, err := sp.balancer.Explain(client)
-	if err != nil {
-		out.Reason = err.Error()
-		return out, true
-	}
-	out.Endpoint, out.Sticky, out.Reason = c.Endpoint.String(), c.Sticky, c.Reason
-	return out, true
-}
-
-var _ observe.ChoiceView = (*Proxier)(nil)

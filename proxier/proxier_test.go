@@ -3,10 +3,13 @@ package proxier
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -347,5 +350,95 @@ func TestFailedPortRetriedWithSameServices(t *testing.T) {
 	}
 	if got, err := getTCP(t, pn); err != nil || got != "b" {
 		t.Errorf("after the retry: got %q, %v; want b", got, err)
+	}
+}
+
+// loopResources counts the event loops' goroutines and epoll descriptors in the
+// process.
+func loopResources(t *testing.T) (goroutines, epolls int) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	goroutines = strings.Count(string(buf[:runtime.Stack(buf, true)]), "poll.(*Loop).run(")
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if link, _ := os.Readlink("/proc/self/fd/" + e.Name()); link == "anon_inode:[eventpoll]" {
+			epolls++
+		}
+	}
+	return goroutines, epolls
+}
+
+// The proxier owns its event loops: New starts them, Shutdown stops them once the
+// connection still open at the end of the grace period is reset, and a Sync after
+// Shutdown is refused.
+func TestShutdownStopsTheEventLoops(t *testing.T) {
+	// A backend that keeps every connection open.
+	ln, err := net.Listen("tcp", "127.0.0.2:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		var held []net.Conn
+		defer func() {
+			for _, c := range held {
+				c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, c)
+		}
+	}()
+	g0, e0 := loopResources(t)
+	p, err := New(Config{BindAddress: netip.MustParseAddr("127.0.0.1"), EventLoops: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, e := loopResources(t); e != e0+2 {
+		t.Errorf("epoll descriptors with two loops: got %d, want %d", e, e0+2)
+	}
+	held := port("held", service.TCP, ln.Addr().(*net.TCPAddr).AddrPort())
+	mustSync(t, p, snapshot(held))
+	c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", p.ProxyPort(held.Name)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	deadline := time.Now().Add(10 * time.Second)
+	for p.DebugServices()[0].Endpoints[0].ActiveConnections != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the connection did not become active")
+		}
+		time.Sleep(time.Millisecond)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := p.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Shutdown with a connection held open: got %v, want the grace period's end", err)
+	}
+	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("client after Shutdown: got %v, want its connection ended", err)
+	}
+	deadline = time.Now().Add(10 * time.Second)
+	for g, e := loopResources(t); g != g0 || e != e0; g, e = loopResources(t) {
+		if time.Now().After(deadline) {
+			t.Fatalf("after Shutdown: %d loop goroutines and %d epoll descriptors, want %d and %d as before New", g, e, g0, e0)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err := p.Sync(snapshot(held)); err == nil || !strings.Contains(err.Error(), "shut down") {
+		t.Errorf("Sync after Shutdown: got %v, want an error saying it is shut down", err)
+	}
+	if err := p.Shutdown(context.Background()); err != nil {
+		t.Errorf("second Shutdown: got %v, want nil", err)
 	}
 }

@@ -2,19 +2,9 @@ package socket
 
 import (
 	"errors"
-	"sync/atomic"
 	"syscall"
 	"time"
 )
-
-// acceptBackoffs counts every wait of an accept (TCP) or read (UDP) loop after a
-// temporary error, process-wide: metrics export it without socket depending on them.
-var acceptBackoffs atomic.Uint64
-
-// AcceptBackoffs returns how many times, since the process started, an accept or
-// UDP read loop has backed off after running short of descriptors, buffers or
-// memory. It only grows; a metrics collector exports it as a counter.
-func AcceptBackoffs() uint64 { return acceptBackoffs.Load() }
 
 // Accept (TCP) and read (UDP) loops back off on errors that say the process or the
 // kernel is short of a resource: retrying at once would only spin on the same error.

@@ -253,6 +253,8 @@ func TestTCPProxyNoLeaksOverCloses(t *testing.T) {
 		picker *cyclePicker
 		rec    *recorder
 	}
+	// Every proxy on the same loop, as a proxier's.
+	loops := newLoops(t, 1, nil)
 	worlds := make([]world, len(patterns))
 	for i, pt := range patterns {
 		var eps []netip.AddrPort
@@ -263,6 +265,7 @@ func TestTCPProxyNoLeaksOverCloses(t *testing.T) {
 		}
 		w := world{picker: newCyclePicker(eps...), rec: &recorder{}}
 		w.proxy = &TCPProxy{Service: "ns/leak:" + pt.name, Picker: w.picker, Observer: w.rec, DialTimeouts: pt.dialTimeouts}
+		w.proxy.Loops = loops
 		w.addr = startTCPProxy(t, w.proxy)
 		worlds[i] = w
 	}

@@ -2,83 +2,18 @@ package socket
 
 import (
 	"errors"
+	"net"
+	"net/netip"
 	"os"
+	"slices"
+	"sync"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/socket/poll/polltest"
 )
-
-type countingHandler struct{ events []uint32 }
-
-func (h *countingHandler) handle(_ *loop, ev uint32) { h.events = append(h.events, ev) }
-
-// An event queued for a descriptor that was closed, and whose number a new socket
-// took before the event was handled, must not reach the new socket's handler.
-func TestLoopDropsEventsOfAnEarlierRegistration(t *testing.T) {
-	l, err := newLoop()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		unix.Close(l.epfd)
-		unix.Close(l.wake)
-	})
-	pair := func() (int, int) {
-		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return fds[0], fds[1]
-	}
-	wait := func() []unix.EpollEvent {
-		events := make([]unix.EpollEvent, 8)
-		n, err := unix.EpollWait(l.epfd, events, 1000)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return events[:n]
-	}
-
-	a, aPeer := pair()
-	old := &countingHandler{}
-	if err := l.watch(a, old, unix.EPOLLIN|unix.EPOLLET); err != nil {
-		t.Fatal(err)
-	}
-	unix.Write(aPeer, []byte("x"))
-	stale := wait()
-	if len(stale) != 1 || int(stale[0].Fd) != a {
-		t.Fatalf("events after a write to the first socket: got %+v, want one for descriptor %d", stale, a)
-	}
-	// The first socket goes away before its event is handled; a new one takes its number.
-	l.forget(a)
-	unix.Close(a)
-	unix.Close(aPeer)
-	c, bPeer := pair()
-	defer unix.Close(bPeer)
-	// Usually the kernel hands out the freed number anyway; dup3 makes sure.
-	b := a
-	if c != b {
-		if err := unix.Dup3(c, b, unix.O_CLOEXEC); err != nil {
-			t.Fatal(err)
-		}
-		unix.Close(c)
-	}
-	defer unix.Close(b)
-	current := &countingHandler{}
-	if err := l.watch(b, current, unix.EPOLLIN|unix.EPOLLET); err != nil {
-		t.Fatal(err)
-	}
-
-	l.dispatch(stale)
-	if len(old.events) != 0 || len(current.events) != 0 {
-		t.Fatalf("stale event: first handler got %v, new handler got %v; want neither called", old.events, current.events)
-	}
-	unix.Write(bPeer, []byte("y"))
-	l.dispatch(wait())
-	if len(current.events) != 1 || current.events[0]&unix.EPOLLIN == 0 {
-		t.Errorf("event of the new socket: its handler got %v, want one input event", current.events)
-	}
-}
 
 // Backend sockets carry the dial mark, which needs CAP_NET_ADMIN: without it
 // SetDialMark refuses and leaves sockets unmarked.
@@ -95,12 +30,7 @@ func TestDialMark(t *testing.T) {
 		t.Fatalf("SetDialMark as root: %v", err)
 	}
 	backend := startTCPServer(t, "127.0.0.2", echo)
-	l, err := newLoop()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(l.epfd)
-	defer unix.Close(l.wake)
+	l := newLoop(nil) // dial needs only the loop's scratch space
 	for _, sotype := range []int{unix.SOCK_STREAM, unix.SOCK_DGRAM} {
 		fd, err := l.dial(backend.addr, sotype)
 		if err != nil {
@@ -111,5 +41,173 @@ func TestDialMark(t *testing.T) {
 		if err != nil || mark != 0x2000 {
 			t.Errorf("SO_MARK of a backend socket: got %#x, %v; want 0x2000", mark, err)
 		}
+	}
+}
+
+// The timers below run on a clock that moves only when the test says so, and
+// Advance returns once the timers it made due have expired: what a timer does is
+// done by then, and what it has not done it would not do without another move.
+
+// A dial attempt times out once the loop's clock reaches its timeout, not before,
+// and the next attempt goes to another endpoint.
+func TestTCPDialTimeoutFollowsTheLoopClock(t *testing.T) {
+	clock := polltest.NewClock()
+	loops := newLoops(t, 1, clock)
+	eps := []netip.AddrPort{unansweredAddr(t, "127.0.0.2"), startTCPServer(t, "127.0.0.3", echo).addr}
+	rec := &recorder{}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(eps...), Observer: rec,
+		DialTimeouts: []time.Duration{time.Second, time.Second}, Loops: loops}
+	client := dialProxy(t, startTCPProxy(t, p))
+	await(t, "the connection accepted", func() bool { return p.Active() == 1 })
+	// The handler that accepted it has armed the dial timer once the loop has
+	// moved on to a posted function.
+	loops.Next().PostWait(func() {})
+
+	clock.Advance(time.Second - time.Nanosecond)
+	if _, attempts, _ := rec.counts(); attempts != 0 {
+		t.Fatalf("attempts done a nanosecond before the timeout: got %d, want 0", attempts)
+	}
+	clock.Advance(time.Nanosecond)
+	// The next attempt, to a listener on loopback, may be done too by now.
+	rec.mu.Lock()
+	attempts := slices.Clone(rec.attempts)
+	rec.mu.Unlock()
+	var ne net.Error
+	if len(attempts) == 0 || attempts[0].Endpoint != eps[0] || !errors.As(attempts[0].Err, &ne) || !ne.Timeout() {
+		t.Fatalf("attempts done at the timeout: got %+v, want a timeout of %v first", attempts, eps[0])
+	}
+	if got, err := roundTrip(client, []byte("second")); err != nil || string(got) != "second" {
+		t.Fatalf("round trip through the second endpoint: got %q, %v", got, err)
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if len(rec.attempts) != 2 || rec.attempts[1].Endpoint != eps[1] || rec.attempts[1].Err != nil {
+		t.Errorf("attempts: got %+v, want the timeout, then a success at %v", rec.attempts, eps[1])
+	}
+}
+
+// A UDP client entry expires once it has been idle for the timeout by the loop's
+// clock; a datagram in between starts the idle time again.
+func TestUDPClientExpiryFollowsTheLoopClock(t *testing.T) {
+	const timeout = 250 * time.Millisecond
+	clock := polltest.NewClock()
+	backend := startUDPEcho(t, "127.0.0.2")
+	rec := &recorder{}
+	p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Observer: rec,
+		Timeout: timeout, Loops: newLoops(t, 1, clock)}
+	svc := startUDPProxy(t, p)
+	client := listenUDP(t, "127.0.0.1")
+	// The reply has passed the loop, which has marked the entry used by then.
+	send := func(msg string) {
+		t.Helper()
+		if got, _, err := exchange(client, svc, []byte(msg), awaitTimeout); err != nil || string(got) != msg {
+			t.Fatalf("exchange %q: got %q, %v", msg, got, err)
+		}
+	}
+	send("first")
+
+	steps := []struct {
+		advance time.Duration
+		send    bool // a datagram after the move
+		clients int  // entries left after the move
+	}{
+		{advance: 200 * time.Millisecond, send: true, clients: 1}, // 200ms: used again
+		{advance: 50 * time.Millisecond, clients: 1},              // 250ms: idle for 50ms only
+		{advance: 199 * time.Millisecond, clients: 1},             // 449ms
+		{advance: 1 * time.Millisecond, clients: 0},               // 450ms: idle for the timeout
+	}
+	var now time.Duration
+	for _, st := range steps {
+		clock.Advance(st.advance)
+		now += st.advance
+		if got := p.Clients(); got != st.clients {
+			t.Fatalf("client entries at %v: got %d, want %d", now, got, st.clients)
+		}
+		if st.send {
+			send("again")
+		}
+	}
+	if c := rec.awaitClosed(t, 1)[0]; c.Err != nil || c.BytesIn != 10 || c.BytesOut != 10 {
+		t.Errorf("record of the expired entry: got err %v, %d bytes in, %d out; want nil, 10, 10", c.Err, c.BytesIn, c.BytesOut)
+	}
+}
+
+// After an accept runs short of descriptors, the listener is watched again once
+// the loop's clock has passed the backoff, not before; the connection that waited
+// is then served.
+func TestAcceptBackoffResumesOnTheLoopClock(t *testing.T) {
+	clock := polltest.NewClock()
+	loops := newLoops(t, 1, clock)
+	backend := startTCPServer(t, "127.0.0.2", echo)
+	var mu sync.Mutex
+	var delays []time.Duration
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Loops: loops}
+	p.acceptBackoff = func(err error, d time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		delays = append(delays, d)
+	}
+	addr := startTCPProxy(t, p)
+	// watching reports whether the loop watches the listener. The handle is
+	// looked up here: the loop must not wait for the locks, which Serve holds
+	// while it waits for the loop.
+	watching := func() bool {
+		var h *listenHandle
+		p.mu.Lock()
+		for tl := range p.listeners {
+			tl.mu.Lock()
+			if len(tl.handles) == 1 {
+				h = tl.handles[0]
+			}
+			tl.mu.Unlock()
+		}
+		p.mu.Unlock()
+		var w bool
+		if h != nil {
+			loops.Next().PostWait(func() { w = h.watched })
+		}
+		return w
+	}
+	warm := dialProxy(t, addr)
+	if got, err := roundTrip(warm, []byte("warm")); err != nil || string(got) != "warm" {
+		t.Fatalf("round trip before descriptors run out: got %q, %v", got, err)
+	}
+	warm.Close()
+	if !watching() {
+		t.Fatal("listener not watched while serving")
+	}
+	clientFD, f := rawClient(t)
+
+	st := starveDescriptors(t)
+	st.fill()
+	connectRaw(t, clientFD, addr)
+	await(t, "an accept backoff", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(delays) > 0
+	})
+	st.restore()
+
+	clock.Advance(minBackoff - time.Nanosecond)
+	if watching() {
+		t.Fatalf("listener watched a nanosecond before the backoff of %v ended", minBackoff)
+	}
+	clock.Advance(time.Nanosecond)
+	if !watching() {
+		t.Fatalf("listener not watched once the backoff of %v ended", minBackoff)
+	}
+	fc, err := net.FileConn(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fc.Close()
+	fc.SetDeadline(time.Now().Add(awaitTimeout))
+	if got, err := roundTrip(fc, []byte("ping")); err != nil || string(got) != "ping" {
+		t.Fatalf("round trip once the backoff ended: got %q, %v, want \"ping\"", got, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(delays, []time.Duration{minBackoff}) {
+		t.Errorf("backoffs: got %v, want one of %v", delays, minBackoff)
 	}
 }

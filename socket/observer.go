@@ -2,6 +2,7 @@ package socket
 
 import (
 	"net/netip"
+	"time"
 
 	"github.com/uproxy/uproxy/record"
 )
@@ -32,8 +33,9 @@ type Picker interface {
 	DialFailed(ep netip.AddrPort, err error)
 }
 
-// An Observer is told about every connection. Its methods are called from the
-// connection's goroutines and must be safe for concurrent use and cheap. It only
+// An Observer is told about every connection. Its methods are called on the event
+// loops, several at once, so they must be safe for concurrent use, cheap, and
+// never block: a slow Observer stalls every connection of its loop. It only
 // records: what the proxy decides (which endpoint, whether to retry) depends on
 // the Picker alone, so any Observer, or none, leaves the traffic as it is.
 type Observer interface {
@@ -45,11 +47,15 @@ type Observer interface {
 	// ConnClosed is called once the connection (or UDP session) has ended, with its
 	// full record; c must not be retained after the call returns.
 	ConnClosed(c *record.Conn)
+	// BackedOff is called each time accepting (TCP) or reading (UDP) pauses for
+	// delay after err said the node ran short of descriptors, buffers or memory.
+	BackedOff(service string, err error, delay time.Duration)
 }
 
 // NopObserver ignores everything; it is the Observer when none is set.
 type NopObserver struct{}
 
-func (NopObserver) ConnOpened(string, string)          {}
-func (NopObserver) AttemptDone(string, record.Attempt) {}
-func (NopObserver) ConnClosed(*record.Conn)            {}
+func (NopObserver) ConnOpened(string, string)              {}
+func (NopObserver) AttemptDone(string, record.Attempt)     {}
+func (NopObserver) ConnClosed(*record.Conn)                {}
+func (NopObserver) BackedOff(string, error, time.Duration) {}

@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 // tcpSession is one proxied connection, owned by the loop that accepted it: every
@@ -29,7 +30,7 @@ type tcpSession struct {
 	// Dialing: when the attempt in flight began, and its timeout. (Attempts begun
 	// before it are in rec.Attempts.)
 	attemptStart time.Time
-	dialTimer    timer
+	dialTimer    poll.Timer
 
 	err error // why the session was aborted
 	rec record.Conn
@@ -63,7 +64,7 @@ type tcpSide struct {
 	finQueued, errQueued bool
 }
 
-func (sd *tcpSide) handle(_ *loop, ev uint32) {
+func (sd *tcpSide) Handle(ev uint32) {
 	if ev&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 		sd.readable = true
 	}
@@ -115,7 +116,7 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 	// A new connection's send buffer is empty.
 	s.client = tcpSide{s: s, fd: fd, writable: true}
 	s.backend = tcpSide{s: s, fd: -1}
-	s.dialTimer = timer{index: -1, target: s}
+	s.dialTimer = poll.NewTimer(s)
 	s.rec = record.Conn{Service: p.Service, Protocol: "TCP", Client: client, Start: time.Now()}
 	s.rec.Attempts = s.attempts[:0]
 	if !p.track(s) {
@@ -123,7 +124,7 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 		return
 	}
 	p.observer().ConnOpened(p.Service, "TCP")
-	if err := l.watch(fd, &s.client, sessionEvents); err != nil {
+	if err := l.Watch(fd, &s.client, sessionEvents); err != nil {
 		s.client.fd = -1
 		resetFD(fd)
 		s.end(err)
@@ -160,8 +161,8 @@ func (s *tcpSession) dialNext(lastErr error) {
 		fd, err := s.l.dial(ep, unix.SOCK_STREAM)
 		if err == nil {
 			s.backend.fd = fd
-			if err = s.l.watch(fd, &s.backend, sessionEvents); err == nil {
-				s.l.schedule(&s.dialTimer, timeout)
+			if err = s.l.Watch(fd, &s.backend, sessionEvents); err == nil {
+				s.l.Schedule(&s.dialTimer, timeout)
 				return
 			}
 			s.backend.fd = -1
@@ -252,7 +253,7 @@ func (s *tcpSession) connectEvent(ev uint32) {
 	if ev&unix.EPOLLOUT == 0 {
 		return
 	}
-	s.l.cancel(&s.dialTimer)
+	s.l.Cancel(&s.dialTimer)
 	a := record.Attempt{Endpoint: s.rec.Endpoint, Start: s.attemptStart, Duration: time.Since(s.attemptStart)}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	s.p.observer().AttemptDone(s.p.Service, a)
@@ -261,8 +262,8 @@ func (s *tcpSession) connectEvent(ev uint32) {
 	s.pump()
 }
 
-// expire is the dial timeout of the attempt in flight.
-func (s *tcpSession) expire(*loop) {
+// Expire is the dial timeout of the attempt in flight.
+func (s *tcpSession) Expire() {
 	if s.state == dialing {
 		s.retry(os.ErrDeadlineExceeded)
 	}
@@ -270,7 +271,7 @@ func (s *tcpSession) expire(*loop) {
 
 // retry fails the attempt in flight with err and moves on to the next.
 func (s *tcpSession) retry(err error) {
-	s.l.cancel(&s.dialTimer)
+	s.l.Cancel(&s.dialTimer)
 	s.backend.close(s.l, false)
 	s.dialNext(s.attemptFailed(dialError(s.rec.Endpoint, err)))
 }
@@ -483,7 +484,7 @@ func (s *tcpSession) abort(err error) {
 	switch s.state {
 	case dialing:
 		if s.backend.fd >= 0 {
-			s.l.cancel(&s.dialTimer)
+			s.l.Cancel(&s.dialTimer)
 			s.backend.close(s.l, false)
 			s.attemptFailed(dialError(s.rec.Endpoint, err))
 		}
@@ -503,7 +504,7 @@ func (sd *tcpSide) close(l *loop, reset bool) {
 	if sd.fd < 0 {
 		return
 	}
-	l.forget(sd.fd)
+	l.Forget(sd.fd)
 	if reset {
 		resetFD(sd.fd)
 	} else {

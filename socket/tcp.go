@@ -16,6 +16,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 // ErrShutdown is the Err of connections reset because Shutdown's grace period ended.
@@ -43,6 +45,10 @@ type TCPProxy struct {
 	Service string
 	// Picker chooses the endpoint of each attempt. Required.
 	Picker Picker
+	// Loops are the event loops the proxy runs on: every loop accepts, and a
+	// connection stays on the loop that accepted it. Required; the owner closes
+	// them once the proxy has shut down.
+	Loops *poll.Group
 	// DialTimeouts holds one timeout per dial attempt; nil means DefaultDialTimeouts.
 	DialTimeouts []time.Duration
 	// Observer is told about every connection and attempt; nil means NopObserver.
@@ -98,10 +104,9 @@ func (p *TCPProxy) dialTimeouts() []time.Duration {
 // socket when Serve returns. Use ListenTCP to create ln.
 func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 	p.init()
-	all, err := eventLoops()
-	if err != nil {
+	if p.Loops == nil {
 		ln.Close()
-		return fmt.Errorf("serve %s: %w", p.Service, err)
+		return fmt.Errorf("serve %s: TCPProxy.Loops is nil, want the event loops to run on", p.Service)
 	}
 	tl, err := takeListener(p, ln)
 	if err != nil {
@@ -117,7 +122,7 @@ func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 	p.serving++
 	p.mu.Unlock()
 
-	tl.register(all)
+	tl.register(p.Loops.Loops())
 	<-tl.done
 
 	p.mu.Lock()
@@ -214,7 +219,7 @@ func (p *TCPProxy) Shutdown(ctx context.Context) error {
 	p.mu.Lock()
 	p.forced = true
 	for s := range p.conns {
-		s.l.post(func(*loop) { s.abort(ErrShutdown) })
+		s.l.Post(func() { s.abort(ErrShutdown) })
 	}
 	p.mu.Unlock()
 	<-p.drained
@@ -254,18 +259,20 @@ type listenHandle struct {
 
 const listenEvents = unix.EPOLLIN | unix.EPOLLEXCLUSIVE
 
-func (tl *tcpListener) register(all []*loop) {
+func (tl *tcpListener) register(all []*poll.Loop) {
 	tl.mu.Lock()
 	defer tl.mu.Unlock()
 	if tl.closing {
 		return
 	}
-	for _, l := range all {
-		h := &listenHandle{ln: tl, l: l}
+	for _, pl := range all {
+		h := &listenHandle{ln: tl, l: loopOf(pl)}
 		h.backoffWatch = newBackoffWatch(tl.fd, listenEvents, h)
 		tl.handles = append(tl.handles, h)
 		var err error
-		l.postWait(func(l *loop) { err = h.watch(l, h) })
+		if perr := pl.PostWait(func() { err = h.watch(h.l, h) }); perr != nil {
+			err = perr
+		}
 		if err != nil {
 			tl.err = err
 			go tl.close()
@@ -286,7 +293,7 @@ func (tl *tcpListener) close() error {
 	tl.closing = true
 	tl.mu.Unlock()
 	for _, h := range tl.handles {
-		h.l.postWait(h.stop)
+		h.l.PostWait(func() { h.stop(h.l) })
 	}
 	err := unix.Close(tl.fd)
 	close(tl.done)
@@ -300,8 +307,8 @@ func (tl *tcpListener) close() error {
 // not starve the rest of the loop; the listener is level-triggered and comes back.
 const acceptBatch = 32
 
-func (h *listenHandle) handle(l *loop, _ uint32) {
-	tl := h.ln
+func (h *listenHandle) Handle(uint32) {
+	tl, l := h.ln, h.l
 	for range acceptBatch {
 		fd, client, err := l.accept(tl.fd)
 		switch {
@@ -338,6 +345,7 @@ func (h *listenHandle) handle(l *loop, _ uint32) {
 // stays readable, and accepting at once would meet the same error.
 func (h *listenHandle) backoff(l *loop, err error, msg string) {
 	delay := h.backoffWatch.backoff(l)
+	h.ln.p.observer().BackedOff(h.ln.p.Service, err, delay)
 	if f := h.ln.p.acceptBackoff; f != nil {
 		f(err, delay)
 	} else {
@@ -354,13 +362,13 @@ func (h *listenHandle) shortage(l *loop, err error) {
 	}
 }
 
-// expire ends a backoff: the listener is watched again, unless it is closing.
-func (h *listenHandle) expire(l *loop) {
+// Expire ends a backoff: the listener is watched again, unless it is closing.
+func (h *listenHandle) Expire() {
 	h.ln.mu.Lock()
 	closing := h.ln.closing
 	h.ln.mu.Unlock()
 	if !closing {
-		h.resume(l, h)
+		h.resume(h.l, h)
 	}
 }
 

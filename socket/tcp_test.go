@@ -25,6 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 func TestMain(m *testing.M) {
@@ -487,7 +488,12 @@ func runBackendProcess(mode, addr string) {
 // benchmark can read the proxy's own CPU time. It prints its address and serves
 // until its standard input closes.
 func runProxyProcess(to string) {
-	p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(netip.MustParseAddrPort(to))}
+	loops, err := poll.New(poll.Config{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(netip.MustParseAddrPort(to)), Loops: loops}
 	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -724,6 +730,8 @@ func sessionGoroutines() int {
 
 func TestTCPProxyManyConcurrentClients(t *testing.T) {
 	const clients = 300
+	// Three loops: the listener is watched by each, and connections spread over them.
+	loops := newLoops(t, 3, nil)
 	baseline := runtime.NumGoroutine()
 	var backends []*tcpServer
 	var eps []netip.AddrPort
@@ -736,6 +744,7 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 	rec := &recorder{}
 	// A generous timeout: on a loaded machine a retry would skew the checks below.
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec, DialTimeouts: []time.Duration{awaitTimeout}}
+	p.Loops = loops
 	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		t.Fatal(err)
@@ -820,7 +829,7 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 }
 
 func TestTCPProxyServeAfterClose(t *testing.T) {
-	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker()}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(), Loops: newLoops(t, 1, nil)}
 	if err := p.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}
@@ -858,14 +867,14 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	var mu sync.Mutex
 	var delays []time.Duration
 	var errs []error
-	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr)}
+	rec := &recorder{}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
 	p.acceptBackoff = func(err error, d time.Duration) {
 		mu.Lock()
 		defer mu.Unlock()
 		delays = append(delays, d)
 		errs = append(errs, err)
 	}
-	backoffsBefore := AcceptBackoffs()
 	addr := startTCPProxy(t, p)
 	// A first round trip shows the proxy serving. The client's socket is made
 	// before descriptors run out and connected after: its connection then waits in
@@ -875,17 +884,11 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		t.Fatalf("round trip before descriptors run out: got %q, %v", got, err)
 	}
 	warm.Close()
-	clientFD, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	clientFD, f := rawClient(t)
 
 	st := starveDescriptors(t)
 	st.fill()
-	if err := unix.Connect(clientFD, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
-		unix.Close(clientFD)
-		t.Fatalf("connect client: %v", err)
-	}
+	connectRaw(t, clientFD, addr)
 
 	const backoffs = 4
 	await(t, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
@@ -896,7 +899,6 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	})
 	st.restore()
 
-	f := os.NewFile(uintptr(clientFD), "client")
 	fc, err := net.FileConn(f)
 	f.Close()
 	if err != nil {
@@ -908,9 +910,11 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		t.Fatalf("round trip once descriptors are back: got %q, %v, want \"ping\"", got, err)
 	}
 	mu.Lock()
-	if got := AcceptBackoffs() - backoffsBefore; got < uint64(len(delays)) {
-		t.Errorf("AcceptBackoffs grew by %d, want at least the %d backoffs seen", got, len(delays))
+	rec.mu.Lock()
+	if !slices.Equal(rec.backoffs, delays) {
+		t.Errorf("backoffs the Observer was told of: got %v, want those of the log hook %v", rec.backoffs, delays)
 	}
+	rec.mu.Unlock()
 	want := []time.Duration{5 * time.Millisecond, 10 * time.Millisecond, 20 * time.Millisecond, 40 * time.Millisecond}
 	if !slices.Equal(delays[:backoffs], want) {
 		t.Errorf("backoff delays: got %v, want %v", delays[:backoffs], want)
@@ -937,6 +941,28 @@ type starvation struct {
 // cleanup) closes the fillers and puts the limit back. Garbage collection is off
 // meanwhile: its finalizers close descriptors (pooled splice pipes) that the code
 // under test would take.
+// rawClient makes a client socket while descriptors are plentiful: connecting
+// it takes none, so it can reach the proxy after they have run out. t.Cleanup
+// closes it (f) if the test has not.
+func rawClient(t *testing.T) (fd int, f *os.File) {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f = os.NewFile(uintptr(fd), "client")
+	t.Cleanup(func() { f.Close() })
+	return fd, f
+}
+
+// connectRaw connects a rawClient socket to addr (IPv4).
+func connectRaw(t *testing.T, fd int, addr netip.AddrPort) {
+	t.Helper()
+	if err := unix.Connect(fd, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
+		t.Fatalf("connect client: %v", err)
+	}
+}
+
 func starveDescriptors(t *testing.T) *starvation {
 	t.Helper()
 	gc := debug.SetGCPercent(-1)
@@ -1022,19 +1048,12 @@ func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
 	}
 	warm.Close()
 	rec.awaitClosed(t, 1)
-	clientFD, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := os.NewFile(uintptr(clientFD), "client")
-	defer f.Close()
+	clientFD, _ := rawClient(t)
 
 	st := starveDescriptors(t)
 	st.fill()
 	st.free() // for accept; the dial finds none
-	if err := unix.Connect(clientFD, &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}); err != nil {
-		t.Fatalf("connect client: %v", err)
-	}
+	connectRaw(t, clientFD, addr)
 	closed := rec.awaitClosed(t, 2)
 	await(t, "an accept backoff", func() bool {
 		mu.Lock()
@@ -1116,6 +1135,7 @@ func TestTCPProxyIPv6(t *testing.T) {
 			backend := startTCPServer(t, tt.backend, echo)
 			rec := &recorder{}
 			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
+			p.Loops = newLoops(t, 1, nil)
 			ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort(tt.listen))
 			if err != nil {
 				t.Fatal(err)

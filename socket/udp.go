@@ -16,6 +16,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 // ErrTooManyClients is the Err of a UDP client turned away because the client table
@@ -36,14 +37,17 @@ const (
 // entry with its own connected socket to an endpoint; replies go back through the
 // Service's socket. Set the fields before the first Serve and do not change them.
 //
-// A UDPProxy lives on one event loop (see loop.go): its Service sockets, its client
-// table and every client's socket are served from that loop's thread, so a
-// datagram costs no goroutine wake-up either way.
+// A UDPProxy lives on one of its event loops (see loop.go): its Service sockets,
+// its client table and every client's socket are served from that loop's thread,
+// so a datagram costs no goroutine wake-up either way.
 type UDPProxy struct {
 	// Service names the Service port ("namespace/name:port") in records and metrics.
 	Service string
 	// Picker chooses the endpoint of each client entry. Required.
 	Picker Picker
+	// Loops are the event loops the proxy may run on; it takes one of them.
+	// Required; the owner closes them once the proxy is closed.
+	Loops *poll.Group
 	// Timeout is how long a client entry lives without a datagram in either
 	// direction; zero means DefaultUDPTimeout.
 	Timeout time.Duration
@@ -55,7 +59,7 @@ type UDPProxy struct {
 	Observer Observer
 
 	initOnce sync.Once
-	l        *loop // nil if the loops could not start (initErr)
+	l        *loop // nil without loops (initErr)
 	initErr  error
 
 	// mu guards the fields below. The loop changes them holding mu and reads them
@@ -70,12 +74,11 @@ func (p *UDPProxy) init() {
 	p.initOnce.Do(func() {
 		p.sockets = make(map[*udpSocket]struct{})
 		p.clients = make(map[netip.AddrPort]*udpClient)
-		all, err := eventLoops()
-		if err != nil {
-			p.initErr = err
+		if p.Loops == nil {
+			p.initErr = errors.New("UDPProxy.Loops is nil, want the event loops to run on")
 			return
 		}
-		p.l = pickLoop(all)
+		p.l = loopOf(p.Loops.Next())
 	})
 }
 
@@ -138,14 +141,21 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 	}
 	p.sockets[s] = struct{}{}
 	p.mu.Unlock()
-	p.l.post(func(l *loop) {
+	l := p.l
+	if !l.Post(func() {
 		if s.stopped {
 			return
 		}
 		if err := s.watch(l, s); err != nil {
 			s.stop(l, err)
 		}
-	})
+	}) {
+		unix.Close(fd)
+		p.mu.Lock()
+		delete(p.sockets, s)
+		p.mu.Unlock()
+		return fmt.Errorf("serve %s: %w", p.Service, poll.ErrClosed)
+	}
 	<-s.done
 	p.mu.Lock()
 	delete(p.sockets, s)
@@ -180,9 +190,9 @@ func takeFD(c interface {
 	return fd, nil
 }
 
-// handle reads every datagram queued on the Service socket, in batches.
-func (s *udpSocket) handle(l *loop, _ uint32) {
-	p := s.p
+// Handle reads every datagram queued on the Service socket, in batches.
+func (s *udpSocket) Handle(uint32) {
+	p, l := s.p, s.p.l
 	r := l.serviceReader
 	r.begin()
 	for r.read(uintptr(s.fd)) {
@@ -207,13 +217,14 @@ func (s *udpSocket) handle(l *loop, _ uint32) {
 // backoff stops reading for a while after a temporary error (see TCP's accept).
 func (s *udpSocket) backoff(l *loop, err error) {
 	delay := s.backoffWatch.backoff(l)
+	s.p.observer().BackedOff(s.p.Service, err, delay)
 	klog.ErrorS(err, "UDP read failed, backing off", "service", s.p.Service, "delay", delay)
 }
 
-// expire ends a backoff unless the socket has stopped.
-func (s *udpSocket) expire(l *loop) {
+// Expire ends a backoff unless the socket has stopped.
+func (s *udpSocket) Expire() {
 	if !s.stopped {
-		s.resume(l, s)
+		s.resume(s.p.l, s)
 	}
 }
 
@@ -245,7 +256,7 @@ func (p *UDPProxy) forward(l *loop, svc *udpSocket, client netip.AddrPort, local
 			return
 		}
 	}
-	c.last = l.nanotime()
+	c.last = l.Now()
 	for {
 		_, err := unix.Write(c.fd, b)
 		switch err {
@@ -281,7 +292,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		return nil
 	}
 	c := &udpClient{p: p, svc: svc, addr: client, replyFrom: replySource(local), fd: -1}
-	c.t = timer{index: -1, target: c}
+	c.t = poll.NewTimer(c)
 	c.rec = record.Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now()}
 	ep, err := p.Picker.Pick(client.Addr().Unmap(), nil)
 	if err != nil {
@@ -291,7 +302,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	start := time.Now()
 	fd, err := l.dial(ep, unix.SOCK_DGRAM)
 	if err == nil {
-		if err = l.watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
+		if err = l.Watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
 			unix.Close(fd)
 		}
 	}
@@ -318,8 +329,8 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	p.Picker.DialSucceeded(ep)
 	c.fd, c.ep, c.rec.Endpoint = fd, ep, ep
 	c.to = sockaddrOf(client)
-	c.last = l.nanotime()
-	l.schedule(&c.t, p.timeout())
+	c.last = l.Now()
+	l.Schedule(&c.t, p.timeout())
 	p.mu.Lock()
 	p.clients[client] = c
 	p.mu.Unlock()
@@ -359,7 +370,8 @@ func (p *UDPProxy) Close() error {
 	if p.l == nil {
 		return nil
 	}
-	p.l.postWait(func(l *loop) {
+	l := p.l
+	err := l.PostWait(func() {
 		for _, s := range sockets {
 			s.stop(l, nil)
 		}
@@ -367,6 +379,9 @@ func (p *UDPProxy) Close() error {
 			c.end(l, nil, false)
 		}
 	})
+	if err != nil {
+		return fmt.Errorf("close %s: %w", p.Service, err)
+	}
 	return nil
 }
 
@@ -391,29 +406,31 @@ type udpClient struct {
 	ep        netip.AddrPort
 	fd        int
 
-	// last is the time (loop.nanotime) of the latest datagram either way; the
+	// last is the time (loop.Now) of the latest datagram either way; the
 	// timer checks it rather than being moved per datagram.
 	last              int64
-	t                 timer
+	t                 poll.Timer
 	bytesIn, bytesOut int64
 	ended             bool
 	rec               record.Conn
 	attempt           [1]record.Attempt
 }
 
-// expire ends the entry once it has been idle for the timeout, or looks again when
+// Expire ends the entry once it has been idle for the timeout, or looks again when
 // it would have.
-func (c *udpClient) expire(l *loop) {
+func (c *udpClient) Expire() {
+	l := c.p.l
 	timeout := int64(c.p.timeout())
-	if idle := l.nanotime() - c.last; idle < timeout {
-		l.schedule(&c.t, time.Duration(timeout-idle))
+	if idle := l.Now() - c.last; idle < timeout {
+		l.Schedule(&c.t, time.Duration(timeout-idle))
 		return
 	}
 	c.end(l, nil, false)
 }
 
-// handle relays the endpoint's datagrams to the client through the Service socket.
-func (c *udpClient) handle(l *loop, _ uint32) {
+// Handle relays the endpoint's datagrams to the client through the Service socket.
+func (c *udpClient) Handle(uint32) {
+	l := c.p.l
 	r := l.replyReader
 	r.begin()
 	for r.read(uintptr(c.fd)) {
@@ -423,7 +440,7 @@ func (c *udpClient) handle(l *loop, _ uint32) {
 			c.end(l, fmt.Errorf("read from endpoint %s: %w", c.ep, os.NewSyscallError("recvmmsg", err)), true)
 			return
 		}
-		c.last = l.nanotime()
+		c.last = l.Now()
 		for i := range r.n {
 			b := r.datagram(i)
 			c.bytesOut += int64(len(b))
@@ -443,8 +460,8 @@ func (c *udpClient) end(l *loop, err error, resetAffinity bool) {
 	}
 	c.ended = true
 	p := c.p
-	l.cancel(&c.t)
-	l.forget(c.fd)
+	l.Cancel(&c.t)
+	l.Forget(c.fd)
 	unix.Close(c.fd)
 	p.mu.Lock()
 	if p.clients[c.addr] == c {

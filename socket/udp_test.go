@@ -59,10 +59,14 @@ func deadUDPAddr(t testing.TB, ip string) netip.AddrPort {
 	return addr
 }
 
-// startUDPProxy serves p on a fresh 127.0.0.1:0 socket and returns its address. At the
-// end of the test the proxy is closed and Serve must have returned nil.
+// startUDPProxy serves p on a fresh 127.0.0.1:0 socket and returns its address; a p
+// without Loops gets one loop of its own. At the end of the test the proxy is
+// closed and Serve must have returned nil.
 func startUDPProxy(t testing.TB, p *UDPProxy) netip.AddrPort {
 	t.Helper()
+	if p.Loops == nil {
+		p.Loops = newLoops(t, 1, nil)
+	}
 	conn, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
 	if err != nil {
 		t.Fatal(err)
@@ -268,11 +272,13 @@ func TestUDPProxyDeadBackendRepick(t *testing.T) {
 
 func TestUDPProxyManyClients(t *testing.T) {
 	const clients = 100
+	loops := newLoops(t, 1, nil)
 	baseline := runtime.NumGoroutine()
 	eps := []netip.AddrPort{startUDPEcho(t, "127.0.0.2"), startUDPEcho(t, "127.0.0.3")}
 	rec := &recorder{}
 	picker := newCyclePicker(eps...)
 	p := &UDPProxy{Service: "ns/dns:udp", Picker: picker, Observer: rec, Timeout: time.Hour}
+	p.Loops = loops
 	conn, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
 	if err != nil {
 		t.Fatal(err)
@@ -350,6 +356,7 @@ func TestUDPProxyWildcardRepliesFromDestination(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			backend := startUDPEcho(t, "127.0.0.2")
 			p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Timeout: time.Hour}
+			p.Loops = newLoops(t, 1, nil)
 			conn, err := net.ListenUDP(tt.network, &net.UDPAddr{IP: net.ParseIP(tt.bind)})
 			if err != nil {
 				t.Fatal(err)

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 // awaitTimeout bounds every wait for a condition; conditions normally hold within
@@ -147,6 +148,13 @@ type recorder struct {
 	opened   int
 	attempts []record.Attempt
 	closed   []record.Conn
+	backoffs []time.Duration
+}
+
+func (r *recorder) BackedOff(service string, err error, delay time.Duration) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.backoffs = append(r.backoffs, delay)
 }
 
 func (r *recorder) ConnOpened(service, protocol string) {
@@ -308,10 +316,31 @@ func unansweredAddr(t testing.TB, ip string) netip.AddrPort {
 	return addr
 }
 
-// startTCPProxy serves p on a fresh 127.0.0.1:0 listener and returns its address.
-// At the end of the test the proxy is shut down and Serve must have returned nil.
+// newLoops starts n event loops on clock (nil: the real clock) and closes them at
+// the end of the test. Cleanups run last registered first: the loops are closed
+// after the proxies started on them later are shut down.
+func newLoops(t testing.TB, n int, clock poll.Clock) *poll.Group {
+	t.Helper()
+	g, err := poll.New(poll.Config{Loops: n, Clock: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := g.Close(); err != nil {
+			t.Errorf("close event loops: %v", err)
+		}
+	})
+	return g
+}
+
+// startTCPProxy serves p on a fresh 127.0.0.1:0 listener and returns its address;
+// a p without Loops gets one loop of its own. At the end of the test the proxy is
+// shut down and Serve must have returned nil.
 func startTCPProxy(t testing.TB, p *TCPProxy) netip.AddrPort {
 	t.Helper()
+	if p.Loops == nil {
+		p.Loops = newLoops(t, 1, nil)
+	}
 	ln, err := ListenTCP(context.Background(), netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,133 @@
+package proxier
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"time"
+
+	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/observe"
+)
+
+// What the proxier shows of its state: /debug/services, explain's next choice
+// and the balancer figures observe exports at scrape time.
+
+// balancerStats reads b for the metrics scrape, in observe's terms.
+func balancerStats(b *affinity.Balancer) func() observe.BalancerStats {
+	return func() observe.BalancerStats {
+		c, eps := b.Stats()
+		st := observe.BalancerStats{
+			Affinity: observe.AffinityCounters{
+				Hits: c.AffinityHits, Misses: c.AffinityMisses,
+				Resets: c.AffinityResets, Expired: c.AffinityExpired,
+			},
+			Endpoints: make([]observe.EndpointStats, len(eps)),
+		}
+		for i, e := range eps {
+			// Stats leaves EjectedUntil zero once the ejection has ended.
+			st.Endpoints[i] = observe.EndpointStats{Addr: e.Addr, Active: e.Active, Failures: e.Failures, Ejected: !e.EjectedUntil.IsZero()}
+		}
+		return st
+	}
+}
+
+// DebugServices reports every Service port for /debug/services.
+func (p *Proxier) DebugServices() []observe.ServiceState {
+	p.mu.RLock()
+	ports := make([]*servicePort, 0, len(p.ports))
+	for _, sp := range p.ports {
+		ports = append(ports, sp)
+	}
+	p.mu.RUnlock()
+	sort.Slice(ports, func(i, j int) bool { return ports[i].port.Name.Less(ports[j].port.Name) })
+
+	out := make([]observe.ServiceState, 0, len(ports))
+	for _, sp := range ports {
+		out = append(out, p.debugState(sp))
+	}
+	return out
+}
+
+func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
+	port := sp.port
+	st := observe.PortState(port, p.cfg.Scheduler)
+	st.ProxyPort = sp.proxyPort
+	if sp.udp != nil {
+		st.ActiveClients = sp.udp.Clients()
+	}
+	bs := sp.balancer.State()
+	balanced := make(map[netip.AddrPort]affinity.EndpointState, len(bs.Endpoints))
+	for _, e := range bs.Endpoints {
+		balanced[e.Addr] = e
+	}
+	if e := p.ejection(); e.After > 0 {
+		st.Ejection = fmt.Sprintf("after %d consecutive failed dials, for %v doubling up to %v", e.After, e.Base, e.Max)
+	}
+	usable := make(map[netip.AddrPort]bool)
+	for _, e := range port.ClusterEndpoints(p.cfg.Zone) {
+		usable[e.Addr] = true
+	}
+	for _, e := range port.Endpoints {
+		b := balanced[e.Addr]
+		es := observe.EndpointState{
+			Address:             e.Addr.String(),
+			Ready:               e.Ready,
+			Serving:             e.Serving,
+			Terminating:         e.Terminating,
+			Usable:              usable[e.Addr],
+			ActiveConnections:   b.Active,
+			ConsecutiveFailures: b.Failures,
+			Ejected:             !b.EjectedUntil.IsZero(),
+		}
+		if es.Ejected {
+			es.EjectedUntil = b.EjectedUntil.UTC().Format(time.RFC3339Nano)
+		}
+		st.Endpoints = append(st.Endpoints, es)
+	}
+	for _, a := range bs.Affinity {
+		st.Affinity = append(st.Affinity, observe.AffinityEntry{
+			Client:   a.Client.String(),
+			Endpoint: a.Endpoint.String(),
+			LastUsed: a.LastUsed.UTC().Format(time.RFC3339),
+		})
+	}
+	if bs.Next.IsValid() {
+		st.NextEndpoint = bs.Next.String()
+	}
+	st.AffinityCounters = &observe.AffinityCounters{
+		Hits: bs.Counters.AffinityHits, Misses: bs.Counters.AffinityMisses,
+		Resets: bs.Counters.AffinityResets, Expired: bs.Counters.AffinityExpired,
+	}
+	if p.cfg.Events != nil {
+		st.RecentEvents = p.cfg.Events.Recent(st.Name, 10)
+	}
+	return st
+}
+
+// NextChoice says which endpoint client would get next from the Service port
+// named service (ns/name:port), and why, without changing any state.
+func (p *Proxier) NextChoice(service string, client netip.Addr) (observe.Choice, bool) {
+	p.mu.RLock()
+	var sp *servicePort
+	for name, s := range p.ports {
+		if name.String() == service {
+			sp = s
+			break
+		}
+	}
+	p.mu.RUnlock()
+	if sp == nil {
+		return observe.Choice{}, false
+	}
+	out := observe.Choice{Client: client.String()}
+	c, err := sp.balancer.Explain(client)
+	if err != nil {
+		out.Reason = err.Error()
+		return out, true
+	}
+	out.Endpoint, out.Sticky, out.Reason = c.Endpoint.String(), c.Sticky, c.Reason
+	return out, true
+}
+
+var _ observe.ChoiceView = (*Proxier)(nil)
