@@ -12,6 +12,7 @@ import (
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/socket/poll"
 	"github.com/uproxy/uproxy/syncloop"
 )
@@ -33,11 +34,20 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 	}
 	klog.InfoS("Proxy mode", "mode", name, "reason", reason)
 
-	// Switching modes must not leave the previous mode's rules steering traffic.
-	// Only when uproxy may touch the kernel: --rules none runs unprivileged.
-	if name != kernelmodes.Userspace || cfg.rules == "iptables" {
+	if name == kernelmodes.Userspace {
+		cfg.rules = chooseRules(cfg.rules, o.chainPrefix)
+	}
+	// Switching modes, or the userspace mode's portal backend, must not leave
+	// the previous rules steering traffic. Only when uproxy may touch the
+	// kernel: --rules none runs unprivileged.
+	if name != kernelmodes.Userspace || cfg.rules != "none" {
 		if err := kernelmodes.CleanupOthers(name, o.chainPrefix); err != nil {
 			klog.ErrorS(err, "Removing other modes' leftovers", "mode", name)
+		}
+	}
+	if name == kernelmodes.Userspace && cfg.rules != "none" {
+		if err := rules.CleanupExcept(cfg.rules, o.chainPrefix); err != nil {
+			klog.ErrorS(err, "Removing the other portal backend's leftovers", "rules", cfg.rules)
 		}
 	}
 

@@ -20,6 +20,7 @@ import (
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
+	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/source/kube"
 )
@@ -95,7 +96,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f := cmd.Flags()
 	o.flags = f
 	f.StringVar(&o.services, "services", o.services, "Service and EndpointSlice manifests (a YAML/JSON file or a directory of them), reloaded on change")
-	f.StringVar(&o.rules, "rules", o.rules, "how virtual IPs reach the proxy ports: iptables, none, or auto (iptables when running as root)")
+	f.StringVar(&o.rules, "rules", o.rules, "how virtual IPs reach the proxy ports: nftables (one table of maps), iptables (a rule per Service port), none, or auto (as root: nftables where nft and the kernel support it, else iptables; otherwise none)")
 	f.StringVar(&o.bindAddress, "bind-address", o.bindAddress, "address the proxy ports listen on (0.0.0.0: every address of both families)")
 	f.StringVar(&o.proxyPortRange, "proxy-port-range", o.proxyPortRange, "range of proxy ports, FIRST-LAST or FIRST+OFFSET (empty: the kernel's ephemeral port range)")
 	f.DurationVar(&o.udpTimeout, "udp-timeout", o.udpTimeout, "how long an idle UDP client keeps its backend")
@@ -123,7 +124,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.configSyncPeriod, "config-sync-period", o.configSyncPeriod, "how often the Service and EndpointSlice caches are replayed (0: never)")
 	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags given explicitly win")
 	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
-	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
+	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables or nftables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
 	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections and UDP flows; 0: one per CPU but one, at least one")
 	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
@@ -131,7 +132,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 // config is the validated form of options.
 type config struct {
 	proxier     proxier.Config
-	rules       string // "iptables" or "none"
+	rules       string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
 	prefixes    []netip.Prefix
 	nodeName    string
 	metricsAddr string
@@ -143,7 +144,7 @@ type config struct {
 // maxEventLoops bounds --event-loops: more threads than this only contend.
 const maxEventLoops = 256
 
-const chainPrefixHelp = "prefix of every iptables chain uproxy owns"
+const chainPrefixHelp = "prefix of every iptables chain uproxy owns; lower-cased, the name of its nftables table (--rules nftables)"
 
 // kube-proxy's packet mark bits (its --iptables-masquerade-bit default, and the
 // drop mark of its iptables mode): the dial mark must not collide with them when
@@ -243,15 +244,16 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)
 	}
 	switch o.rules {
-	case "iptables", "none":
+	case rules.BackendNFTables, rules.BackendIPTables, "none":
 		c.rules = o.rules
 	case "auto", "":
+		// As root the kernel decides, when the proxy starts (chooseRules).
 		c.rules = "none"
 		if os.Geteuid() == 0 {
-			c.rules = "iptables"
+			c.rules = "auto"
 		}
 	default:
-		return nil, fmt.Errorf("--rules %q: want iptables, none or auto", o.rules)
+		return nil, fmt.Errorf("--rules %q: want nftables, iptables, none or auto", o.rules)
 	}
 	if err := kube.ValidateProxyName(o.serviceProxyName); err != nil {
 		return nil, fmt.Errorf("--service-proxy-name: %w", err)

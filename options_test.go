@@ -10,7 +10,21 @@ import (
 
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/testbed"
 )
+
+// validateArgs parses args as the command line and validates the options.
+func validateArgs(t *testing.T, args ...string) (*config, error) {
+	t.Helper()
+	o := defaultOptions()
+	cmd := &cobra.Command{Use: "uproxy"}
+	o.addFlags(cmd)
+	if err := cmd.Flags().Parse(args); err != nil {
+		t.Fatalf("parse %v: %v", args, err)
+	}
+	return o.validate()
+}
 
 // Each bad flag value is refused at start with an error naming the flag.
 func TestValidateNamesTheBadFlag(t *testing.T) {
@@ -26,6 +40,7 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--dial-timeouts=1s,,2s"}, "--dial-timeouts"},
 		{[]string{"--udp-timeout=0s"}, "--udp-timeout"},
 		{[]string{"--bind-address=not-an-ip"}, "--bind-address"},
+		{[]string{"--rules=ipfw"}, "--rules"},
 		{[]string{"--events=-5"}, "--events"},
 		{[]string{"--dial-mark-bit=14"}, "--dial-mark-bit"},
 		{[]string{"--dial-mark-bit=15"}, "--dial-mark-bit"},
@@ -37,39 +52,57 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
-			o := defaultOptions()
-			cmd := &cobra.Command{Use: "uproxy"}
-			o.addFlags(cmd)
-			if err := cmd.Flags().Parse(tt.args); err != nil {
-				t.Fatalf("parse %v: %v", tt.args, err)
-			}
-			_, err := o.validate()
+			_, err := validateArgs(t, tt.args...)
 			if err == nil || !strings.HasPrefix(err.Error(), tt.wantFlag) {
 				t.Errorf("validate with %v: got %v, want an error starting with %q", tt.args, err, tt.wantFlag)
 			}
 		})
 	}
-	o := defaultOptions()
-	cmd := &cobra.Command{Use: "uproxy"}
-	o.addFlags(cmd)
-	if err := cmd.Flags().Parse([]string{"--event-loops=3"}); err != nil {
-		t.Fatal(err)
-	}
-	c, err := o.validate()
+	c, err := validateArgs(t, "--event-loops=3")
 	if err != nil || c.eventLoops != 3 {
 		t.Errorf("validate with --event-loops=3: got %v, %v; want 3 event loops", c, err)
 	}
 	for bit, want := range map[string]uint32{"13": 0x2000, "0": 1, "31": 0x80000000, "-1": 0} {
-		o := defaultOptions()
-		cmd := &cobra.Command{Use: "uproxy"}
-		o.addFlags(cmd)
-		if err := cmd.Flags().Parse([]string{"--dial-mark-bit=" + bit}); err != nil {
-			t.Fatal(err)
-		}
-		if c, err := o.validate(); err != nil || c.dialMark != want {
+		if c, err := validateArgs(t, "--dial-mark-bit="+bit); err != nil || c.dialMark != want {
 			t.Errorf("validate with --dial-mark-bit=%s: got %+v, %v; want dial mark %#x", bit, c, err, want)
 		}
 	}
+}
+
+// --rules takes each backend by name; auto leaves the choice to the start,
+// where the kernel is probed, unless the proxy cannot touch the kernel at all.
+func TestValidateRules(t *testing.T) {
+	autoWant := "none"
+	if os.Geteuid() == 0 {
+		autoWant = "auto"
+	}
+	for flag, want := range map[string]string{"nftables": "nftables", "iptables": "iptables", "none": "none", "auto": autoWant} {
+		if c, err := validateArgs(t, "--rules="+flag); err != nil || c.rules != want {
+			t.Errorf("validate with --rules=%s: got %+v, %v; want rules %q", flag, c, err, want)
+		}
+	}
+}
+
+// chooseRules keeps an explicit backend and, for auto, takes nftables where
+// the kernel and nft run the portals' layout, else iptables.
+func TestChooseRules(t *testing.T) {
+	for _, r := range []string{"nftables", "iptables", "none"} {
+		if got := chooseRules(r, "UPROXY"); got != r {
+			t.Errorf("chooseRules(%q): got %q, want it kept", r, got)
+		}
+	}
+	t.Run("nft missing", func(t *testing.T) {
+		t.Setenv("PATH", t.TempDir())
+		if got := chooseRules("auto", "UPROXY"); got != "iptables" {
+			t.Errorf("chooseRules(auto) without nft: got %q, want iptables", got)
+		}
+	})
+	t.Run("nft and the kernel support it", func(t *testing.T) {
+		testbed.RequireNFTables(t)
+		if got := chooseRules("auto", "UPROXY"); got != "nftables" {
+			t.Errorf("chooseRules(auto) as root with nft: got %q, want nftables", got)
+		}
+	})
 }
 
 // A taken --metrics-bind-address or --healthz-bind-address port fails the start

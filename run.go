@@ -178,6 +178,22 @@ func bindHTTP(cfg *config) (metrics, healthz net.Listener, err error) {
 	return metrics, healthz, nil
 }
 
+// chooseRules resolves --rules auto (as root): nftables where nft and the
+// kernel take the portals' whole layout, else iptables. It logs the choice and
+// why.
+func chooseRules(requested, prefix string) string {
+	if requested != "auto" {
+		return requested
+	}
+	if err := rules.ProbeNFTables(prefix); err != nil {
+		klog.InfoS("Portal rules", "rules", rules.BackendIPTables, "reason", "auto: "+err.Error())
+		return rules.BackendIPTables
+	}
+	klog.InfoS("Portal rules", "rules", rules.BackendNFTables, "reason", "auto: nft and the kernel support the nftables portals")
+	return rules.BackendNFTables
+}
+
+// newPortals builds the portals of cfg.rules, resolved by chooseRules.
 func newPortals(cfg *config, prefix string) (rules.Portals, error) {
 	if cfg.rules == "none" {
 		return rules.None{}, nil
@@ -185,19 +201,26 @@ func newPortals(cfg *config, prefix string) (rules.Portals, error) {
 	ips := nodeIPs(cfg.proxier.BindAddress)
 	mark := cfg.dialMark
 	if err := socket.SetDialMark(mark); err != nil {
-		// Connections still work; each of the proxy's own pays for the portal rules.
-		klog.ErrorS(err, "Proxy connections to endpoints go through every portal rule", "flag", "--dial-mark-bit")
+		// Connections still work; each of the proxy's own pays for the portal lookups.
+		klog.ErrorS(err, "Proxy connections to endpoints go through the portals", "flag", "--dial-mark-bit")
 		mark = 0
 	}
-	p, err := rules.NewIPTables(rules.Config{
+	rc := rules.Config{
 		ChainPrefix:       prefix,
 		NodeIPs:           ips,
 		NodePortAddresses: cfg.prefixes,
 		IPv6:              hasIPv6(ips),
 		DialMark:          mark,
-	})
+	}
+	var p rules.Portals
+	var err error
+	if cfg.rules == rules.BackendNFTables {
+		p, err = rules.NewNFTables(rc)
+	} else {
+		p, err = rules.NewIPTables(rc)
+	}
 	if err != nil {
-		return nil, fmt.Errorf("--rules iptables: %w", err)
+		return nil, fmt.Errorf("--rules %s: %w", cfg.rules, err)
 	}
 	return p, nil
 }
