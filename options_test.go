@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"strings"
 	"testing"
@@ -83,23 +85,32 @@ func TestValidateRules(t *testing.T) {
 	}
 }
 
+var nodeIPv4 = []netip.Addr{netip.MustParseAddr("192.0.2.10")}
+
 // chooseRules keeps an explicit backend and, for auto, takes nftables where
 // the kernel and nft run the portals' layout, else iptables.
 func TestChooseRules(t *testing.T) {
 	for _, r := range []string{"nftables", "iptables", "none"} {
-		if got := chooseRules(r, "UPROXY"); got != r {
+		if got := chooseRules(r, "UPROXY", nodeIPv4); got != r {
 			t.Errorf("chooseRules(%q): got %q, want it kept", r, got)
 		}
 	}
+	t.Run("no IPv4 node address", func(t *testing.T) {
+		for _, ips := range [][]netip.Addr{nil, {netip.MustParseAddr("fd00::1")}} {
+			if got := chooseRules("auto", "UPROXY", ips); got != "none" {
+				t.Errorf("chooseRules(auto) with node IPs %v: got %q, want none (the node's own portals need an IPv4 address)", ips, got)
+			}
+		}
+	})
 	t.Run("nft missing", func(t *testing.T) {
 		t.Setenv("PATH", t.TempDir())
-		if got := chooseRules("auto", "UPROXY"); got != "iptables" {
+		if got := chooseRules("auto", "UPROXY", nodeIPv4); got != "iptables" {
 			t.Errorf("chooseRules(auto) without nft: got %q, want iptables", got)
 		}
 	})
 	t.Run("nft and the kernel support it", func(t *testing.T) {
 		testbed.RequireNFTables(t)
-		if got := chooseRules("auto", "UPROXY"); got != "nftables" {
+		if got := chooseRules("auto", "UPROXY", nodeIPv4); got != "nftables" {
 			t.Errorf("chooseRules(auto) as root with nft: got %q, want nftables", got)
 		}
 	})
@@ -157,4 +168,34 @@ func TestVersionFlag(t *testing.T) {
 			t.Errorf("uproxy %v: got %q, want %q", args, got, want)
 		}
 	}
+}
+
+// One uproxy at a time programs a network namespace's rules under a prefix; the
+// refusal names the holder, and the lock is free again once released.
+func TestRulesLock(t *testing.T) {
+	prefix := fmt.Sprintf("T%d", os.Getpid()%100000)
+	first, err := lockRules(prefix)
+	if err != nil {
+		t.Fatalf("first lock: %v", err)
+	}
+	_, err = lockRules(prefix)
+	if err == nil {
+		t.Fatal("second lock of the same prefix: got none, want a refusal")
+	}
+	for _, want := range []string{fmt.Sprintf("process %d", os.Getpid()), "--chain-prefix " + prefix} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("refusal %q: want it to name %q", err, want)
+		}
+	}
+	other, err := lockRules(prefix + "X")
+	if err != nil {
+		t.Errorf("lock of another prefix: %v", err)
+	}
+	other.Close()
+	first.Close()
+	again, err := lockRules(prefix)
+	if err != nil {
+		t.Fatalf("lock after release: %v", err)
+	}
+	again.Close()
 }

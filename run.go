@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"slices"
 	"syscall"
 	"time"
 
@@ -64,10 +65,11 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	}
 
 	events := observe.NewEvents(o.events)
-	modeName, mode, px, err := newProxyMode(o, cfg, events)
+	modeName, mode, px, lock, err := newProxyMode(o, cfg, events)
 	if err != nil {
 		return err
 	}
+	defer lock.Close()
 
 	changes := &observe.Changes{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
@@ -179,11 +181,16 @@ func bindHTTP(cfg *config) (metrics, healthz net.Listener, err error) {
 }
 
 // chooseRules resolves --rules auto (as root): nftables where nft and the
-// kernel take the portals' whole layout, else iptables. It logs the choice and
-// why.
-func chooseRules(requested, prefix string) string {
+// kernel take the portals' whole layout, else iptables; none when the node has
+// no IPv4 address for the portals of its own connections (ips: nodeIPs). It logs
+// the choice and why.
+func chooseRules(requested, prefix string, ips []netip.Addr) string {
 	if requested != "auto" {
 		return requested
+	}
+	if !slices.ContainsFunc(ips, netip.Addr.Is4) {
+		klog.InfoS("Portal rules", "rules", "none", "reason", "auto: the node has no IPv4 address outside loopback, and the portals of its own connections DNAT to one; clients reach Services on their proxy ports")
+		return "none"
 	}
 	if err := rules.ProbeNFTables(prefix); err != nil {
 		klog.InfoS("Portal rules", "rules", rules.BackendIPTables, "reason", "auto: "+err.Error())
@@ -194,11 +201,13 @@ func chooseRules(requested, prefix string) string {
 }
 
 // newPortals builds the portals of cfg.rules, resolved by chooseRules.
-func newPortals(cfg *config, prefix string) (rules.Portals, error) {
+func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, error) {
 	if cfg.rules == "none" {
 		return rules.None{}, nil
 	}
-	ips := nodeIPs(cfg.proxier.BindAddress)
+	if !slices.ContainsFunc(ips, netip.Addr.Is4) {
+		return nil, fmt.Errorf("--rules %s: the node has no IPv4 address outside loopback, and the portals of its own connections DNAT to one: give an interface an address, set --bind-address to the node IP, or run with --rules none", cfg.rules)
+	}
 	mark := cfg.dialMark
 	if err := socket.SetDialMark(mark); err != nil {
 		// Connections still work; each of the proxy's own pays for the portal lookups.
