@@ -96,7 +96,7 @@ func TestChooseRules(t *testing.T) {
 		}
 	}
 	t.Run("no IPv4 node address", func(t *testing.T) {
-		for _, ips := range [][]netip.Addr{nil, {netip.MustParseAddr("fd00::1")}} {
+		for _, ips := range [][]netip.Addr{nil, {netip.MustParseAddr("fd00::1")}, {netip.MustParseAddr("127.0.0.1")}} {
 			if got := chooseRules("auto", "UPROXY", ips); got != "none" {
 				t.Errorf("chooseRules(auto) with node IPs %v: got %q, want none (the node's own portals need an IPv4 address)", ips, got)
 			}

@@ -188,8 +188,8 @@ func chooseRules(requested, prefix string, ips []netip.Addr) string {
 	if requested != "auto" {
 		return requested
 	}
-	if !slices.ContainsFunc(ips, netip.Addr.Is4) {
-		klog.InfoS("Portal rules", "rules", "none", "reason", "auto: the node has no IPv4 address outside loopback, and the portals of its own connections DNAT to one; clients reach Services on their proxy ports")
+	if !slices.ContainsFunc(ips, portalTarget) {
+		klog.InfoS("Portal rules", "rules", "none", "reason", "auto: the node has no IPv4 address outside loopback (or --bind-address is a loopback one), and the portals DNAT to one; clients reach Services on their proxy ports")
 		return "none"
 	}
 	if err := rules.ProbeNFTables(prefix); err != nil {
@@ -200,13 +200,18 @@ func chooseRules(requested, prefix string, ips []netip.Addr) string {
 	return rules.BackendNFTables
 }
 
+// portalTarget reports whether the portals can send connections to ip: an IPv4
+// address (the portals of both families need one) that packets from other hosts
+// may be sent to, so not a loopback one.
+func portalTarget(ip netip.Addr) bool { return ip.Is4() && !ip.IsLoopback() }
+
 // newPortals builds the portals of cfg.rules, resolved by chooseRules.
 func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, error) {
 	if cfg.rules == "none" {
 		return rules.None{}, nil
 	}
-	if !slices.ContainsFunc(ips, netip.Addr.Is4) {
-		return nil, fmt.Errorf("--rules %s: the node has no IPv4 address outside loopback, and the portals of its own connections DNAT to one: give an interface an address, set --bind-address to the node IP, or run with --rules none", cfg.rules)
+	if !slices.ContainsFunc(ips, portalTarget) {
+		return nil, fmt.Errorf("--rules %s: the node has no IPv4 address outside loopback (or --bind-address is a loopback one), and the portals DNAT to one: give an interface an address, set --bind-address to the node IP, or run with --rules none", cfg.rules)
 	}
 	mark := cfg.dialMark
 	if err := socket.SetDialMark(mark); err != nil {
@@ -214,12 +219,22 @@ func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, er
 		klog.ErrorS(err, "Proxy connections to endpoints go through the portals", "flag", "--dial-mark-bit")
 		mark = 0
 	}
+	bind := cfg.proxier.BindAddress
 	rc := rules.Config{
-		ChainPrefix:       prefix,
-		NodeIPs:           ips,
-		NodePortAddresses: cfg.prefixes,
-		IPv6:              hasIPv6(ips),
-		DialMark:          mark,
+		ChainPrefix:        prefix,
+		NodeIPs:            ips,
+		NodePortAddresses:  cfg.prefixes,
+		IPv6:               hasIPv6(ips),
+		DialMark:           mark,
+		ProxyPortsOnNodeIP: bind.IsValid() && !bind.IsUnspecified(),
+	}
+	if rc.ProxyPortsOnNodeIP {
+		other := "IPv6"
+		if bind.Is6() {
+			other = "IPv4"
+		}
+		klog.InfoS("Proxy ports listen on --bind-address only: the portals DNAT to it, and Service addresses of the other family get none",
+			"bindAddress", bind, "withoutPortals", other)
 	}
 	var p rules.Portals
 	var err error

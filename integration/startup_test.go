@@ -101,3 +101,28 @@ func TestRulesAutoWithoutNodeAddress(t *testing.T) {
 		}
 	}
 }
+
+// A specific --bind-address (the node IP, as kube-proxy operators set it) keeps
+// every portal working: pods reach the ClusterIP, other hosts the NodePort, and
+// the node itself both, with either rule backend.
+func TestBindAddressNodeIPWithPortals(t *testing.T) {
+	testbed.RequireNFTables(t)
+	for _, backend := range []string{"iptables", "nftables"} {
+		t.Run(backend, func(t *testing.T) {
+			tp := testbed.New(t)
+			nodeIP := tp.NS(testbed.Node).IPv4.String()
+			runUproxy(t, tp, webService(t, tp), launch{want: 1,
+				flags: []string{"--rules", backend, "--bind-address", nodeIP, "--shutdown-grace", "1s"}})
+			for _, c := range []struct{ from, to string }{
+				{testbed.Pod, "10.96.0.10:80"},
+				{testbed.External, nodeIP + ":30080"},
+				{testbed.Node, "10.96.0.10:80"},
+				{testbed.Node, nodeIP + ":30080"},
+			} {
+				if name, err := whoTCP(tp, c.from, c.to); err != nil || !strings.HasPrefix(name, "web-") {
+					t.Errorf("%s to %s: got %q (%v), want a web backend", c.from, c.to, name, err)
+				}
+			}
+		})
+	}
+}

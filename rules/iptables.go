@@ -72,6 +72,7 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 		}
 		r := newRenderer(p.chains, f, nodeIP, cfg.NodePortAddresses)
 		r.dialMark = cfg.DialMark
+		r.onNodeIP = cfg.ProxyPortsOnNodeIP
 		p.fams = append(p.fams, &family{f: f, tables: t, renderer: r})
 	}
 	return p, nil

@@ -79,6 +79,7 @@ func NewNFTables(cfg Config) (*NFTables, error) {
 	}
 	p := &NFTables{table: nftables.Table{Family: knftables.InetFamily, Name: name}}
 	p.layout.dialMark = cfg.DialMark
+	p.layout.onNodeIP = cfg.ProxyPortsOnNodeIP
 	nodeIPs, err := cfg.familyNodeIPs()
 	if err != nil {
 		return nil, err

@@ -285,3 +285,46 @@ func TestNFTablesCleanupDeletesTable(t *testing.T) {
 		t.Errorf("Sync after Cleanup:\n%s", k.Dump())
 	}
 }
+
+// With the proxy ports on the node IP only (a specific --bind-address), traffic
+// from outside the node is DNATed there like the node's own: REDIRECT would send
+// it to the address of the interface it arrived on, where nothing listens. Both
+// backends.
+func TestProxyPortsOnNodeIPDNATFromOutside(t *testing.T) {
+	web := webPort(freePort(t, "tcp4"))
+	portals := []Portal{{web, 40001}}
+	t.Run("iptables", func(t *testing.T) {
+		k := newFakeKernel()
+		p := newTestIPTables(t, k, Config{ProxyPortsOnNodeIP: true})
+		if err := p.Sync(portals); err != nil {
+			t.Fatal(err)
+		}
+		got := k.restores(v4)[0]
+		for _, chain := range []string{"UPROXY-PORTALS-CONTAINER", "UPROXY-NODEPORT-CONTAINER"} {
+			if !strings.Contains(got, "-A "+chain) {
+				t.Errorf("restore input has no %s rule:\n%s", chain, got)
+			}
+		}
+		if strings.Contains(got, "REDIRECT") || strings.Count(got, "-j DNAT --to-destination 10.0.0.1:40001") != 8 {
+			t.Errorf("restore input: want every portal (4 from outside, 4 from the node) to DNAT to 10.0.0.1:40001, none to REDIRECT:\n%s", got)
+		}
+	})
+	t.Run("nftables", func(t *testing.T) {
+		p, k := newTestNFTables(t, Config{ProxyPortsOnNodeIP: true})
+		if err := p.Sync(portals); err != nil {
+			t.Fatal(err)
+		}
+		got := writes(k, 0)
+		if strings.Contains(got, "redirect") {
+			t.Errorf("transaction redirects:\n%s", got)
+		}
+		for _, want := range []string{
+			"add rule inet uproxy prerouting meta l4proto { tcp, udp } dnat ip to 10.0.0.1: ip daddr . meta l4proto . th dport map @service-ips4",
+			"prerouting fib daddr type local meta nfproto ipv4 meta l4proto { tcp, udp } dnat ip to 10.0.0.1: meta l4proto . th dport map @nodeports4",
+		} {
+			if !strings.Contains(got, want) {
+				t.Errorf("transaction lacks %q:\n%s", want, got)
+			}
+		}
+	})
+}

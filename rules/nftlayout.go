@@ -31,6 +31,9 @@ const (
 type nftLayout struct {
 	fams     []nftFamily // IPv4 first, then IPv6 when enabled
 	dialMark uint32
+	// onNodeIP: the prerouting portals dnat to the node IP rather than redirect
+	// (Config.ProxyPortsOnNodeIP).
+	onNodeIP bool
 }
 
 // nftFamily is what the layout needs of one address family.
@@ -127,6 +130,9 @@ func (l *nftLayout) rules(tx *knftables.Transaction) {
 		vip := fam.ip + " daddr . meta l4proto . th dport map @"
 		redirect := "redirect to :"
 		dnat := "dnat " + fam.ip + " to " + fam.nodeAddress() + ":"
+		if l.onNodeIP {
+			redirect = dnat
+		}
 		// ExternalIPs as in the iptables backend (see renderer.portalsContainer):
 		// from outside only when the source is not a node address, from the node
 		// only when the node owns the address.

@@ -76,6 +76,12 @@ type Config struct {
 	// HOST chains, the nftables output chain) return at once for packets
 	// carrying it rather than trying every portal. 0: no such rule.
 	DialMark uint32
+	// ProxyPortsOnNodeIP says the proxy ports listen on the node IP of their
+	// family only (a specific --bind-address), not on every address. The portals
+	// of traffic from outside the node then DNAT to node IP:proxy port, as those of
+	// its own connections do: REDIRECT sends a packet to the address of the
+	// interface it arrived on, where nothing would listen.
+	ProxyPortsOnNodeIP bool
 
 	// The kernel, as the portals reach it. Every call happens on the goroutine
 	// that called Sync or Cleanup, so a caller that locked its thread into a
