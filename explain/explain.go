@@ -13,7 +13,10 @@
 package explain
 
 import (
+	"cmp"
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -25,6 +28,8 @@ import (
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/rules"
+	"sigs.k8s.io/knftables"
 )
 
 // DefaultMetricsAddress is uproxy's default --metrics-bind-address.
@@ -53,6 +58,12 @@ type Options struct {
 	// RecentDir holds the kernel's xt_recent lists (ClientIP affinity of the
 	// iptables mode); "" is /proc/net/xt_recent.
 	RecentDir string
+	// ChainPrefix is the running uproxy's --chain-prefix, which names its
+	// nftables portals' table; "" is the default.
+	ChainPrefix string
+	// NFT reads the nftables portals; nil runs nft on the table ChainPrefix
+	// names (and, without nft, shows no nftables portals).
+	NFT knftables.Interface
 }
 
 func (o *Options) metricsAddress() string {
@@ -64,16 +75,20 @@ func (o *Options) metricsAddress() string {
 
 // explanation is the -o json form of `uproxy explain`.
 type explanation struct {
-	Destination    string          `json:"destination"`
-	Protocol       string          `json:"protocol"`
-	Client         string          `json:"client,omitempty"`
-	Mode           string          `json:"mode"`
-	MetricsAddress string          `json:"metricsAddress"`
-	Services       []serviceMatch  `json:"services"`
-	Rules          []rulePath      `json:"rules"`
-	RulesError     string          `json:"rulesError,omitempty"`
-	RecentFailures []observe.Event `json:"recentFailures"`
-	Notes          []string        `json:"notes,omitempty"`
+	Destination    string         `json:"destination"`
+	Protocol       string         `json:"protocol"`
+	Client         string         `json:"client,omitempty"`
+	Mode           string         `json:"mode"`
+	MetricsAddress string         `json:"metricsAddress"`
+	Services       []serviceMatch `json:"services"`
+	Rules          []rulePath     `json:"rules"`
+	RulesError     string         `json:"rulesError,omitempty"`
+	// NFTPortals are the elements of the userspace mode's nftables portals that
+	// catch the destination (--rules nftables).
+	NFTPortals      []rules.NFTPortal `json:"nftPortals,omitempty"`
+	NFTPortalsTable string            `json:"nftPortalsTable,omitempty"`
+	RecentFailures  []observe.Event   `json:"recentFailures"`
+	Notes           []string          `json:"notes,omitempty"`
 }
 
 // serviceMatch is one Service port that has the destination.
@@ -199,7 +214,12 @@ func Run(w io.Writer, destination string, o Options) error {
 			x.kernelChoices()
 		}
 	}
-	if err == nil && x.Mode == "userspace" && !x.anyRewrite() {
+	if x.Mode == "userspace" {
+		if err := x.findNFTPortals(o, dst, proto, local[dst.Addr()] || dst.Addr().IsLoopback()); err != nil {
+			x.Notes = append(x.Notes, "nftables portals unreadable: "+err.Error())
+		}
+	}
+	if (err == nil || len(x.NFTPortals) > 0) && x.Mode == "userspace" && !x.anyRewrite() {
 		for _, sm := range x.Services {
 			if sm.MatchedAs != "proxyPort" {
 				x.Notes = append(x.Notes, fmt.Sprintf("no portal rule sends %s/%s to the proxy (uproxy runs with --rules none, or its rules were removed): connect to %s's proxy port %d on this node instead",
@@ -228,8 +248,34 @@ func servedByProxy(st observe.ServiceState, mode string) string {
 	return fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", st.ProxyPort, mode)
 }
 
+// findNFTPortals looks dst up in the nftables portals, if they are there.
+func (x *explanation) findNFTPortals(o Options, dst netip.AddrPort, proto string, local bool) error {
+	table, err := rules.NFTPortalTable(cmp.Or(o.ChainPrefix, iptables.DefaultChainPrefix))
+	if err != nil {
+		return err
+	}
+	nft := o.NFT
+	if nft == nil {
+		if nft, err = knftables.New(table.Family, table.Name); err != nil {
+			return nil // no nft here: no nftables portals either
+		}
+	}
+	found, err := rules.FindNFTPortals(context.Background(), nft, dst, proto, local)
+	if errors.Is(err, rules.ErrNoNFTPortals) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	x.NFTPortals, x.NFTPortalsTable = found, table.String()
+	return nil
+}
+
 // anyRewrite reports whether a traced rule may send the packet somewhere else.
 func (x *explanation) anyRewrite() bool {
+	if len(x.NFTPortals) > 0 {
+		return true
+	}
 	for _, rp := range x.Rules {
 		for _, v := range rp.Verdicts {
 			if v.Target == "DNAT" || v.Target == "REDIRECT" {

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"sigs.k8s.io/knftables"
 
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
@@ -168,6 +169,11 @@ COMMIT
 
 func runExplain(t *testing.T, dst string, o Options) string {
 	t.Helper()
+	if o.NFT == nil {
+		// No nftables portals unless a test gives some: the host's own table,
+		// if any, is not the test's.
+		o.NFT = knftables.NewFake(knftables.InetFamily, "uproxy")
+	}
 	var out bytes.Buffer
 	if err := Run(&out, dst, o); err != nil {
 		t.Fatalf("explain %s %+v: %v\n%s", dst, o, err, out.String())
@@ -265,6 +271,33 @@ func TestExplainUserspace(t *testing.T) {
 		}
 		if with := runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: rulesFile}); strings.Contains(with, "no portal rule") {
 			t.Errorf("output with the portals in place: says there are none\n%s", with)
+		}
+	})
+
+	t.Run("nftables portals", func(t *testing.T) {
+		// The portals of --rules nftables, as rules.NFTables writes them.
+		nft := knftables.NewFake(knftables.InetFamily, "uproxy")
+		tx := nft.NewTransaction()
+		tx.Add(&knftables.Table{})
+		tx.Add(&knftables.Map{Name: "service-ips4", Type: "ipv4_addr . inet_proto . inet_service : inet_service"})
+		tx.Add(&knftables.Map{Name: "external-ips4", Type: "ipv4_addr . inet_proto . inet_service : inet_service"})
+		tx.Add(&knftables.Element{Map: "service-ips4", Key: []string{"10.96.0.10", "tcp", "80"}, Value: []string{fmt.Sprint(pp)}, Comment: knftables.PtrTo("shop/web:http")})
+		tx.Add(&knftables.Element{Map: "service-ips4", Key: []string{"10.96.0.53", "udp", "53"}, Value: []string{"40002"}, Comment: knftables.PtrTo("kube-system/dns:dns")})
+		if err := nft.Run(context.Background(), tx); err != nil {
+			t.Fatal(err)
+		}
+		bare := writeFile(t, "*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n")
+		out := runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: bare, NFT: nft})
+		for _, want := range []string{
+			"nftables portals (table inet uproxy):",
+			fmt.Sprintf("map service-ips4: 10.96.0.10 . tcp . 80 : %d (shop/web:http)", pp),
+		} {
+			if !strings.Contains(out, want) {
+				t.Errorf("output: missing %q\n%s", want, out)
+			}
+		}
+		if strings.Contains(out, "no portal rule") || strings.Contains(out, "10.96.0.53") {
+			t.Errorf("output: says there is no portal, or shows another Service's element\n%s", out)
 		}
 	})
 
