@@ -105,10 +105,8 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
 	srcErr := make(chan error, 1)
 	go func() {
+		// Sources log their problems themselves, once each, when they appear.
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
-			for _, e := range s.Errors {
-				klog.ErrorS(e, "Ignoring invalid object")
-			}
 			changes.Queued(s)
 			runner.Update(s)
 		})
