@@ -61,6 +61,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	}
 
 	changes := &observe.Changes{}
+	conflicts := &observe.Conflicts{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
 	hc := &kube.HealthCheckServer{IPs: nodePortIPs(cfg.prefixes), Healthy: func() bool {
 		ok, _ := health.Healthy(time.Now())
@@ -93,6 +94,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		HealthzAddr: cfg.healthzAddr,
 		Mode:        modeName,
 		Services:    mode,
+		Conflicts:   conflicts,
 		Events:      events,
 		Health:      health,
 		Debug:       o.debug,
@@ -108,6 +110,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		// Sources log their problems themselves, once each, when they appear.
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
 			changes.Queued(s)
+			conflicts.Update(s)
 			runner.Update(s)
 		})
 	}()

@@ -75,6 +75,7 @@ func TestPageInChromium(t *testing.T) {
 	if st := w.endpointState(svc, flaky); !st.Ejected {
 		t.Fatalf("setup: %s not ejected: %+v", flaky, st)
 	}
+	w.conflicts.Update(service.Build(conflictingServices(), nil, service.BuildOptions{}))
 	url := w.srv.URL + "/debug/"
 
 	t.Run("DOM", func(t *testing.T) {
@@ -91,6 +92,9 @@ func TestPageInChromium(t *testing.T) {
 			`data-kind="ejection"`,
 			flaky.String() + " refused",
 			live.String() + " success",
+			`<div id="conflicts">`, // shown: there are conflicts
+			`<tr class="conflict" data-address="10.96.0.10:80/TCP"><td class="mono">10.96.0.10:80/TCP</td><td class="mono">c/a:http</td><td class="mono bad">c/b:http</td></tr>`,
+			`data-address="nodePort 30080/TCP"`,
 		} {
 			if !strings.Contains(dom, want) {
 				t.Errorf("DOM: missing %s", want)
