@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -34,9 +35,24 @@ func (c Claim) String() string {
 	return netip.AddrPortFrom(c.Addr, uint16(c.Port)).String() + "/" + string(c.Protocol)
 }
 
+// ClaimList is a list of Claims, formatted for people (logs, tables) as
+// "10.96.0.10:80/TCP nodePort 30080/TCP".
+type ClaimList []Claim
+
+func (l ClaimList) String() string {
+	var b strings.Builder
+	for i, c := range l {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(c.String())
+	}
+	return b.String()
+}
+
 // Claims returns every address p is reached at: its ClusterIPs, ExternalIPs and
 // LoadBalancer IPs with its port, then its NodePort.
-func (p *Port) Claims() []Claim { return slices.Collect(p.claims()) }
+func (p *Port) Claims() ClaimList { return slices.Collect(p.claims()) }
 
 func (p *Port) claims() iter.Seq[Claim] {
 	return func(yield func(Claim) bool) {

@@ -3,6 +3,7 @@ package service
 import (
 	"fmt"
 	"math/rand/v2"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -345,5 +346,25 @@ func TestBuilderConflictsRandom(t *testing.T) {
 			}
 		}
 		prev, prevSvcs = snap, svcs
+	}
+}
+
+func TestClaims(t *testing.T) {
+	tests := []struct {
+		name string
+		port Port
+		want string
+	}{
+		{"none", Port{Port: 80, Protocol: TCP}, ""},
+		{"every kind of address, in order", Port{Port: 53, Protocol: UDP, NodePort: 30053,
+			ClusterIPs:      []netip.Addr{ip("10.96.0.10"), ip("fd00::a")},
+			ExternalIPs:     []netip.Addr{ip("192.0.2.1")},
+			LoadBalancerIPs: []netip.Addr{ip("203.0.113.7")}},
+			"10.96.0.10:53/UDP [fd00::a]:53/UDP 192.0.2.1:53/UDP 203.0.113.7:53/UDP nodePort 30053/UDP"},
+	}
+	for _, tt := range tests {
+		if got := tt.port.Claims().String(); got != tt.want {
+			t.Errorf("%s: got %q, want %q", tt.name, got, tt.want)
+		}
 	}
 }

@@ -1,51 +1,13 @@
 package file
 
 import (
-	"bytes"
 	"os"
 	"path/filepath"
-	"strings"
-	"sync"
 	"testing"
 
-	"k8s.io/klog/v2"
-	"k8s.io/klog/v2/textlogger"
-
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed/logs"
 )
-
-// logLines collects what klog writes at the default verbosity while a test runs.
-type logLines struct {
-	mu   sync.Mutex
-	buf  bytes.Buffer
-	read int // bytes returned by since
-}
-
-func (l *logLines) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-// since returns the lines written since its previous call.
-func (l *logLines) since() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	out := strings.TrimSpace(l.buf.String()[l.read:])
-	l.read = l.buf.Len()
-	if out == "" {
-		return nil
-	}
-	return strings.Split(out, "\n")
-}
-
-// captureLog sends klog's output to the returned logLines until the test ends.
-func captureLog(t *testing.T) *logLines {
-	l := &logLines{}
-	klog.SetLogger(textlogger.NewLogger(textlogger.NewConfig(textlogger.Output(l))))
-	t.Cleanup(klog.ClearLogger)
-	return l
-}
 
 // TestRunLogs: what the source logs at the default verbosity, step by step: a
 // summary of every load, each problem once when it appears, its fix, and a
@@ -55,7 +17,7 @@ func TestRunLogs(t *testing.T) {
 	web, db := filepath.Join(dir, "web.yaml"), filepath.Join(dir, "db.yaml")
 	writeFile(t, web, svcYAML("web", "10.96.0.10", 80)+"---\n"+sliceYAML("web-1", "web", 80, "10.0.0.1"))
 	writeFile(t, db, svcYAML("db", "10.96.0.11", 5432))
-	log := captureLog(t)
+	log := logs.Capture(t)
 	w := startWatch(t, dir)
 
 	steps := []struct {
@@ -134,7 +96,7 @@ func TestRunLogs(t *testing.T) {
 			st.change()
 		}
 		st.await(w)
-		checkLines(t, st.name, log.since(), st.want)
+		logs.Check(t, st.name, log.Since(), st.want)
 	}
 }
 
@@ -143,23 +105,23 @@ func TestRunLogs(t *testing.T) {
 func TestRunLogsDeletedFile(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "web.yaml")
 	writeFile(t, path, svcYAML("web", "10.96.0.10", 80))
-	log := captureLog(t)
+	log := logs.Capture(t)
 	w := startWatch(t, path)
 	w.await("the first load", hasPorts("default/web:p80=80/TCP[]"))
-	log.since()
+	log.Since()
 
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
 	w.await("the deletion", hasPortsAndError(path+": deleted; its last content is used until it is back", "default/web:p80=80/TCP[]"))
-	checkLines(t, "deleted", log.since(), [][]string{
+	logs.Check(t, "deleted", log.Since(), [][]string{
 		{"I", `"Manifest file deleted; its last content is used until it is back"`, `file="` + path + `"`},
 		{"I", `"Manifests reloaded"`, `changed=""`, "problems=1"},
 	})
 
 	replaceFile(t, path, svcYAML("web", "10.96.0.10", 80))
 	w.await("the file back", func(s *service.Snapshot) bool { return len(s.Errors) == 0 })
-	checkLines(t, "back", log.since(), [][]string{
+	logs.Check(t, "back", log.Since(), [][]string{
 		{"I", `"Manifest problem fixed"`, `was="` + path + `: deleted; its last content is used until it is back"`},
 		{"I", `"Manifests reloaded"`, "problems=0"},
 	})
@@ -173,25 +135,5 @@ func replaceFile(t *testing.T, path, data string) {
 	writeFile(t, tmp, data)
 	if err := os.Rename(tmp, path); err != nil {
 		t.Fatal(err)
-	}
-}
-
-// checkLines compares log lines with want: per line, its severity (I, E) and
-// substrings.
-func checkLines(t *testing.T, step string, got []string, want [][]string) {
-	t.Helper()
-	if len(got) != len(want) {
-		t.Errorf("%s: got %d log lines, want %d:\n%s", step, len(got), len(want), strings.Join(got, "\n"))
-		return
-	}
-	for i, parts := range want {
-		if !strings.HasPrefix(got[i], parts[0]) {
-			t.Errorf("%s: got log line %q, want severity %s", step, got[i], parts[0])
-		}
-		for _, p := range parts[1:] {
-			if !strings.Contains(got[i], p) {
-				t.Errorf("%s: got log line %q, want it to contain %q", step, got[i], p)
-			}
-		}
 	}
 }
