@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -159,20 +160,36 @@ func runDemo(cmd *cobra.Command, opts *options) error {
 	out := cmd.OutOrStdout()
 	var once sync.Once
 	return runProxy(cmd.Context(), opts, func(px *proxier.Proxier, s *service.Snapshot) {
-		once.Do(func() { printDemo(out, px, path, opts.metricsBindAddress) })
+		once.Do(func() { printDemo(out, px.ProxyPort, s, path, opts.metricsBindAddress, opts.rules == "none") })
 	})
 }
 
-func printDemo(w interface{ Write([]byte) (int, error) }, px *proxier.Proxier, path, metrics string) {
+// demoNotes describe the endpoints of the demo's Services.
+var demoNotes = map[string]string{
+	"web":    "3 live + 1 dead (127.0.0.5): retried around",
+	"sticky": "2, sessionAffinity ClientIP",
+	"echo":   "2 echo servers",
+}
+
+// printDemo prints a table of the Service ports of s with their proxy ports,
+// then what to try.
+func printDemo(w io.Writer, proxyPort func(service.PortName) int, s *service.Snapshot, path, metrics string, noPortals bool) {
 	port := func(name string) int {
-		return px.ProxyPort(service.PortName{Namespace: "demo", Name: name, Port: "main"})
+		return proxyPort(service.PortName{Namespace: "demo", Name: name, Port: "main"})
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "\nSERVICE\tPROTOCOL\tPROXY PORT\tENDPOINTS")
-	fmt.Fprintf(tw, "demo/web:main\tTCP\t%d\t3 live + 1 dead (127.0.0.5): retried around\n", port("web"))
-	fmt.Fprintf(tw, "demo/sticky:main\tTCP\t%d\t2, sessionAffinity ClientIP\n", port("sticky"))
-	fmt.Fprintf(tw, "demo/echo:main\tUDP\t%d\t2 echo servers\n", port("echo"))
+	fmt.Fprintln(tw, "\nSERVICE\tPROTOCOL\tPROXY PORT\tSERVICE ADDRESSES\tENDPOINTS")
+	for _, p := range s.Ports {
+		note := demoNotes[p.Name.Name]
+		if p.Name.Namespace != "demo" || note == "" {
+			note = fmt.Sprint(len(p.Endpoints))
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", p.Name, p.Protocol, proxyPort(p.Name), p.Claims(), note)
+	}
 	tw.Flush()
+	if noPortals {
+		fmt.Fprintln(w, "(--rules none: no rule steers the Service addresses; connect to the proxy ports on 127.0.0.1)")
+	}
 	fmt.Fprintf(w, `
 Try:
   # round robin over web's three live backends; the dead one is retried around

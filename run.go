@@ -72,6 +72,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	defer lock.Close()
 
 	changes := &observe.Changes{}
+	conflicts := &observe.Conflicts{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
 	hc := &kube.HealthCheckServer{IPs: nodePortIPs(cfg.prefixes), Healthy: func() bool {
 		ok, _ := health.Healthy(time.Now())
@@ -99,7 +100,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			},
 		},
 	}
-	srv.Mode, srv.Services, srv.Events, srv.Health, srv.Debug = modeName, mode, events, health, o.debug
+	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug = modeName, mode, conflicts, events, health, o.debug
 	if err := srv.Start(); err != nil {
 		return err
 	}
@@ -107,11 +108,10 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
 	srcErr := make(chan error, 1)
 	go func() {
+		// Sources log their problems themselves, once each, when they appear.
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
-			for _, e := range s.Errors {
-				klog.ErrorS(e, "Ignoring invalid object")
-			}
 			changes.Queued(s)
+			conflicts.Update(s)
 			runner.Update(s)
 		})
 	}()

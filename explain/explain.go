@@ -88,7 +88,10 @@ type explanation struct {
 	NFTPortals      []rules.NFTPortal `json:"nftPortals,omitempty"`
 	NFTPortalsTable string            `json:"nftPortalsTable,omitempty"`
 	RecentFailures  []observe.Event   `json:"recentFailures"`
-	Notes           []string          `json:"notes,omitempty"`
+	// Conflicts are the Service ports left out because another one serves the
+	// destination.
+	Conflicts []observe.ConflictState `json:"conflicts,omitempty"`
+	Notes     []string                `json:"notes,omitempty"`
 }
 
 // serviceMatch is one Service port that has the destination.
@@ -168,11 +171,18 @@ func Run(w io.Writer, destination string, o Options) error {
 		return fmt.Errorf("ask the running uproxy at %s (--metrics-address): %w", metrics, err)
 	}
 	x.Mode = mode
-	states, err := api.services(client)
+	states, conflicts, err := api.services(client)
 	if err != nil {
 		return err
 	}
 	local := localAddrs()
+	for _, c := range conflicts {
+		if matchConflict(c, dst, proto, local) {
+			x.Conflicts = append(x.Conflicts, c)
+			x.Notes = append(x.Notes, fmt.Sprintf("%s is claimed by two Service ports: %s serves it; %s is left out (not served at all) until the address is free",
+				c.Address, c.ServedBy, c.LeftOut))
+		}
+	}
 	for _, st := range states {
 		if m := matchService(st, dst, proto, local); m != "" {
 			served := "the kernel (" + mode + " mode): the rules below rewrite the destination to an endpoint; no proxy process sees the connection"
@@ -329,12 +339,30 @@ func matchService(st observe.ServiceState, dst netip.AddrPort, proto string, loc
 		return "externalIP"
 	case port == st.Port && has(st.LoadBalancerIPs):
 		return "loadBalancerIP"
-	case st.NodePort != 0 && port == st.NodePort && (local[dst.Addr()] || dst.Addr().IsLoopback()):
+	case st.NodePort != 0 && port == st.NodePort && onNode(dst, local):
 		return "nodePort"
-	case st.ProxyPort != 0 && port == st.ProxyPort && (local[dst.Addr()] || dst.Addr().IsLoopback()):
+	case st.ProxyPort != 0 && port == st.ProxyPort && onNode(dst, local):
 		return "proxyPort"
 	}
 	return ""
+}
+
+// matchConflict reports whether dst is the address that c is about.
+func matchConflict(c observe.ConflictState, dst netip.AddrPort, proto string, local map[netip.Addr]bool) bool {
+	if !strings.EqualFold(c.Protocol, proto) || c.Port != int(dst.Port()) {
+		return false
+	}
+	if c.NodePort {
+		return onNode(dst, local)
+	}
+	ip, err := netip.ParseAddr(c.IP)
+	return err == nil && ip.Unmap() == dst.Addr()
+}
+
+// onNode reports whether dst is an address of this node, where NodePorts and
+// proxy ports are reached.
+func onNode(dst netip.AddrPort, local map[netip.Addr]bool) bool {
+	return local[dst.Addr()] || dst.Addr().IsLoopback()
 }
 
 // readRules returns iptables-save output: from the file, from Stdin ("-") or

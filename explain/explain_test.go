@@ -25,7 +25,8 @@ import (
 
 // explainWorld runs the userspace proxier on loopback with its metrics address,
 // one Service port over a live and a refused endpoint, and returns the metrics
-// address, the proxy port and the endpoints.
+// address, the proxy port and the endpoints. Two Service ports were left out:
+// one claims the Service's ClusterIP and port, one another's NodePort 30080.
 func explainWorld(t *testing.T) (metricsAddr string, proxyPort int, live, refused netip.AddrPort) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.2:0")
@@ -79,7 +80,14 @@ func explainWorld(t *testing.T) (metricsAddr string, proxyPort int, live, refuse
 		t.Fatal(err)
 	}
 	proxyPort = px.ProxyPort(port.Name)
-	srv := httptest.NewServer((&observe.Server{Mode: "userspace", Services: px, Events: events, Debug: true}).MetricsHandler())
+	conflicts := &observe.Conflicts{}
+	conflicts.Update(&service.Snapshot{Conflicts: []*service.Conflict{
+		{Claim: service.Claim{Addr: port.ClusterIPs[0], Port: 80, Protocol: service.TCP}, ServedBy: port.Name,
+			LeftOut: service.PortName{Namespace: "shop", Name: "copy", Port: "http"}},
+		{Claim: service.Claim{Port: 30080, Protocol: service.TCP}, ServedBy: service.PortName{Namespace: "shop", Name: "np", Port: "http"},
+			LeftOut: service.PortName{Namespace: "shop", Name: "np2", Port: "http"}},
+	}})
+	srv := httptest.NewServer((&observe.Server{Mode: "userspace", Services: px, Conflicts: conflicts, Events: events, Debug: true}).MetricsHandler())
 	t.Cleanup(srv.Close)
 
 	// Traffic: the first connection gets live, the second tries refused first
@@ -199,6 +207,7 @@ func TestExplainUserspace(t *testing.T) {
 		for _, want := range []string{
 			"Destination 10.96.0.10:80/TCP from client 192.0.2.7",
 			"Proxy mode: userspace",
+			"Note: 10.96.0.10:80/TCP is claimed by two Service ports: shop/web:http serves it; shop/copy:http is left out (not served at all) until the address is free",
 			"Service port shop/web:http (TCP, matched as clusterIP)",
 			fmt.Sprintf("Served by uproxy's proxy port %d (userspace mode)", pp),
 			"outlier ejection after 3 consecutive failed dials",
@@ -250,6 +259,30 @@ func TestExplainUserspace(t *testing.T) {
 		}
 		if len(x.RecentFailures) != 1 || x.RecentFailures[0].Outcome != "retried" || len(x.RecentFailures[0].Attempts) != 2 {
 			t.Errorf("recent failures: got %+v, want the one retried connection with 2 attempts", x.RecentFailures)
+		}
+		if len(x.Conflicts) != 1 || x.Conflicts[0].LeftOut != "shop/copy:http" {
+			t.Errorf("conflicts: got %+v, want shop/copy:http left out", x.Conflicts)
+		}
+	})
+
+	t.Run("conflicts of other addresses", func(t *testing.T) {
+		for _, tc := range []struct {
+			dst      string
+			conflict bool
+		}{
+			{"127.0.0.1:30080", true}, // a NodePort, on this node
+			{"10.96.0.10:30080", false},
+			{"10.96.0.10:80/udp", false},
+			{"10.96.0.11:80", false},
+		} {
+			out := runExplain(t, tc.dst, Options{MetricsAddress: addr, IPTablesSave: rulesFile})
+			want := "Note: nodePort 30080/TCP is claimed by two Service ports: shop/np:http serves it; shop/np2:http is left out"
+			if got := strings.Contains(out, want); got != tc.conflict {
+				t.Errorf("%s: got the NodePort conflict noted %v, want %v\n%s", tc.dst, got, tc.conflict, out)
+			}
+			if got := strings.Contains(out, "shop/copy:http"); got {
+				t.Errorf("%s: got shop/copy:http's conflict noted, want only for 10.96.0.10:80/TCP\n%s", tc.dst, out)
+			}
 		}
 	})
 

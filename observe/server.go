@@ -140,8 +140,10 @@ type Server struct {
 	HealthzAddr string // "" disables
 	Mode        string // answered by /proxyMode
 	Services    ServicesView
-	Events      *Events
-	Health      *Health
+	// Conflicts, if set, are listed by /debug/services.
+	Conflicts *Conflicts
+	Events    *Events
+	Health    *Health
 	// Debug enables the /debug/ handlers (default on via the flag).
 	Debug bool
 	// MetricsListener and HealthzListener, when set, are served instead of
@@ -174,7 +176,9 @@ func (s *Server) MetricsHandler() http.Handler {
 	return mux
 }
 
-// serveServices answers /debug/services[?service=NAME][&client=IP].
+// serveServices answers /debug/services[?service=NAME][&client=IP]: the state of
+// every Service port, and the address conflicts (those of NAME: the ones it
+// serves or is left out by).
 func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 	var client netip.Addr
 	if v := r.URL.Query().Get("client"); v != "" {
@@ -191,6 +195,10 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 	if states == nil {
 		states = []ServiceState{}
 	}
+	conflicts := []ConflictState{}
+	if s.Conflicts != nil {
+		conflicts = s.Conflicts.List()
+	}
 	if name := r.URL.Query().Get("service"); name != "" {
 		kept := []ServiceState{}
 		for _, st := range states {
@@ -199,6 +207,13 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		states = kept
+		keptConflicts := []ConflictState{}
+		for _, c := range conflicts {
+			if c.ServedBy == name || c.LeftOut == name {
+				keptConflicts = append(keptConflicts, c)
+			}
+		}
+		conflicts = keptConflicts
 	}
 	if cv, ok := s.Services.(ChoiceView); ok && client.IsValid() {
 		for i := range states {
@@ -207,7 +222,7 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	writeJSON(w, map[string]any{"mode": s.Mode, "services": states})
+	writeJSON(w, map[string]any{"mode": s.Mode, "services": states, "conflicts": conflicts})
 }
 
 // serveEvents answers /debug/events with the filters of Query as parameters:

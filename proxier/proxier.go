@@ -394,7 +394,9 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 		}
 		return nil, fmt.Errorf("open proxy port for %s/%s: %w", port.Name, port.Protocol, lastErr)
 	}
-	klog.V(1).InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", sp.proxyPort)
+	// At the default verbosity: with --rules none the proxy port is the only way
+	// to a Service, and this line the only place that says which it is.
+	klog.InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", sp.proxyPort, "serves", port.Claims())
 	return sp, nil
 }
 
