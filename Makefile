@@ -31,10 +31,10 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-# iptables, iproute2 and conntrack for the integration tests (idempotent; root only).
+# iptables, nftables, iproute2 and conntrack for the integration tests (idempotent; root only).
 deps:
 	@missing=""; \
-	for c in iptables:iptables ip:iproute2 conntrack:conntrack chromium:chromium; do \
+	for c in iptables:iptables nft:nftables ip:iproute2 conntrack:conntrack chromium:chromium; do \
 		command -v $${c%%:*} >/dev/null 2>&1 || missing="$$missing $${c#*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \

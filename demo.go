@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -17,8 +18,14 @@ import (
 	"github.com/uproxy/uproxy/service"
 )
 
-func newDemoCommand(opts *options) *cobra.Command {
-	return &cobra.Command{
+func newDemoCommand() *cobra.Command {
+	// The demo's own flags: the run flags with the defaults it really uses, less
+	// those that choose what it runs on (it writes its own manifests).
+	opts := defaultOptions()
+	opts.rules = "none"
+	opts.bindAddress = "127.0.0.1"
+	opts.healthzBindAddress = "127.0.0.1:10256"
+	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Run the proxy on an embedded demo: backends on loopback, no root needed",
 		Long: `demo starts a few backends on loopback addresses (127.0.0.2 and up), writes
@@ -31,6 +38,14 @@ Edit the manifests while it runs: they are reloaded.`,
 			return runDemo(cmd, opts)
 		},
 	}
+	opts.addFlags(cmd)
+	for _, name := range []string{"services", "kubeconfig", "master", "kube-api-qps", "kube-api-burst",
+		"kube-api-content-type", "config", "config-sync-period", "service-proxy-name", "cleanup"} {
+		if err := cmd.Flags().MarkHidden(name); err != nil {
+			panic(fmt.Sprintf("demo flags: %v", err)) // a flag renamed without this list
+		}
+	}
+	return cmd
 }
 
 // demoBackends are the servers the demo runs; stop closes them.
@@ -142,32 +157,39 @@ func runDemo(cmd *cobra.Command, opts *options) error {
 	}
 
 	opts.services = path
-	if !cmd.Flags().Changed("rules") {
-		opts.rules = "none"
-	}
-	if !cmd.Flags().Changed("bind-address") {
-		opts.bindAddress = "127.0.0.1"
-	}
-	if !cmd.Flags().Changed("healthz-bind-address") {
-		opts.healthzBindAddress = "127.0.0.1:10256"
-	}
 	out := cmd.OutOrStdout()
 	var once sync.Once
 	return runProxy(cmd.Context(), opts, func(px *proxier.Proxier, s *service.Snapshot) {
-		once.Do(func() { printDemo(out, px, path, opts.metricsBindAddress) })
+		once.Do(func() { printDemo(out, px.ProxyPort, s, path, opts.metricsBindAddress, opts.rules == "none") })
 	})
 }
 
-func printDemo(w interface{ Write([]byte) (int, error) }, px *proxier.Proxier, path, metrics string) {
+// demoNotes describe the endpoints of the demo's Services.
+var demoNotes = map[string]string{
+	"web":    "3 live + 1 dead (127.0.0.5): retried around",
+	"sticky": "2, sessionAffinity ClientIP",
+	"echo":   "2 echo servers",
+}
+
+// printDemo prints a table of the Service ports of s with their proxy ports,
+// then what to try.
+func printDemo(w io.Writer, proxyPort func(service.PortName) int, s *service.Snapshot, path, metrics string, noPortals bool) {
 	port := func(name string) int {
-		return px.ProxyPort(service.PortName{Namespace: "demo", Name: name, Port: "main"})
+		return proxyPort(service.PortName{Namespace: "demo", Name: name, Port: "main"})
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "\nSERVICE\tPROTOCOL\tPROXY PORT\tENDPOINTS")
-	fmt.Fprintf(tw, "demo/web:main\tTCP\t%d\t3 live + 1 dead (127.0.0.5): retried around\n", port("web"))
-	fmt.Fprintf(tw, "demo/sticky:main\tTCP\t%d\t2, sessionAffinity ClientIP\n", port("sticky"))
-	fmt.Fprintf(tw, "demo/echo:main\tUDP\t%d\t2 echo servers\n", port("echo"))
+	fmt.Fprintln(tw, "\nSERVICE\tPROTOCOL\tPROXY PORT\tSERVICE ADDRESSES\tENDPOINTS")
+	for _, p := range s.Ports {
+		note := demoNotes[p.Name.Name]
+		if p.Name.Namespace != "demo" || note == "" {
+			note = fmt.Sprint(len(p.Endpoints))
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", p.Name, p.Protocol, proxyPort(p.Name), p.Claims(), note)
+	}
 	tw.Flush()
+	if noPortals {
+		fmt.Fprintln(w, "(--rules none: no rule steers the Service addresses; connect to the proxy ports on 127.0.0.1)")
+	}
 	fmt.Fprintf(w, `
 Try:
   # round robin over web's three live backends; the dead one is retried around

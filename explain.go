@@ -12,11 +12,13 @@ func newExplainCommand() *cobra.Command {
 		Use:   "explain IP:PORT[/tcp|udp]",
 		Short: "Explain what happens to a connection to IP:PORT: rules, proxy port, endpoints, next choice, recent failures",
 		Long: `explain asks the running uproxy (its metrics address: /proxyMode, /debug/services,
-/debug/events) and the kernel's nat rules (iptables-save) what happens to a
+/debug/events) and the kernel's nat rules (iptables-save, and the nftables portals'
+map elements) what happens to a
 connection to IP:PORT:
 
   - which rule catches the destination: the chain and rule number, from PREROUTING
-    (traffic from pods and other hosts) and from OUTPUT (traffic from this node);
+    (traffic from pods and other hosts) and from OUTPUT (traffic from this node),
+    or the nftables portals' map element (--rules nftables);
   - which Service port it is, and what serves it: a userspace proxy port, or the
     kernel's DNAT rules;
   - the endpoints with their state (ready, ejected, active connections, failures);
@@ -37,5 +39,6 @@ connection to IP:PORT:
 	f.StringVarP(&o.Output, "output", "o", o.Output, "output format: text or json")
 	f.StringVar(&o.IPTablesSave, "iptables-save-file", o.IPTablesSave, "read the rules from this iptables-save output instead of running iptables-save (- for stdin)")
 	f.IntVar(&o.Events, "events", o.Events, "how many recent retried or failed connections to show")
+	f.StringVar(&o.ChainPrefix, "chain-prefix", "UPROXY", "the running uproxy's --chain-prefix, which names its iptables chains and nftables table")
 	return cmd
 }

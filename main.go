@@ -42,6 +42,9 @@ and retries another when a dial fails.`,
 		},
 	}
 	opts.addFlags(root)
+	// `uproxy --version` answers as `uproxy version` does.
+	root.Version = version
+	root.SetVersionTemplate("uproxy {{.Version}}\n")
 
 	goflags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(goflags)
@@ -57,15 +60,8 @@ and retries another when a dial fails.`,
 				return runProxy(cmd.Context(), opts, nil)
 			},
 		},
-		&cobra.Command{
-			Use:   "cleanup",
-			Short: "Remove every rule and chain uproxy installs, then exit",
-			Args:  cobra.NoArgs,
-			RunE: func(cmd *cobra.Command, args []string) error {
-				return runCleanup(opts)
-			},
-		},
-		newDemoCommand(opts),
+		newCleanupCommand(),
+		newDemoCommand(),
 		newExplainCommand(),
 		newBenchCommand(),
 		&cobra.Command{
@@ -77,11 +73,27 @@ and retries another when a dial fails.`,
 			},
 		},
 	)
-	// The run flags belong to the root and to the subcommands that run a proxy.
+	// The run flags belong to the root and to run; demo and cleanup have their own.
 	for _, c := range root.Commands() {
-		if c.Name() == "run" || c.Name() == "demo" || c.Name() == "cleanup" {
+		if c.Name() == "run" {
 			c.Flags().AddFlagSet(root.Flags())
 		}
 	}
 	return root
+}
+
+// newCleanupCommand is `uproxy cleanup`: all it needs to know is whose rules to
+// remove.
+func newCleanupCommand() *cobra.Command {
+	opts := defaultOptions()
+	cmd := &cobra.Command{
+		Use:   "cleanup",
+		Short: "Remove every rule and chain uproxy installs, then exit",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runCleanup(opts)
+		},
+	}
+	cmd.Flags().StringVar(&opts.chainPrefix, "chain-prefix", opts.chainPrefix, chainPrefixHelp)
+	return cmd
 }

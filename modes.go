@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"net/netip"
 	"runtime"
 
 	"k8s.io/klog/v2"
@@ -12,6 +13,7 @@ import (
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/socket/poll"
 	"github.com/uproxy/uproxy/syncloop"
 )
@@ -24,41 +26,73 @@ type proxyMode interface {
 	Cleanup() error
 }
 
-// newProxyMode resolves --proxy-mode, removes what other modes left behind and
-// builds the chosen mode. px is the proxier when the mode is userspace, else nil.
-func newProxyMode(o *options, cfg *config, events *observe.Events) (name string, mode proxyMode, px *proxier.Proxier, err error) {
+// newProxyMode resolves --proxy-mode, builds the chosen mode and removes what
+// other modes left behind. px is the proxier when the mode is userspace, else
+// nil. Everything that can fail is checked before any rule is touched: a start
+// that fails leaves the node's rules as they were. lock, when not nil, holds this
+// node's rules for the process (see lockRules); the caller closes it at exit.
+func newProxyMode(o *options, cfg *config, events *observe.Events) (name string, mode proxyMode, px *proxier.Proxier, lock *rulesLock, err error) {
 	name, reason, err := kernelmodes.Choose(o.proxyMode, o.scheduler)
 	if err != nil {
-		return "", nil, nil, err
+		return "", nil, nil, nil, err
 	}
 	klog.InfoS("Proxy mode", "mode", name, "reason", reason)
+	ips := nodeIPs(cfg.proxier.BindAddress)
+	if name == kernelmodes.Userspace {
+		cfg.rules = chooseRules(cfg.rules, o.chainPrefix, ips)
+	}
+	// --rules none runs unprivileged and touches no rule; everything else
+	// programs the node's rules, which one uproxy at a time may do.
+	touchesRules := name != kernelmodes.Userspace || cfg.rules != "none"
+	if touchesRules {
+		if lock, err = lockRules(o.chainPrefix); err != nil {
+			return "", nil, nil, nil, err
+		}
+	}
+	defer func() {
+		if err != nil {
+			lock.Close()
+			lock = nil
+		}
+	}()
+	if mode, px, err = buildMode(name, o, cfg, events, ips); err != nil {
+		return "", nil, nil, nil, err
+	}
 
-	// Switching modes must not leave the previous mode's rules steering traffic.
-	// Only when uproxy may touch the kernel: --rules none runs unprivileged.
-	if name != kernelmodes.Userspace || cfg.rules == "iptables" {
+	// Switching modes, or the userspace mode's portal backend, must not leave
+	// the previous rules steering traffic.
+	if touchesRules {
 		if err := kernelmodes.CleanupOthers(name, o.chainPrefix); err != nil {
 			klog.ErrorS(err, "Removing other modes' leftovers", "mode", name)
 		}
 	}
+	if name == kernelmodes.Userspace && cfg.rules != "none" {
+		if err := rules.CleanupExcept(cfg.rules, o.chainPrefix); err != nil {
+			klog.ErrorS(err, "Removing the other portal backend's leftovers", "rules", cfg.rules)
+		}
+	}
+	return name, mode, px, lock, nil
+}
 
-	ips := nodeIPs(cfg.proxier.BindAddress)
+// buildMode builds the mode name; no constructor touches the kernel's rules.
+func buildMode(name string, o *options, cfg *config, events *observe.Events, ips []netip.Addr) (proxyMode, *proxier.Proxier, error) {
 	switch name {
 	case kernelmodes.Userspace:
 		if err := checkUserspaceScheduler(o.scheduler); err != nil {
-			return "", nil, nil, err
+			return nil, nil, err
 		}
-		portals, err := newPortals(cfg, o.chainPrefix)
+		portals, err := newPortals(cfg, o.chainPrefix, ips)
 		if err != nil {
-			return "", nil, nil, err
+			return nil, nil, err
 		}
 		cfg.proxier.Portals = portals
 		cfg.proxier.Events = events
 		cfg.proxier.EventLoops = reserveEventLoopProcs(cfg.eventLoops)
 		px, err := proxier.New(cfg.proxier)
 		if err != nil {
-			return "", nil, nil, err
+			return nil, nil, err
 		}
-		return name, px, px, nil
+		return px, px, nil
 	case kernelmodes.IPTables:
 		m, err := kiptables.New(kiptables.Config{
 			ChainPrefix:       o.chainPrefix,
@@ -67,9 +101,9 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 			Zone:              cfg.proxier.Zone,
 		})
 		if err != nil {
-			return "", nil, nil, fmt.Errorf("--proxy-mode iptables: %w", err)
+			return nil, nil, fmt.Errorf("--proxy-mode iptables: %w", err)
 		}
-		return name, m, nil, nil
+		return m, nil, nil
 	case kernelmodes.IPVS:
 		m, err := ipvs.New(ipvs.Config{
 			ChainPrefix:       o.chainPrefix,
@@ -80,11 +114,11 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 			Zone:              cfg.proxier.Zone,
 		})
 		if err != nil {
-			return "", nil, nil, fmt.Errorf("--proxy-mode ipvs: %w", err)
+			return nil, nil, fmt.Errorf("--proxy-mode ipvs: %w", err)
 		}
-		return name, m, nil, nil
+		return m, nil, nil
 	}
-	return "", nil, nil, fmt.Errorf("--proxy-mode %q: unknown mode %q", o.proxyMode, name)
+	return nil, nil, fmt.Errorf("--proxy-mode %q: unknown mode %q", o.proxyMode, name)
 }
 
 // reserveEventLoopProcs returns how many event loops the userspace mode runs

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -14,9 +15,12 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/kernelmodes"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
+	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
+	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/source/kube"
 )
@@ -95,7 +99,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f := cmd.Flags()
 	o.flags = f
 	f.StringVar(&o.services, "services", o.services, "Service and EndpointSlice manifests (a YAML/JSON file or a directory of them), reloaded on change")
-	f.StringVar(&o.rules, "rules", o.rules, "how virtual IPs reach the proxy ports: iptables, none, or auto (iptables when running as root)")
+	f.StringVar(&o.rules, "rules", o.rules, "how virtual IPs reach the proxy ports: nftables (one table of maps), iptables (a rule per Service port), none, or auto (as root: nftables where nft and the kernel support it, else iptables; otherwise none)")
 	f.StringVar(&o.bindAddress, "bind-address", o.bindAddress, "address the proxy ports listen on (0.0.0.0: every address of both families)")
 	f.StringVar(&o.proxyPortRange, "proxy-port-range", o.proxyPortRange, "range of proxy ports, FIRST-LAST or FIRST+OFFSET (empty: the kernel's ephemeral port range)")
 	f.DurationVar(&o.udpTimeout, "udp-timeout", o.udpTimeout, "how long an idle UDP client keeps its backend")
@@ -109,13 +113,13 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.healthzBindAddress, "healthz-bind-address", o.healthzBindAddress, "address of /healthz and /livez (empty: off)")
 	f.DurationVar(&o.syncPeriod, "sync-period", o.syncPeriod, "most time between two syncs")
 	f.DurationVar(&o.minSyncPeriod, "min-sync-period", o.minSyncPeriod, "least time between two syncs")
-	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, "prefix of every iptables chain uproxy owns")
+	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, chainPrefixHelp)
 	f.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", o.nodePortAddresses, "CIDRs of the node addresses NodePorts answer on (empty: all)")
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
 	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit")
 	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")
-	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve /debug/services and /debug/events on the metrics address")
+	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve the /debug/ page, /debug/services and /debug/events on the metrics address")
 	f.StringVar(&o.kubeconfig, "kubeconfig", o.kubeconfig, "kubeconfig file of the API server to follow Services and EndpointSlices from (without --services; neither this nor --master: in-cluster config)")
 	f.StringVar(&o.master, "master", o.master, "address of the API server (overrides the kubeconfig's)")
 	f.Float32Var(&o.kubeAPIQPS, "kube-api-qps", o.kubeAPIQPS, "requests per second to the API server")
@@ -125,7 +129,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.configSyncPeriod, "config-sync-period", o.configSyncPeriod, "how often the Service and EndpointSlice caches are replayed (0: never)")
 	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags given explicitly win")
 	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
-	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
+	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables or nftables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
 	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections and UDP flows; 0: one per CPU but one, at least one")
 	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
@@ -133,7 +137,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 // config is the validated form of options.
 type config struct {
 	proxier     proxier.Config
-	rules       string // "iptables" or "none"
+	rules       string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
 	prefixes    []netip.Prefix
 	nodeName    string
 	metricsAddr string
@@ -144,6 +148,16 @@ type config struct {
 
 // maxEventLoops bounds --event-loops: more threads than this only contend.
 const maxEventLoops = 256
+
+const chainPrefixHelp = "prefix of every iptables chain uproxy owns; lower-cased, the name of its nftables table (--rules nftables)"
+
+// kube-proxy's packet mark bits (its --iptables-masquerade-bit default, and the
+// drop mark of its iptables mode): the dial mark must not collide with them when
+// both proxies run on a node.
+const (
+	kubeProxyMasqueradeBit = 14
+	kubeProxyDropBit       = 15
+)
 
 // validate checks every flag and says which one is wrong and why.
 func (o *options) validate() (*config, error) {
@@ -182,12 +196,28 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--scheduler %q: want one of %s (ipvs mode: also wrr, wlc)", o.scheduler, strings.Join(affinity.Schedulers, ", "))
 	}
 	c.proxier.Scheduler = o.scheduler
+	switch o.proxyMode {
+	case kernelmodes.Userspace:
+		if err := checkUserspaceScheduler(o.scheduler); err != nil {
+			return nil, err
+		}
+	case kernelmodes.Auto, "", kernelmodes.IPTables, kernelmodes.IPVS:
+	default:
+		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables or ipvs", o.proxyMode)
+	}
+	if o.events < 0 {
+		return nil, fmt.Errorf("--events %d: must not be negative (0: the default, %d)", o.events, observe.DefaultEvents)
+	}
 	for _, a := range []struct{ flag, v string }{{"--metrics-bind-address", o.metricsBindAddress}, {"--healthz-bind-address", o.healthzBindAddress}} {
 		if a.v == "" {
 			continue
 		}
-		if _, _, err := net.SplitHostPort(a.v); err != nil {
+		_, port, err := net.SplitHostPort(a.v)
+		if err != nil {
 			return nil, fmt.Errorf("%s %q: want HOST:PORT", a.flag, a.v)
+		}
+		if n, err := strconv.ParseUint(port, 10, 16); err != nil || (port != "0" && n == 0) {
+			return nil, fmt.Errorf("%s %q: port %q is not a number from 0 to 65535", a.flag, a.v, port)
 		}
 	}
 	if o.syncPeriod <= 0 {
@@ -220,6 +250,10 @@ func (o *options) validate() (*config, error) {
 	if o.dialMarkBit < -1 || o.dialMarkBit > 31 {
 		return nil, fmt.Errorf("--dial-mark-bit %d: want a bit number from 0 to 31, or -1 for none", o.dialMarkBit)
 	}
+	if o.dialMarkBit == kubeProxyMasqueradeBit || o.dialMarkBit == kubeProxyDropBit {
+		return nil, fmt.Errorf("--dial-mark-bit %d: kube-proxy marks packets with bit %d (masquerade) and %d (drop); choose another bit, or -1 for none",
+			o.dialMarkBit, kubeProxyMasqueradeBit, kubeProxyDropBit)
+	}
 	if o.dialMarkBit >= 0 {
 		c.dialMark = 1 << o.dialMarkBit
 	}
@@ -227,15 +261,16 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)
 	}
 	switch o.rules {
-	case "iptables", "none":
+	case rules.BackendNFTables, rules.BackendIPTables, "none":
 		c.rules = o.rules
 	case "auto", "":
+		// As root the kernel decides, when the proxy starts (chooseRules).
 		c.rules = "none"
 		if os.Geteuid() == 0 {
-			c.rules = "iptables"
+			c.rules = "auto"
 		}
 	default:
-		return nil, fmt.Errorf("--rules %q: want iptables, none or auto", o.rules)
+		return nil, fmt.Errorf("--rules %q: want nftables, iptables, none or auto", o.rules)
 	}
 	if err := kube.ValidateProxyName(o.serviceProxyName); err != nil {
 		return nil, fmt.Errorf("--service-proxy-name: %w", err)

@@ -1,12 +1,33 @@
 package main
 
 import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/spf13/cobra"
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/testbed"
 )
+
+// validateArgs parses args as the command line and validates the options.
+func validateArgs(t *testing.T, args ...string) (*config, error) {
+	t.Helper()
+	o := defaultOptions()
+	cmd := &cobra.Command{Use: "uproxy"}
+	o.addFlags(cmd)
+	if err := cmd.Flags().Parse(args); err != nil {
+		t.Fatalf("parse %v: %v", args, err)
+	}
+	return o.validate()
+}
 
 // Each bad flag value is refused at start with an error naming the flag.
 func TestValidateNamesTheBadFlag(t *testing.T) {
@@ -26,42 +47,162 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--tcp-keepalive=10h"}, "--tcp-keepalive"},
 		{[]string{"--tcp-idle-timeout=-1s"}, "--tcp-idle-timeout"},
 		{[]string{"--bind-address=not-an-ip"}, "--bind-address"},
+		{[]string{"--rules=ipfw"}, "--rules"},
+		{[]string{"--events=-5"}, "--events"},
+		{[]string{"--dial-mark-bit=14"}, "--dial-mark-bit"},
+		{[]string{"--dial-mark-bit=15"}, "--dial-mark-bit"},
+		{[]string{"--metrics-bind-address=127.0.0.1:99999"}, "--metrics-bind-address"},
+		{[]string{"--metrics-bind-address=127.0.0.1:http"}, "--metrics-bind-address"},
+		{[]string{"--healthz-bind-address=0.0.0.0:-1"}, "--healthz-bind-address"},
+		{[]string{"--proxy-mode=nope"}, "--proxy-mode"},
+		{[]string{"--proxy-mode=userspace", "--scheduler=wrr"}, "--scheduler"},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
-			o := defaultOptions()
-			cmd := &cobra.Command{Use: "uproxy"}
-			o.addFlags(cmd)
-			if err := cmd.Flags().Parse(tt.args); err != nil {
-				t.Fatalf("parse %v: %v", tt.args, err)
-			}
-			_, err := o.validate()
+			_, err := validateArgs(t, tt.args...)
 			if err == nil || !strings.HasPrefix(err.Error(), tt.wantFlag) {
 				t.Errorf("validate with %v: got %v, want an error starting with %q", tt.args, err, tt.wantFlag)
 			}
 		})
 	}
-	o := defaultOptions()
-	cmd := &cobra.Command{Use: "uproxy"}
-	o.addFlags(cmd)
-	if err := cmd.Flags().Parse([]string{"--event-loops=3"}); err != nil {
-		t.Fatal(err)
-	}
-	c, err := o.validate()
+	c, err := validateArgs(t, "--event-loops=3")
 	if err != nil || c.eventLoops != 3 {
 		t.Errorf("validate with --event-loops=3: got %v, %v; want 3 event loops", c, err)
 	}
 	for bit, want := range map[string]uint32{"13": 0x2000, "0": 1, "31": 0x80000000, "-1": 0} {
-		o := defaultOptions()
-		cmd := &cobra.Command{Use: "uproxy"}
-		o.addFlags(cmd)
-		if err := cmd.Flags().Parse([]string{"--dial-mark-bit=" + bit}); err != nil {
-			t.Fatal(err)
-		}
-		if c, err := o.validate(); err != nil || c.dialMark != want {
+		if c, err := validateArgs(t, "--dial-mark-bit="+bit); err != nil || c.dialMark != want {
 			t.Errorf("validate with --dial-mark-bit=%s: got %+v, %v; want dial mark %#x", bit, c, err, want)
 		}
 	}
+}
+
+// --rules takes each backend by name; auto leaves the choice to the start,
+// where the kernel is probed, unless the proxy cannot touch the kernel at all.
+func TestValidateRules(t *testing.T) {
+	autoWant := "none"
+	if os.Geteuid() == 0 {
+		autoWant = "auto"
+	}
+	for flag, want := range map[string]string{"nftables": "nftables", "iptables": "iptables", "none": "none", "auto": autoWant} {
+		if c, err := validateArgs(t, "--rules="+flag); err != nil || c.rules != want {
+			t.Errorf("validate with --rules=%s: got %+v, %v; want rules %q", flag, c, err, want)
+		}
+	}
+}
+
+var nodeIPv4 = []netip.Addr{netip.MustParseAddr("192.0.2.10")}
+
+// chooseRules keeps an explicit backend and, for auto, takes nftables where
+// the kernel and nft run the portals' layout, else iptables.
+func TestChooseRules(t *testing.T) {
+	for _, r := range []string{"nftables", "iptables", "none"} {
+		if got := chooseRules(r, "UPROXY", nodeIPv4); got != r {
+			t.Errorf("chooseRules(%q): got %q, want it kept", r, got)
+		}
+	}
+	t.Run("no IPv4 node address", func(t *testing.T) {
+		for _, ips := range [][]netip.Addr{nil, {netip.MustParseAddr("fd00::1")}, {netip.MustParseAddr("127.0.0.1")}} {
+			if got := chooseRules("auto", "UPROXY", ips); got != "none" {
+				t.Errorf("chooseRules(auto) with node IPs %v: got %q, want none (the node's own portals need an IPv4 address)", ips, got)
+			}
+		}
+	})
+	t.Run("nft missing", func(t *testing.T) {
+		t.Setenv("PATH", t.TempDir())
+		if got := chooseRules("auto", "UPROXY", nodeIPv4); got != "iptables" {
+			t.Errorf("chooseRules(auto) without nft: got %q, want iptables", got)
+		}
+	})
+	t.Run("nft and the kernel support it", func(t *testing.T) {
+		testbed.RequireNFTables(t)
+		if got := chooseRules("auto", "UPROXY", nodeIPv4); got != "nftables" {
+			t.Errorf("chooseRules(auto) as root with nft: got %q, want nftables", got)
+		}
+	})
+}
+
+// A taken --metrics-bind-address or --healthz-bind-address port fails the start
+// with the flag's name, before anything is logged or touched.
+func TestTakenHTTPPortNamesItsFlagFirst(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	var logged bytes.Buffer
+	klog.LogToStderr(false)
+	klog.SetOutput(&logged)
+	defer func() {
+		klog.SetOutput(os.Stderr)
+		klog.LogToStderr(true)
+	}()
+	for _, flag := range []string{"--metrics-bind-address", "--healthz-bind-address"} {
+		t.Run(flag, func(t *testing.T) {
+			logged.Reset()
+			o := defaultOptions()
+			cmd := &cobra.Command{Use: "uproxy"}
+			o.addFlags(cmd)
+			args := []string{"--services", t.TempDir(), "--rules", "none",
+				"--metrics-bind-address", "127.0.0.1:0", "--healthz-bind-address", "127.0.0.1:0",
+				flag, taken.Addr().String()}
+			if err := cmd.Flags().Parse(args); err != nil {
+				t.Fatal(err)
+			}
+			err := runProxy(context.Background(), o, nil)
+			if err == nil || !strings.HasPrefix(err.Error(), flag+" ") || !strings.Contains(err.Error(), "address already in use") {
+				t.Errorf("runProxy with %s taken: got %v, want an error starting with %s and saying the address is in use", flag, err, flag)
+			}
+			klog.Flush()
+			if logged.Len() != 0 {
+				t.Errorf("log before the flag error: got %q, want nothing", logged.String())
+			}
+		})
+	}
+}
+
+func TestVersionFlag(t *testing.T) {
+	for _, args := range [][]string{{"--version"}, {"version"}} {
+		root := newRootCommand()
+		var out bytes.Buffer
+		root.SetOut(&out)
+		root.SetArgs(args)
+		if err := root.Execute(); err != nil {
+			t.Fatalf("uproxy %v: %v", args, err)
+		}
+		if got, want := out.String(), "uproxy "+version+"\n"; got != want {
+			t.Errorf("uproxy %v: got %q, want %q", args, got, want)
+		}
+	}
+}
+
+// One uproxy at a time programs a network namespace's rules under a prefix; the
+// refusal names the holder, and the lock is free again once released.
+func TestRulesLock(t *testing.T) {
+	prefix := fmt.Sprintf("T%d", os.Getpid()%100000)
+	first, err := lockRules(prefix)
+	if err != nil {
+		t.Fatalf("first lock: %v", err)
+	}
+	_, err = lockRules(prefix)
+	if err == nil {
+		t.Fatal("second lock of the same prefix: got none, want a refusal")
+	}
+	for _, want := range []string{fmt.Sprintf("process %d", os.Getpid()), "--chain-prefix " + prefix} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("refusal %q: want it to name %q", err, want)
+		}
+	}
+	other, err := lockRules(prefix + "X")
+	if err != nil {
+		t.Errorf("lock of another prefix: %v", err)
+	}
+	other.Close()
+	first.Close()
+	again, err := lockRules(prefix)
+	if err != nil {
+		t.Fatalf("lock after release: %v", err)
+	}
+	again.Close()
 }
 
 // --tcp-keepalive and --tcp-idle-timeout reach the proxier's Config, whose zero
@@ -76,13 +217,7 @@ func TestTCPLivenessFlags(t *testing.T) {
 		{[]string{"--tcp-keepalive=1m", "--tcp-idle-timeout=1h"}, time.Minute, time.Hour},
 	}
 	for _, tt := range tests {
-		o := defaultOptions()
-		cmd := &cobra.Command{Use: "uproxy"}
-		o.addFlags(cmd)
-		if err := cmd.Flags().Parse(tt.args); err != nil {
-			t.Fatal(err)
-		}
-		c, err := o.validate()
+		c, err := validateArgs(t, tt.args...)
 		if err != nil {
 			t.Fatalf("validate with %v: %v", tt.args, err)
 		}

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/signal"
+	"slices"
 	"syscall"
 	"time"
 
@@ -35,6 +37,14 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	if err != nil {
 		return err
 	}
+	// The HTTP addresses are bound before anything else happens (or is logged),
+	// so a port in use is reported as its flag's error at once.
+	metricsLn, healthzLn, err := bindHTTP(cfg)
+	if err != nil {
+		return err
+	}
+	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn}
+	defer srv.Stop(context.Background())
 	raiseFileLimit()
 	if ctx == nil {
 		ctx = context.Background()
@@ -55,12 +65,14 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	}
 
 	events := observe.NewEvents(o.events)
-	modeName, mode, px, err := newProxyMode(o, cfg, events)
+	modeName, mode, px, lock, err := newProxyMode(o, cfg, events)
 	if err != nil {
 		return err
 	}
+	defer lock.Close()
 
 	changes := &observe.Changes{}
+	conflicts := &observe.Conflicts{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
 	hc := &kube.HealthCheckServer{IPs: nodePortIPs(cfg.prefixes), Healthy: func() bool {
 		ok, _ := health.Healthy(time.Now())
@@ -88,32 +100,26 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			},
 		},
 	}
-	srv := &observe.Server{
-		MetricsAddr: cfg.metricsAddr,
-		HealthzAddr: cfg.healthzAddr,
-		Mode:        modeName,
-		Services:    mode,
-		Events:      events,
-		Health:      health,
-		Debug:       o.debug,
-	}
+	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug = modeName, mode, conflicts, events, health, o.debug
 	if err := srv.Start(); err != nil {
 		return err
 	}
-	defer srv.Stop(context.Background())
 
 	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
 	srcErr := make(chan error, 1)
 	go func() {
+		// Sources log their problems themselves, once each, when they appear.
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
-			for _, e := range s.Errors {
-				klog.ErrorS(e, "Ignoring invalid object")
-			}
 			changes.Queued(s)
+			conflicts.Update(s)
 			runner.Update(s)
 		})
 	}()
-	go runner.Run(ctx)
+	syncDone := make(chan struct{})
+	go func() {
+		defer close(syncDone)
+		runner.Run(ctx)
+	}()
 
 	select {
 	case <-ctx.Done():
@@ -123,45 +129,122 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		}
 	}
 	stop()
+	var shutdown func(context.Context) error
 	if px != nil {
-		klog.InfoS("Shutting down", "grace", o.shutdownGrace)
-		sctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
+		shutdown = px.Shutdown
+	}
+	finish(syncDone, shutdown, o.shutdownGrace, mode, o.cleanupOnExit)
+	return err
+}
+
+// finish ends a run whose context is done: it waits for the sync loop to return
+// (a sync in flight completes first), so that no sync can rewrite what the
+// cleanup below removes; then it shuts the userspace proxier down (shutdown, nil
+// for a kernel mode) within grace, and removes the mode's rules if cleanupOnExit.
+func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grace time.Duration, mode interface{ Cleanup() error }, cleanupOnExit bool) {
+	<-syncDone
+	if shutdown != nil {
+		klog.InfoS("Shutting down", "grace", grace)
+		ctx, cancel := context.WithTimeout(context.Background(), grace)
 		defer cancel()
-		if serr := px.Shutdown(sctx); serr != nil {
-			klog.ErrorS(serr, "Shutdown")
+		if err := shutdown(ctx); err != nil {
+			klog.ErrorS(err, "Shutdown")
 		}
 	}
 	// Kernel modes keep serving from the kernel after exit unless asked not to.
-	if o.cleanupOnExit {
+	if cleanupOnExit {
 		if cerr := mode.Cleanup(); cerr != nil {
 			klog.ErrorS(cerr, "Removing the portal rules on exit (--cleanup-on-exit)")
 		} else {
 			klog.InfoS("Removed the portal rules on exit (--cleanup-on-exit)")
 		}
 	}
-	return err
 }
 
-func newPortals(cfg *config, prefix string) (rules.Portals, error) {
+// bindHTTP binds --metrics-bind-address and --healthz-bind-address (nil for an
+// empty one); an error names the flag.
+func bindHTTP(cfg *config) (metrics, healthz net.Listener, err error) {
+	if cfg.metricsAddr != "" {
+		if metrics, err = net.Listen("tcp", cfg.metricsAddr); err != nil {
+			return nil, nil, fmt.Errorf("--metrics-bind-address %s: %w", cfg.metricsAddr, err)
+		}
+	}
+	if cfg.healthzAddr != "" {
+		if healthz, err = net.Listen("tcp", cfg.healthzAddr); err != nil {
+			if metrics != nil {
+				metrics.Close()
+			}
+			return nil, nil, fmt.Errorf("--healthz-bind-address %s: %w", cfg.healthzAddr, err)
+		}
+	}
+	return metrics, healthz, nil
+}
+
+// chooseRules resolves --rules auto (as root): nftables where nft and the
+// kernel take the portals' whole layout, else iptables; none when the node has
+// no IPv4 address for the portals of its own connections (ips: nodeIPs). It logs
+// the choice and why.
+func chooseRules(requested, prefix string, ips []netip.Addr) string {
+	if requested != "auto" {
+		return requested
+	}
+	if !slices.ContainsFunc(ips, portalTarget) {
+		klog.InfoS("Portal rules", "rules", "none", "reason", "auto: the node has no IPv4 address outside loopback (or --bind-address is a loopback one), and the portals DNAT to one; clients reach Services on their proxy ports")
+		return "none"
+	}
+	if err := rules.ProbeNFTables(prefix); err != nil {
+		klog.InfoS("Portal rules", "rules", rules.BackendIPTables, "reason", "auto: "+err.Error())
+		return rules.BackendIPTables
+	}
+	klog.InfoS("Portal rules", "rules", rules.BackendNFTables, "reason", "auto: nft and the kernel support the nftables portals")
+	return rules.BackendNFTables
+}
+
+// portalTarget reports whether the portals can send connections to ip: an IPv4
+// address (the portals of both families need one) that packets from other hosts
+// may be sent to, so not a loopback one.
+func portalTarget(ip netip.Addr) bool { return ip.Is4() && !ip.IsLoopback() }
+
+// newPortals builds the portals of cfg.rules, resolved by chooseRules.
+func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, error) {
 	if cfg.rules == "none" {
 		return rules.None{}, nil
 	}
-	ips := nodeIPs(cfg.proxier.BindAddress)
+	if !slices.ContainsFunc(ips, portalTarget) {
+		return nil, fmt.Errorf("--rules %s: the node has no IPv4 address outside loopback (or --bind-address is a loopback one), and the portals DNAT to one: give an interface an address, set --bind-address to the node IP, or run with --rules none", cfg.rules)
+	}
 	mark := cfg.dialMark
 	if err := socket.SetDialMark(mark); err != nil {
-		// Connections still work; each of the proxy's own pays for the portal rules.
-		klog.ErrorS(err, "Proxy connections to endpoints go through every portal rule", "flag", "--dial-mark-bit")
+		// Connections still work; each of the proxy's own pays for the portal lookups.
+		klog.ErrorS(err, "Proxy connections to endpoints go through the portals", "flag", "--dial-mark-bit")
 		mark = 0
 	}
-	p, err := rules.NewIPTables(rules.Config{
-		ChainPrefix:       prefix,
-		NodeIPs:           ips,
-		NodePortAddresses: cfg.prefixes,
-		IPv6:              hasIPv6(ips),
-		DialMark:          mark,
-	})
+	bind := cfg.proxier.BindAddress
+	rc := rules.Config{
+		ChainPrefix:        prefix,
+		NodeIPs:            ips,
+		NodePortAddresses:  cfg.prefixes,
+		IPv6:               hasIPv6(ips),
+		DialMark:           mark,
+		ProxyPortsOnNodeIP: bind.IsValid() && !bind.IsUnspecified(),
+	}
+	if rc.ProxyPortsOnNodeIP {
+		other := "IPv6"
+		if bind.Is6() {
+			other = "IPv4"
+		}
+		klog.InfoS("Proxy ports listen on --bind-address only: the portals DNAT to it, and Service addresses of the other family get none",
+			"bindAddress", bind, "withoutPortals", other)
+	}
+	var p rules.Portals
+	var err error
+	if cfg.rules == rules.BackendNFTables {
+		p, err = rules.NewNFTables(rc)
+	} else {
+		p, err = rules.NewIPTables(rc)
+	}
 	if err != nil {
-		return nil, fmt.Errorf("--rules iptables: %w", err)
+		return nil, fmt.Errorf("--rules %s: %w", cfg.rules, err)
 	}
 	return p, nil
 }

@@ -42,21 +42,24 @@ func (a *proxyAPI) mode() (string, error) {
 }
 
 // services returns the state of every Service port, with the next choice for
-// client when it is valid.
-func (a *proxyAPI) services(client netip.Addr) ([]observe.ServiceState, error) {
+// client when it is valid, and the address conflicts between Service ports.
+func (a *proxyAPI) services(client netip.Addr) ([]observe.ServiceState, []observe.ConflictState, error) {
 	path := "/debug/services"
 	if client.IsValid() {
 		path += "?client=" + url.QueryEscape(client.String())
 	}
 	b, err := a.get(path)
 	if err != nil {
-		return nil, fmt.Errorf("%w (is uproxy running with --debug-handlers?)", err)
+		return nil, nil, fmt.Errorf("%w (is uproxy running with --debug-handlers?)", err)
 	}
-	var body struct{ Services []observe.ServiceState }
+	var body struct {
+		Services  []observe.ServiceState
+		Conflicts []observe.ConflictState
+	}
 	if err := json.Unmarshal(b, &body); err != nil {
-		return nil, fmt.Errorf("GET %s: %w", path, err)
+		return nil, nil, fmt.Errorf("GET %s: %w", path, err)
 	}
-	return body.Services, nil
+	return body.Services, body.Conflicts, nil
 }
 
 // failures returns up to n recent events of service that are not plain

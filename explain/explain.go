@@ -13,7 +13,10 @@
 package explain
 
 import (
+	"cmp"
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -25,6 +28,8 @@ import (
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/rules"
+	"sigs.k8s.io/knftables"
 )
 
 // DefaultMetricsAddress is uproxy's default --metrics-bind-address.
@@ -53,6 +58,12 @@ type Options struct {
 	// RecentDir holds the kernel's xt_recent lists (ClientIP affinity of the
 	// iptables mode); "" is /proc/net/xt_recent.
 	RecentDir string
+	// ChainPrefix is the running uproxy's --chain-prefix, which names its
+	// nftables portals' table; "" is the default.
+	ChainPrefix string
+	// NFT reads the nftables portals; nil runs nft on the table ChainPrefix
+	// names (and, without nft, shows no nftables portals).
+	NFT knftables.Interface
 }
 
 func (o *Options) metricsAddress() string {
@@ -64,16 +75,23 @@ func (o *Options) metricsAddress() string {
 
 // explanation is the -o json form of `uproxy explain`.
 type explanation struct {
-	Destination    string          `json:"destination"`
-	Protocol       string          `json:"protocol"`
-	Client         string          `json:"client,omitempty"`
-	Mode           string          `json:"mode"`
-	MetricsAddress string          `json:"metricsAddress"`
-	Services       []serviceMatch  `json:"services"`
-	Rules          []rulePath      `json:"rules"`
-	RulesError     string          `json:"rulesError,omitempty"`
-	RecentFailures []observe.Event `json:"recentFailures"`
-	Notes          []string        `json:"notes,omitempty"`
+	Destination    string         `json:"destination"`
+	Protocol       string         `json:"protocol"`
+	Client         string         `json:"client,omitempty"`
+	Mode           string         `json:"mode"`
+	MetricsAddress string         `json:"metricsAddress"`
+	Services       []serviceMatch `json:"services"`
+	Rules          []rulePath     `json:"rules"`
+	RulesError     string         `json:"rulesError,omitempty"`
+	// NFTPortals are the elements of the userspace mode's nftables portals that
+	// catch the destination (--rules nftables).
+	NFTPortals      []rules.NFTPortal `json:"nftPortals,omitempty"`
+	NFTPortalsTable string            `json:"nftPortalsTable,omitempty"`
+	RecentFailures  []observe.Event   `json:"recentFailures"`
+	// Conflicts are the Service ports left out because another one serves the
+	// destination.
+	Conflicts []observe.ConflictState `json:"conflicts,omitempty"`
+	Notes     []string                `json:"notes,omitempty"`
 }
 
 // serviceMatch is one Service port that has the destination.
@@ -153,16 +171,23 @@ func Run(w io.Writer, destination string, o Options) error {
 		return fmt.Errorf("ask the running uproxy at %s (--metrics-address): %w", metrics, err)
 	}
 	x.Mode = mode
-	states, err := api.services(client)
+	states, conflicts, err := api.services(client)
 	if err != nil {
 		return err
 	}
 	local := localAddrs()
+	for _, c := range conflicts {
+		if matchConflict(c, dst, proto, local) {
+			x.Conflicts = append(x.Conflicts, c)
+			x.Notes = append(x.Notes, fmt.Sprintf("%s is claimed by two Service ports: %s serves it; %s is left out (not served at all) until the address is free",
+				c.Address, c.ServedBy, c.LeftOut))
+		}
+	}
 	for _, st := range states {
 		if m := matchService(st, dst, proto, local); m != "" {
 			served := "the kernel (" + mode + " mode): the rules below rewrite the destination to an endpoint; no proxy process sees the connection"
 			if st.ProxyPort != 0 {
-				served = fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", st.ProxyPort, mode)
+				served = servedByProxy(st, mode)
 			}
 			x.Services = append(x.Services, serviceMatch{MatchedAs: m, ServedBy: served, Service: st})
 		}
@@ -199,6 +224,19 @@ func Run(w io.Writer, destination string, o Options) error {
 			x.kernelChoices()
 		}
 	}
+	if x.Mode == "userspace" {
+		if err := x.findNFTPortals(o, dst, proto, local[dst.Addr()] || dst.Addr().IsLoopback()); err != nil {
+			x.Notes = append(x.Notes, "nftables portals unreadable: "+err.Error())
+		}
+	}
+	if (err == nil || len(x.NFTPortals) > 0) && x.Mode == "userspace" && !x.anyRewrite() {
+		for _, sm := range x.Services {
+			if sm.MatchedAs != "proxyPort" {
+				x.Notes = append(x.Notes, fmt.Sprintf("no portal rule sends %s/%s to the proxy (uproxy runs with --rules none, or its rules were removed): connect to %s's proxy port %d on this node instead",
+					dst, proto, sm.Service.Name, sm.Service.ProxyPort))
+			}
+		}
+	}
 	if len(x.Services) > 0 && x.Mode != "userspace" {
 		x.Notes = append(x.Notes, fmt.Sprintf("in the %s mode the kernel forwards each connection itself: uproxy never sees it, so it cannot retry a failed dial and records no connection events; only the connection's client sees a failure", x.Mode))
 	}
@@ -209,6 +247,53 @@ func Run(w io.Writer, destination string, o Options) error {
 		return enc.Encode(x)
 	}
 	return x.writeText(w)
+}
+
+// servedByProxy says what the userspace mode does with a connection (TCP) or
+// datagrams (UDP) of st.
+func servedByProxy(st observe.ServiceState, mode string) string {
+	if strings.EqualFold(st.Protocol, "UDP") {
+		return fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy gives each client address an endpoint and forwards its datagrams there, and the replies back; a UDP send cannot fail, so nothing is retried (an endpoint that answers with ICMP port unreachable counts as a failed one)", st.ProxyPort, mode)
+	}
+	return fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", st.ProxyPort, mode)
+}
+
+// findNFTPortals looks dst up in the nftables portals, if they are there.
+func (x *explanation) findNFTPortals(o Options, dst netip.AddrPort, proto string, local bool) error {
+	table, err := rules.NFTPortalTable(cmp.Or(o.ChainPrefix, iptables.DefaultChainPrefix))
+	if err != nil {
+		return err
+	}
+	nft := o.NFT
+	if nft == nil {
+		if nft, err = knftables.New(table.Family, table.Name); err != nil {
+			return nil // no nft here: no nftables portals either
+		}
+	}
+	found, err := rules.FindNFTPortals(context.Background(), nft, dst, proto, local)
+	if errors.Is(err, rules.ErrNoNFTPortals) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	x.NFTPortals, x.NFTPortalsTable = found, table.String()
+	return nil
+}
+
+// anyRewrite reports whether a traced rule may send the packet somewhere else.
+func (x *explanation) anyRewrite() bool {
+	if len(x.NFTPortals) > 0 {
+		return true
+	}
+	for _, rp := range x.Rules {
+		for _, v := range rp.Verdicts {
+			if v.Target == "DNAT" || v.Target == "REDIRECT" {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // parseDestination parses IP:PORT[/tcp|udp] (protocol default tcp).
@@ -254,12 +339,30 @@ func matchService(st observe.ServiceState, dst netip.AddrPort, proto string, loc
 		return "externalIP"
 	case port == st.Port && has(st.LoadBalancerIPs):
 		return "loadBalancerIP"
-	case st.NodePort != 0 && port == st.NodePort && (local[dst.Addr()] || dst.Addr().IsLoopback()):
+	case st.NodePort != 0 && port == st.NodePort && onNode(dst, local):
 		return "nodePort"
-	case st.ProxyPort != 0 && port == st.ProxyPort && (local[dst.Addr()] || dst.Addr().IsLoopback()):
+	case st.ProxyPort != 0 && port == st.ProxyPort && onNode(dst, local):
 		return "proxyPort"
 	}
 	return ""
+}
+
+// matchConflict reports whether dst is the address that c is about.
+func matchConflict(c observe.ConflictState, dst netip.AddrPort, proto string, local map[netip.Addr]bool) bool {
+	if !strings.EqualFold(c.Protocol, proto) || c.Port != int(dst.Port()) {
+		return false
+	}
+	if c.NodePort {
+		return onNode(dst, local)
+	}
+	ip, err := netip.ParseAddr(c.IP)
+	return err == nil && ip.Unmap() == dst.Addr()
+}
+
+// onNode reports whether dst is an address of this node, where NodePorts and
+// proxy ports are reached.
+func onNode(dst netip.AddrPort, local map[netip.Addr]bool) bool {
+	return local[dst.Addr()] || dst.Addr().IsLoopback()
 }
 
 // readRules returns iptables-save output: from the file, from Stdin ("-") or

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"sigs.k8s.io/knftables"
 
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
@@ -24,7 +25,8 @@ import (
 
 // explainWorld runs the userspace proxier on loopback with its metrics address,
 // one Service port over a live and a refused endpoint, and returns the metrics
-// address, the proxy port and the endpoints.
+// address, the proxy port and the endpoints. Two Service ports were left out:
+// one claims the Service's ClusterIP and port, one another's NodePort 30080.
 func explainWorld(t *testing.T) (metricsAddr string, proxyPort int, live, refused netip.AddrPort) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.2:0")
@@ -78,7 +80,14 @@ func explainWorld(t *testing.T) (metricsAddr string, proxyPort int, live, refuse
 		t.Fatal(err)
 	}
 	proxyPort = px.ProxyPort(port.Name)
-	srv := httptest.NewServer((&observe.Server{Mode: "userspace", Services: px, Events: events, Debug: true}).MetricsHandler())
+	conflicts := &observe.Conflicts{}
+	conflicts.Update(&service.Snapshot{Conflicts: []*service.Conflict{
+		{Claim: service.Claim{Addr: port.ClusterIPs[0], Port: 80, Protocol: service.TCP}, ServedBy: port.Name,
+			LeftOut: service.PortName{Namespace: "shop", Name: "copy", Port: "http"}},
+		{Claim: service.Claim{Port: 30080, Protocol: service.TCP}, ServedBy: service.PortName{Namespace: "shop", Name: "np", Port: "http"},
+			LeftOut: service.PortName{Namespace: "shop", Name: "np2", Port: "http"}},
+	}})
+	srv := httptest.NewServer((&observe.Server{Mode: "userspace", Services: px, Conflicts: conflicts, Events: events, Debug: true}).MetricsHandler())
 	t.Cleanup(srv.Close)
 
 	// Traffic: the first connection gets live, the second tries refused first
@@ -168,6 +177,11 @@ COMMIT
 
 func runExplain(t *testing.T, dst string, o Options) string {
 	t.Helper()
+	if o.NFT == nil {
+		// No nftables portals unless a test gives some: the host's own table,
+		// if any, is not the test's.
+		o.NFT = knftables.NewFake(knftables.InetFamily, "uproxy")
+	}
 	var out bytes.Buffer
 	if err := Run(&out, dst, o); err != nil {
 		t.Fatalf("explain %s %+v: %v\n%s", dst, o, err, out.String())
@@ -193,6 +207,7 @@ func TestExplainUserspace(t *testing.T) {
 		for _, want := range []string{
 			"Destination 10.96.0.10:80/TCP from client 192.0.2.7",
 			"Proxy mode: userspace",
+			"Note: 10.96.0.10:80/TCP is claimed by two Service ports: shop/web:http serves it; shop/copy:http is left out (not served at all) until the address is free",
 			"Service port shop/web:http (TCP, matched as clusterIP)",
 			fmt.Sprintf("Served by uproxy's proxy port %d (userspace mode)", pp),
 			"outlier ejection after 3 consecutive failed dials",
@@ -245,6 +260,30 @@ func TestExplainUserspace(t *testing.T) {
 		if len(x.RecentFailures) != 1 || x.RecentFailures[0].Outcome != "retried" || len(x.RecentFailures[0].Attempts) != 2 {
 			t.Errorf("recent failures: got %+v, want the one retried connection with 2 attempts", x.RecentFailures)
 		}
+		if len(x.Conflicts) != 1 || x.Conflicts[0].LeftOut != "shop/copy:http" {
+			t.Errorf("conflicts: got %+v, want shop/copy:http left out", x.Conflicts)
+		}
+	})
+
+	t.Run("conflicts of other addresses", func(t *testing.T) {
+		for _, tc := range []struct {
+			dst      string
+			conflict bool
+		}{
+			{"127.0.0.1:30080", true}, // a NodePort, on this node
+			{"10.96.0.10:30080", false},
+			{"10.96.0.10:80/udp", false},
+			{"10.96.0.11:80", false},
+		} {
+			out := runExplain(t, tc.dst, Options{MetricsAddress: addr, IPTablesSave: rulesFile})
+			want := "Note: nodePort 30080/TCP is claimed by two Service ports: shop/np:http serves it; shop/np2:http is left out"
+			if got := strings.Contains(out, want); got != tc.conflict {
+				t.Errorf("%s: got the NodePort conflict noted %v, want %v\n%s", tc.dst, got, tc.conflict, out)
+			}
+			if got := strings.Contains(out, "shop/copy:http"); got {
+				t.Errorf("%s: got shop/copy:http's conflict noted, want only for 10.96.0.10:80/TCP\n%s", tc.dst, out)
+			}
+		}
 	})
 
 	t.Run("unknown destination", func(t *testing.T) {
@@ -253,6 +292,45 @@ func TestExplainUserspace(t *testing.T) {
 			if !strings.Contains(out, want) {
 				t.Errorf("output: missing %q\n%s", want, out)
 			}
+		}
+	})
+
+	t.Run("without portals", func(t *testing.T) {
+		bare := writeFile(t, "*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n")
+		out := runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: bare})
+		want := fmt.Sprintf("no portal rule sends 10.96.0.10:80/TCP to the proxy (uproxy runs with --rules none, or its rules were removed): connect to shop/web:http's proxy port %d on this node instead", pp)
+		if !strings.Contains(out, want) {
+			t.Errorf("output: missing %q\n%s", want, out)
+		}
+		if with := runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: rulesFile}); strings.Contains(with, "no portal rule") {
+			t.Errorf("output with the portals in place: says there are none\n%s", with)
+		}
+	})
+
+	t.Run("nftables portals", func(t *testing.T) {
+		// The portals of --rules nftables, as rules.NFTables writes them.
+		nft := knftables.NewFake(knftables.InetFamily, "uproxy")
+		tx := nft.NewTransaction()
+		tx.Add(&knftables.Table{})
+		tx.Add(&knftables.Map{Name: "service-ips4", Type: "ipv4_addr . inet_proto . inet_service : inet_service"})
+		tx.Add(&knftables.Map{Name: "external-ips4", Type: "ipv4_addr . inet_proto . inet_service : inet_service"})
+		tx.Add(&knftables.Element{Map: "service-ips4", Key: []string{"10.96.0.10", "tcp", "80"}, Value: []string{fmt.Sprint(pp)}, Comment: knftables.PtrTo("shop/web:http")})
+		tx.Add(&knftables.Element{Map: "service-ips4", Key: []string{"10.96.0.53", "udp", "53"}, Value: []string{"40002"}, Comment: knftables.PtrTo("kube-system/dns:dns")})
+		if err := nft.Run(context.Background(), tx); err != nil {
+			t.Fatal(err)
+		}
+		bare := writeFile(t, "*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n")
+		out := runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: bare, NFT: nft})
+		for _, want := range []string{
+			"nftables portals (table inet uproxy):",
+			fmt.Sprintf("map service-ips4: 10.96.0.10 . tcp . 80 : %d (shop/web:http)", pp),
+		} {
+			if !strings.Contains(out, want) {
+				t.Errorf("output: missing %q\n%s", want, out)
+			}
+		}
+		if strings.Contains(out, "no portal rule") || strings.Contains(out, "10.96.0.53") {
+			t.Errorf("output: says there is no portal, or shows another Service's element\n%s", out)
 		}
 	})
 
@@ -387,6 +465,26 @@ func TestTraceKernelRules(t *testing.T) {
 			}
 			if got := fmt.Sprintf("%s %v: %s", c.Endpoint, c.Sticky, c.Reason); got != tc.choice {
 				t.Errorf("next for client: got %q, want %q", got, tc.choice)
+			}
+		})
+	}
+}
+
+// Each protocol's served-by line says what the proxy does with it: TCP retries a
+// failed dial, UDP has no dial to fail.
+func TestServedByProxy(t *testing.T) {
+	tests := []struct {
+		protocol      string
+		want, wantNot string
+	}{
+		{"TCP", "retries another if the dial fails", "datagrams"},
+		{"UDP", "nothing is retried", "retries another"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.protocol, func(t *testing.T) {
+			got := servedByProxy(observe.ServiceState{Protocol: tt.protocol, ProxyPort: 40001}, "userspace")
+			if !strings.Contains(got, tt.want) || strings.Contains(got, tt.wantNot) || !strings.Contains(got, "40001") {
+				t.Errorf("got %q, want it to say %q and the proxy port, not %q", got, tt.want, tt.wantNot)
 			}
 		})
 	}

@@ -109,6 +109,14 @@ func (x *explanation) writeText(w io.Writer) error {
 	}
 	tw.Flush()
 
+	if len(x.NFTPortals) > 0 {
+		p("\nnftables portals (table %s):\n", x.NFTPortalsTable)
+		for _, np := range x.NFTPortals {
+			p("  map %s: %s : %d (%s)\n", np.Map, np.Key, np.ProxyPort, np.Service)
+			p("    => from pods and other hosts (prerouting): to the proxy port %d on this node\n", np.ProxyPort)
+			p("    => from this node (output): DNAT to node IP:%d, unless the connection is uproxy's own dial\n", np.ProxyPort)
+		}
+	}
 	p("\nRules (nat table):\n")
 	if x.RulesError != "" {
 		p("  unavailable: %s\n", x.RulesError)

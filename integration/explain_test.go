@@ -14,8 +14,12 @@ import (
 
 // explained is the part of `uproxy explain -o json` these tests read.
 type explained struct {
-	Mode     string
-	Notes    []string
+	Mode       string
+	Notes      []string
+	NFTPortals []struct {
+		Map, Key, Service string
+		ProxyPort         int
+	}
 	Services []struct {
 		MatchedAs string
 		ServedBy  string
@@ -266,6 +270,35 @@ func TestExplainUserspaceMode(t *testing.T) {
 			t.Errorf("next connection: answered by %v, want %s as explain said", next, w.names[c.Endpoint])
 		}
 	})
+}
+
+// TestExplainNFTablesPortals: with --rules nftables, explain names the map
+// element that catches the destination (read from the kernel), and the
+// connection it describes is answered.
+func TestExplainNFTablesPortals(t *testing.T) {
+	testbed.RequireNFTables(t)
+	w := newExplainWorld(t, "--proxy-mode", "userspace", "--rules", "nftables", "--shutdown-grace", "1s")
+	if answered, _ := w.connect(t, "10.96.0.10:80", 3); len(answered) == 0 {
+		t.Fatalf("no connection through the nftables portals was answered")
+	}
+	svcs := w.px.waitFor(func([]serviceState) bool { return true }, "services")
+	pp := 0
+	for _, s := range svcs {
+		if s.Name == "it/web:p" {
+			pp = s.ProxyPort
+		}
+	}
+	text, x := w.explain(t, "10.96.0.10:80/tcp")
+	contains(t, text, "nftables portals (table inet uproxy):",
+		fmt.Sprintf("map service-ips4: 10.96.0.10 . tcp . 80 : %d (it/web:p)", pp))
+	if len(x.NFTPortals) != 1 || x.NFTPortals[0].ProxyPort != pp || x.NFTPortals[0].Map != "service-ips4" {
+		t.Errorf("json nftPortals: got %+v, want the service-ips4 element to proxy port %d", x.NFTPortals, pp)
+	}
+	for _, n := range x.Notes {
+		if strings.Contains(n, "no portal rule") {
+			t.Errorf("note %q: the nftables portals catch the destination", n)
+		}
+	}
 }
 
 // TestExplainIPTablesMode: explain against the iptables kernel mode names the

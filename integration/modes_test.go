@@ -60,10 +60,12 @@ func TestIPTablesModeEndToEnd(t *testing.T) {
 	}
 }
 
-// TestModeSwitchLeavesNoStaleState switches userspace -> iptables -> userspace
-// on one node: each start removes the other mode's chains, and cleanup
-// returns iptables-save to what it was.
+// TestModeSwitchLeavesNoStaleState switches modes and portal backends on one
+// node (userspace with iptables portals, with nftables portals, the iptables
+// mode, and back): each start removes what the others left, and cleanup
+// returns iptables-save and the list of nftables tables to what they were.
 func TestModeSwitchLeavesNoStaleState(t *testing.T) {
+	testbed.RequireNFTables(t)
 	tp := testbed.New(t)
 	// Create the (empty) tables, so the baseline has them as cleanup leaves them.
 	for _, table := range []string{"nat", "filter"} {
@@ -73,16 +75,27 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 			}
 		}
 	}
-	before := tp.SavedRules(t, false)
+	nftTables := func() string {
+		out, err := tp.Exec(testbed.Node, "nft", "list", "tables")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(out)
+	}
+	before, beforeNFT := tp.SavedRules(t, false), nftTables()
 	manifests := webService(t, tp)
+	const nftPortals = "table inet uproxy\n"
 	steps := []struct {
 		flags      []string
 		want       int
-		has, lacks string
+		has, lacks string // iptables chains; "" checks nothing
+		nft        bool   // the nftables portals' table is there
 	}{
-		{[]string{"--proxy-mode", "userspace", "--rules", "iptables"}, 1, "UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES"},
-		{[]string{"--proxy-mode", "iptables"}, -1, "UPROXY-SERVICES", "UPROXY-PORTALS-CONTAINER"},
-		{[]string{"--proxy-mode", "userspace", "--rules", "iptables"}, 1, "UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES"},
+		{[]string{"--proxy-mode", "userspace", "--rules", "iptables"}, 1, "UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES", false},
+		{[]string{"--proxy-mode", "userspace", "--rules", "nftables"}, 1, "", "UPROXY-PORTALS-CONTAINER", true},
+		{[]string{"--proxy-mode", "userspace", "--rules", "iptables"}, 1, "UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES", false},
+		{[]string{"--proxy-mode", "iptables"}, -1, "UPROXY-SERVICES", "UPROXY-PORTALS-CONTAINER", false},
+		{[]string{"--proxy-mode", "userspace", "--rules", "nftables"}, 1, "", "UPROXY-SERVICES", true},
 	}
 	for i, st := range steps {
 		px := runUproxy(t, tp, manifests, launch{want: st.want, flags: st.flags})
@@ -91,8 +104,11 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 		}
 		px.stop()
 		saved := tp.SavedRules(t, false)
-		if !strings.Contains(saved, ":"+st.has) || strings.Contains(saved, ":"+st.lacks) {
-			t.Errorf("step %d (%v): iptables-save should have %s and lack %s:\n%s", i, st.flags, st.has, st.lacks, saved)
+		if st.has != "" && !strings.Contains(saved, ":"+st.has) || strings.Contains(saved, ":"+st.lacks) {
+			t.Errorf("step %d (%v): iptables-save should have %q and lack %s:\n%s", i, st.flags, st.has, st.lacks, saved)
+		}
+		if got := strings.Contains(nftTables(), nftPortals); got != st.nft {
+			t.Errorf("step %d (%v): nftables portals' table present: got %v, want %v", i, st.flags, got, st.nft)
 		}
 	}
 	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {
@@ -100,6 +116,9 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 	}
 	if got := tp.SavedRules(t, false); got != before {
 		t.Errorf("iptables-save after cleanup:\n%s\nwant:\n%s", got, before)
+	}
+	if got := nftTables(); got != beforeNFT {
+		t.Errorf("nftables tables after cleanup:\n%s\nwant:\n%s", got, beforeNFT)
 	}
 }
 

@@ -18,7 +18,9 @@ var cleaners = map[string]func(prefix string) error{
 	IPVS:      ipvs.Cleanup,
 }
 
-// modes in cleanup order.
+// modes in cleanup order. The userspace mode's cleaner removes the portals of
+// both backends; which backend a userspace run keeps is the portals' own
+// concern (rules.CleanupExcept).
 var modes = []string{Userspace, IPTables, IPVS}
 
 // CleanupOthers removes what every mode but active left in the kernel with
@@ -33,7 +35,8 @@ func CleanupOthers(active, prefix string) error {
 }
 
 // CleanupAll removes every mode's state (`uproxy --cleanup`): the userspace
-// portals, the iptables mode's chains, the IPVS mode's chains, virtual servers
+// portals of both backends (iptables chains, nftables table), the iptables
+// mode's chains, the IPVS mode's chains, virtual servers
 // (when the kernel has IPVS) and dummy link.
 func CleanupAll(prefix string) error { return cleanupExcept("", prefix) }
 

@@ -172,7 +172,18 @@ func TestModeSwitches(t *testing.T) {
 		must(t, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
 		must(t, ipt, "-t", "filter", "-A", "INPUT", "-j", "ACCEPT")
 	}
+	testbed.RequireNFTables(t)
 	before := [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
+	// iptables-nft creates its built-in chains when first used, which
+	// iptables-save already covers: nftables is compared table by table.
+	nftTables := func() string {
+		out, err := tp.Exec(testbed.Node, "nft", "list", "tables")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(out)
+	}
+	beforeNFT := nftTables()
 
 	web := &service.Port{Name: service.PortName{Namespace: "shop", Name: "web"}, Protocol: service.TCP, Port: 80,
 		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")}, NodePort: 30080,
@@ -191,6 +202,14 @@ func TestModeSwitches(t *testing.T) {
 			if err := portals.Sync([]rules.Portal{{Port: &portal, ProxyPort: 40000}}); err != nil {
 				return err
 			}
+			// A userspace run with --rules nftables.
+			nft, err := rules.NewNFTables(rules.Config{NodeIPs: []netip.Addr{tp.NS(testbed.Node).IPv4}})
+			if err != nil {
+				return err
+			}
+			if err := nft.Sync([]rules.Portal{{Port: &portal, ProxyPort: 40000}}); err != nil {
+				return err
+			}
 			p, err := iptables.New(iptables.Config{})
 			if err != nil {
 				return err
@@ -206,26 +225,30 @@ func TestModeSwitches(t *testing.T) {
 		must(t, "iptables", "-t", "filter", "-N", "UPROXY-IPVS-FILTER")
 		must(t, "iptables", "-t", "filter", "-I", "INPUT", "-j", "UPROXY-IPVS-FILTER")
 	}
+	// nftPortals stands for the nftables portals' table among the chains.
+	const nftPortals = "table inet uproxy"
 	has := func(chains ...string) map[string]bool {
 		s := tp.SavedRules(t, false)
+		tables := nftTables()
 		got := map[string]bool{}
 		for _, c := range chains {
 			got[c] = strings.Contains(s, ":"+c+" ")
 		}
+		got[nftPortals] = strings.Contains(tables, nftPortals+"\n")
 		return got
 	}
-	chains := []string{"UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES", "UPROXY-IPVS-SERVICES", "UPROXY-IPVS-FILTER"}
+	chains := []string{"UPROXY-PORTALS-CONTAINER", nftPortals, "UPROXY-SERVICES", "UPROXY-IPVS-SERVICES", "UPROXY-IPVS-FILTER"}
 	steps := []struct {
 		name  string
 		clean func() error
 		want  map[string]bool
 	}{
 		{"start in iptables mode", func() error { return CleanupOthers(IPTables, "") },
-			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, "UPROXY-SERVICES": true, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": true, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
 		{"start in userspace mode", func() error { return CleanupOthers(Userspace, "") },
-			map[string]bool{"UPROXY-PORTALS-CONTAINER": true, "UPROXY-SERVICES": false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": true, nftPortals: true, "UPROXY-SERVICES": false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
 		{"start in ipvs mode", func() error { return CleanupOthers(IPVS, "") },
-			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, "UPROXY-SERVICES": false, "UPROXY-IPVS-SERVICES": true, "UPROXY-IPVS-FILTER": true}},
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": false, "UPROXY-IPVS-SERVICES": true, "UPROXY-IPVS-FILTER": true}},
 	}
 	for _, st := range steps {
 		t.Run(st.name, func(t *testing.T) {
@@ -246,6 +269,9 @@ func TestModeSwitches(t *testing.T) {
 				if got := tp.SavedRules(t, v6); got != before[i] {
 					t.Errorf("after CleanupAll (v6=%v):\ngot:\n%s\nwant:\n%s", v6, got, before[i])
 				}
+			}
+			if got := nftTables(); got != beforeNFT {
+				t.Errorf("nftables tables after CleanupAll:\ngot:\n%s\nwant:\n%s", got, beforeNFT)
 			}
 		})
 	}

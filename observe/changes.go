@@ -1,6 +1,7 @@
 package observe
 
 import (
+	"cmp"
 	"reflect"
 	"slices"
 	"sync"
@@ -68,35 +69,21 @@ func serviceOf(n service.PortName) serviceKey { return serviceKey{n.Namespace, n
 // endpoints changed from a to b (a may be nil: everything in b is new).
 func diffSnapshots(a, b *service.Snapshot) (svc, eps map[serviceKey]struct{}) {
 	svc, eps = map[serviceKey]struct{}{}, map[serviceKey]struct{}{}
-	old := map[service.PortName]*service.Port{}
-	if a != nil {
-		for _, p := range a.Ports {
-			old[p.Name] = p
-		}
-	}
-	for _, p := range b.Ports {
-		k := serviceOf(p.Name)
-		o := old[p.Name]
-		delete(old, p.Name)
-		if o == nil {
+	for _, c := range service.Diff(a, b) {
+		k := serviceOf(c.Name())
+		switch {
+		case c.Old == nil || c.New == nil: // added or removed
 			svc[k] = struct{}{}
-			if len(p.Endpoints) > 0 {
+			if p := cmp.Or(c.Old, c.New); len(p.Endpoints) > 0 {
 				eps[k] = struct{}{}
 			}
-			continue
-		}
-		if !specEqual(o, p) {
-			svc[k] = struct{}{}
-		}
-		if !slices.EqualFunc(o.Endpoints, p.Endpoints, func(x, y service.Endpoint) bool { return reflect.DeepEqual(x, y) }) {
-			eps[k] = struct{}{}
-		}
-	}
-	for _, o := range old {
-		k := serviceOf(o.Name)
-		svc[k] = struct{}{}
-		if len(o.Endpoints) > 0 {
-			eps[k] = struct{}{}
+		default:
+			if !specEqual(c.Old, c.New) {
+				svc[k] = struct{}{}
+			}
+			if !slices.EqualFunc(c.Old.Endpoints, c.New.Endpoints, func(x, y service.Endpoint) bool { return reflect.DeepEqual(x, y) }) {
+				eps[k] = struct{}{}
+			}
 		}
 	}
 	return svc, eps

@@ -54,6 +54,11 @@ var (
 		Subsystem: "kubeproxy", Name: "sync_proxy_rules_iptables_restore_failures_total",
 		Help: "Syncs whose iptables-restore failed.",
 	})
+	// ServicePortConflicts is set by Conflicts.Update.
+	ServicePortConflicts = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "uproxy_service_port_conflicts",
+		Help: "Service ports left out because another Service port already serves one of their addresses (IP, port and protocol, or NodePort and protocol).",
+	})
 )
 
 // Data path. Labels are the Service port (namespace/name:port) and, where it
@@ -124,7 +129,7 @@ func init() {
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		SyncDuration, SyncLastTimestamp, SyncLastQueuedTimestamp, NetworkProgrammingDuration,
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
-		IPTablesRestoreFailures,
+		IPTablesRestoreFailures, ServicePortConflicts,
 		Connections, DialAttempts, DialDuration, Retries, ActiveConnections, ConnectionDuration,
 		Bytes, UDPExpiries, IdleTimeouts, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens,
 		portsCollector{},

@@ -7,6 +7,7 @@ import (
 	"image"
 	"image/color"
 	"image/png"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -75,6 +76,12 @@ func TestPageInChromium(t *testing.T) {
 	if st := w.endpointState(svc, flaky); !st.Ejected {
 		t.Fatalf("setup: %s not ejected: %+v", flaky, st)
 	}
+	conflicts := service.Build(conflictingServices(), nil, service.BuildOptions{})
+	// One of them with a Service port the page shows, which notes it.
+	conflicts.Conflicts = append(conflicts.Conflicts, &service.Conflict{
+		Claim:    service.Claim{Addr: netip.MustParseAddr("10.96.0.10"), Port: 80, Protocol: service.TCP},
+		ServedBy: w.ports[0].Name, LeftOut: service.PortName{Namespace: "t", Name: "copy", Port: "p"}})
+	w.conflicts.Update(conflicts)
 	url := w.srv.URL + "/debug/"
 
 	t.Run("DOM", func(t *testing.T) {
@@ -91,6 +98,10 @@ func TestPageInChromium(t *testing.T) {
 			`data-kind="ejection"`,
 			flaky.String() + " refused",
 			live.String() + " success",
+			`<div id="conflicts">`, // shown: there are conflicts
+			`<tr class="conflict" data-address="10.96.0.10:80/TCP"><td class="mono">10.96.0.10:80/TCP</td><td class="mono">c/a:http</td><td class="mono bad">c/b:http</td></tr>`,
+			`data-address="nodePort 30080/TCP"`,
+			"10.96.0.10:80/TCP also claimed by t/copy:p (left out)",
 		} {
 			if !strings.Contains(dom, want) {
 				t.Errorf("DOM: missing %s", want)

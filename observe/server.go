@@ -146,10 +146,17 @@ type Server struct {
 	HealthzAddr string // "" disables
 	Mode        string // answered by /proxyMode
 	Services    ServicesView
-	Events      *Events
-	Health      *Health
+	// Conflicts, if set, are listed by /debug/services.
+	Conflicts *Conflicts
+	Events    *Events
+	Health    *Health
 	// Debug enables the /debug/ handlers (default on via the flag).
 	Debug bool
+	// MetricsListener and HealthzListener, when set, are served instead of
+	// binding MetricsAddr and HealthzAddr: a program that binds its addresses
+	// before anything else can report a taken port as its flag's error. Stop
+	// closes them, also when Start never ran.
+	MetricsListener, HealthzListener net.Listener
 
 	servers []*http.Server
 }
@@ -175,7 +182,9 @@ func (s *Server) MetricsHandler() http.Handler {
 	return mux
 }
 
-// serveServices answers /debug/services[?service=NAME][&client=IP].
+// serveServices answers /debug/services[?service=NAME][&client=IP]: the state of
+// every Service port, and the address conflicts (those of NAME: the ones it
+// serves or is left out by).
 func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 	var client netip.Addr
 	if v := r.URL.Query().Get("client"); v != "" {
@@ -192,6 +201,10 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 	if states == nil {
 		states = []ServiceState{}
 	}
+	conflicts := []ConflictState{}
+	if s.Conflicts != nil {
+		conflicts = s.Conflicts.List()
+	}
 	if name := r.URL.Query().Get("service"); name != "" {
 		kept := []ServiceState{}
 		for _, st := range states {
@@ -200,6 +213,13 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		states = kept
+		keptConflicts := []ConflictState{}
+		for _, c := range conflicts {
+			if c.ServedBy == name || c.LeftOut == name {
+				keptConflicts = append(keptConflicts, c)
+			}
+		}
+		conflicts = keptConflicts
 	}
 	if cv, ok := s.Services.(ChoiceView); ok && client.IsValid() {
 		for i := range states {
@@ -208,7 +228,7 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	writeJSON(w, map[string]any{"mode": s.Mode, "services": states})
+	writeJSON(w, map[string]any{"mode": s.Mode, "services": states, "conflicts": conflicts})
 }
 
 // serveEvents answers /debug/events with the filters of Query as parameters:
@@ -263,30 +283,29 @@ func writeJSON(w http.ResponseWriter, v any) {
 // Start binds both addresses and serves them in the background. Binding errors
 // are returned at once, so a bad address is reported at start.
 func (s *Server) Start() error {
-	var binds []struct {
+	type bind struct {
 		addr string
+		ln   net.Listener
 		h    http.Handler
 	}
-	if s.MetricsAddr != "" {
-		binds = append(binds, struct {
-			addr string
-			h    http.Handler
-		}{s.MetricsAddr, s.MetricsHandler()})
+	var binds []bind
+	if s.MetricsAddr != "" || s.MetricsListener != nil {
+		binds = append(binds, bind{s.MetricsAddr, s.MetricsListener, s.MetricsHandler()})
 	}
-	if s.HealthzAddr != "" && s.Health != nil {
+	if (s.HealthzAddr != "" || s.HealthzListener != nil) && s.Health != nil {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", s.Health)
 		mux.Handle("/livez", s.Health.Livez())
-		binds = append(binds, struct {
-			addr string
-			h    http.Handler
-		}{s.HealthzAddr, mux})
+		binds = append(binds, bind{s.HealthzAddr, s.HealthzListener, mux})
 	}
 	for _, b := range binds {
-		ln, err := net.Listen("tcp", b.addr)
-		if err != nil {
-			s.Stop(context.Background())
-			return fmt.Errorf("listen on %s: %w", b.addr, err)
+		ln := b.ln
+		if ln == nil {
+			var err error
+			if ln, err = net.Listen("tcp", b.addr); err != nil {
+				s.Stop(context.Background())
+				return fmt.Errorf("listen on %s: %w", b.addr, err)
+			}
 		}
 		srv := &http.Server{Handler: b.h, ReadHeaderTimeout: 10 * time.Second}
 		s.servers = append(s.servers, srv)
@@ -306,4 +325,10 @@ func (s *Server) Stop(ctx context.Context) {
 		srv.Shutdown(ctx)
 	}
 	s.servers = nil
+	// Shutdown closed the listeners it served; these may never have been.
+	for _, ln := range []net.Listener{s.MetricsListener, s.HealthzListener} {
+		if ln != nil {
+			ln.Close()
+		}
+	}
 }

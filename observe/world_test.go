@@ -26,11 +26,12 @@ import (
 // world is one test's running userspace proxy with its metrics address, on
 // loopback: backends on 127.0.0.x, proxy ports on 127.0.0.1.
 type world struct {
-	t      testing.TB
-	px     *proxier.Proxier
-	events *observe.Events
-	srv    *httptest.Server
-	ports  []*service.Port
+	t         testing.TB
+	px        *proxier.Proxier
+	events    *observe.Events
+	conflicts *observe.Conflicts
+	srv       *httptest.Server
+	ports     []*service.Port
 }
 
 // serviceSeq makes every test's Service names unique: the metrics are global.
@@ -38,7 +39,7 @@ var serviceSeq atomic.Int32
 
 func mkWorld(t testing.TB, cfg proxier.Config) *world {
 	t.Helper()
-	w := &world{t: t, events: observe.NewEvents(64)}
+	w := &world{t: t, events: observe.NewEvents(64), conflicts: &observe.Conflicts{}}
 	cfg.BindAddress = netip.MustParseAddr("127.0.0.1")
 	cfg.Events = w.events
 	px, err := proxier.New(cfg)
@@ -51,7 +52,8 @@ func mkWorld(t testing.TB, cfg proxier.Config) *world {
 		defer cancel()
 		px.Shutdown(ctx)
 	})
-	srv := &observe.Server{Mode: "userspace", Services: px, Events: w.events, Health: &observe.Health{Timeout: time.Minute}, Debug: true}
+	srv := &observe.Server{Mode: "userspace", Services: px, Conflicts: w.conflicts, Events: w.events,
+		Health: &observe.Health{Timeout: time.Minute}, Debug: true}
 	w.srv = httptest.NewServer(srv.MetricsHandler())
 	t.Cleanup(w.srv.Close)
 	return w
@@ -101,6 +103,12 @@ func (w *world) services(query string) []observe.ServiceState {
 	var body struct{ Services []observe.ServiceState }
 	w.getJSON("/debug/services"+query, &body)
 	return body.Services
+}
+
+func (w *world) conflictsOf(query string) []observe.ConflictState {
+	var body struct{ Conflicts []observe.ConflictState }
+	w.getJSON("/debug/services"+query, &body)
+	return body.Conflicts
 }
 
 func (w *world) eventsOf(query string) []observe.Event {

@@ -386,7 +386,9 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 		return nil, fmt.Errorf("open proxy port for %s/%s: %w", port.Name, port.Protocol, err)
 	}
 	sp.listener.Store(ls)
-	klog.V(1).InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", ls.proxyPort)
+	// At the default verbosity: with --rules none the proxy port is the only way
+	// to a Service, and this line the only place that says which it is.
+	klog.InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", ls.proxyPort, "serves", port.Claims())
 	return sp, nil
 }
 

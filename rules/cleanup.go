@@ -1,20 +1,61 @@
 package rules
 
 import (
+	"fmt"
+
+	"github.com/hashicorp/go-multierror"
+	"sigs.k8s.io/knftables"
+
 	"github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/netfilter/nftables"
 )
 
-// Cleanup removes every chain and jump rule the portals with this chain prefix
-// install, in both families, through the real iptables commands. What is already
-// gone, including a missing ip6tables, is not an error. It is `uproxy cleanup`.
-func Cleanup(prefix string) error {
+// Backends of the portals, as --rules names them.
+const (
+	BackendIPTables = "iptables"
+	BackendNFTables = "nftables"
+)
+
+// Cleanup removes the portals of every backend with this chain prefix (the
+// iptables chains and jumps of both families, and the nftables table) through
+// the real commands. What is already gone, including a missing ip6tables or nft,
+// is not an error. It is `uproxy cleanup`.
+func Cleanup(prefix string) error { return CleanupExcept("", prefix) }
+
+// CleanupExcept removes the portals of every backend but active: call it when
+// the portals start with backend active, so a switch of --rules leaves no
+// stale portals behind. The backends' errors are collected.
+func CleanupExcept(active, prefix string) error {
 	prefix, err := iptables.ChainPrefix(prefix)
 	if err != nil {
 		return err
 	}
-	return cleanup(iptables.Commands{}, chainNames(prefix))
+	var errs []error
+	if active != BackendIPTables {
+		if err := cleanup(iptables.Commands{}, chainNames(prefix)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if active != BackendNFTables {
+		if err := cleanupNFTables(prefix); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return multierror.Append(nil, errs...).ErrorOrNil()
 }
 
 func cleanup(k iptables.Kernel, c chains) error {
 	return iptables.RemoveChains(k, iptables.ChainSet{"nat": c.nat(), "filter": c.filter()}.Has)
+}
+
+func cleanupNFTables(prefix string) error {
+	name, err := nftables.TableName(prefix)
+	if err != nil {
+		// No NFTables could have made a table of this prefix.
+		return nil
+	}
+	if err := nftables.Delete(nftables.Table{Family: knftables.InetFamily, Name: name}); err != nil {
+		return fmt.Errorf("remove the nftables portals: %w", err)
+	}
+	return nil
 }

@@ -39,6 +39,34 @@ func udpTargetsOf(entries []entry, f int) udpTargets {
 	return t
 }
 
+// staleFlows deletes, for one family, the UDP flows that the portals of the
+// last sync no longer lead where they went; both backends use it after each
+// successful write.
+type staleFlows struct {
+	// last is where UDP portals led after the last sync whose stale flows were
+	// deleted; nil means unknown, so every UDP destination gets checked.
+	last *udpTargets
+}
+
+// sync deletes the flows of family f that changed between the last sync and
+// entries. On failure the old state stays, so the next sync tries again.
+func (s *staleFlows) sync(d conntrack.Deleter, entries []entry, f int) error {
+	cur := udpTargetsOf(entries, f)
+	if stale := diff(s.last, cur); !stale.Empty() {
+		if err := stale.Delete(d, f == v6); err != nil {
+			return err
+		}
+	}
+	s.last = &cur
+	return nil
+}
+
+// known reports whether the last state is known.
+func (s *staleFlows) known() bool { return s.last != nil }
+
+// forget makes the next sync check every UDP destination.
+func (s *staleFlows) forget() { s.last = nil }
+
 // diff returns the flows to delete going from old to cur: those to every
 // destination whose proxy port changed, appeared or disappeared. With no old
 // state (first sync, after a restart the previous process's proxy ports are

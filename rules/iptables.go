@@ -42,9 +42,8 @@ type family struct {
 	// equal entries would render the same text and find no stale flows, so a
 	// sync that brings equal entries does neither.
 	entries []entry
-	// udp is where UDP portals led after the last sync whose stale flows were
-	// deleted; nil means unknown, so every UDP destination gets checked.
-	udp *udpTargets
+	// udp deletes the UDP flows each sync leaves going the wrong way.
+	udp staleFlows
 }
 
 // NewIPTables returns the iptables Portals for cfg. It changes nothing in the
@@ -59,19 +58,13 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p := &IPTables{cfg: cfg, chains: chainNames(prefix)}
 	p.holder = nodePortHolder{listen: p.cfg.listen, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}}
-	for f := v4; f <= v6; f++ {
-		if f == v6 && !cfg.IPv6 {
-			continue
-		}
-		var nodeIP netip.Addr
-		for _, ip := range cfg.NodeIPs {
-			if ip = ip.Unmap().WithZone(""); ip.IsValid() && familyOf(ip) == f && !ip.IsUnspecified() {
-				nodeIP = ip
-				break
-			}
-		}
+	nodeIPs, err := cfg.familyNodeIPs()
+	if err != nil {
+		return nil, err
+	}
+	for f, nodeIP := range nodeIPs {
 		if !nodeIP.IsValid() {
-			return nil, fmt.Errorf("no %s node IP: the HOST portals DNAT to node IP:proxy port", familyName(f))
+			continue
 		}
 		t, err := p.cfg.IPTables.Tables(f == v6)
 		if err != nil {
@@ -79,6 +72,7 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 		}
 		r := newRenderer(p.chains, f, nodeIP, cfg.NodePortAddresses)
 		r.dialMark = cfg.DialMark
+		r.onNodeIP = cfg.ProxyPortsOnNodeIP
 		p.fams = append(p.fams, &family{f: f, tables: t, renderer: r})
 	}
 	return p, nil
@@ -107,7 +101,7 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 		klog.InfoS("Portal rules were flushed or deleted by someone else; rewriting them", "family", familyName(fam.f))
 		fam.written = nil
 	}
-	if fam.written != nil && fam.udp != nil && fam.entries != nil && equalEntries(fam.entries, entries) {
+	if fam.written != nil && fam.udp.known() && fam.entries != nil && equalEntries(fam.entries, entries) {
 		return nil
 	}
 	fam.entries = nil
@@ -128,14 +122,9 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 		fam.written = text
 	}
 
-	cur := udpTargetsOf(entries, fam.f)
-	if stale := diff(fam.udp, cur); !stale.Empty() {
-		// On failure fam.udp keeps the old state, so the next Sync tries again.
-		if err := stale.Delete(p.cfg.Conntrack, fam.f == v6); err != nil {
-			return err
-		}
+	if err := fam.udp.sync(p.cfg.Conntrack, entries, fam.f); err != nil {
+		return err
 	}
-	fam.udp = &cur
 	fam.entries = entries
 	return nil
 }
@@ -176,7 +165,7 @@ func (p *IPTables) Cleanup() error {
 	p.holder.close()
 	for _, fam := range p.fams {
 		fam.written = nil
-		fam.udp = nil
+		fam.udp.forget()
 		fam.entries = nil
 	}
 	return cleanup(p.cfg.IPTables, p.chains)

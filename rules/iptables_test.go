@@ -13,7 +13,11 @@ import (
 
 	"github.com/hashicorp/go-multierror"
 	"github.com/vishvananda/netlink"
+	"sigs.k8s.io/knftables"
 
+	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/nftables"
+	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -32,6 +36,25 @@ func ips(s ...string) []netip.Addr {
 
 func port(ns, name, portName string, proto service.Protocol, p int) *service.Port {
 	return &service.Port{Name: service.PortName{Namespace: ns, Name: name, Port: portName}, Protocol: proto, Port: p}
+}
+
+// webPort is the TCP Service port most tests program: every kind of virtual
+// IP, in both families (LoadBalancer IPv4 only), and a NodePort.
+func webPort(nodePort int) *service.Port {
+	web := port("shop", "web", "http", service.TCP, 80)
+	web.ClusterIPs = ips("10.96.0.10", "fd00:96::10")
+	web.ExternalIPs = ips("10.250.0.5", "fd00:250::5")
+	web.LoadBalancerIPs = ips("10.251.0.7")
+	web.NodePort = nodePort
+	return web
+}
+
+// dnsPort is the UDP Service port most tests program.
+func dnsPort(nodePort int, clusterIPs ...string) *service.Port {
+	dns := port("kube-system", "dns", "dns", service.UDP, 53)
+	dns.ClusterIPs = ips(clusterIPs...)
+	dns.NodePort = nodePort
+	return dns
 }
 
 // freePort returns a port nothing listens on for network right now, for NodePorts
@@ -59,18 +82,28 @@ func freePort(t *testing.T, network string) int {
 	return n
 }
 
-func newTestIPTables(t *testing.T, k *fakeKernel, cfg Config) *IPTables {
+// newTestPortals builds a backend's Portals with newPortals from cfg, the node
+// IPs of both families filled in, and releases its NodePorts when t ends.
+func newTestPortals[P interface{ release() }](t *testing.T, cfg Config, newPortals func(Config) (P, error)) P {
 	t.Helper()
-	k.configure(&cfg)
 	if cfg.NodeIPs == nil {
 		cfg.NodeIPs = []netip.Addr{nodeIPv4, nodeIPv6}
 	}
-	p, err := NewIPTables(cfg)
+	p, err := newPortals(cfg)
 	if err != nil {
-		t.Fatalf("NewIPTables: %v", err)
+		t.Fatalf("new portals: %v", err)
 	}
-	t.Cleanup(func() { p.holder.close() })
+	t.Cleanup(p.release)
 	return p
+}
+
+func (p *IPTables) release() { p.holder.close() }
+func (p *NFTables) release() { p.holder.close() }
+
+func newTestIPTables(t *testing.T, k *fakeKernel, cfg Config) *IPTables {
+	t.Helper()
+	k.configure(&cfg)
+	return newTestPortals(t, cfg, NewIPTables)
 }
 
 const natHead = `*nat
@@ -90,14 +123,8 @@ COMMIT
 func TestSyncWritesExactRestoreInput(t *testing.T) {
 	np := freePort(t, "tcp4")
 	npUDP := freePort(t, "udp4")
-	web := port("shop", "web", "http", service.TCP, 80)
-	web.ClusterIPs = ips("10.96.0.10", "fd00:96::10")
-	web.ExternalIPs = ips("10.250.0.5", "fd00:250::5")
-	web.LoadBalancerIPs = ips("10.251.0.7")
-	web.NodePort = np
-	dns := port("kube-system", "dns", "dns", service.UDP, 53)
-	dns.ClusterIPs = ips("10.96.0.53")
-	dns.NodePort = npUDP
+	web := webPort(np)
+	dns := dnsPort(npUDP, "10.96.0.53")
 	sctp := port("shop", "sig", "", service.SCTP, 9)
 	sctp.ClusterIPs = ips("10.96.0.9")
 	v6only := port("shop", "six", "", service.TCP, 443)
@@ -506,9 +533,33 @@ func flow(dst string, dport, replySport uint16) *netlink.ConntrackFlow {
 	return f
 }
 
+// TestStaleUDPFlows: both backends delete the flows a change left going the
+// wrong way, and only after a change of UDP portals.
 func TestStaleUDPFlows(t *testing.T) {
-	k := newFakeKernel()
-	p := newTestIPTables(t, k, Config{})
+	backends := []struct {
+		name  string
+		build func(t *testing.T, ct *conntrack.Recorder) Portals
+	}{
+		{"iptables", func(t *testing.T, ct *conntrack.Recorder) Portals {
+			k := newFakeKernel()
+			p := newTestIPTables(t, k, Config{})
+			p.cfg.Conntrack = ct
+			return p
+		}},
+		{"nftables", func(t *testing.T, ct *conntrack.Recorder) Portals {
+			p, _ := newTestNFTables(t, Config{Conntrack: ct})
+			return p
+		}},
+	}
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			ct := &conntrack.Recorder{}
+			testStaleUDPFlows(t, b.build(t, ct), ct)
+		})
+	}
+}
+
+func testStaleUDPFlows(t *testing.T, p Portals, ct *conntrack.Recorder) {
 	np := freePort(t, "udp4")
 	dns := port("ns", "dns", "", service.UDP, 53)
 	dns.ClusterIPs = ips("10.96.0.53")
@@ -546,8 +597,8 @@ func TestStaleUDPFlows(t *testing.T) {
 		if err := p.Sync(st.portals); err != nil {
 			t.Fatalf("%s: Sync: %v", st.name, err)
 		}
-		got := k.ct.Filters[v4]
-		k.ct.Filters[v4] = nil
+		got := ct.Filters[v4]
+		ct.Filters[v4] = nil
 		if st.matches == nil {
 			if len(got) != 0 {
 				t.Errorf("step %d %s: got %d conntrack passes, want none", i, st.name, len(got))
@@ -662,25 +713,42 @@ func TestCleanupReportsSaveFailure(t *testing.T) {
 	}
 }
 
+// TestConfigValidation: both backends refuse a Config they cannot program,
+// saying why; nftables also refuses a prefix it cannot name its table after.
 func TestConfigValidation(t *testing.T) {
+	build := map[string]func(Config) error{
+		"iptables": func(cfg Config) error {
+			newFakeKernel().configure(&cfg)
+			_, err := NewIPTables(cfg)
+			return err
+		},
+		"nftables": func(cfg Config) error {
+			cfg.NFTables = nftablestest.New(nftables.Table{Family: knftables.InetFamily, Name: "uproxy"})
+			_, err := NewNFTables(cfg)
+			return err
+		},
+	}
 	tests := []struct {
-		name string
-		cfg  Config
-		want string
+		name     string
+		backends []string
+		cfg      Config
+		want     string
 	}{
-		{"no IPv4 node IP", Config{NodeIPs: ips("fd00::1")}, "no IPv4 node IP"},
-		{"no IPv6 node IP", Config{NodeIPs: ips("10.0.0.1"), IPv6: true}, "no IPv6 node IP"},
-		{"prefix too long", Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "VERYLONGPREFIX"}, `chain prefix "VERYLONGPREFIX"`},
-		{"prefix with space", Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "A B"}, `chain prefix "A B"`},
+		{"no IPv4 node IP", []string{"iptables", "nftables"}, Config{NodeIPs: ips("fd00::1")}, "no IPv4 node IP"},
+		{"no IPv6 node IP", []string{"iptables", "nftables"}, Config{NodeIPs: ips("10.0.0.1"), IPv6: true}, "no IPv6 node IP"},
+		{"prefix too long", []string{"iptables", "nftables"}, Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "VERYLONGPREFIX"}, `chain prefix "VERYLONGPREFIX"`},
+		{"prefix with space", []string{"iptables", "nftables"}, Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "A B"}, `chain prefix "A B"`},
+		{"prefix nft cannot name a table after", []string{"nftables"}, Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "9UP"}, `nftables table name "9up"`},
+		{"kube-proxy's", []string{"nftables"}, Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "KUBE-P"}, "kube* tables belong to kube-proxy"},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			newFakeKernel().configure(&tt.cfg)
-			_, err := NewIPTables(tt.cfg)
-			if err == nil || !strings.Contains(err.Error(), tt.want) {
-				t.Errorf("NewIPTables: got %v, want an error containing %q", err, tt.want)
-			}
-		})
+		for _, b := range tt.backends {
+			t.Run(b+"/"+tt.name, func(t *testing.T) {
+				if err := build[b](tt.cfg); err == nil || !strings.Contains(err.Error(), tt.want) {
+					t.Errorf("new %s portals: got %v, want an error containing %q", b, err, tt.want)
+				}
+			})
+		}
 	}
 }
 

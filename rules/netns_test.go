@@ -1,10 +1,15 @@
 package rules
 
 import (
+	"cmp"
+	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -12,8 +17,10 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"sigs.k8s.io/knftables"
 
 	"github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
 )
@@ -83,15 +90,230 @@ func (k *countingKernel) Restore(v6 bool, input []byte) error {
 	return k.Commands.Restore(v6, input)
 }
 
+// countingNFT is the real nftables table, counting the transactions.
+type countingNFT struct {
+	nftables.Kernel
+	runs int
+}
+
+func (k *countingNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
+	k.runs++
+	return k.Kernel.Run(ctx, tx)
+}
+
 // testDialMark stands for the proxy's dial mark (socket.SetDialMark).
 const testDialMark = 0x2000
 
+// realBackend is one Portals implementation as the namespace tests drive it.
+type realBackend struct {
+	name    string
+	require func(testing.TB)
+	// build returns the backend's Portals for cfg and the count of its writes
+	// to the kernel (restores, transactions).
+	build func(t testing.TB, cfg Config) (Portals, *int)
+	// inspect checks what the first sync wrote, as the backend's own tools show it.
+	inspect func(t *testing.T, tp *testbed.Topology, p Portals)
+	// flushes are what other programs do to the backend's rules, each followed
+	// by a sync that must restore every path with that many writes.
+	flushes []externalFlush
+	// opensFirewall: redirected NodePort traffic passes a host firewall that
+	// rejects every other TCP packet to the node.
+	opensFirewall bool
+}
+
+type externalFlush struct {
+	name   string
+	do     func(t *testing.T, tp *testbed.Topology)
+	writes int
+}
+
+var realBackends = []realBackend{
+	{
+		name:    "iptables",
+		require: testbed.RequireIPTables,
+		build: func(t testing.TB, cfg Config) (Portals, *int) {
+			k := &countingKernel{}
+			cfg.IPTables = k
+			p, err := NewIPTables(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return p, &k.restores
+		},
+		inspect: func(t *testing.T, tp *testbed.Topology, p Portals) {
+			for f := v4; f <= v6; f++ {
+				got := tp.SavedRules(t, f == v6)
+				for _, line := range strings.Split(string(p.(*IPTables).fams[f].written), "\n") {
+					if strings.HasPrefix(line, "-A ") && !strings.Contains(got, line+"\n") {
+						t.Errorf("%s: rule %q missing from iptables-save:\n%s", familyName(f), line, got)
+					}
+				}
+				var prerouting []string
+				for _, line := range strings.Split(got, "\n") {
+					if strings.HasPrefix(line, "-A PREROUTING ") {
+						prerouting = append(prerouting, line)
+					}
+				}
+				want := []string{
+					`-A PREROUTING -m comment --comment "uproxy service portals" -j UPROXY-PORTALS-CONTAINER`,
+					`-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES`,
+					`-A PREROUTING -m addrtype --dst-type LOCAL -m comment --comment "uproxy NodePorts" -j UPROXY-NODEPORT-CONTAINER`,
+				}
+				if strings.Join(prerouting, "\n") != strings.Join(want, "\n") {
+					t.Errorf("%s PREROUTING:\ngot  %q\nwant %q", familyName(f), prerouting, want)
+				}
+			}
+		},
+		flushes: []externalFlush{{
+			name: "iptables -t nat -F (IPv4), canary chain deleted (IPv6)",
+			do: func(t *testing.T, tp *testbed.Topology) {
+				mustExec(t, tp, testbed.Node, "iptables", "-t", "nat", "-F")
+				kubeNATRules(t, tp, "iptables")
+				mustExec(t, tp, testbed.Node, "ip6tables", "-t", "nat", "-F", "UPROXY-CANARY")
+				mustExec(t, tp, testbed.Node, "ip6tables", "-t", "nat", "-X", "UPROXY-CANARY")
+			},
+			writes: 2, // one restore per family
+		}},
+		opensFirewall: true,
+	},
+	{
+		name:    "nftables",
+		require: testbed.RequireNFTables,
+		build: func(t testing.TB, cfg Config) (Portals, *int) {
+			name, err := nftables.TableName(cmp.Or(cfg.ChainPrefix, iptables.DefaultChainPrefix))
+			if err != nil {
+				t.Fatal(err)
+			}
+			real, err := nftables.New(nftables.Table{Family: knftables.InetFamily, Name: name})
+			if err != nil {
+				t.Fatal(err)
+			}
+			k := &countingNFT{Kernel: real}
+			cfg.NFTables = k
+			p, err := NewNFTables(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return p, &k.runs
+		},
+		inspect: func(t *testing.T, tp *testbed.Topology, p Portals) {
+			out, err := tp.Exec(testbed.Node, "nft", "list", "table", "inet", "uproxy")
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := string(out)
+			t.Logf("nft list table inet uproxy:\n%s", got)
+			for _, want := range []string{
+				"type nat hook prerouting priority dstnat - 10; policy accept;",
+				"type nat hook output priority -110; policy accept;",
+				`10.96.0.10 . tcp . 80 comment "shop/web:http"`,
+				`fd00:96::10 . tcp . 80 comment "shop/web:http"`,
+				`10.250.0.5 . tcp . 80 comment "shop/web:http"`,
+				`10.96.0.53 . udp . 53 comment "kube-system/dns:dns"`,
+				`udp . 30053 comment "kube-system/dns:dns"`,
+				"meta mark & 0x00002000 != 0x00000000 return",
+			} {
+				if !strings.Contains(got, want) {
+					t.Errorf("nft list table lacks %q", want)
+				}
+			}
+		},
+		flushes: []externalFlush{
+			{
+				name: "nft flush table inet uproxy",
+				do: func(t *testing.T, tp *testbed.Topology) {
+					mustExec(t, tp, testbed.Node, "nft", "flush", "table", "inet", "uproxy")
+				},
+				writes: 1,
+			},
+			{
+				name: "nft delete table inet uproxy",
+				do: func(t *testing.T, tp *testbed.Topology) {
+					mustExec(t, tp, testbed.Node, "nft", "delete", "table", "inet", "uproxy")
+				},
+				writes: 1,
+			},
+			{
+				name: "nft flush ruleset, then the others write theirs again",
+				do: func(t *testing.T, tp *testbed.Topology) {
+					mustExec(t, tp, testbed.Node, "nft", "flush", "ruleset")
+					kubeChains(t, tp)
+					kubeNFTables(t, tp)
+				},
+				writes: 1,
+			},
+		},
+	},
+}
+
+// kubeNFTables installs tables as kube-proxy's nftables mode would, which
+// uproxy must leave alone: a nat chain at dstnat in each family, and in IPv4 a
+// Service map whose verdict DNATs to a host that answers nothing.
+func kubeNFTables(t *testing.T, tp *testbed.Topology) {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), "kube-proxy.nft")
+	err := os.WriteFile(file, []byte(`table ip kube-proxy {
+	map service-ips {
+		type ipv4_addr . inet_proto . inet_service : verdict
+		elements = { 10.96.0.99 . tcp . 80 : goto service-other }
+	}
+	chain service-other {
+		meta l4proto tcp dnat to 192.0.2.1:80
+	}
+	chain services {
+		ip daddr . meta l4proto . th dport vmap @service-ips
+	}
+	chain nat-prerouting {
+		type nat hook prerouting priority dstnat; policy accept;
+		jump services
+	}
+	chain nat-output {
+		type nat hook output priority -100; policy accept;
+		jump services
+	}
+}
+table ip6 kube-proxy {
+	chain nat-prerouting {
+		type nat hook prerouting priority dstnat; policy accept;
+	}
+}
+`), 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, tp, testbed.Node, "nft", "-f", file)
+}
+
+// rulesets returns everything the node's packet filter holds, for exact
+// before/after comparisons: iptables-save of both families, and the nftables
+// ruleset when nft is there.
+func rulesets(t testing.TB, tp *testbed.Topology) string {
+	t.Helper()
+	all := tp.SavedRules(t, false) + tp.SavedRules(t, true)
+	if _, err := exec.LookPath("nft"); err == nil {
+		all += tp.NFTRuleset(t)
+	}
+	return all
+}
+
 func TestRealPortals(t *testing.T) {
-	testbed.RequireIPTables(t)
+	for _, b := range realBackends {
+		t.Run(b.name, func(t *testing.T) { testRealPortals(t, b) })
+	}
+}
+
+func testRealPortals(t *testing.T, b realBackend) {
+	testbed.RequireIPTables(t) // kube-proxy's chains are iptables
+	b.require(t)
 	tp := testbed.New(t, testbed.WithIPv6())
 	node := tp.NS(testbed.Node)
 	kubeChains(t, tp)
-	before := [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
+	// kube-proxy's nftables tables too, where nft exists (the nftables backend
+	// requires it; the iptables one must leave those tables alone as well).
+	if _, err := exec.LookPath("nft"); err == nil {
+		kubeNFTables(t, tp)
+	}
+	before := rulesets(t, tp)
 
 	// Stand-ins for the proxy: a TCP echo server and two tagged UDP servers.
 	tcpProxy := tp.EchoTCP(testbed.Node, ":0")
@@ -102,26 +324,15 @@ func TestRealPortals(t *testing.T) {
 	udpPortA := udpA.LocalAddr().(*net.UDPAddr).Port
 	udpPortB := udpB.LocalAddr().(*net.UDPAddr).Port
 
-	web := port("shop", "web", "http", service.TCP, 80)
-	web.ClusterIPs = ips("10.96.0.10", "fd00:96::10")
-	web.ExternalIPs = ips("10.250.0.5", "fd00:250::5")
-	web.LoadBalancerIPs = ips("10.251.0.7")
-	web.NodePort = 30080
-	dns := port("kube-system", "dns", "dns", service.UDP, 53)
-	dns.ClusterIPs = ips("10.96.0.53", "fd00:96::53")
-	dns.NodePort = 30053
+	web := webPort(30080)
+	dns := dnsPort(30053, "10.96.0.53", "fd00:96::53")
 	portals := []Portal{{web, int(tcpProxy.Port())}, {dns, udpPortA}}
 
-	k := &countingKernel{}
-	p, err := NewIPTables(Config{
+	p, writes := b.build(t, Config{
 		NodeIPs:  []netip.Addr{node.IPv4, node.IPv6},
 		IPv6:     true,
 		DialMark: testDialMark,
-		IPTables: k,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	sync := func(t *testing.T, portals []Portal) {
 		t.Helper()
 		if err := tp.Run(testbed.Node, func() error { return p.Sync(portals) }); err != nil {
@@ -130,36 +341,13 @@ func TestRealPortals(t *testing.T) {
 	}
 	sync(t, portals)
 
-	t.Run("iptables-save shows every written rule and the jumps", func(t *testing.T) {
-		for f := v4; f <= v6; f++ {
-			got := tp.SavedRules(t, f == v6)
-			for _, line := range strings.Split(string(p.fams[f].written), "\n") {
-				if strings.HasPrefix(line, "-A ") && !strings.Contains(got, line+"\n") {
-					t.Errorf("%s: rule %q missing from iptables-save:\n%s", familyName(f), line, got)
-				}
-			}
-			var prerouting []string
-			for _, line := range strings.Split(got, "\n") {
-				if strings.HasPrefix(line, "-A PREROUTING ") {
-					prerouting = append(prerouting, line)
-				}
-			}
-			want := []string{
-				`-A PREROUTING -m comment --comment "uproxy service portals" -j UPROXY-PORTALS-CONTAINER`,
-				`-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES`,
-				`-A PREROUTING -m addrtype --dst-type LOCAL -m comment --comment "uproxy NodePorts" -j UPROXY-NODEPORT-CONTAINER`,
-			}
-			if strings.Join(prerouting, "\n") != strings.Join(want, "\n") {
-				t.Errorf("%s PREROUTING:\ngot  %q\nwant %q", familyName(f), prerouting, want)
-			}
-		}
-	})
+	t.Run("the kernel shows what was written", func(t *testing.T) { b.inspect(t, tp, p) })
 
 	t.Run("unchanged sync writes nothing", func(t *testing.T) {
-		n := k.restores
+		n := *writes
 		sync(t, portals)
-		if k.restores != n {
-			t.Errorf("restores during an unchanged sync: got %d, want 0", k.restores-n)
+		if *writes != n {
+			t.Errorf("writes during an unchanged sync: got %d, want 0", *writes-n)
 		}
 	})
 
@@ -207,10 +395,25 @@ func TestRealPortals(t *testing.T) {
 		t.Run(pt.name, func(t *testing.T) { check(t, pt) })
 	}
 
+	// Only the nftables backend orders its chains before kube-proxy's: iptables'
+	// nat table and kube-proxy's nat chains share priority -100, so their order
+	// is the kernel's registration order.
+	if b.name == "nftables" {
+		t.Run("the portals run before kube-proxy's nftables nat chains", func(t *testing.T) {
+			// kube-proxy's map now also claims the ClusterIP and would DNAT it to a
+			// host that answers nothing.
+			mustExec(t, tp, testbed.Node, "nft", "add", "element", "ip", "kube-proxy", "service-ips", "{ 10.96.0.10 . tcp . 80 : goto service-other }")
+			defer mustExec(t, tp, testbed.Node, "nft", "delete", "element", "ip", "kube-proxy", "service-ips", "{ 10.96.0.10 . tcp . 80 }")
+			check(t, paths[0])
+			check(t, paths[1])
+		})
+	}
+
 	t.Run("ExternalIP not owned by the node is not captured from the node", func(t *testing.T) {
 		// Legacy semantics: a node process reaches the real address, here a
 		// listener in the external namespace holding that IP.
 		mustExec(t, tp, testbed.External, "ip", "addr", "add", "10.250.0.5/32", "dev", "lo")
+		defer mustExec(t, tp, testbed.External, "ip", "addr", "del", "10.250.0.5/32", "dev", "lo")
 		real := tp.Listen(testbed.External, "tcp", "10.250.0.5:80")
 		go func() {
 			c, err := real.Accept()
@@ -297,26 +500,42 @@ func TestRealPortals(t *testing.T) {
 		sync(t, portals)
 	})
 
-	t.Run("iptables -t nat -F then Sync restores the rules", func(t *testing.T) {
-		mustExec(t, tp, testbed.Node, "iptables", "-t", "nat", "-F")
-		kubeNATRules(t, tp, "iptables")
-		mustExec(t, tp, testbed.Node, "ip6tables", "-t", "nat", "-F", "UPROXY-CANARY")
-		mustExec(t, tp, testbed.Node, "ip6tables", "-t", "nat", "-X", "UPROXY-CANARY")
-		n := k.restores
-		sync(t, portals)
-		if got := k.restores - n; got != 2 {
-			t.Errorf("restores after flush (IPv4) and canary deletion (IPv6): got %d, want 2", got)
-		}
-		check(t, paths[0])
-		check(t, paths[1])
-		check(t, paths[3])
-	})
+	for _, fl := range b.flushes {
+		t.Run(fl.name+", then Sync restores the portals", func(t *testing.T) {
+			fl.do(t, tp)
+			n := *writes
+			sync(t, portals)
+			if got := *writes - n; got != fl.writes {
+				t.Errorf("writes after the flush: got %d, want %d", got, fl.writes)
+			}
+			check(t, paths[0])
+			check(t, paths[1])
+			check(t, paths[3])
+			check(t, paths[12])
+		})
+	}
 
-	t.Run("NON-LOCAL accepts redirected NodePort traffic only", func(t *testing.T) {
-		// A firewall that refuses every other TCP packet to the node.
+	t.Run("a host firewall rejecting TCP to the node", func(t *testing.T) {
 		mustExec(t, tp, testbed.Node, "iptables", "-A", "INPUT", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
 		defer mustExec(t, tp, testbed.Node, "iptables", "-D", "INPUT", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
-		check(t, path{"NodePort through firewall", testbed.External, "tcp", at(node.IPv4, 30080), ""})
+		np := at(node.IPv4, 30080).String()
+		c, err := tp.Dial(testbed.External, "tcp", np)
+		if b.opensFirewall {
+			// The iptables backend's NON-LOCAL chain accepts redirected NodePort traffic.
+			if err != nil {
+				t.Fatalf("dial NodePort %s through the firewall: %v", np, err)
+			}
+			defer c.Close()
+			msg := "through the firewall"
+			if got, err := exchange(c, msg, len(msg)); got != msg {
+				t.Errorf("NodePort through the firewall: got %q (%v), want %q", got, err, msg)
+			}
+		} else if err == nil {
+			// An accept in another nftables table cannot overrule the firewall's
+			// reject (see NFTables).
+			c.Close()
+			t.Errorf("dial NodePort %s through the firewall: got a connection, want refused", np)
+		}
 		direct := at(node.IPv4, int(tcpProxy.Port())).String()
 		if c, err := tp.Dial(testbed.External, "tcp", direct); err == nil {
 			c.Close()
@@ -324,14 +543,12 @@ func TestRealPortals(t *testing.T) {
 		}
 	})
 
-	t.Run("Cleanup restores iptables-save exactly", func(t *testing.T) {
+	t.Run("Cleanup restores the ruleset exactly", func(t *testing.T) {
 		if err := tp.Run(testbed.Node, p.Cleanup); err != nil {
 			t.Fatalf("Cleanup: %v", err)
 		}
-		for f := v4; f <= v6; f++ {
-			if got := tp.SavedRules(t, f == v6); got != before[f] {
-				t.Errorf("%s after Cleanup:\ngot:\n%s\nwant:\n%s", familyName(f), got, before[f])
-			}
+		if got := rulesets(t, tp); got != before {
+			t.Errorf("after Cleanup:\ngot:\n%s\nwant:\n%s", got, before)
 		}
 		// The NodePorts are released.
 		ln := tp.Listen(testbed.Node, "tcp4", "0.0.0.0:30080")
@@ -342,34 +559,44 @@ func TestRealPortals(t *testing.T) {
 	})
 }
 
+// TestRealStandaloneCleanup: `uproxy cleanup` (Cleanup) removes the portals of
+// either backend, and only them.
 func TestRealStandaloneCleanup(t *testing.T) {
-	testbed.RequireIPTables(t)
-	tp := testbed.New(t)
-	kubeChains(t, tp)
-	before := [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
-	node := tp.NS(testbed.Node)
-	p, err := NewIPTables(Config{ChainPrefix: "UPX", NodeIPs: []netip.Addr{node.IPv4}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	svc := port("a", "b", "", service.TCP, 80)
-	svc.ClusterIPs = ips("10.96.0.1")
-	svc.NodePort = 30001
-	if err := tp.Run(testbed.Node, func() error { return p.Sync([]Portal{{svc, 40000}}) }); err != nil {
-		t.Fatal(err)
-	}
-	if got := tp.SavedRules(t, false); !strings.Contains(got, "UPX-PORTALS-CONTAINER") {
-		t.Fatalf("Sync wrote nothing:\n%s", got)
-	}
-	for i := range 2 { // the second run finds nothing to remove
-		if err := tp.Run(testbed.Node, func() error { return Cleanup("UPX") }); err != nil {
-			t.Fatalf("Cleanup run %d: %v", i, err)
-		}
-		for f := v4; f <= v6; f++ {
-			if got := tp.SavedRules(t, f == v6); got != before[f] {
-				t.Errorf("run %d %s:\ngot:\n%s\nwant:\n%s", i, familyName(f), got, before[f])
+	for _, b := range realBackends {
+		t.Run(b.name, func(t *testing.T) {
+			testbed.RequireIPTables(t)
+			b.require(t)
+			tp := testbed.New(t)
+			kubeChains(t, tp)
+			if _, err := exec.LookPath("nft"); err == nil {
+				kubeNFTables(t, tp)
 			}
-		}
+			before := rulesets(t, tp)
+			node := tp.NS(testbed.Node)
+			p, _ := b.build(t, Config{ChainPrefix: "UPX", NodeIPs: []netip.Addr{node.IPv4}})
+			svc := port("a", "b", "", service.TCP, 80)
+			svc.ClusterIPs = ips("10.96.0.1")
+			svc.NodePort = 30001
+			if err := tp.Run(testbed.Node, func() error { return p.Sync([]Portal{{svc, 40000}}) }); err != nil {
+				t.Fatal(err)
+			}
+			if got := rulesets(t, tp); got == before {
+				t.Fatalf("Sync wrote nothing:\n%s", got)
+			}
+			for i := range 2 { // the second run finds nothing to remove
+				if err := tp.Run(testbed.Node, func() error { return Cleanup("UPX") }); err != nil {
+					t.Fatalf("Cleanup run %d: %v", i, err)
+				}
+				if got := rulesets(t, tp); got != before {
+					t.Errorf("run %d:\ngot:\n%s\nwant:\n%s", i, got, before)
+				}
+			}
+			// The backend's own Cleanup, which also releases the held
+			// NodePort, finds nothing left to remove.
+			if err := tp.Run(testbed.Node, p.Cleanup); err != nil {
+				t.Errorf("Cleanup after uproxy cleanup: %v", err)
+			}
+		})
 	}
 }
 
@@ -447,23 +674,28 @@ func benchPortals(n, proxyBase int) []Portal {
 			sp.ExternalIPs = []netip.Addr{netip.AddrFrom4([4]byte{10, 250, byte(i >> 8), byte(i)})}
 			sp.NodePort = 30000 + i/10
 		}
-		out[i] = Portal{Port: sp, ProxyPort: proxyBase + i}
+		// Past 65535 the proxy ports wrap around to 1024: at 50k Service ports
+		// some share one, which the portals do not mind.
+		out[i] = Portal{Port: sp, ProxyPort: 1024 + (proxyBase+i-1024)%(65536-1024)}
 	}
 	return out
 }
 
-// BenchmarkNodeDialThroughPortals measures the CPU of one TCP connection opened on
-// the node (connect, accept, close) while 10k portals are programmed: what each of
-// the proxy's dials to an endpoint pays, with its dial mark and without it, and
-// with no portals at all.
+// BenchmarkNodeDialThroughPortals measures, for each backend, the CPU of one TCP
+// connection opened on the node (connect, accept, close) while 10k portals are
+// programmed: what each of the proxy's dials to an endpoint pays, with its dial
+// mark and without it, and with no portals at all.
 func BenchmarkNodeDialThroughPortals(b *testing.B) {
-	testbed.RequireIPTables(b)
+	for _, be := range realBackends {
+		b.Run(be.name, func(b *testing.B) { benchmarkNodeDialThroughPortals(b, be) })
+	}
+}
+
+func benchmarkNodeDialThroughPortals(b *testing.B, be realBackend) {
+	be.require(b)
 	tp := testbed.New(b)
 	node := tp.NS(testbed.Node)
-	p, err := NewIPTables(Config{NodeIPs: []netip.Addr{node.IPv4}, DialMark: testDialMark})
-	if err != nil {
-		b.Fatal(err)
-	}
+	p, _ := be.build(b, Config{NodeIPs: []netip.Addr{node.IPv4}, DialMark: testDialMark})
 	ln := tp.Listen(testbed.Node, "tcp", node.IPv4.String()+":0")
 	to := ln.Addr().(*net.TCPAddr).AddrPort()
 	sa := &unix.SockaddrInet4{Addr: to.Addr().As4(), Port: int(to.Port())}

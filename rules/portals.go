@@ -1,14 +1,18 @@
-// Package rules programs the iptables portals of the userspace mode: nat rules that
-// steer a Service's virtual IPs and NodePorts to the local proxy port serving it.
+// Package rules programs the portals of the userspace mode: nat rules that steer
+// a Service's virtual IPs and NodePorts to the local proxy port serving it. It
+// has two backends behind one interface, Portals: IPTables (a rule per Service
+// port, as the legacy userspace proxy had) and NFTables (one nftables table
+// whose maps hold the Service ports, so neither a new connection nor a sync
+// costs more with more Services; see NFTables for its layout).
 //
 // The proxier opens one proxy listener per Service port and hands the whole desired
 // state to Sync on every sync:
 //
-//	p, err := rules.NewIPTables(rules.Config{NodeIPs: []netip.Addr{nodeIP}})
+//	p, err := rules.NewNFTables(rules.Config{NodeIPs: []netip.Addr{nodeIP}}) // or NewIPTables
 //	...
 //	err = p.Sync([]rules.Portal{{Port: port, ProxyPort: 40123}})
 //
-// Chains (prefix P, "UPROXY" by default), nat table of each family:
+// IPTables' chains (prefix P, "UPROXY" by default), nat table of each family:
 //
 //	P-PORTALS-CONTAINER   first in PREROUTING: VIP:port -> REDIRECT to the proxy port
 //	P-PORTALS-HOST        first in OUTPUT: VIP:port -> DNAT to node IP:proxy port
@@ -19,11 +23,13 @@
 // and in the filter table P-NODEPORT-NON-LOCAL, first in INPUT, accepting traffic
 // redirected from a NodePort to its proxy port.
 //
-// Everything except the jump rules is written with one iptables-restore --noflush
-// per family, each chain declared (and so flushed) and rewritten whole, and only
-// when the text differs from the last successful write. This package renders the
-// rules and decides when to write them; netfilter/iptables writes them, reads
-// them back and removes them, as it does for every mode.
+// IPTables writes everything except the jump rules with one iptables-restore
+// --noflush per family, each chain declared (and so flushed) and rewritten
+// whole, and only when the text differs from the last successful write.
+// NFTables writes only the map elements that changed, in one nft transaction.
+// This package renders the rules and decides when to write them;
+// netfilter/iptables and netfilter/nftables write them, read them back and
+// remove them, as they do for every mode.
 package rules
 
 import (
@@ -36,6 +42,7 @@ import (
 
 	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -47,9 +54,10 @@ type Portal struct {
 	ProxyPort int
 }
 
-// Config configures IPTables. The zero value needs only NodeIPs.
+// Config configures IPTables and NFTables. The zero value needs only NodeIPs.
 type Config struct {
 	// ChainPrefix names the chains; iptables.DefaultChainPrefix when empty.
+	// NFTables names its table after it, lower-cased (nftables.TableName).
 	ChainPrefix string
 	// NodeIPs holds the node's address per family: the HOST chains DNAT to
 	// nodeIP:proxyPort, because REDIRECT from OUTPUT rewrites the destination to
@@ -60,12 +68,20 @@ type Config struct {
 	// prefixes (--nodeport-addresses); empty means every local address. A family
 	// with no prefix here gets no NodePorts.
 	NodePortAddresses []netip.Prefix
-	// IPv6 also programs ip6tables with the Services' IPv6 addresses.
+	// IPv6 also programs the Services' IPv6 addresses (ip6tables, or the
+	// nftables table's IPv6 maps).
 	IPv6 bool
 	// DialMark is the packet mark of the proxy's own connections to endpoints
-	// (socket.SetDialMark); the HOST chains return at once for packets carrying
-	// it rather than trying every portal. 0: no such rule.
+	// (socket.SetDialMark); the portals of the node's own connections (the
+	// HOST chains, the nftables output chain) return at once for packets
+	// carrying it rather than trying every portal. 0: no such rule.
 	DialMark uint32
+	// ProxyPortsOnNodeIP says the proxy ports listen on the node IP of their
+	// family only (a specific --bind-address), not on every address. The portals
+	// of traffic from outside the node then DNAT to node IP:proxy port, as those of
+	// its own connections do: REDIRECT sends a packet to the address of the
+	// interface it arrived on, where nothing would listen.
+	ProxyPortsOnNodeIP bool
 
 	// The kernel, as the portals reach it. Every call happens on the goroutine
 	// that called Sync or Cleanup, so a caller that locked its thread into a
@@ -73,11 +89,36 @@ type Config struct {
 
 	// IPTables is iptables and ip6tables; nil runs the commands (iptables.Commands).
 	IPTables iptables.Kernel
+	// NFTables is the nftables table NFTables owns, the one ChainPrefix names;
+	// nil runs nft and reads rules over netlink (nftables.New).
+	NFTables nftables.Kernel
 	// Conntrack deletes stale UDP flows; nil uses netlink (conntrack.Netlink).
 	Conntrack conntrack.Deleter
 	// Listen holds a NodePort open: network is tcp4, tcp6, udp4 or udp6; nil
 	// uses net.Listen and net.ListenPacket.
 	Listen func(network, address string) (io.Closer, error)
+}
+
+// familyNodeIPs returns, for each family the portals program (IPv4, and IPv6
+// when IPv6 is set), the first usable node IP of that family in NodeIPs; the
+// entry of a family not programmed is the zero Addr.
+func (c *Config) familyNodeIPs() ([2]netip.Addr, error) {
+	var out [2]netip.Addr
+	for f := v4; f <= v6; f++ {
+		if f == v6 && !c.IPv6 {
+			continue
+		}
+		for _, ip := range c.NodeIPs {
+			if ip = ip.Unmap().WithZone(""); ip.IsValid() && familyOf(ip) == f && !ip.IsUnspecified() {
+				out[f] = ip
+				break
+			}
+		}
+		if !out[f].IsValid() {
+			return out, fmt.Errorf("no %s node IP: the portals of the node's own connections DNAT to node IP:proxy port", familyName(f))
+		}
+	}
+	return out, nil
 }
 
 func (c *Config) listen(network, address string) (io.Closer, error) {

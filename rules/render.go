@@ -57,6 +57,9 @@ type renderer struct {
 	// dialMark, when set, starts the HOST chains with a RETURN for the proxy's own
 	// connections (Config.DialMark).
 	dialMark uint32
+	// onNodeIP: the PREROUTING portals DNAT to the node IP rather than REDIRECT
+	// (Config.ProxyPortsOnNodeIP).
+	onNodeIP bool
 }
 
 func newRenderer(c chains, family int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) renderer {
@@ -136,12 +139,16 @@ type ruleParts struct {
 // prints them, so the written rules read back identically.
 func (r *renderer) ruleParts(e *entry) ruleParts {
 	proxy := strconv.Itoa(e.proxyPort)
-	return ruleParts{
+	p := ruleParts{
 		match:    " -p " + e.proto + " -m comment --comment " + iptables.Quote(e.name.String()) + " -m " + e.proto + " --dport ",
 		port:     strconv.Itoa(e.port),
 		redirect: " -j REDIRECT --to-ports " + proxy + "\n",
 		dnat:     " -j DNAT --to-destination " + netip.AddrPortFrom(r.nodeIP, uint16(e.proxyPort)).String() + "\n",
 	}
+	if r.onNodeIP {
+		p.redirect = p.dnat
+	}
+	return p
 }
 
 // portalsContainer writes the PREROUTING rules of e's virtual IPs: REDIRECT to

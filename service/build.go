@@ -27,9 +27,11 @@ type objectKey struct{ namespace, name string }
 // Headless and ExternalName Services are skipped silently, as are FQDN slices. Every
 // object that fails ValidateService or ValidateEndpointSlice is left out and its
 // errors go to Snapshot.Errors; so does every repeated Service or slice (same
-// namespace and name), of which the first one given is used. Build never modifies
-// its arguments, which may come straight from an informer cache, and accepts nil
-// entries.
+// namespace and name), of which the first one given is used. Of two Service ports
+// that claim one address (see Claim), the one of the older Service is served and
+// the other is left out, with a Conflict in Snapshot.Conflicts and Errors. Build
+// never modifies its arguments, which may come straight from an informer cache,
+// and accepts nil entries.
 func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts BuildOptions) *Snapshot {
 	return NewBuilder(opts).Build(svcs, epSlices)
 }
@@ -38,6 +40,11 @@ func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts Build
 // for every object it is given again: an unchanged object is not validated again,
 // and a Service whose object and slices are all unchanged keeps its Ports (the same
 // pointers, which consumers may compare to skip unchanged ports).
+//
+// It also remembers which Service port served each address: of two ports that
+// claim one address, the one that served it in the previous Build keeps it, even
+// when the other belongs to an older Service (see conflicts.resolve). That is the
+// one way its Snapshots differ from Build's.
 //
 // Objects are recognized by pointer: an object handed to Build must never be
 // modified afterwards, and a changed object must be a new object. Informer caches
@@ -60,6 +67,9 @@ type Builder struct {
 	// order holds the Services of the previous Build in key order: when the set of
 	// Services is unchanged, the Ports need no sorting.
 	order []*serviceState
+	// conflicts is the decision about shared addresses for the Services in order.
+	// Only Service objects make addresses, so it holds while they are unchanged.
+	conflicts *conflicts
 }
 
 // objectState is what Build learnt of one object.
@@ -107,11 +117,12 @@ func NewBuilder(opts BuildOptions) *Builder {
 		slices:     make(map[*discoveryv1.EndpointSlice]*objectState),
 		sliceNames: make(map[objectKey]*nameState),
 		services:   make(map[objectKey]*serviceState),
+		conflicts:  &conflicts{},
 	}
 }
 
-// Build returns the Snapshot of svcs and epSlices, exactly as the package-level
-// Build would.
+// Build returns the Snapshot of svcs and epSlices, as the package-level Build
+// would but for the established owners of shared addresses.
 func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice) *Snapshot {
 	snap := &Snapshot{Built: time.Now()}
 	b.gen++
@@ -119,6 +130,8 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 	// used counts the entries of each map that this Build touched: when it
 	// equals the map's size, nothing is left to drop.
 	var usedSvcs, usedSlices, usedNames, usedServices int
+	// svcsChanged is true when a Service object differs from the previous Build's.
+	svcsChanged := false
 
 	for _, s := range epSlices {
 		if s == nil {
@@ -197,6 +210,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			eps = sortedByName(ss.slices)
 		}
 		if ss.svc != svc || !slices.Equal(ss.epSlices, eps) {
+			svcsChanged = svcsChanged || ss.svc != svc
 			// A copy: ss.slices is reused by the next Build.
 			ss.svc, ss.epSlices = svc, slices.Clone(eps)
 			ss.ports = servicePorts(svc, ss.epSlices, b.opts)
@@ -212,8 +226,13 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			return cmp.Or(cmp.Compare(x.svc.Namespace, y.svc.Namespace), cmp.Compare(x.svc.Name, y.svc.Name))
 		})
 		b.order = taken
+		svcsChanged = true
 	}
-	n := 0
+	if svcsChanged {
+		b.conflicts = b.conflicts.resolve(b.order)
+	}
+	leftOut := b.conflicts.leftOut
+	n := -len(leftOut)
 	for _, ss := range b.order {
 		n += len(ss.ports)
 	}
@@ -221,7 +240,20 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		snap.Ports = make([]*Port, 0, n)
 	}
 	for _, ss := range b.order {
-		snap.Ports = append(snap.Ports, ss.ports...)
+		if len(leftOut) == 0 {
+			snap.Ports = append(snap.Ports, ss.ports...)
+			continue
+		}
+		for _, p := range ss.ports {
+			if leftOut[p.Name] == nil {
+				snap.Ports = append(snap.Ports, p)
+			}
+		}
+	}
+	// Conflicts are never modified once decided: Snapshots may share them.
+	snap.Conflicts = b.conflicts.list
+	for _, c := range snap.Conflicts {
+		snap.Errors = append(snap.Errors, c)
 	}
 	b.forget(usedSvcs, usedSlices, usedNames, usedServices)
 
@@ -229,7 +261,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 	// ordering by object keeps Errors stable between identical Snapshots while each
 	// object's own errors stay in field order.
 	slices.SortStableFunc(snap.Errors, func(a, b error) int {
-		fa, fb := asFieldError(a), asFieldError(b)
+		fa, fb := objectOf(a), objectOf(b)
 		return cmp.Or(
 			cmp.Compare(fa.Kind, fb.Kind),
 			cmp.Compare(fa.Namespace, fb.Namespace),
@@ -291,15 +323,7 @@ func (b *Builder) forget(usedSvcs, usedSlices, usedNames, usedServices int) {
 	}
 }
 
-func comparePorts(a, b *Port) int {
-	switch {
-	case a.Name.Less(b.Name):
-		return -1
-	case b.Name.Less(a.Name):
-		return 1
-	}
-	return 0
-}
+func comparePorts(a, b *Port) int { return a.Name.Compare(b.Name) }
 
 // sortedByName returns eps ordered by name (a copy when it had to be reordered).
 // Merging slices in name order makes which of two equally ready duplicates wins
@@ -314,9 +338,14 @@ func sortedByName(eps []*discoveryv1.EndpointSlice) []*discoveryv1.EndpointSlice
 	return eps
 }
 
-func asFieldError(err error) *FieldError {
-	if fe, ok := err.(*FieldError); ok {
-		return fe
+// objectOf returns the object an error of Build is about, as a FieldError
+// whose Kind, Namespace and Name are set.
+func objectOf(err error) *FieldError {
+	switch e := err.(type) {
+	case *FieldError:
+		return e
+	case *Conflict:
+		return &FieldError{Kind: "Service", Namespace: e.LeftOut.Namespace, Name: e.LeftOut.Name}
 	}
 	return &FieldError{}
 }

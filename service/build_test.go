@@ -235,15 +235,19 @@ func TestBuildConversion(t *testing.T) {
 			svcs: []*v1.Service{
 				testService("default", "a", withSpec(func(s *v1.ServiceSpec) { s.SessionAffinity = v1.ServiceAffinityClientIP })),
 				testService("default", "b", withSpec(func(s *v1.ServiceSpec) {
+					s.ClusterIP = "10.96.0.11"
 					s.SessionAffinity = v1.ServiceAffinityClientIP
 					s.SessionAffinityConfig = &v1.SessionAffinityConfig{ClientIP: &v1.ClientIPConfig{TimeoutSeconds: ptr(int32(60))}}
 				})),
-				testService("default", "c", withSpec(func(s *v1.ServiceSpec) { s.SessionAffinity = v1.ServiceAffinityNone })),
+				testService("default", "c", withSpec(func(s *v1.ServiceSpec) {
+					s.ClusterIP = "10.96.0.12"
+					s.SessionAffinity = v1.ServiceAffinityNone
+				})),
 			},
 			want: []*Port{
 				{Name: PortName{"default", "a", ""}, Protocol: TCP, Port: 80, ClusterIPs: []netip.Addr{ip("10.96.0.10")}, AffinityClientIP: true, AffinityTimeout: 3 * time.Hour},
-				{Name: PortName{"default", "b", ""}, Protocol: TCP, Port: 80, ClusterIPs: []netip.Addr{ip("10.96.0.10")}, AffinityClientIP: true, AffinityTimeout: time.Minute},
-				{Name: PortName{"default", "c", ""}, Protocol: TCP, Port: 80, ClusterIPs: []netip.Addr{ip("10.96.0.10")}},
+				{Name: PortName{"default", "b", ""}, Protocol: TCP, Port: 80, ClusterIPs: []netip.Addr{ip("10.96.0.11")}, AffinityClientIP: true, AffinityTimeout: time.Minute},
+				{Name: PortName{"default", "c", ""}, Protocol: TCP, Port: 80, ClusterIPs: []netip.Addr{ip("10.96.0.12")}},
 			},
 		},
 		{
@@ -489,7 +493,7 @@ func TestBuilderMatchesBuild(t *testing.T) {
 	web := testService("ns", "web", withPorts(v1.ServicePort{Name: "a", Port: 80}, v1.ServicePort{Name: "b", Port: 81}))
 	web2 := web.DeepCopy()
 	web2.Spec.ClusterIP = "10.96.0.11"
-	db := testService("ns", "db")
+	db := testService("ns", "db", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "10.96.0.20" }))
 	dbBad := db.DeepCopy()
 	dbBad.Spec.Ports[0].Port = 0
 	dbDup := testService("ns", "db", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "10.96.0.12" }))
@@ -542,7 +546,7 @@ func TestBuilderMatchesBuild(t *testing.T) {
 // objects keeps its Port pointers; any changed object gives its Service new Ports.
 func TestBuilderReusesUnchangedPorts(t *testing.T) {
 	web := testService("ns", "web")
-	db := testService("ns", "db")
+	db := testService("ns", "db", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "10.96.0.20" }))
 	webS := testSlice("ns", "web-1", "web", discoveryv1.AddressTypeIPv4, slicePorts(":8080"), testEndpoint(addrs("10.0.0.1")))
 	dbS := testSlice("ns", "db-1", "db", discoveryv1.AddressTypeIPv4, slicePorts(":5432"), testEndpoint(addrs("10.0.1.1")))
 	dbS2 := testSlice("ns", "db-1", "db", discoveryv1.AddressTypeIPv4, slicePorts(":5432"), testEndpoint(addrs("10.0.1.2")))
@@ -632,9 +636,11 @@ func BenchmarkBuilderEndpointChange(b *testing.B) {
 func TestBuilderMatchesBuildRandom(t *testing.T) {
 	var svcPool []*v1.Service
 	var slicePool []*discoveryv1.EndpointSlice
-	for _, name := range []string{"a", "b", "c"} {
+	// Each name has addresses of its own: which of two Services sharing one is
+	// served depends on the Builder's past (TestBuilderConflictsRandom).
+	for n, name := range []string{"a", "b", "c"} {
 		for v := range 3 {
-			svc := testService("ns", name, withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = fmt.Sprintf("10.96.0.%d", v+1) }),
+			svc := testService("ns", name, withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = fmt.Sprintf("10.96.%d.%d", n, v+1) }),
 				withPorts(v1.ServicePort{Name: "x", Port: 80}, v1.ServicePort{Name: "y", Port: 81}))
 			switch v {
 			case 1:

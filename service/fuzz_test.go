@@ -22,7 +22,8 @@ type fuzzInput struct {
 
 // FuzzBuild feeds Build arbitrary decoded objects and checks the invariants every mode
 // relies on: no panic, inputs untouched, ports sorted and unique, endpoints valid,
-// sorted and unique, errors all *FieldError, and the same result twice.
+// sorted and unique, no address served by two ports, errors all *FieldError or
+// *Conflict, and the same result twice.
 func FuzzBuild(f *testing.F) {
 	seeds, err := filepath.Glob(filepath.Join("testdata", "build-*.json"))
 	if err != nil || len(seeds) == 0 {
@@ -49,7 +50,14 @@ func FuzzBuild(f *testing.F) {
 		if !reflect.DeepEqual(in, orig) {
 			t.Fatalf("got inputs changed by Build")
 		}
+		served := map[Claim]PortName{}
 		for i, p := range snap.Ports {
+			for _, c := range p.Claims() {
+				if o, dup := served[c]; dup {
+					t.Errorf("got %s served by %s and %s, want one port per address", c, o, p.Name)
+				}
+				served[c] = p.Name
+			}
 			if i > 0 && !snap.Ports[i-1].Name.Less(p.Name) {
 				t.Errorf("got port %s after %s, want strictly increasing names", p.Name, snap.Ports[i-1].Name)
 			}
@@ -80,8 +88,14 @@ func FuzzBuild(f *testing.F) {
 		}
 		for _, err := range snap.Errors {
 			var fe *FieldError
-			if !errors.As(err, &fe) || fe.Kind == "" || fe.Field == "" || fe.Msg == "" {
-				t.Errorf("got error %q (%T), want a complete *FieldError", err, err)
+			var c *Conflict
+			switch {
+			case errors.As(err, &c):
+				if served[c.Claim] != c.ServedBy {
+					t.Errorf("got conflict %q, want %s served by %s", c, c.Claim, c.ServedBy)
+				}
+			case !errors.As(err, &fe) || fe.Kind == "" || fe.Field == "" || fe.Msg == "":
+				t.Errorf("got error %q (%T), want a complete *FieldError or a *Conflict", err, err)
 			}
 		}
 		again := Build(in.Services, in.Slices, opts)

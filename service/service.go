@@ -4,6 +4,7 @@
 package service
 
 import (
+	"cmp"
 	"fmt"
 	"net/netip"
 	"reflect"
@@ -35,6 +36,11 @@ func (n PortName) Less(o PortName) bool {
 		return n.Name < o.Name
 	}
 	return n.Port < o.Port
+}
+
+// Compare is Less as a three-way comparison (-1, 0, +1), for slices.SortFunc.
+func (n PortName) Compare(o PortName) int {
+	return cmp.Or(cmp.Compare(n.Namespace, o.Namespace), cmp.Compare(n.Name, o.Name), cmp.Compare(n.Port, o.Port))
 }
 
 // Protocol is a Service port's transport protocol, spelled as in the Kubernetes API.
@@ -115,6 +121,9 @@ type Snapshot struct {
 	// Their Services are left out (or keep their last good state, at the source's choice);
 	// every other Service is unaffected.
 	Errors []error
+	// Conflicts are the Service ports left out because another Service port
+	// already serves one of their addresses, in name order; each is also in Errors.
+	Conflicts []*Conflict
 	// Built is when the snapshot was assembled.
 	Built time.Time
 }

@@ -3,6 +3,7 @@ package service
 import (
 	"errors"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 )
@@ -43,6 +44,51 @@ func TestSnapshotEqual(t *testing.T) {
 			}
 			if got := b.Equal(a); got != tt.equal {
 				t.Errorf("b.Equal(a): got %v, want %v", got, tt.equal)
+			}
+		})
+	}
+}
+
+func TestDiff(t *testing.T) {
+	port := func(name string, p int, eps ...string) *Port {
+		sp := &Port{Name: PortName{Namespace: "ns", Name: name}, Protocol: TCP, Port: p}
+		for _, e := range eps {
+			sp.Endpoints = append(sp.Endpoints, Endpoint{Addr: netip.MustParseAddrPort(e), Ready: true})
+		}
+		return sp
+	}
+	shared := port("b", 80)
+	base := &Snapshot{Ports: []*Port{port("a", 80), shared, port("c", 80, "10.0.0.1:80")}}
+	tests := []struct {
+		name string
+		a, b *Snapshot
+		want []string
+	}{
+		{"nothing before: every port added", nil, base, []string{"+ns/a", "+ns/b", "+ns/c"}},
+		{"same ports, other pointers", base, &Snapshot{Ports: []*Port{port("a", 80), shared, port("c", 80, "10.0.0.1:80")}}, nil},
+		{"everything removed", base, &Snapshot{}, []string{"-ns/a", "-ns/b", "-ns/c"}},
+		{"first and last replaced, one in between added",
+			base, &Snapshot{Ports: []*Port{port("a0", 80), shared, port("bb", 80), port("d", 80)}},
+			[]string{"-ns/a", "+ns/a0", "+ns/bb", "-ns/c", "+ns/d"}},
+		{"port number and endpoints changed",
+			base, &Snapshot{Ports: []*Port{port("a", 81), shared, port("c", 80, "10.0.0.2:80")}},
+			[]string{"~ns/a", "~ns/c"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var got []string
+			for _, c := range Diff(tt.a, tt.b) {
+				switch {
+				case c.Old == nil:
+					got = append(got, "+"+c.Name().String())
+				case c.New == nil:
+					got = append(got, "-"+c.Name().String())
+				default:
+					got = append(got, "~"+c.Name().String())
+				}
+			}
+			if !slices.Equal(got, tt.want) {
+				t.Errorf("got %q, want %q", got, tt.want)
 			}
 		})
 	}

@@ -6,7 +6,8 @@
 //
 // A broken edit never takes Services away: a file that cannot be decoded keeps its
 // previous content, and an object that fails validation keeps its previous version.
-// Every problem is still reported in Snapshot.Errors and logged.
+// Every problem is still reported in Snapshot.Errors and logged once, when it
+// appears; its fix is logged too, and so is a summary of every reload.
 package file
 
 import (
@@ -32,6 +33,12 @@ import (
 // DefaultDebounce is how long file events must pause before a reload: editors and
 // deploy tools touch a file several times per save.
 const DefaultDebounce = 100 * time.Millisecond
+
+// ErrDeleted is the error of a manifest file that Path names and that was
+// deleted. Its last Services are kept, as for a file that cannot be read: a
+// file being replaced is briefly absent, and taking every Service away then
+// would be worse than serving them a little longer.
+var ErrDeleted = errors.New("deleted; its last content is used until it is back")
 
 // Source follows the manifests at Path.
 type Source struct {
@@ -94,6 +101,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 
 	l := newLoader(s.Path, info.IsDir(), s.Options)
 	last := l.load()
+	klog.InfoS("Manifests loaded", loadSummary(s.Path, nil, last)...)
 	update(last)
 
 	reload := time.NewTimer(time.Hour)
@@ -123,7 +131,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			if last.Equal(snap) {
 				continue
 			}
-			klog.V(2).InfoS("Manifests changed", "path", s.Path, "ports", len(snap.Ports), "errors", len(snap.Errors))
+			klog.InfoS("Manifests reloaded", loadSummary(s.Path, last, snap)...)
 			last = snap
 			update(snap)
 		}
@@ -154,7 +162,7 @@ type loader struct {
 	goodSvcs   map[objectKey]*v1.Service
 	goodSlices map[objectKey]*discoveryv1.EndpointSlice
 	// logged holds the errors of the previous load, so that a broken file is logged
-	// when it breaks, not on every reload.
+	// when it breaks and when it is fixed, not on every reload.
 	logged map[string]bool
 }
 
@@ -207,6 +215,9 @@ func (l *loader) load() *service.Snapshot {
 		case err != nil && l.isDir && errors.Is(err, os.ErrNotExist):
 			delete(present, name) // removed since the listing
 			continue
+		case errors.Is(err, os.ErrNotExist):
+			st.data, st.errs = nil, []error{&DocumentError{File: name, Err: ErrDeleted}}
+			continue
 		case err != nil:
 			// Keep the last good objects of a file that cannot be read right now.
 			st.data, st.errs = nil, []error{&DocumentError{File: name, Err: fmt.Errorf("read: %w", err)}}
@@ -220,13 +231,16 @@ func (l *loader) load() *service.Snapshot {
 			st.objs = objs
 		}
 	}
-	for name := range l.files {
+	for name, st := range l.files {
 		if !present[name] {
 			delete(l.files, name)
+			if st.data != nil {
+				klog.InfoS("Manifest file deleted; its objects are gone", "file", name)
+			}
 		}
 	}
 
-	svcs, epSlices, verrs := l.validObjects(names, present)
+	svcs, epSlices, where, verrs := l.validObjects(names, present)
 	for _, name := range names {
 		if st := l.files[name]; st != nil {
 			errs = append(errs, st.errs...)
@@ -235,6 +249,15 @@ func (l *loader) load() *service.Snapshot {
 	errs = append(errs, verrs...)
 
 	snap := l.snaps.Build(svcs, epSlices)
+	for i, err := range snap.Errors {
+		// Say where the Service left out is defined.
+		if c, ok := err.(*service.Conflict); ok {
+			if at, ok := where[objectKey{"Service", c.LeftOut.Namespace, c.LeftOut.Name}]; ok {
+				at.Err = c
+				snap.Errors[i] = &at
+			}
+		}
+	}
 	snap.Errors = append(errs, snap.Errors...)
 	l.log(snap.Errors)
 	return snap
@@ -282,9 +305,10 @@ func isManifest(name string) bool {
 }
 
 // validObjects picks the objects to build from, in file order: the first definition
-// of each object, its current version when valid, else its last valid one. Errors
-// name the file and document of the offending definition.
-func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Service, []*discoveryv1.EndpointSlice, []error) {
+// of each object, its current version when valid, else its last valid one. It
+// returns where each object is first defined too. Errors name the file and
+// document of the offending definition.
+func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Service, []*discoveryv1.EndpointSlice, map[objectKey]DocumentError, []error) {
 	var svcs []*v1.Service
 	var epSlices []*discoveryv1.EndpointSlice
 	var errs []error
@@ -358,7 +382,7 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 			delete(l.goodSlices, k)
 		}
 	}
-	return svcs, epSlices, errs
+	return svcs, epSlices, first, errs
 }
 
 func (o object) key() objectKey {
@@ -368,15 +392,68 @@ func (o object) key() objectKey {
 	return objectKey{"EndpointSlice", o.slice.Namespace, o.slice.Name}
 }
 
-// log reports errors not reported by the previous load.
+// log reports the errors that the previous load did not have, and those of the
+// previous load that are gone.
 func (l *loader) log(errs []error) {
 	now := make(map[string]bool, len(errs))
 	for _, err := range errs {
 		msg := err.Error()
 		now[msg] = true
-		if !l.logged[msg] {
-			klog.ErrorS(err, "Manifest problem", "path", l.path)
+		if l.logged[msg] {
+			continue
+		}
+		var de *DocumentError
+		if errors.Is(err, ErrDeleted) && errors.As(err, &de) {
+			klog.InfoS("Manifest file deleted; its last content is used until it is back", "file", de.File)
+			continue
+		}
+		klog.ErrorS(err, "Manifest problem", "path", l.path)
+	}
+	for msg := range l.logged {
+		if !now[msg] {
+			klog.InfoS("Manifest problem fixed", "path", l.path, "was", msg)
 		}
 	}
 	l.logged = now
+}
+
+// loadSummary describes a Snapshot loaded from path as klog key-value pairs: what it
+// serves, how it differs from prev (nil: nothing before), and how many problems
+// it has.
+func loadSummary(path string, prev, snap *service.Snapshot) []any {
+	services, endpoints := 0, 0
+	for i, p := range snap.Ports {
+		if i == 0 || snap.Ports[i-1].Name.Namespace != p.Name.Namespace || snap.Ports[i-1].Name.Name != p.Name.Name {
+			services++
+		}
+		endpoints += len(p.Endpoints)
+	}
+	kv := []any{"path", path, "services", services, "ports", len(snap.Ports), "endpoints", endpoints}
+	if prev != nil {
+		var added, removed, changed []string
+		for _, c := range service.Diff(prev, snap) {
+			switch name := c.Name().String(); {
+			case c.Old == nil:
+				added = append(added, name)
+			case c.New == nil:
+				removed = append(removed, name)
+			default:
+				changed = append(changed, name)
+			}
+		}
+		kv = append(kv, "added", listed(added), "removed", listed(removed), "changed", listed(changed))
+	}
+	return append(kv, "problems", len(snap.Errors))
+}
+
+// maxListed bounds the names a summary lists of each kind of change: a reload
+// that touches thousands of Service ports still logs one readable line.
+const maxListed = 10
+
+// listed joins names for a summary, the first maxListed of them.
+func listed(names []string) string {
+	if len(names) <= maxListed {
+		return strings.Join(names, " ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(names[:maxListed], " "), len(names)-maxListed)
 }

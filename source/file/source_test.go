@@ -268,7 +268,7 @@ func TestRunReloads(t *testing.T) {
 					t.Fatal(err)
 				}
 			},
-			want: hasPortsAndError("web.yaml: read: open ", "default/web:p80=80/TCP[]"),
+			want: hasPortsAndError("web.yaml: deleted; its last content is used until it is back", "default/web:p80=80/TCP[]"),
 		},
 		{
 			name:      "ConfigMap volume update (symlinked directory swapped)",
@@ -426,5 +426,35 @@ func TestRunFailsOnMissingPath(t *testing.T) {
 	err := src.Run(context.Background(), func(*service.Snapshot) { t.Error("got an update, want none") })
 	if err == nil || !strings.Contains(err.Error(), missing) {
 		t.Errorf("got error %v, want one naming %s", err, missing)
+	}
+}
+
+// TestRunConflicts: a Service appended to a manifest with the address and port
+// of a working one is left out with an error saying where it is defined, even
+// when its name sorts first; the working one keeps serving until it goes away,
+// and then the other takes over.
+func TestRunConflicts(t *testing.T) {
+	dir := t.TempDir()
+	web := svcYAML("web", "10.96.0.10", 80) + "---\n" + sliceYAML("web-1", "web", 80, "10.0.0.1")
+	copied := svcYAML("api", "10.96.0.10", 80, 443)
+	path := filepath.Join(dir, "services.yaml")
+	writeFile(t, path, web)
+	w := startWatch(t, dir)
+	w.await("web", hasPorts("default/web:p80=80/TCP[10.0.0.1:8080]"))
+
+	writeFile(t, path, web+"---\n"+copied)
+	s := w.await("api's conflict", hasPortsAndError("api", "default/api:p443=443/TCP[]", "default/web:p80=80/TCP[10.0.0.1:8080]"))
+	want := path + ": document 3 (line 24): default/api port p80: 10.96.0.10:80/TCP is already served by default/web port p80"
+	if got := errorStrings(s); !slices.Equal(got, []string{want}) {
+		t.Errorf("got errors %q, want %q", got, want)
+	}
+	if len(s.Conflicts) != 1 || s.Conflicts[0].ServedBy.Name != "web" {
+		t.Errorf("got conflicts %v, want api's with web", s.Conflicts)
+	}
+
+	writeFile(t, path, copied)
+	s = w.await("api taking over", hasPorts("default/api:p443=443/TCP[]", "default/api:p80=80/TCP[]"))
+	if len(s.Errors) != 0 {
+		t.Errorf("got errors %q, want none", errorStrings(s))
 	}
 }

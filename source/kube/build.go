@@ -199,7 +199,12 @@ func (b *builder) log(errs []error) {
 	for _, err := range errs {
 		msg := err.Error()
 		now[msg] = true
-		if !b.logged[msg] {
+		if b.logged[msg] {
+			continue
+		}
+		if _, ok := err.(*service.Conflict); ok {
+			klog.ErrorS(err, "Service port left out")
+		} else {
 			klog.ErrorS(err, "Ignoring invalid object")
 		}
 	}

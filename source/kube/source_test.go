@@ -289,6 +289,57 @@ func TestSource(t *testing.T) {
 		}
 	})
 
+	t.Run("duplicate ExternalIPs", func(t *testing.T) {
+		// The API server allocates ClusterIPs without duplicates but takes any
+		// ExternalIP: the second Service to claim one is left out, even when it
+		// is the older one, until the first lets it go.
+		api := newNamespace(t, client, "externals")
+		w := runSource(t, &Source{Client: client})
+		ctx := context.Background()
+		create := func(name, externalIP string) {
+			svc := &v1.Service{
+				ObjectMeta: metav1.ObjectMeta{Name: name},
+				Spec: v1.ServiceSpec{ExternalIPs: []string{externalIP},
+					Ports: []v1.ServicePort{{Name: "p", Protocol: v1.ProtocolTCP, Port: 80}}},
+			}
+			if _, err := client.CoreV1().Services(api.ns).Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+				t.Fatalf("create Service %s: %v", name, err)
+			}
+		}
+		inNS := func(want ...string) func(*service.Snapshot) bool {
+			return func(s *service.Snapshot) bool { return hasPorts(want...)(onlyNamespace(s, api.ns)) }
+		}
+		conflict := "externals/older port p: 192.0.2.10:80/TCP is already served by externals/web port p"
+		hasConflict := func(s *service.Snapshot) bool {
+			return slices.ContainsFunc(s.Errors, func(err error) bool { return err.Error() == conflict })
+		}
+
+		create("older", "192.0.2.99")
+		create("web", "192.0.2.10")
+		w.await("both Services", inNS("externals/older:p=", "externals/web:p="))
+		older, err := client.CoreV1().Services(api.ns).Get(ctx, "older", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		older.Spec.ExternalIPs = []string{"192.0.2.10"}
+		if _, err := client.CoreV1().Services(api.ns).Update(ctx, older, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		s := w.await("the older Service left out", func(s *service.Snapshot) bool {
+			return inNS("externals/web:p=")(s) && hasConflict(s)
+		})
+		if len(s.Conflicts) != 1 || s.Conflicts[0].Claim.String() != "192.0.2.10:80/TCP" {
+			t.Errorf("got conflicts %v, want one on 192.0.2.10:80/TCP", s.Conflicts)
+		}
+
+		if err := client.CoreV1().Services(api.ns).Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.await("the older Service taking over", func(s *service.Snapshot) bool {
+			return inNS("externals/older:p=")(s) && !hasConflict(s)
+		})
+	})
+
 	t.Run("API server restart", func(t *testing.T) {
 		api := newNamespace(t, client, "restart")
 		w := runSource(t, &Source{Client: client})

@@ -1,0 +1,166 @@
+// Package nftables is uproxy's one access to nftables, shared by every mode and
+// tool: a table's kernel boundary (Kernel: knftables for transactions, plus a
+// cheap read of the table's rules), the probe that says whether nft and the
+// kernel run a layout (Probe), the deletion of a table (Delete), and the name of
+// uproxy's tables (TableName).
+//
+// A mode builds its own objects with knftables and writes them in one
+// transaction; this package never decides what a table holds:
+//
+//	t := nftables.Table{Family: knftables.InetFamily, Name: "uproxy"}
+//	if err := nftables.Probe(t, layout); err != nil { ... } // layout adds the objects to a transaction
+//	k, err := nftables.New(t)
+//	tx := k.NewTransaction()
+//	...
+//	err = k.Run(ctx, tx) // nft -f -
+//	handles, err := k.RuleHandles(ctx, "prerouting") // netlink; after a flush, not the ones written
+//	err = nftables.Delete(t)
+//
+// It is the nftables backend beside netfilter/iptables; the UDP conntrack
+// cleanup both need lives in netfilter/conntrack.
+package nftables
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os/exec"
+	"regexp"
+	"strings"
+
+	gnftables "github.com/google/nftables"
+	"sigs.k8s.io/knftables"
+)
+
+// Table names one nftables table.
+type Table struct {
+	Family knftables.Family
+	Name   string
+}
+
+func (t Table) String() string { return string(t.Family) + " " + t.Name }
+
+// Kernel is one table in the nftables of a network namespace. The knftables
+// part writes it and lists it through nft; New returns the real one and
+// nftablestest.Fake stands in for it in unit tests.
+type Kernel interface {
+	knftables.Interface
+	// RuleHandles returns the handles of the rules in one of the table's chains,
+	// in order; none when the table or the chain does not exist. A table written
+	// again gets new handles, so comparing them with the ones read after a write
+	// tells whether anyone flushed, deleted or edited the chain since.
+	RuleHandles(ctx context.Context, chain string) ([]int, error)
+}
+
+// New returns the Kernel of table t in the network namespace of the calling
+// thread at each call. It fails, saying why, when nft is missing, older than
+// knftables supports, or refused (no CAP_NET_ADMIN, no nf_tables).
+func New(t Table) (Kernel, error) {
+	nft, err := knftables.New(t.Family, t.Name)
+	if err != nil {
+		return nil, fmt.Errorf("nftables table %s: %w", t, err)
+	}
+	fam, ok := netlinkFamilies[t.Family]
+	if !ok {
+		return nil, fmt.Errorf("nftables table %s: family not supported", t)
+	}
+	// Without the AsLasting option the connection dials netlink anew for every
+	// request, in the namespace of the calling thread at that moment.
+	conn, err := gnftables.New()
+	if err != nil {
+		return nil, fmt.Errorf("nftables table %s: netlink: %w", t, err)
+	}
+	return &kernel{Interface: nft, conn: conn, table: &gnftables.Table{Name: t.Name, Family: fam}}, nil
+}
+
+var netlinkFamilies = map[knftables.Family]gnftables.TableFamily{
+	knftables.IPv4Family: gnftables.TableFamilyIPv4,
+	knftables.IPv6Family: gnftables.TableFamilyIPv6,
+	knftables.InetFamily: gnftables.TableFamilyINet,
+}
+
+type kernel struct {
+	knftables.Interface
+	conn  *gnftables.Conn
+	table *gnftables.Table
+}
+
+// RuleHandles implements Kernel over netlink rather than nft: nft loads every
+// set and map of the table with its elements before it lists a single rule (half
+// a second with 50k elements), while a rule dump of one chain costs well under
+// a millisecond whatever the maps hold.
+func (k *kernel) RuleHandles(_ context.Context, chain string) ([]int, error) {
+	rules, err := k.conn.GetRules(k.table, &gnftables.Chain{Name: chain})
+	if err != nil {
+		return nil, fmt.Errorf("list the rules of chain %s in table %s: %w", chain, k.table.Name, err)
+	}
+	handles := make([]int, len(rules))
+	for i, r := range rules {
+		handles[i] = int(r.Handle)
+	}
+	return handles, nil
+}
+
+// Probe reports why the nftables of the calling thread's namespace cannot hold
+// table t as objects lay it out (nil when it can): no nft command, one too old,
+// no permission, or a kernel without what the objects use (NAT, fib,
+// concatenated map keys, ...). It runs nft --check on a transaction that adds
+// table t and the objects: the kernel validates the batch and discards it, so
+// nothing changes.
+func Probe(t Table, objects func(tx *knftables.Transaction)) error {
+	nft, err := knftables.New(t.Family, t.Name)
+	if err != nil {
+		return fmt.Errorf("nftables: %w", err)
+	}
+	tx := nft.NewTransaction()
+	tx.Add(&knftables.Table{})
+	objects(tx)
+	if err := nft.Check(context.Background(), tx); err != nil {
+		return fmt.Errorf("nftables table %s: the kernel or nft refuses the layout: %s", t, strings.TrimSpace(err.Error()))
+	}
+	return nil
+}
+
+// DeleteTable deletes nft's table with everything in it. A table that does not
+// exist is not an error: the transaction adds it first, so the deletion always
+// finds it (nft's own "destroy" needs Linux 6.3 and nft 1.0.8).
+func DeleteTable(ctx context.Context, nft knftables.Interface) error {
+	tx := nft.NewTransaction()
+	tx.Add(&knftables.Table{})
+	tx.Delete(&knftables.Table{})
+	return nft.Run(ctx, tx)
+}
+
+// Delete deletes table t in the calling thread's namespace through nft. No nft
+// command means no table to delete; any other failure is an error naming t.
+func Delete(t Table) error {
+	nft, err := knftables.New(t.Family, t.Name)
+	if errors.Is(err, exec.ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("delete nftables table %s: %w", t, err)
+	}
+	if err := DeleteTable(context.Background(), nft); err != nil {
+		return fmt.Errorf("delete nftables table %s: %w", t, err)
+	}
+	return nil
+}
+
+// tableNameRE is what nft takes as a bare table name: a letter, then letters,
+// digits, '_' or '-' (knftables writes names unquoted).
+var tableNameRE = regexp.MustCompile(`^[a-z][a-z0-9_-]*$`)
+
+// TableName returns the name of uproxy's table for a chain prefix: the prefix
+// lower-cased, so the default UPROXY gives "uproxy". A name nft would not take,
+// or one starting with "kube" (kube-proxy's table is "kube-proxy"), is an error.
+func TableName(prefix string) (string, error) {
+	name := strings.ToLower(prefix)
+	if !tableNameRE.MatchString(name) {
+		return "", fmt.Errorf("nftables table name %q (from chain prefix %q): want a letter, then letters, digits, '_' or '-'", name, prefix)
+	}
+	if strings.HasPrefix(name, "kube") {
+		return "", fmt.Errorf("nftables table name %q (from chain prefix %q): kube* tables belong to kube-proxy", name, prefix)
+	}
+	return name, nil
+}

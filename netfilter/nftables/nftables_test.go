@@ -1,0 +1,144 @@
+package nftables_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+
+	"sigs.k8s.io/knftables"
+
+	"github.com/uproxy/uproxy/netfilter/nftables"
+	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
+	"github.com/uproxy/uproxy/testbed"
+)
+
+func TestTableName(t *testing.T) {
+	tests := []struct {
+		prefix, want, wantErr string
+	}{
+		{"UPROXY", "uproxy", ""},
+		{"UPX_2-a", "upx_2-a", ""},
+		{"9UP", "", `nftables table name "9up" (from chain prefix "9UP"): want a letter`},
+		{"-UP", "", "want a letter"},
+		{"", "", "want a letter"},
+		{"KUBE-PROXY", "", "kube* tables belong to kube-proxy"},
+		{"kube", "", "kube* tables belong to kube-proxy"},
+	}
+	for _, tt := range tests {
+		got, err := nftables.TableName(tt.prefix)
+		if got != tt.want || (err == nil) != (tt.wantErr == "") || err != nil && !strings.Contains(err.Error(), tt.wantErr) {
+			t.Errorf("TableName(%q): got %q, %v; want %q, error containing %q", tt.prefix, got, err, tt.want, tt.wantErr)
+		}
+	}
+}
+
+func TestDeleteTableIgnoresAbsentTable(t *testing.T) {
+	k := nftablestest.New(nftables.Table{Family: knftables.InetFamily, Name: "upx"})
+	ctx := context.Background()
+	if err := nftables.DeleteTable(ctx, k); err != nil {
+		t.Fatalf("DeleteTable of an absent table: %v", err)
+	}
+	tx := k.NewTransaction()
+	tx.Add(&knftables.Table{})
+	tx.Add(&knftables.Chain{Name: "c"})
+	if err := k.Run(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	if err := nftables.DeleteTable(ctx, k); err != nil {
+		t.Fatalf("DeleteTable: %v", err)
+	}
+	if k.Table != nil {
+		t.Errorf("table left after DeleteTable:\n%s", k.Dump())
+	}
+}
+
+// Without an nft command there is no table to delete, and nothing to probe.
+func TestWithoutNFT(t *testing.T) {
+	t.Setenv("PATH", t.TempDir())
+	tab := nftables.Table{Family: knftables.InetFamily, Name: "upx"}
+	if err := nftables.Delete(tab); err != nil {
+		t.Errorf("Delete: got %v, want nil", err)
+	}
+	if err := nftables.Probe(tab, func(*knftables.Transaction) {}); err == nil || !strings.Contains(err.Error(), "nftables binary") {
+		t.Errorf("Probe: got %v, want an error naming the missing nft", err)
+	}
+	if _, err := nftables.New(tab); err == nil {
+		t.Error("New: got nil error, want the missing nft")
+	}
+}
+
+// TestRealKernel runs the real nft and netlink in a test namespace.
+func TestRealKernel(t *testing.T) {
+	testbed.RequireNFTables(t)
+	tp := testbed.New(t)
+	tab := nftables.Table{Family: knftables.InetFamily, Name: "upx"}
+	layout := func(tx *knftables.Transaction) {
+		tx.Add(&knftables.Table{})
+		tx.Add(&knftables.Map{Name: "ports", Type: "ipv4_addr . inet_proto . inet_service : inet_service"})
+		tx.Add(&knftables.Chain{Name: "pre", Type: knftables.PtrTo(knftables.NATType),
+			Hook: knftables.PtrTo(knftables.PreroutingHook), Priority: knftables.PtrTo(knftables.DNATPriority)})
+		tx.Add(&knftables.Rule{Chain: "pre", Rule: "meta l4proto { tcp, udp } redirect to : ip daddr . meta l4proto . th dport map @ports"})
+		tx.Add(&knftables.Rule{Chain: "pre", Rule: "fib daddr type local counter"})
+	}
+	ctx := context.Background()
+	err := tp.Run(testbed.Node, func() error {
+		if err := nftables.Probe(tab, layout); err != nil {
+			t.Errorf("Probe of a valid layout: %v", err)
+		}
+		bad := func(tx *knftables.Transaction) {
+			layout(tx)
+			tx.Add(&knftables.Rule{Chain: "pre", Rule: "ip daddr @nosuchset accept"})
+		}
+		if err := nftables.Probe(tab, bad); err == nil || !strings.Contains(err.Error(), "refuses the layout") {
+			t.Errorf("Probe of a layout naming a missing set: got %v, want refused", err)
+		}
+		k, err := nftables.New(tab)
+		if err != nil {
+			return err
+		}
+		handles := func(what string, want int) []int {
+			t.Helper()
+			h, err := k.RuleHandles(ctx, "pre")
+			if err != nil || len(h) != want {
+				t.Errorf("%s: RuleHandles: got %v, %v; want %d handles", what, h, err, want)
+			}
+			return h
+		}
+		handles("no table yet", 0)
+		if ruleset, _ := tp.Exec(testbed.Node, "nft", "list", "ruleset"); len(ruleset) != 0 {
+			t.Errorf("Probe changed the ruleset:\n%s", ruleset)
+		}
+		tx := k.NewTransaction()
+		layout(tx)
+		if err := k.Run(ctx, tx); err != nil {
+			return err
+		}
+		first := handles("written", 2)
+		if _, err := tp.Exec(testbed.Node, "nft", "flush", "chain", "inet", "upx", "pre"); err != nil {
+			return err
+		}
+		handles("flushed", 0)
+		tx = k.NewTransaction()
+		layout(tx)
+		if err := k.Run(ctx, tx); err != nil {
+			return err
+		}
+		if again := handles("written again", 2); slices.Equal(again, first) {
+			t.Errorf("handles after a rewrite: got %v again, want new ones", again)
+		}
+		for i := range 2 { // the second finds nothing to delete
+			if err := nftables.Delete(tab); err != nil {
+				t.Errorf("Delete %d: %v", i, err)
+			}
+		}
+		handles("deleted", 0)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ruleset, err := tp.Exec(testbed.Node, "nft", "list", "ruleset"); err != nil || len(ruleset) != 0 {
+		t.Errorf("ruleset after Delete: got %q (%v), want empty", ruleset, err)
+	}
+}

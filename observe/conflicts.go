@@ -1,0 +1,65 @@
+package observe
+
+import (
+	"sync"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// ConflictState is the /debug/services view of a Service port left out because
+// another Service port already serves one of its addresses.
+type ConflictState struct {
+	// Address is what both claim, as 10.96.0.10:80/TCP or nodePort 30080/TCP.
+	Address string `json:"address"`
+	// IP is the virtual IP ("" for a NodePort, which every node address has);
+	// Port is the Service's port, or the NodePort.
+	IP       string `json:"ip,omitempty"`
+	Port     int    `json:"port"`
+	Protocol string `json:"protocol"`
+	NodePort bool   `json:"nodePort,omitempty"`
+	// ServedBy keeps the address; LeftOut is not served at all (ns/name:port).
+	ServedBy string `json:"servedBy"`
+	LeftOut  string `json:"leftOut"`
+}
+
+// Conflicts keeps the conflicts of the newest Snapshot a source produced, for
+// /debug/services and the uproxy_service_port_conflicts gauge. They are the
+// source's facts, so they are recorded when a Snapshot is queued, whatever the
+// mode makes of it.
+type Conflicts struct {
+	mu   sync.Mutex
+	list []ConflictState // replaced, never modified
+}
+
+// Update records the conflicts of s.
+func (c *Conflicts) Update(s *service.Snapshot) {
+	list := make([]ConflictState, len(s.Conflicts))
+	for i, sc := range s.Conflicts {
+		list[i] = ConflictState{
+			Address:  sc.Claim.String(),
+			Port:     sc.Claim.Port,
+			Protocol: string(sc.Claim.Protocol),
+			NodePort: sc.Claim.NodePort(),
+			ServedBy: sc.ServedBy.String(),
+			LeftOut:  sc.LeftOut.String(),
+		}
+		if !sc.Claim.NodePort() {
+			list[i].IP = sc.Claim.Addr.String()
+		}
+	}
+	ServicePortConflicts.Set(float64(len(list)))
+	c.mu.Lock()
+	c.list = list
+	c.mu.Unlock()
+}
+
+// List returns the conflicts last recorded (never nil); the caller must not
+// modify it.
+func (c *Conflicts) List() []ConflictState {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.list == nil {
+		return []ConflictState{}
+	}
+	return c.list
+}

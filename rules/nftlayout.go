@@ -1,0 +1,316 @@
+package rules
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	"sigs.k8s.io/knftables"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// The base chains of the nftables table. Both are nat chains at priority
+// dstnat-10 (-110): kube-proxy's nftables mode hooks its nat chains at dstnat
+// (-100) and iptables' nat table (legacy or nft) sits at -100 too. The kernel
+// runs a new connection through the nat chains of a hook in priority order and
+// stops at the first that sets up a NAT binding, so a Service port uproxy
+// serves is redirected here and never reaches theirs, while everything else
+// passes on to them untouched. The portals only ever see a connection's first
+// packet: later ones follow the binding.
+const (
+	nftPrerouting = "prerouting"
+	nftOutput     = "output"
+	nftPriority   = knftables.DNATPriority + "-10"
+)
+
+// nftLayout is the nftables table of the portals without the map elements,
+// which change with the Services; it is fixed for the life of an NFTables.
+type nftLayout struct {
+	fams     []nftFamily // IPv4 first, then IPv6 when enabled
+	dialMark uint32
+	// onNodeIP: the prerouting portals dnat to the node IP rather than redirect
+	// (Config.ProxyPortsOnNodeIP).
+	onNodeIP bool
+}
+
+// nftFamily is what the layout needs of one address family.
+type nftFamily struct {
+	f        int
+	ip       string // "ip" or "ip6": address matches and dnat
+	nfproto  string // "ipv4" or "ipv6"
+	addrType string // the key type of an address
+	nodeIP   netip.Addr
+	// nodePorts is whether the family serves NodePorts: always without
+	// NodePortAddresses, else only when one of them is of this family.
+	nodePorts bool
+	// nodePortPrefixes are the NodePortAddresses of the family; empty with
+	// nodePorts means every local address.
+	nodePortPrefixes []netip.Prefix
+	// The names of the family's maps and set: they end in 4 or 6, since a
+	// map's key type names the address family. serviceIPs maps ClusterIP or
+	// LoadBalancer IP . protocol . port to the proxy port; externalIPs does
+	// the same for ExternalIPs, which are captured under narrower conditions;
+	// nodePortMap maps protocol . NodePort to the proxy port.
+	serviceIPs, externalIPs, nodePortMap, nodePortAddresses string
+}
+
+func newNFTFamily(f int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) nftFamily {
+	fam := nftFamily{f: f, ip: "ip", nfproto: "ipv4", addrType: "ipv4_addr", nodeIP: nodeIP}
+	if f == v6 {
+		fam.ip, fam.nfproto, fam.addrType = "ip6", "ipv6", "ipv6_addr"
+	}
+	for _, p := range nodePortAddresses {
+		if familyOf(p.Addr()) == f {
+			fam.nodePortPrefixes = append(fam.nodePortPrefixes, p.Masked())
+		}
+	}
+	fam.nodePorts = len(nodePortAddresses) == 0 || len(fam.nodePortPrefixes) > 0
+	n := "4"
+	if f == v6 {
+		n = "6"
+	}
+	fam.serviceIPs, fam.externalIPs, fam.nodePortMap, fam.nodePortAddresses =
+		"service-ips"+n, "external-ips"+n, "nodeports"+n, "nodeport-addresses"+n
+	return fam
+}
+
+// write adds the whole table except the map elements to tx. The table is
+// deleted and created again in the same transaction, which the kernel applies
+// atomically: whatever another program or an older uproxy left in it (rules,
+// maps of another type) is gone, and there is no moment without portals.
+func (l *nftLayout) write(tx *knftables.Transaction) {
+	tx.Add(&knftables.Table{})
+	tx.Delete(&knftables.Table{})
+	tx.Add(&knftables.Table{Comment: knftables.PtrTo("uproxy userspace-mode portals: Service IPs and NodePorts to proxy ports")})
+	for _, c := range []struct{ name, hook string }{{nftPrerouting, string(knftables.PreroutingHook)}, {nftOutput, string(knftables.OutputHook)}} {
+		tx.Add(&knftables.Chain{
+			Name:     c.name,
+			Type:     knftables.PtrTo(knftables.NATType),
+			Hook:     knftables.PtrTo(knftables.BaseChainHook(c.hook)),
+			Priority: knftables.PtrTo(nftPriority),
+		})
+	}
+	for _, fam := range l.fams {
+		vip := fam.addrType + " . inet_proto . inet_service : inet_service"
+		tx.Add(&knftables.Map{Name: fam.serviceIPs, Type: vip, Comment: knftables.PtrTo("ClusterIPs and LoadBalancer IPs")})
+		tx.Add(&knftables.Map{Name: fam.externalIPs, Type: vip, Comment: knftables.PtrTo("ExternalIPs")})
+		if fam.nodePorts {
+			tx.Add(&knftables.Map{Name: fam.nodePortMap, Type: "inet_proto . inet_service : inet_service", Comment: knftables.PtrTo("NodePorts")})
+		}
+		if len(fam.nodePortPrefixes) > 0 {
+			// auto-merge lets overlapping --nodeport-addresses in, as iptables takes them.
+			tx.Add(&knftables.Set{Name: fam.nodePortAddresses, Type: fam.addrType,
+				Flags: []knftables.SetFlag{knftables.IntervalFlag}, AutoMerge: knftables.PtrTo(true),
+				Comment: knftables.PtrTo("--nodeport-addresses")})
+			for _, p := range fam.nodePortPrefixes {
+				tx.Add(&knftables.Element{Set: fam.nodePortAddresses, Key: []string{p.String()}})
+			}
+		}
+	}
+	l.rules(tx)
+}
+
+// rules adds the rules of both chains. Every rule is one map lookup: a packet
+// whose key is not in the map leaves the rule unmatched, so the cost of a new
+// connection does not grow with the number of Services.
+func (l *nftLayout) rules(tx *knftables.Transaction) {
+	// nft accepts a port mapping only after a transport protocol match.
+	const l4 = "meta l4proto { tcp, udp }"
+	add := func(chain, comment string, rule ...any) {
+		tx.Add(&knftables.Rule{Chain: chain, Rule: knftables.Concat(rule...), Comment: knftables.PtrTo(comment)})
+	}
+	if l.dialMark != 0 {
+		m := "0x" + strconv.FormatUint(uint64(l.dialMark), 16)
+		add(nftOutput, "uproxy dials to endpoints skip the portals", "meta mark &", m, "!= 0 return")
+	}
+	for _, fam := range l.fams {
+		vip := fam.ip + " daddr . meta l4proto . th dport map @"
+		redirect := "redirect to :"
+		dnat := "dnat " + fam.ip + " to " + fam.nodeAddress() + ":"
+		if l.onNodeIP {
+			redirect = dnat
+		}
+		// ExternalIPs as in the iptables backend (see renderer.portalsContainer):
+		// from outside only when the source is not a node address, from the node
+		// only when the node owns the address.
+		add(nftPrerouting, "Service IPs", l4, redirect, vip+fam.serviceIPs)
+		add(nftPrerouting, "ExternalIPs from outside the node", "fib saddr type != local", l4, redirect, vip+fam.externalIPs)
+		add(nftOutput, "Service IPs", l4, dnat, vip+fam.serviceIPs)
+		add(nftOutput, "ExternalIPs the node owns", "fib daddr type local", l4, dnat, vip+fam.externalIPs)
+		if !fam.nodePorts {
+			continue
+		}
+		// A NodePort answers on the node's own addresses (inside
+		// --nodeport-addresses when given); the map key has no address, so the
+		// family is matched explicitly.
+		dst := []string{"fib daddr type local"}
+		if len(fam.nodePortPrefixes) > 0 {
+			dst = append(dst, fam.ip+" daddr @"+fam.nodePortAddresses)
+		}
+		np := "meta l4proto . th dport map @" + fam.nodePortMap
+		add(nftPrerouting, "NodePorts", dst, "meta nfproto", fam.nfproto, l4, redirect, np)
+		add(nftOutput, "NodePorts", dst, "meta nfproto", fam.nfproto, l4, dnat, np)
+	}
+}
+
+// nodeAddress is the node IP as a dnat target: IPv6 in brackets, since a port follows.
+func (fam nftFamily) nodeAddress() string {
+	if fam.f == v6 {
+		return "[" + fam.nodeIP.String() + "]"
+	}
+	return fam.nodeIP.String()
+}
+
+// nftKey is a map element's key: address . protocol . port, or for a NodePort
+// (addr not valid) protocol . port. Keys stay structs until they are written,
+// so a sync that changes little allocates little.
+type nftKey struct {
+	addr  netip.Addr
+	proto string
+	port  int
+}
+
+func (k nftKey) strings() []string {
+	if !k.addr.IsValid() {
+		return []string{k.proto, strconv.Itoa(k.port)}
+	}
+	return []string{k.addr.String(), k.proto, strconv.Itoa(k.port)}
+}
+
+func (k nftKey) String() string { return strings.Join(k.strings(), " . ") }
+
+func compareKeys(a, b nftKey) int {
+	if c := a.addr.Compare(b.addr); c != 0 {
+		return c
+	}
+	if c := strings.Compare(a.proto, b.proto); c != 0 {
+		return c
+	}
+	return a.port - b.port
+}
+
+// nftElement is where a key leads: the proxy port, and the Service port it
+// belongs to, which is also the element's comment.
+type nftElement struct {
+	proxyPort int
+	owner     service.PortName
+}
+
+// nftElements are the elements of every map, by map name, then by key.
+type nftElements map[string]map[nftKey]nftElement
+
+// elements returns the map elements of entries, with an error for each key
+// already taken by an earlier entry (entries are sorted, so the first claimant
+// wins deterministically, as the first matching iptables rule would): a
+// transaction that added one key twice would fail as a whole.
+func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
+	els := nftElements{}
+	for _, fam := range l.fams {
+		els[fam.serviceIPs] = map[nftKey]nftElement{}
+		els[fam.externalIPs] = map[nftKey]nftElement{}
+		if fam.nodePorts {
+			els[fam.nodePortMap] = map[nftKey]nftElement{}
+		}
+	}
+	var errs []error
+	for i := range entries {
+		e := &entries[i]
+		add := func(m map[nftKey]nftElement, name string, port int, k nftKey) {
+			if old, ok := m[k]; ok {
+				if old.owner != e.name {
+					errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
+						Err: fmt.Errorf("%s in map %s already used by %s", k, name, old.owner)})
+				}
+				return
+			}
+			m[k] = nftElement{proxyPort: e.proxyPort, owner: e.name}
+		}
+		for _, fam := range l.fams {
+			if !e.families[fam.f] {
+				continue
+			}
+			for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
+				name := fam.serviceIPs
+				if kind == 2 {
+					name = fam.externalIPs
+				}
+				m := els[name]
+				for _, ip := range ips {
+					if familyOf(ip) == fam.f {
+						add(m, name, e.port, nftKey{ip, e.proto, e.port})
+					}
+				}
+			}
+			if e.nodePort != 0 && e.nodePortHeld[fam.f] && fam.nodePorts {
+				add(els[fam.nodePortMap], fam.nodePortMap, e.nodePort, nftKey{proto: e.proto, port: e.nodePort})
+			}
+		}
+	}
+	return els, errs
+}
+
+// addAll adds every element of els to tx.
+func (els nftElements) addAll(tx *knftables.Transaction) {
+	for _, m := range sortedKeys(els) {
+		keys := make([]nftKey, 0, len(els[m]))
+		for k := range els[m] {
+			keys = append(keys, k)
+		}
+		slices.SortFunc(keys, compareKeys)
+		for _, k := range keys {
+			tx.Add(els[m][k].object(m, k))
+		}
+	}
+}
+
+// changes adds to tx what turns els into now. A changed element is deleted and
+// added again: the kernel refuses to add a key that exists with another value.
+// Deletions come first, so a transaction never holds a key twice.
+func (els nftElements) changes(tx *knftables.Transaction, now nftElements) {
+	var adds []*knftables.Element
+	for _, m := range sortedKeys(now) {
+		was, cur := els[m], now[m]
+		var gone, added []nftKey
+		for k, old := range was {
+			if e, ok := cur[k]; !ok || e != old {
+				gone = append(gone, k)
+			}
+		}
+		for k, e := range cur {
+			if old, ok := was[k]; !ok || e != old {
+				added = append(added, k)
+			}
+		}
+		slices.SortFunc(gone, compareKeys)
+		slices.SortFunc(added, compareKeys)
+		for _, k := range gone {
+			tx.Delete(&knftables.Element{Map: m, Key: k.strings()})
+		}
+		for _, k := range added {
+			adds = append(adds, cur[k].object(m, k))
+		}
+	}
+	for _, e := range adds {
+		tx.Add(e)
+	}
+}
+
+func (e nftElement) object(m string, k nftKey) *knftables.Element {
+	comment := e.owner.String()
+	if len(comment) > knftables.CommentLengthMax {
+		comment = comment[:knftables.CommentLengthMax]
+	}
+	return &knftables.Element{Map: m, Key: k.strings(), Value: []string{strconv.Itoa(e.proxyPort)}, Comment: &comment}
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}

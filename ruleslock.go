@@ -1,0 +1,62 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// rulesLock says that this process programs the node's rules under one chain
+// prefix. It is an abstract unix socket: abstract names belong to a network
+// namespace, as the rules do, and the kernel frees the name when the process
+// dies, however it dies, so a crash never leaves a stale lock behind.
+type rulesLock struct{ ln net.Listener }
+
+// lockRules takes the lock of prefix, or says which process holds it.
+func lockRules(prefix string) (*rulesLock, error) {
+	name := "@uproxy-rules-" + prefix
+	ln, err := net.Listen("unix", name)
+	if err == nil {
+		return &rulesLock{ln: ln}, nil
+	}
+	if !errors.Is(err, syscall.EADDRINUSE) {
+		return nil, fmt.Errorf("lock the rules of --chain-prefix %s: %w", prefix, err)
+	}
+	holder := "another process"
+	if pid := lockHolder(name); pid > 0 {
+		holder = fmt.Sprintf("process %d", pid)
+	}
+	return nil, fmt.Errorf("another uproxy (%s) programs this node's rules with --chain-prefix %s: stop it first, or give this one another --chain-prefix (or --rules none, which touches no rule)", holder, prefix)
+}
+
+// lockHolder returns the pid of the process listening on the abstract socket
+// name (0 when it cannot tell): the kernel records the listener's credentials.
+func lockHolder(name string) int {
+	c, err := net.Dial("unix", name)
+	if err != nil {
+		return 0
+	}
+	defer c.Close()
+	raw, err := c.(*net.UnixConn).SyscallConn()
+	if err != nil {
+		return 0
+	}
+	pid := 0
+	raw.Control(func(fd uintptr) {
+		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+			pid = int(cred.Pid)
+		}
+	})
+	return pid
+}
+
+// Close releases the lock.
+func (l *rulesLock) Close() error {
+	if l == nil {
+		return nil
+	}
+	return l.ln.Close()
+}
