@@ -81,11 +81,12 @@ type TCPProxy struct {
 	DialTimeouts []time.Duration
 	// KeepAlive turns TCP keepalive on for both sockets of every connection: after
 	// KeepAlive without a packet from the peer the kernel probes it, every
-	// KeepAlive, and resets the connection when the node's
-	// net.ipv4.tcp_keepalive_probes (9 by default) go unanswered: 150s after a
-	// peer vanished without a FIN, by default. Zero means DefaultKeepAlive,
-	// negative turns keepalive off. It is counted in whole seconds, rounded up,
-	// at most 32767s.
+	// KeepAlive, and fails the socket when the node's
+	// net.ipv4.tcp_keepalive_probes (9 by default) go unanswered, or the peer
+	// answers with a reset; the proxy then resets the other side too. A peer
+	// that vanished without a FIN is found 150s later, by default. Zero means
+	// DefaultKeepAlive, negative turns keepalive off. It is counted in whole
+	// seconds, rounded up, at most 32767s.
 	KeepAlive time.Duration
 	// IdleTimeout closes a connection through which no byte has moved, either
 	// way, for that long: both sockets are reset (the record's Err wraps
@@ -398,9 +399,8 @@ func (h *listenHandle) Handle(uint32) {
 		}
 		switch actionAfter(err) {
 		case retryNow:
-			// The connection is gone; the next one is taken (this one
-			// still counts against the batch, so an error that kept
-			// coming could not hold the loop).
+			// That connection is gone, and took its place in the queue
+			// with it: the next one is taken (within the same batch).
 			continue
 		case backOff:
 			h.backoff(l, os.NewSyscallError("accept4", err), "Accept failed, backing off")

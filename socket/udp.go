@@ -201,6 +201,7 @@ func (s *udpSocket) Handle(uint32) {
 			r.release()
 			switch actionAfter(r.errno) {
 			case retryNow:
+				// Reported once, for an earlier datagram: read on.
 				continue
 			case backOff:
 				s.backoff(l, err)
