@@ -100,6 +100,11 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			},
 		},
 	}
+	// Modes that can tell cheaply whether their rules are still there (a
+	// canary) get them repaired within the check period after a flush.
+	if m, ok := mode.(interface{ Intact() bool }); ok {
+		runner.Check = m.Intact
+	}
 	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug = modeName, mode, conflicts, events, health, o.debug
 	if err := srv.Start(); err != nil {
 		return err

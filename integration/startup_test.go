@@ -126,3 +126,45 @@ func TestBindAddressNodeIPWithPortals(t *testing.T) {
 		})
 	}
 }
+
+// Rules someone else removes are back within the check period (5s), not a
+// whole --sync-period (here an hour) later: the running uproxy notices the loss
+// of its canary (iptables) or of its chains' rules (nftables) between syncs.
+func TestFlushRepairedBeforeTheSyncPeriod(t *testing.T) {
+	testbed.RequireNFTables(t)
+	for _, c := range []struct {
+		name         string
+		flags, flush []string
+	}{
+		{"userspace iptables portals", []string{"--rules", "iptables"}, []string{"iptables", "-t", "nat", "-F"}},
+		{"userspace nftables portals", []string{"--rules", "nftables"}, []string{"nft", "flush", "ruleset"}},
+		{"iptables mode", []string{"--proxy-mode", "iptables"}, []string{"iptables", "-t", "nat", "-F"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			tp := testbed.New(t)
+			want := 1
+			if c.flags[0] == "--proxy-mode" {
+				want = -1
+			}
+			runUproxy(t, tp, webService(t, tp), launch{want: want,
+				flags: append(c.flags, "--sync-period", "1h", "--shutdown-grace", "1s")})
+			if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+				t.Fatalf("before the flush: got %q (%v), want a web backend", name, err)
+			}
+			if out, err := tp.Exec(testbed.Node, c.flush...); err != nil {
+				t.Fatalf("%v: %v: %s", c.flush, err, out)
+			}
+			deadline := time.Now().Add(15 * time.Second)
+			for {
+				name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
+				if err == nil && strings.HasPrefix(name, "web-") {
+					return
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("15s after %v: got %q (%v), want the Service served again", c.flush, name, err)
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+		})
+	}
+}

@@ -463,3 +463,6 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 
 // Cleanup removes the portals.
 func (p *Proxier) Cleanup() error { return p.cfg.Portals.Cleanup() }
+
+// Intact reports whether the portals the last sync wrote are still in place.
+func (p *Proxier) Intact() bool { return p.cfg.Portals.Intact() }

@@ -149,6 +149,18 @@ func equalEntries(a, b []entry) bool {
 
 // canaryIntact reports whether the canary chain still holds its rule; any error
 // reading it counts as "not intact", which costs one rewrite at worst.
+// Intact implements Portals: every family written, and its canary in place.
+func (p *IPTables) Intact() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, fam := range p.fams {
+		if fam.written == nil || !p.canaryIntact(fam) {
+			return false
+		}
+	}
+	return true
+}
+
 func (p *IPTables) canaryIntact(fam *family) bool {
 	ok, err := p.chains.canary.Intact(fam.tables)
 	if err != nil {

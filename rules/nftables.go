@@ -177,6 +177,13 @@ func (p *NFTables) readHandles(ctx context.Context) map[string][]int {
 	return handles
 }
 
+// Intact implements Portals: the table written, and its chains' rules as written.
+func (p *NFTables) Intact() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.written != nil && p.intact(context.Background())
+}
+
 // intact reports whether both chains still hold the rules of the last whole
 // write: a deleted table (`nft delete table`, `nft flush ruleset`), flushed
 // chains (`nft flush table`) or an edited chain all change the handles.

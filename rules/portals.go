@@ -143,6 +143,11 @@ type Portals interface {
 	// Cleanup removes every chain and jump rule the portals install, in both
 	// families, ignoring whatever is already gone.
 	Cleanup() error
+	// Intact reports whether what the last Sync wrote is still in the kernel,
+	// by the cheap check Sync makes first (a canary, rule handles); false also
+	// before anything was written. The sync loop polls it between syncs, so an
+	// external flush is repaired promptly, not a whole sync period later.
+	Intact() bool
 }
 
 // None is the Portals of --rules none: it programs nothing.
@@ -150,6 +155,7 @@ type None struct{}
 
 func (None) Sync([]Portal) error { return nil }
 func (None) Cleanup() error      { return nil }
+func (None) Intact() bool        { return true }
 
 // ErrUnsupportedProtocol is the cause of a PortalError for a protocol the
 // userspace mode has no proxy for (SCTP): such portals are skipped.

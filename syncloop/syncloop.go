@@ -49,6 +49,14 @@ type Runner struct {
 	// Clock times the periods and the syncs; nil means the real clock (tests set a
 	// fake one).
 	Clock clock.Clock
+	// Check, if set, is asked every CheckPeriod between syncs whether what the
+	// last sync programmed is still there (the mode's canary); false syncs at
+	// once, so rules someone flushed are back within CheckPeriod rather than
+	// SyncPeriod. It runs on the loop's goroutine, never during a Sync, and must
+	// be cheap.
+	Check func() bool
+	// CheckPeriod is how often Check runs; 0 means DefaultCheckPeriod.
+	CheckPeriod time.Duration
 
 	mu      sync.Mutex
 	latest  *service.Snapshot // newest snapshot, nil until the first arrives
@@ -61,6 +69,16 @@ func (r *Runner) syncPeriod() time.Duration {
 		return 30 * time.Second
 	}
 	return r.SyncPeriod
+}
+
+// DefaultCheckPeriod is how often a Runner runs Check when CheckPeriod is 0.
+const DefaultCheckPeriod = 5 * time.Second
+
+func (r *Runner) checkPeriod() time.Duration {
+	if r.CheckPeriod <= 0 {
+		return DefaultCheckPeriod
+	}
+	return r.CheckPeriod
 }
 
 func (r *Runner) clock() clock.Clock {
@@ -110,6 +128,13 @@ func (r *Runner) Run(ctx context.Context) {
 	var last time.Time // start of the previous sync
 	periodic := c.NewTimer(r.syncPeriod())
 	defer periodic.Stop()
+	var check clock.Timer
+	var checkC <-chan time.Time // nil, never ready, without Check
+	if r.Check != nil {
+		check = c.NewTimer(r.checkPeriod())
+		defer check.Stop()
+		checkC = check.C()
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -124,6 +149,18 @@ func (r *Runner) Run(ctx context.Context) {
 				continue
 			}
 		case <-periodic.C():
+		case <-checkC:
+			r.mu.Lock()
+			synced := r.latest != nil
+			r.mu.Unlock()
+			intact := !synced || r.Check()
+			// Re-armed once Check has answered, so whoever waits for the
+			// timer sees the check done.
+			check.Reset(r.checkPeriod())
+			if intact {
+				continue
+			}
+			klog.InfoS("Rules changed by someone else since the last sync; syncing now")
 		}
 		if wait := r.MinSyncPeriod - c.Since(last); !last.IsZero() && wait > 0 {
 			t := c.NewTimer(wait)

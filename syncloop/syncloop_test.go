@@ -177,14 +177,18 @@ func TestBurstCoalescesAndLatestWins(t *testing.T) {
 func TestPeriodicResync(t *testing.T) {
 	c := newClock()
 	rec := newRecorder(c)
-	r := &Runner{Mode: rec, SyncPeriod: 50 * time.Millisecond, Clock: c}
+	// The Synced hook runs once the next sync is scheduled: waiting for it
+	// keeps each Step after the timer's re-arming.
+	synced := make(chan struct{}, 10)
+	r := &Runner{Mode: rec, SyncPeriod: 50 * time.Millisecond, Clock: c,
+		Hooks: Hooks{Synced: func(time.Time, time.Duration, *service.Snapshot, error) { synced <- struct{}{} }}}
 	start(t, r)
 	s := snap(1)
 	r.Update(s)
 	rec.await(t, 1)
 	// Without further updates the same snapshot is synced again each period.
 	for i := 2; i <= 4; i++ {
-		awaitWaiters(t, c, 1)
+		<-synced
 		c.Step(49 * time.Millisecond)
 		notFired(t, c, rec, 1, i-1, fmt.Sprintf("49ms into period %d", i))
 		c.Step(time.Millisecond)
@@ -215,5 +219,39 @@ func TestFailedSyncIsRetriedBeforeThePeriod(t *testing.T) {
 	rec.await(t, 2)
 	if err := <-errs; err != nil {
 		t.Errorf("second Synced hook: got %v, want nil", err)
+	}
+}
+
+// Between syncs the runner asks Check every CheckPeriod; a false answer (rules
+// flushed by someone else) syncs at once instead of a whole SyncPeriod later.
+func TestCheckFailureSyncsBeforeThePeriod(t *testing.T) {
+	c := newClock()
+	rec := newRecorder(c)
+	var intact atomic.Bool
+	intact.Store(true)
+	var checks atomic.Int32
+	r := &Runner{Mode: rec, SyncPeriod: time.Hour, CheckPeriod: 5 * time.Second, Clock: c,
+		Check: func() bool { checks.Add(1); return intact.Load() }}
+	start(t, r)
+	// Before the first snapshot there is nothing to check.
+	awaitWaiters(t, c, 2)
+	c.Step(5 * time.Second)
+	awaitWaiters(t, c, 2)
+	if n := checks.Load(); n != 0 {
+		t.Fatalf("checks before the first sync: got %d, want 0", n)
+	}
+	r.Update(snap(1))
+	rec.await(t, 1)
+	awaitWaiters(t, c, 2) // periodic and check
+	c.Step(5 * time.Second)
+	awaitWaiters(t, c, 2)
+	if n, syncs := checks.Load(), rec.count(); n != 1 || syncs != 1 {
+		t.Fatalf("after a check that found the rules intact: %d checks, %d syncs; want 1, 1", n, syncs)
+	}
+	intact.Store(false)
+	c.Step(5 * time.Second)
+	rec.await(t, 2)
+	if n := checks.Load(); n != 2 {
+		t.Errorf("checks: got %d, want 2", n)
 	}
 }

@@ -321,6 +321,19 @@ func (p *Proxier) syncConntrack(fam *family, order []*portRules) error {
 	return nil
 }
 
+// Intact reports whether every family's rules were written and its canaries
+// are in place: the sync loop polls it to repair an external flush promptly.
+func (p *Proxier) Intact() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, fam := range p.fams {
+		if fam.written == nil || !p.canaryIntact(fam) {
+			return false
+		}
+	}
+	return true
+}
+
 // canaryIntact reports whether both canary chains still hold their rule. Any
 // error counts as "not intact", which costs one full rewrite at worst.
 func (p *Proxier) canaryIntact(fam *family) bool {
