@@ -97,7 +97,7 @@ func (p *IPTables) Sync(portals []Portal) error {
 }
 
 func (p *IPTables) syncFamily(fam *family, entries []entry) error {
-	if fam.written != nil && !p.canaryIntact(fam) {
+	if fam.written != nil && !p.chains.canary.Holds(fam.tables, familyName(fam.f)) {
 		klog.InfoS("Portal rules were flushed or deleted by someone else; rewriting them", "family", familyName(fam.f))
 		fam.written = nil
 	}
@@ -147,26 +147,16 @@ func equalEntries(a, b []entry) bool {
 	return true
 }
 
-// canaryIntact reports whether the canary chain still holds its rule; any error
-// reading it counts as "not intact", which costs one rewrite at worst.
 // Intact implements Portals: every family written, and its canary in place.
 func (p *IPTables) Intact() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, fam := range p.fams {
-		if fam.written == nil || !p.canaryIntact(fam) {
+		if fam.written == nil || !p.chains.canary.Holds(fam.tables, familyName(fam.f)) {
 			return false
 		}
 	}
 	return true
-}
-
-func (p *IPTables) canaryIntact(fam *family) bool {
-	ok, err := p.chains.canary.Intact(fam.tables)
-	if err != nil {
-		klog.V(2).InfoS("Checking the canary chain", "family", familyName(fam.f), "err", err)
-	}
-	return ok
 }
 
 // Cleanup implements Portals: it releases the held NodePorts and removes the

@@ -214,7 +214,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	}
 
 	full := fam.written == nil
-	if !full && !p.canaryIntact(fam) {
+	if !full && !p.n.canary.Holds(fam.tables, ipt.FamilyName(fam.v6)) {
 		klog.InfoS("iptables-mode rules were flushed or deleted by someone else; rewriting them all", "family", ipt.FamilyName(fam.v6))
 		full = true
 	}
@@ -327,21 +327,11 @@ func (p *Proxier) Intact() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, fam := range p.fams {
-		if fam.written == nil || !p.canaryIntact(fam) {
+		if fam.written == nil || !p.n.canary.Holds(fam.tables, ipt.FamilyName(fam.v6)) {
 			return false
 		}
 	}
 	return true
-}
-
-// canaryIntact reports whether both canary chains still hold their rule. Any
-// error counts as "not intact", which costs one full rewrite at worst.
-func (p *Proxier) canaryIntact(fam *family) bool {
-	ok, err := p.n.canary.Intact(fam.tables)
-	if err != nil {
-		klog.V(2).InfoS("Checking the canary chain", "family", ipt.FamilyName(fam.v6), "err", err)
-	}
-	return ok
 }
 
 // existingPortChains returns the per-port chains of our prefix in the nat table.

@@ -3,6 +3,8 @@ package iptables
 import (
 	"fmt"
 	"slices"
+
+	"k8s.io/klog/v2"
 )
 
 // Canary is a chain of ours holding one rule that nothing jumps to. Another
@@ -26,6 +28,20 @@ func (c Canary) Rule() string {
 // chain that cannot be read counts as not intact, which costs one rewrite at
 // worst; the error says why, for the log.
 func (c Canary) Intact(t Tables) (bool, error) {
+	return c.intact(t)
+}
+
+// Holds is Intact for a caller that only acts on the answer: a read error
+// counts as not intact and is logged at -v=2 with family ("IPv4", "IPv6").
+func (c Canary) Holds(t Tables, family string) bool {
+	ok, err := c.intact(t)
+	if err != nil {
+		klog.V(2).InfoS("Checking the canary chain", "family", family, "err", err)
+	}
+	return ok
+}
+
+func (c Canary) intact(t Tables) (bool, error) {
 	for _, table := range c.Tables {
 		rules, err := t.List(table, c.Chain)
 		if err != nil {
