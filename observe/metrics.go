@@ -99,6 +99,10 @@ var (
 		Name: "uproxy_udp_client_expiries_total",
 		Help: "UDP client sessions that ended by idling out (--udp-timeout), by Service port.",
 	}, []string{"service"})
+	UDPEndpointRemovals = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_udp_clients_moved_total",
+		Help: "UDP client sessions ended because their endpoint left the Service (the client's next datagram picks a usable one), by Service port.",
+	}, []string{"service"})
 	Ejections = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_endpoint_ejections_total",
 		Help: "Times an endpoint was ejected by passive outlier detection (consecutive failed dials), by Service port and endpoint.",
@@ -131,7 +135,7 @@ func init() {
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
 		IPTablesRestoreFailures, ServicePortConflicts,
 		Connections, DialAttempts, DialDuration, Retries, ActiveConnections, ConnectionDuration,
-		Bytes, UDPExpiries, IdleTimeouts, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens,
+		Bytes, UDPExpiries, UDPEndpointRemovals, IdleTimeouts, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens,
 		portsCollector{},
 	)
 }

@@ -1,6 +1,7 @@
 package observe
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -34,6 +35,7 @@ type PortObserver struct {
 	connFailed  prometheus.Counter
 	duration    prometheus.Observer
 	expiries    prometheus.Counter
+	moved       prometheus.Counter
 	idle        prometheus.Counter
 	reopens     prometheus.Counter
 
@@ -71,6 +73,7 @@ func NewPortObserver(service, protocol string, events *Events) *PortObserver {
 		connFailed:  Connections.WithLabelValues(service, protocol, "failed"),
 		duration:    ConnectionDuration.WithLabelValues(service),
 		expiries:    UDPExpiries.WithLabelValues(service),
+		moved:       UDPEndpointRemovals.WithLabelValues(service),
 		idle:        IdleTimeouts.WithLabelValues(service),
 		reopens:     ProxyPortReopens.WithLabelValues(service),
 		endpoints:   make(map[netip.AddrPort]*endpointMetrics),
@@ -203,6 +206,9 @@ func (o *PortObserver) ConnClosed(c *record.Conn) {
 	if c.IdledOut() {
 		o.idle.Inc()
 	}
+	if c.Protocol == "UDP" && errors.Is(c.Err, record.ErrEndpointRemoved) {
+		o.moved.Inc()
+	}
 	if o.events != nil {
 		o.events.Add(c)
 	}
@@ -279,6 +285,7 @@ func (o *PortObserver) Forget() {
 	}
 	ConnectionDuration.DeleteLabelValues(o.service)
 	UDPExpiries.DeleteLabelValues(o.service)
+	UDPEndpointRemovals.DeleteLabelValues(o.service)
 	IdleTimeouts.DeleteLabelValues(o.service)
 	ProxyPortReopens.DeleteLabelValues(o.service)
 	o.mu.Lock()

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -325,7 +326,28 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 	}
 	sp.balancer.Update(addrs, dst, port.AffinityClientIP, port.AffinityTimeout)
 	sp.observer.Retain(addrs)
-	sp.port.Store(port)
+	old := sp.port.Swap(port)
+	// A UDP client that keeps sending would stay on a removed endpoint for as
+	// long as it talks: its entry never idles out. End such entries, so its next
+	// datagram picks a usable endpoint (what kube-proxy gets by deleting the
+	// flows' conntrack entries).
+	if sp.udp != nil && old != nil && lostEndpoint(old.ClusterEndpoints(p.cfg.Zone), addrs) {
+		if n, err := sp.udp.Retain(addrs); err != nil {
+			klog.ErrorS(err, "Ending UDP clients of removed endpoints", "service", sp.name)
+		} else if n > 0 {
+			klog.V(1).InfoS("Moved UDP clients off removed endpoints", "service", sp.name, "clients", n)
+		}
+	}
+}
+
+// lostEndpoint reports whether an endpoint of before is not in now.
+func lostEndpoint(before []service.Endpoint, now []netip.AddrPort) bool {
+	for _, e := range before {
+		if !slices.Contains(now, e.Addr) {
+			return true
+		}
+	}
+	return false
 }
 
 func (p *Proxier) ejection() affinity.Ejection {

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -464,5 +465,56 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 	}
 	if err := p.Shutdown(context.Background()); err != nil {
 		t.Errorf("second Shutdown: got %v, want nil", err)
+	}
+}
+
+// A UDP client that keeps talking, from one source port and well within
+// --udp-timeout, moves off an endpoint as soon as a sync removes it from the
+// Service: its next datagram is answered by the endpoint that remains, and the
+// move is counted.
+func TestUDPClientMovesOffARemovedEndpoint(t *testing.T) {
+	w := newWorld(t)
+	x := w.udpBackend("x", "127.0.0.5")
+	y := w.udpBackend("y", "127.0.0.6")
+	p := newProxier(t, Config{UDPTimeout: time.Hour})
+	mustSync(t, p, snapshot(port("dns", service.UDP, x, y)))
+	udpPort := p.ProxyPort(service.PortName{Namespace: "default", Name: "dns", Port: "p"})
+	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", udpPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ask := func() string {
+		t.Helper()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Write([]byte("q")); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 100)
+		n, err := c.Read(buf)
+		if err != nil {
+			t.Fatalf("reply: %v", err)
+		}
+		return strings.TrimSuffix(string(buf[:n]), ":q")
+	}
+	first := ask()
+	for range 3 {
+		if got := ask(); got != first {
+			t.Fatalf("a client entry's datagrams: answered by %s then %s, want one endpoint", first, got)
+		}
+	}
+	remaining, removed := y, "x"
+	if first == "y" {
+		remaining, removed = x, "y"
+	}
+	before := counterValue(t, observe.UDPEndpointRemovals.WithLabelValues("default/dns:p"))
+	mustSync(t, p, snapshot(port("dns", service.UDP, remaining)))
+	for i := range 3 {
+		if got := ask(); got == removed {
+			t.Fatalf("datagram %d after %s left the Service: still answered by it", i, removed)
+		}
+	}
+	if got := counterValue(t, observe.UDPEndpointRemovals.WithLabelValues("default/dns:p")) - before; got != 1 {
+		t.Errorf("uproxy_udp_clients_moved_total grew by %v, want 1", got)
 	}
 }

@@ -13,6 +13,10 @@ import (
 // byte moved either way for its idle timeout.
 var ErrIdle = errors.New("idle timeout")
 
+// ErrEndpointRemoved is the Err of a UDP client entry the proxy ended because its
+// endpoint left the Service: the client's next datagram picks a usable one.
+var ErrEndpointRemoved = errors.New("endpoint removed from the Service")
+
 // Attempt is one dial of one endpoint for one connection.
 type Attempt struct {
 	Endpoint netip.AddrPort

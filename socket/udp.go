@@ -389,6 +389,36 @@ func (p *UDPProxy) Close() error {
 	return nil
 }
 
+// Retain ends the client entries whose endpoint is not in endpoints (it left the
+// Service), so a client that keeps sending moves to a usable endpoint with its
+// next datagram instead of staying on the removed one for as long as it talks.
+// Each ended entry is reported with record.ErrEndpointRemoved. It returns how
+// many it ended, once the proxy's loop has ended them.
+func (p *UDPProxy) Retain(endpoints []netip.AddrPort) (int, error) {
+	p.init()
+	if p.l == nil {
+		return 0, nil
+	}
+	l := p.l
+	keep := make(map[netip.AddrPort]bool, len(endpoints))
+	for _, ep := range endpoints {
+		keep[ep] = true
+	}
+	ended := 0
+	err := l.PostWait(func() {
+		for _, c := range p.clients {
+			if !keep[c.ep] {
+				c.end(l, record.ErrEndpointRemoved, true)
+				ended++
+			}
+		}
+	})
+	if err != nil {
+		return 0, fmt.Errorf("end %s's clients of removed endpoints: %w", p.Service, err)
+	}
+	return ended, nil
+}
+
 // Clients returns the number of client entries.
 func (p *UDPProxy) Clients() int {
 	p.init()

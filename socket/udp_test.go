@@ -432,3 +432,40 @@ func TestPktinfoSpaceHoldsEitherPktinfo(t *testing.T) {
 		}
 	}
 }
+
+// A client that keeps sending stays on its endpoint only while the endpoint is in
+// the Service: Retain without it ends the entry (reported as ErrEndpointRemoved),
+// and the client's next datagram, from the same source port, goes to the
+// endpoint that remains.
+func TestUDPProxyRetainMovesClientsOffRemovedEndpoints(t *testing.T) {
+	a := startUDPEcho(t, "127.0.0.2")
+	b := startUDPEcho(t, "127.0.0.3")
+	rec := &recorder{}
+	picker := newCyclePicker(a, b)
+	p := &UDPProxy{Service: "ns/dns:udp", Picker: picker, Observer: rec, Timeout: time.Hour}
+	svc := startUDPProxy(t, p)
+	client := listenUDP(t, "127.0.0.1")
+	if _, _, err := exchange(client, svc, []byte("one"), awaitTimeout); err != nil {
+		t.Fatalf("first datagram: %v", err)
+	}
+	if n, err := p.Retain([]netip.AddrPort{a, b}); err != nil || n != 0 {
+		t.Fatalf("Retain of both endpoints: ended %d (%v), want 0", n, err)
+	}
+	picker.mu.Lock()
+	picker.eps = []netip.AddrPort{b}
+	picker.mu.Unlock()
+	n, err := p.Retain([]netip.AddrPort{b})
+	if err != nil || n != 1 {
+		t.Fatalf("Retain without %v: ended %d (%v), want 1", a, n, err)
+	}
+	closed := rec.awaitClosed(t, 1)
+	if c := closed[0]; c.Endpoint != a || !errors.Is(c.Err, record.ErrEndpointRemoved) {
+		t.Errorf("ended entry: endpoint %v, err %v; want %v, ErrEndpointRemoved", c.Endpoint, c.Err, a)
+	}
+	if _, _, err := exchange(client, svc, []byte("two"), awaitTimeout); err != nil {
+		t.Fatalf("datagram after the removal: %v", err)
+	}
+	if got := picker.unreleased(); got[b] != 1 || got[a] != 0 {
+		t.Errorf("active entries after the removal: got %v, want one on %v and none on %v", got, b, a)
+	}
+}
