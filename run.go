@@ -8,7 +8,6 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
-	"slices"
 	"syscall"
 	"time"
 
@@ -193,8 +192,8 @@ func chooseRules(requested, prefix string, ips []netip.Addr) string {
 	if requested != "auto" {
 		return requested
 	}
-	if !slices.ContainsFunc(ips, portalTarget) {
-		klog.InfoS("Portal rules", "rules", "none", "reason", "auto: the node has no IPv4 address outside loopback (or --bind-address is a loopback one), and the portals DNAT to one; clients reach Services on their proxy ports")
+	if err := rules.CheckNodeIPs(ips); err != nil {
+		klog.InfoS("Portal rules", "rules", "none", "reason", "auto: "+err.Error()+"; clients reach Services on their proxy ports")
 		return "none"
 	}
 	if err := rules.ProbeNFTables(prefix); err != nil {
@@ -205,18 +204,10 @@ func chooseRules(requested, prefix string, ips []netip.Addr) string {
 	return rules.BackendNFTables
 }
 
-// portalTarget reports whether the portals can send connections to ip: an IPv4
-// address (the portals of both families need one) that packets from other hosts
-// may be sent to, so not a loopback one.
-func portalTarget(ip netip.Addr) bool { return ip.Is4() && !ip.IsLoopback() }
-
 // newPortals builds the portals of cfg.rules, resolved by chooseRules.
 func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, error) {
 	if cfg.rules == "none" {
 		return rules.None{}, nil
-	}
-	if !slices.ContainsFunc(ips, portalTarget) {
-		return nil, fmt.Errorf("--rules %s: the node has no IPv4 address outside loopback (or --bind-address is a loopback one), and the portals DNAT to one: give an interface an address, set --bind-address to the node IP, or run with --rules none", cfg.rules)
 	}
 	mark := cfg.dialMark
 	if err := socket.SetDialMark(mark); err != nil {
@@ -247,6 +238,9 @@ func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, er
 		p, err = rules.NewNFTables(rc)
 	} else {
 		p, err = rules.NewIPTables(rc)
+	}
+	if _, ok := errors.AsType[*rules.NoNodeIPError](err); ok {
+		return nil, fmt.Errorf("--rules %s: %w (give an interface an address, set --bind-address to the node IP, or run with --rules none)", cfg.rules, err)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("--rules %s: %w", cfg.rules, err)

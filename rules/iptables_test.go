@@ -735,6 +735,7 @@ func TestConfigValidation(t *testing.T) {
 		want     string
 	}{
 		{"no IPv4 node IP", []string{"iptables", "nftables"}, Config{NodeIPs: ips("fd00::1")}, "no IPv4 node IP"},
+		{"loopback is no node IP", []string{"iptables", "nftables"}, Config{NodeIPs: ips("127.0.0.1")}, "no IPv4 node IP"},
 		{"no IPv6 node IP", []string{"iptables", "nftables"}, Config{NodeIPs: ips("10.0.0.1"), IPv6: true}, "no IPv6 node IP"},
 		{"prefix too long", []string{"iptables", "nftables"}, Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "VERYLONGPREFIX"}, `chain prefix "VERYLONGPREFIX"`},
 		{"prefix with space", []string{"iptables", "nftables"}, Config{NodeIPs: ips("10.0.0.1"), ChainPrefix: "A B"}, `chain prefix "A B"`},

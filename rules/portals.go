@@ -102,6 +102,24 @@ type Config struct {
 // familyNodeIPs returns, for each family the portals program (IPv4, and IPv6
 // when IPv6 is set), the first usable node IP of that family in NodeIPs; the
 // entry of a family not programmed is the zero Addr.
+// NoNodeIPError says the node has no address of Family the portals can send
+// connections to: every family programmed needs one outside loopback.
+type NoNodeIPError struct{ Family string }
+
+func (e *NoNodeIPError) Error() string {
+	return fmt.Sprintf("no %s node IP: the node has no %s address outside loopback, and the portals DNAT to node IP:proxy port", e.Family, e.Family)
+}
+
+// CheckNodeIPs says why no portals can be built on the node IPs ips (IPv4 only;
+// nil when they can): the requirement NewIPTables and NewNFTables check.
+func CheckNodeIPs(ips []netip.Addr) error {
+	c := Config{NodeIPs: ips}
+	_, err := c.familyNodeIPs()
+	return err
+}
+
+// familyNodeIPs skips loopback addresses: packets from other hosts cannot be
+// sent to one.
 func (c *Config) familyNodeIPs() ([2]netip.Addr, error) {
 	var out [2]netip.Addr
 	for f := v4; f <= v6; f++ {
@@ -109,13 +127,13 @@ func (c *Config) familyNodeIPs() ([2]netip.Addr, error) {
 			continue
 		}
 		for _, ip := range c.NodeIPs {
-			if ip = ip.Unmap().WithZone(""); ip.IsValid() && familyOf(ip) == f && !ip.IsUnspecified() {
+			if ip = ip.Unmap().WithZone(""); ip.IsValid() && familyOf(ip) == f && !ip.IsUnspecified() && !ip.IsLoopback() {
 				out[f] = ip
 				break
 			}
 		}
 		if !out[f].IsValid() {
-			return out, fmt.Errorf("no %s node IP: the portals of the node's own connections DNAT to node IP:proxy port", familyName(f))
+			return out, &NoNodeIPError{Family: familyName(f)}
 		}
 	}
 	return out, nil
