@@ -105,9 +105,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		runner.Check = m.Intact
 	}
 	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug = modeName, mode, conflicts, events, health, o.debug
-	if err := srv.Start(); err != nil {
-		return err
-	}
+	srv.Start()
 
 	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
 	srcErr := make(chan error, 1)

@@ -142,21 +142,20 @@ type ChoiceView interface {
 // Server serves the metrics address (/metrics, /debug/services, /debug/events,
 // /proxyMode) and the healthz address (/healthz, /livez).
 type Server struct {
-	MetricsAddr string // "" disables
-	HealthzAddr string // "" disables
-	Mode        string // answered by /proxyMode
-	Services    ServicesView
+	// MetricsListener and HealthzListener are the bound addresses to serve; nil
+	// disables one. The program binds them before anything else, so a taken port
+	// is reported as its flag's error. Stop closes them, also when Start never
+	// ran.
+	MetricsListener, HealthzListener net.Listener
+
+	Mode     string // answered by /proxyMode
+	Services ServicesView
 	// Conflicts, if set, are listed by /debug/services.
 	Conflicts *Conflicts
 	Events    *Events
 	Health    *Health
 	// Debug enables the /debug/ handlers (default on via the flag).
 	Debug bool
-	// MetricsListener and HealthzListener, when set, are served instead of
-	// binding MetricsAddr and HealthzAddr: a program that binds its addresses
-	// before anything else can report a taken port as its flag's error. Stop
-	// closes them, also when Start never ran.
-	MetricsListener, HealthzListener net.Listener
 
 	servers []*http.Server
 }
@@ -280,33 +279,24 @@ func writeJSON(w http.ResponseWriter, v any) {
 	}
 }
 
-// Start binds both addresses and serves them in the background. Binding errors
-// are returned at once, so a bad address is reported at start.
-func (s *Server) Start() error {
-	type bind struct {
-		addr string
-		ln   net.Listener
-		h    http.Handler
+// Start serves both listeners in the background.
+func (s *Server) Start() {
+	type serve struct {
+		ln net.Listener
+		h  http.Handler
 	}
-	var binds []bind
-	if s.MetricsAddr != "" || s.MetricsListener != nil {
-		binds = append(binds, bind{s.MetricsAddr, s.MetricsListener, s.MetricsHandler()})
+	var serves []serve
+	if s.MetricsListener != nil {
+		serves = append(serves, serve{s.MetricsListener, s.MetricsHandler()})
 	}
-	if (s.HealthzAddr != "" || s.HealthzListener != nil) && s.Health != nil {
+	if s.HealthzListener != nil && s.Health != nil {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", s.Health)
 		mux.Handle("/livez", s.Health.Livez())
-		binds = append(binds, bind{s.HealthzAddr, s.HealthzListener, mux})
+		serves = append(serves, serve{s.HealthzListener, mux})
 	}
-	for _, b := range binds {
+	for _, b := range serves {
 		ln := b.ln
-		if ln == nil {
-			var err error
-			if ln, err = net.Listen("tcp", b.addr); err != nil {
-				s.Stop(context.Background())
-				return fmt.Errorf("listen on %s: %w", b.addr, err)
-			}
-		}
 		srv := &http.Server{Handler: b.h, ReadHeaderTimeout: 10 * time.Second}
 		s.servers = append(s.servers, srv)
 		go func() {
@@ -316,7 +306,6 @@ func (s *Server) Start() error {
 		}()
 		klog.InfoS("Serving", "address", ln.Addr().String())
 	}
-	return nil
 }
 
 // Stop shuts both servers down.
