@@ -43,7 +43,7 @@ type Config struct {
 	// (quick 1000).
 	IdleConns int
 	// SyncSizes are the Service-port counts of the control-plane syncs. Empty:
-	// 1000 and 10000.
+	// 1000, 10000 and 50000 (quick 1000 and 10000).
 	SyncSizes []int
 	// EndpointChanges is how many endpoint changes the control plane times.
 	// 0: 5 (quick 3).
@@ -101,7 +101,10 @@ func (c Config) withDefaults() (Config, error) {
 		}
 	}
 	if len(c.SyncSizes) == 0 {
-		c.SyncSizes = []int{1000, 10000}
+		c.SyncSizes = []int{1000, 10000, 50000}
+		if c.Quick {
+			c.SyncSizes = []int{1000, 10000}
+		}
 	}
 	if c.Uproxy == "" {
 		exe, err := os.Executable()
@@ -175,8 +178,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 }
 
 // setupPaths probes every selected path and starts the available ones. The
-// main topology holds direct, userspace and the peers; each kernel mode gets a
-// topology of its own, so its rules never meet the userspace mode's.
+// main topology holds direct, userspace and the peers; each kernel mode, and
+// the userspace mode with nftables portals, gets a topology of its own, so its
+// rules never meet the main userspace mode's.
 func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, launch *launcher, self, dir string, fileLimit int, prog *progress) ([]*path, error) {
 	var main *world
 	mainWorld := func() (*world, error) {
@@ -206,10 +210,14 @@ func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, laun
 		var p *path
 		var err error
 		switch name {
-		case IPTables, IPVS:
+		case IPTables, NFTables, IPVS, UserspaceNFT:
+			mode := name
+			if name == UserspaceNFT {
+				mode = ""
+			}
 			var w *world
 			if w, err = newWorld(name, td, launch, self, dir, fileLimit); err == nil {
-				p, err = setupUproxy(ctx, w, name, name, cfg.Uproxy)
+				p, err = setupUproxy(ctx, w, name, mode, "nftables", cfg.Uproxy)
 			}
 		default:
 			var w *world
@@ -221,7 +229,7 @@ func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, laun
 			case Direct:
 				p = setupDirect(w)
 			case Userspace:
-				p, err = setupUproxy(ctx, w, name, "", cfg.Uproxy)
+				p, err = setupUproxy(ctx, w, name, "", "iptables", cfg.Uproxy)
 			case HAProxy:
 				p, err = setupHAProxy(ctx, w)
 			case Nginx:

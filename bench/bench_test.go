@@ -116,7 +116,7 @@ func TestTinyRun(t *testing.T) {
 				if pr.MachineCPU == nil || pr.ClientCPU == nil {
 					t.Errorf("%s: machine or client CPU missing", pr.Path)
 				}
-				if hasProxy := pr.Path == Userspace || isPeer(pr.Path); hasProxy != (pr.ProxyCPU != nil) {
+				if hasProxy := userspacePath(pr.Path) || isPeer(pr.Path); hasProxy != (pr.ProxyCPU != nil) {
 					t.Errorf("%s: proxy CPU present %v, want %v", pr.Path, pr.ProxyCPU != nil, hasProxy)
 				}
 				if trafficWorkloads[wr.Name].latency && (pr.Latency == nil || len(pr.CDF) == 0) {
@@ -136,7 +136,7 @@ func TestTinyRun(t *testing.T) {
 
 	t.Run("control", func(t *testing.T) {
 		for _, c := range rep.Control {
-			if c.Path != Userspace && c.Path != IPTables && c.Path != IPVS {
+			if !uproxyPath(c.Path) {
 				if c.Skipped == "" {
 					t.Errorf("%s: control plane measured, want skipped with a reason", c.Path)
 				}

@@ -9,12 +9,14 @@ import (
 )
 
 var pathColors = map[string]string{
-	Direct:    "#444444",
-	Userspace: "#d62728",
-	IPTables:  "#1f77b4",
-	IPVS:      "#17becf",
-	HAProxy:   "#2ca02c",
-	Nginx:     "#ff7f0e",
+	Direct:       "#444444",
+	Userspace:    "#d62728",
+	UserspaceNFT: "#9467bd",
+	IPTables:     "#1f77b4",
+	NFTables:     "#8c564b",
+	IPVS:         "#17becf",
+	HAProxy:      "#2ca02c",
+	Nginx:        "#ff7f0e",
 }
 
 // Chart geometry, in SVG user units.

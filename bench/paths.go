@@ -19,16 +19,28 @@ import (
 
 // Path names, as --paths takes them.
 const (
-	Direct    = "direct"    // client to backend, routed by the node: no proxy
-	Userspace = "userspace" // uproxy's userspace mode through the ClusterIP portal
-	IPTables  = "iptables"  // uproxy's iptables kernel mode (DNAT)
-	IPVS      = "ipvs"      // uproxy's IPVS kernel mode
-	HAProxy   = "haproxy"   // HAProxy, tcp mode with forced splice
-	Nginx     = "nginx"     // nginx stream
+	Direct       = "direct"        // client to backend, routed by the node: no proxy
+	Userspace    = "userspace"     // uproxy's userspace mode through the ClusterIP portal (iptables)
+	UserspaceNFT = "userspace-nft" // the same through nftables portals (--rules nftables)
+	IPTables     = "iptables"      // uproxy's iptables kernel mode (DNAT)
+	NFTables     = "nftables"      // uproxy's nftables kernel mode (DNAT from maps)
+	IPVS         = "ipvs"          // uproxy's IPVS kernel mode
+	HAProxy      = "haproxy"       // HAProxy, tcp mode with forced splice
+	Nginx        = "nginx"         // nginx stream
 )
 
 // Paths lists every path in the order the report shows them.
-var Paths = []string{Direct, Userspace, IPTables, IPVS, HAProxy, Nginx}
+var Paths = []string{Direct, Userspace, UserspaceNFT, IPTables, NFTables, IPVS, HAProxy, Nginx}
+
+// userspacePath reports whether the path is uproxy's userspace mode, whose
+// process is on the data path.
+func userspacePath(name string) bool { return name == Userspace || name == UserspaceNFT }
+
+// uproxyPath reports whether uproxy programs the path (its control plane can
+// be measured).
+func uproxyPath(name string) bool {
+	return userspacePath(name) || name == IPTables || name == NFTables || name == IPVS
+}
 
 // peers are the other userspace proxies uproxy is judged against.
 var peers = []string{HAProxy, Nginx}
@@ -77,8 +89,18 @@ func probe(name, uproxy string) string {
 			return "iptables-restore not installed (make deps)"
 		}
 		return ""
+	case UserspaceNFT:
+		if _, err := exec.LookPath("nft"); err != nil {
+			return "nft not installed (make deps)"
+		}
+		return ""
 	case IPTables:
 		return proxyModeProbe(uproxy, "iptables")
+	case NFTables:
+		if _, err := exec.LookPath("nft"); err != nil {
+			return "nft not installed (make deps)"
+		}
+		return proxyModeProbe(uproxy, "nftables")
 	case IPVS:
 		if reason := ipvsKernelProbe(); reason != "" {
 			return reason
@@ -101,17 +123,22 @@ func probe(name, uproxy string) string {
 	return "unknown path"
 }
 
-// proxyModeProbe checks that the uproxy binary has a --proxy-mode flag; the
-// kernel modes are selected with it.
+// proxyModeProbe checks that the uproxy binary's --proxy-mode flag offers
+// mode; the kernel modes are selected with it.
 func proxyModeProbe(uproxy, mode string) string {
 	out, err := exec.Command(uproxy, "--help").CombinedOutput()
 	if err != nil {
 		return fmt.Sprintf("%s --help: %v", uproxy, err)
 	}
-	if !bytes.Contains(out, []byte("--proxy-mode")) {
-		return fmt.Sprintf("this uproxy binary has no --proxy-mode flag (the %s kernel mode is not built in yet)", mode)
+	for _, line := range strings.Split(string(out), "\n") {
+		if strings.Contains(line, "--proxy-mode") {
+			if strings.Contains(line, mode) {
+				return ""
+			}
+			break
+		}
 	}
-	return ""
+	return fmt.Sprintf("this uproxy binary's --proxy-mode does not offer %s", mode)
 }
 
 // ipvsKernelProbe reports a kernel without IPVS: /proc/net/ip_vs appears once
@@ -166,9 +193,10 @@ func setupDirect(w *world) *path {
 	}
 }
 
-// setupUproxy starts uproxy in the node namespace (mode "" is the userspace
-// mode) on the benchmark's Services and waits until they carry traffic.
-func setupUproxy(ctx context.Context, w *world, name, mode, exe string) (*path, error) {
+// setupUproxy starts uproxy in the node namespace on the benchmark's Services
+// and waits until they carry traffic. mode "" is the userspace mode, with its
+// portals written by rules (--rules).
+func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (*path, error) {
 	ctl := &uproxyCtl{w: w, dir: filepath.Join(w.dir, w.name+"-"+name+"-services"), metrics: "127.0.0.1:10249"}
 	if err := os.MkdirAll(ctl.dir, 0o755); err != nil {
 		return nil, err
@@ -186,7 +214,7 @@ func setupUproxy(ctx context.Context, w *world, name, mode, exe string) (*path, 
 		"--shutdown-grace", "1s",
 	}
 	if mode == "" {
-		args = append(args, "--rules", "iptables")
+		args = append(args, "--rules", rules)
 	} else {
 		args = append(args, "--proxy-mode", mode)
 	}
