@@ -32,11 +32,12 @@ func init() {
 // backendPorts are the ports the backend servers listen on, on every address
 // of the backend namespace.
 type backendPorts struct {
-	Echo uint16 `json:"echo"` // TCP: writes back what it reads
-	Bulk uint16 `json:"bulk"` // TCP: writes until the client closes
-	UDP  uint16 `json:"udp"`  // UDP: sends every datagram back
-	TagA uint16 `json:"tagA"` // TCP: answers the first byte with 'a', then closes
-	TagB uint16 `json:"tagB"` // TCP: the same with 'b'
+	Echo  uint16 `json:"echo"`  // TCP: writes back what it reads
+	Echo2 uint16 `json:"echo2"` // TCP: the same, a second endpoint for two-endpoint Services
+	Bulk  uint16 `json:"bulk"`  // TCP: writes until the client closes
+	UDP   uint16 `json:"udp"`   // UDP: sends every datagram back
+	TagA  uint16 `json:"tagA"`  // TCP: answers the first byte with 'a', then closes
+	TagB  uint16 `json:"tagB"`  // TCP: the same with 'b'
 }
 
 // serveBackend listens, reports the ports as one JSON line on out, and serves
@@ -56,6 +57,9 @@ func serveBackend(in io.Reader, out io.Writer) error {
 	var ports backendPorts
 	var err error
 	if ports.Echo, err = listen(serveEcho); err != nil {
+		return err
+	}
+	if ports.Echo2, err = listen(serveEcho); err != nil {
 		return err
 	}
 	if ports.Bulk, err = listen(serveBulk); err != nil {

@@ -257,7 +257,12 @@ func runWorkloads(ctx context.Context, cfg Config, rep *Report, paths []*path, p
 	prog.total = 0
 	for _, name := range cfg.Workloads {
 		switch name {
-		case Idle, Control:
+		case Control:
+			prog.total += len(paths)
+			if hasPath(paths, NFTables) {
+				prog.total++ // the reference layout
+			}
+		case Idle:
 			prog.total += len(paths)
 		default:
 			prog.total += len(paths) * cfg.Rounds
@@ -369,6 +374,19 @@ func runControlWorkload(ctx context.Context, cfg Config, rep *Report, paths []*p
 		e.Result = res
 		rep.Control = append(rep.Control, e)
 	}
+	if hasPath(paths, NFTables) {
+		prog.step(fmt.Sprintf("control · %s · nft -f of %v Service ports", KubeProxyLayout, cfg.SyncSizes))
+		e := ControlEntry{Path: KubeProxyLayout}
+		res, err := runKubeProxyLayout(ctx, cfg.SyncSizes, cfg.StepLimit, paths[0].w.dir)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if err != nil {
+			e.Error = err.Error()
+		}
+		e.Result = res
+		rep.Control = append(rep.Control, e)
+	}
 	return nil
 }
 
@@ -435,4 +453,8 @@ func (p *progress) done() {
 	if p.w != nil && p.wroteInline {
 		fmt.Fprint(p.w, "\r\033[K")
 	}
+}
+
+func hasPath(paths []*path, name string) bool {
+	return slices.ContainsFunc(paths, func(p *path) bool { return p.name == name })
 }

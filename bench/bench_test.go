@@ -7,6 +7,7 @@ import (
 	"encoding/xml"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -136,6 +137,12 @@ func TestTinyRun(t *testing.T) {
 
 	t.Run("control", func(t *testing.T) {
 		for _, c := range rep.Control {
+			if c.Path == KubeProxyLayout {
+				if r := c.Result; c.Error != "" || r == nil || len(r.Syncs) != 1 || r.Syncs[0].SyncSeconds <= 0 || r.Syncs[0].EndpointSyncSeconds == nil {
+					t.Errorf("%s: result %+v (error %q), want one full load, one Service added and one endpoint changed", c.Path, r, c.Error)
+				}
+				continue
+			}
 			if !uproxyPath(c.Path) {
 				if c.Skipped == "" {
 					t.Errorf("%s: control plane measured, want skipped with a reason", c.Path)
@@ -143,8 +150,9 @@ func TestTinyRun(t *testing.T) {
 				continue
 			}
 			r := c.Result
-			if r == nil || len(r.Syncs) != 1 || r.Syncs[0].Syncs == 0 || r.Syncs[0].SyncSeconds <= 0 || len(r.EndpointChangeMs) != 1 {
-				t.Errorf("%s: control result %+v, want one sync of 10 Service ports and one endpoint change", c.Path, r)
+			if r == nil || len(r.Syncs) != 1 || r.Syncs[0].Syncs == 0 || r.Syncs[0].SyncSeconds <= 0 || len(r.EndpointChangeMs) != 1 ||
+				r.Syncs[0].AddOneSyncSeconds == nil || r.Syncs[0].EndpointSyncSeconds == nil || r.Syncs[0].RemoveSyncSeconds == nil {
+				t.Errorf("%s: control result %+v, want one sync of 10 Service ports (with one added, one endpoint changed, all removed) and one endpoint change", c.Path, r)
 			}
 		}
 	})
@@ -222,5 +230,72 @@ func TestRunRejectsUnknownNames(t *testing.T) {
 				t.Errorf("Run: got %v, want an error containing %q", err, tt.want)
 			}
 		})
+	}
+}
+
+// TestKubeProxyLayout checks the reference layout's scripts with real nft: the
+// whole table, one Service added and one endpoint changed leave the kernel with
+// every Service port's verdict-map element, its chain and its two endpoint
+// chains, the changed endpoint's chain in place of the old one; and the
+// measurement itself runs at two sizes and removes its table.
+func TestKubeProxyLayout(t *testing.T) {
+	testbed.RequireNFTables(t)
+	tp := testbed.New(t)
+	dir := t.TempDir()
+	svcs := refServices(4)
+	var b bytes.Buffer
+	writeRefTable(&b)
+	for _, s := range svcs[:3] {
+		writeRefService(&b, s)
+	}
+	steps := []func(){
+		func() { writeRefService(&b, svcs[3]) },
+		func() { writeRefEndpointChange(&b, svcs[1], netip.MustParseAddrPort("10.246.0.1:8080")) },
+	}
+	for i := 0; ; i++ {
+		if _, err := loadRef(context.Background(), tp.Topology, &b, filepath.Join(dir, fmt.Sprint(i)+".nft"), time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		if i == len(steps) {
+			break
+		}
+		b.Reset()
+		steps[i]()
+	}
+	out, err := tp.Exec(testbed.Node, "nft", "list", "table", "ip", refTable)
+	if err != nil {
+		t.Fatalf("nft list: %v: %s", err, out)
+	}
+	listed := string(out)
+	for i, s := range svcs {
+		want := []string{s.vip.String() + " . tcp . 80 : goto " + s.chain(), "chain " + s.chain() + " {"}
+		for j, ep := range s.eps {
+			c := "chain " + refEndpointChain(s, ep) + " {"
+			if i == 1 && j == 1 {
+				if strings.Contains(listed, c) {
+					t.Errorf("replaced endpoint chain %q still listed", c)
+				}
+				c = "chain " + refEndpointChain(s, netip.MustParseAddrPort("10.246.0.1:8080")) + " {"
+			}
+			want = append(want, c)
+		}
+		for _, w := range want {
+			if !strings.Contains(listed, w) {
+				t.Errorf("Service %s: %q not in the table:\n%s", s.name, w, listed)
+			}
+		}
+	}
+
+	res, err := runKubeProxyLayout(context.Background(), []int{3, 20}, time.Minute, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Syncs) != 2 {
+		t.Fatalf("syncs: got %+v, want two sizes", res.Syncs)
+	}
+	for _, s := range res.Syncs {
+		if s.SyncSeconds <= 0 || s.AddOneSyncSeconds == nil || s.EndpointSyncSeconds == nil {
+			t.Errorf("%d Service ports: got %+v, want all three loads timed", s.Ports, s)
+		}
 	}
 }

@@ -25,6 +25,11 @@ type SyncResult struct {
 	// ToTrafficSeconds runs from the manifest's rename to the first round trip
 	// through the last of the new Services: decode, sync and rules together.
 	ToTrafficSeconds float64 `json:"toTrafficSeconds"`
+	// AddOneSyncSeconds is the sync time of adding one more Service port while
+	// the Ports are programmed; EndpointSyncSeconds that of changing one
+	// Service's endpoint then. Absent when the step did not finish (Error).
+	AddOneSyncSeconds   *float64 `json:"addOneSyncSeconds,omitempty"`
+	EndpointSyncSeconds *float64 `json:"endpointSyncSeconds,omitempty"`
 	// RemoveSyncSeconds is the sync time of removing them all again; absent
 	// when the removal did not finish within the step's time limit (Error).
 	RemoveSyncSeconds *float64 `json:"removeSyncSeconds,omitempty"`
@@ -42,16 +47,15 @@ type ControlResult struct {
 }
 
 // runControl times changes endpoint changes of one Service, then syncs of
-// sizes Service ports, each added and removed again. Every step waits at most
+// sizes Service ports (two endpoints each), each added, then changed by one
+// more Service port and by one endpoint, and removed again. Every step waits at most
 // limit (plus a little per Service port); a step that does not finish ends the
 // workload with the results so far, since the proxy is still busy with it.
 func runControl(ctx context.Context, p *path, sizes []int, changes int, limit time.Duration) (*ControlResult, error) {
 	c := p.ctl
 	res := &ControlResult{}
-	tag := byte('a')
 	for range changes {
-		tag ^= 'a' ^ 'b'
-		d, err := c.endpointChange(ctx, tag, limit)
+		d, err := c.endpointChange(ctx, c.tag^('a'^'b'), limit)
 		if err != nil {
 			return res, fmt.Errorf("endpoint change over %s: %w", p.name, err)
 		}
@@ -77,10 +81,10 @@ func runControl(ctx context.Context, p *path, sizes []int, changes int, limit ti
 
 func (c *uproxyCtl) scaleSync(ctx context.Context, n int, limit time.Duration) (*SyncResult, error) {
 	var b bytes.Buffer
-	b.Grow(n * 700)
-	ep := c.w.backendAddr(c.w.ports.Echo)
+	b.Grow(n * 1000)
+	eps := []netip.AddrPort{c.w.backendAddr(c.w.ports.Echo), c.w.backendAddr(c.w.ports.Echo2)}
 	for i := range n {
-		writeService(&b, fmt.Sprintf("scale-%d", i), "TCP", scaleVIP(i), ep)
+		writeService(&b, fmt.Sprintf("scale-%d", i), "TCP", scaleVIP(i), eps...)
 	}
 	sum0, count0, err := c.syncMetric()
 	if err != nil {
@@ -99,15 +103,41 @@ func (c *uproxyCtl) scaleSync(ctx context.Context, n int, limit time.Duration) (
 		return nil, fmt.Errorf("adding them: %w", err)
 	}
 	res := &SyncResult{Ports: n, SyncSeconds: sum1 - sum0, Syncs: count1 - count0, ToTrafficSeconds: toTraffic.Seconds()}
-	if err := os.Remove(filepath.Join(c.dir, "scale.yaml")); err != nil {
+
+	// One more Service port, then one endpoint of another, with n programmed.
+	b.Reset()
+	writeService(&b, "scale-extra", "TCP", scaleVIP(n), eps...)
+	if err := c.writeFile("extra.yaml", b.Bytes()); err != nil {
 		return res, err
 	}
-	sum2, _, err := c.waitSynced(ctx, count1, limit)
+	if err := c.w.waitTraffic(ctx, c.p, limit, target{"tcp", scaleVIP(n)}); err != nil {
+		return res, fmt.Errorf("adding one more: %w", err)
+	}
+	sum2, count2, err := c.waitSynced(ctx, count1, limit)
+	if err != nil {
+		return res, fmt.Errorf("adding one more: %w", err)
+	}
+	res.AddOneSyncSeconds = ptr(sum2 - sum1)
+	if _, err := c.endpointChange(ctx, c.tag^('a'^'b'), limit); err != nil {
+		return res, fmt.Errorf("changing an endpoint: %w", err)
+	}
+	sum3, count3, err := c.waitSynced(ctx, count2, limit)
+	if err != nil {
+		return res, fmt.Errorf("changing an endpoint: %w", err)
+	}
+	res.EndpointSyncSeconds = ptr(sum3 - sum2)
+
+	for _, f := range []string{"scale.yaml", "extra.yaml"} {
+		if err := os.Remove(filepath.Join(c.dir, f)); err != nil {
+			return res, err
+		}
+	}
+	sum4, _, err := c.waitSynced(ctx, count3, limit)
 	if err != nil {
 		res.Error = fmt.Sprintf("removing them: %v", err)
 		return res, errors.New(res.Error)
 	}
-	res.RemoveSyncSeconds = ptr(sum2 - sum1)
+	res.RemoveSyncSeconds = ptr(sum4 - sum3)
 	return res, nil
 }
 
@@ -138,6 +168,7 @@ func (c *uproxyCtl) endpointChange(ctx context.Context, tag byte, limit time.Dur
 	if err := c.writeBase(tag); err != nil {
 		return 0, err
 	}
+	c.tag = tag
 	deadline := start.Add(limit)
 	for {
 		got, err := c.ask(flipVIP)

@@ -204,6 +204,7 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 	if err := ctl.writeBase('a'); err != nil {
 		return nil, err
 	}
+	ctl.tag = 'a'
 	args := []string{exe,
 		"--services", ctl.dir,
 		"--metrics-bind-address", ctl.metrics,
@@ -342,6 +343,8 @@ type uproxyCtl struct {
 	dir     string
 	metrics string
 	http    *http.Client
+	// tag is the answer of the flip Service's endpoint, as last written.
+	tag byte
 }
 
 // writeFile replaces a manifest atomically, so uproxy never reads half of one.
@@ -370,22 +373,25 @@ func (c *uproxyCtl) writeBase(tag byte) error {
 	return c.writeFile("base.yaml", b.Bytes())
 }
 
-// writeService renders a ClusterIP Service with one port and its EndpointSlice
-// with one ready endpoint.
-func writeService(b *bytes.Buffer, name, proto string, vip, ep netip.AddrPort) {
+// writeService renders a ClusterIP Service with one port and an EndpointSlice
+// per endpoint (the port is a slice's), each endpoint ready.
+func writeService(b *bytes.Buffer, name, proto string, vip netip.AddrPort, eps ...netip.AddrPort) {
 	fmt.Fprintf(b, `---
 apiVersion: v1
 kind: Service
 metadata: {name: %[1]s, namespace: bench}
 spec: {type: ClusterIP, clusterIP: %[2]s, clusterIPs: [%[2]s], ports: [{name: p, protocol: %[3]s, port: %[4]d}]}
----
+`, name, vip.Addr(), proto, vip.Port())
+	for i, ep := range eps {
+		fmt.Fprintf(b, `---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
-metadata: {name: %[1]s-1, namespace: bench, labels: {kubernetes.io/service-name: %[1]s}}
+metadata: {name: %[1]s-%[2]d, namespace: bench, labels: {kubernetes.io/service-name: %[1]s}}
 addressType: IPv4
-ports: [{name: p, protocol: %[3]s, port: %[6]d}]
-endpoints: [{addresses: ["%[5]s"], conditions: {ready: true}}]
-`, name, vip.Addr(), proto, vip.Port(), ep.Addr(), ep.Port())
+ports: [{name: p, protocol: %[3]s, port: %[5]d}]
+endpoints: [{addresses: ["%[4]s"], conditions: {ready: true}}]
+`, name, i+1, proto, ep.Addr(), ep.Port())
+	}
 }
 
 // scaleVIP is the virtual IP of the i-th Service of the control-plane workload.

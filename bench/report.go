@@ -325,18 +325,15 @@ func (r *Report) WriteTable(w io.Writer) error {
 	if len(r.Control) > 0 {
 		b.WriteString("\nControl plane (sync time from kubeproxy_sync_proxy_rules_duration_seconds; to traffic: manifest rename to first round trip through the last new Service)\n")
 		tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, "path\tService ports\tsync ms\tsyncs\tto traffic ms\tremoval sync ms\t")
+		fmt.Fprintln(tw, "path\tService ports\tsync ms\tsyncs\tto traffic ms\t+1 Service ms\t1 endpoint ms\tremoval sync ms\t")
 		var changes []string
 		for _, c := range r.Control {
 			if c.Result == nil {
 				continue
 			}
 			for _, s := range c.Result.Syncs {
-				removal := "not done"
-				if s.RemoveSyncSeconds != nil {
-					removal = fmt.Sprintf("%.1f", *s.RemoveSyncSeconds*1e3)
-				}
-				fmt.Fprintf(tw, "%s\t%d\t%.1f\t%d\t%.1f\t%s\t\n", c.Path, s.Ports, s.SyncSeconds*1e3, s.Syncs, s.ToTrafficSeconds*1e3, removal)
+				fmt.Fprintf(tw, "%s\t%d\t%.1f\t%d\t%.1f\t%s\t%s\t%s\t\n", c.Path, s.Ports, s.SyncSeconds*1e3, s.Syncs, s.ToTrafficSeconds*1e3,
+					msOrNotDone(s.AddOneSyncSeconds), msOrNotDone(s.EndpointSyncSeconds), msOrNotDone(s.RemoveSyncSeconds))
 			}
 			if len(c.Result.EndpointChangeMs) > 0 {
 				changes = append(changes, fmt.Sprintf("  %s: endpoint change to traffic: median %.1f ms, max %.1f ms over %d changes",
@@ -410,4 +407,13 @@ func pct(v *float64) string {
 		return "-"
 	}
 	return fmt.Sprintf("%.0f%%", *v*100)
+}
+
+// msOrNotDone renders seconds as milliseconds, or "not done" for a step that did
+// not finish.
+func msOrNotDone(sec *float64) string {
+	if sec == nil {
+		return "not done"
+	}
+	return fmt.Sprintf("%.1f", *sec*1e3)
 }
