@@ -180,9 +180,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 // setupPaths probes every selected path and starts the available ones. The
 // main topology holds direct, userspace and the peers; each kernel mode, and
 // the userspace mode with nftables portals, gets a topology of its own, so its
-// rules never meet the main userspace mode's.
+// rules never meet the main userspace mode's. The loopback topology holds the
+// lo- paths: direct, userspace and the peers again, on 127.0.0.1.
 func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, launch *launcher, self, dir string, fileLimit int, prog *progress) ([]*path, error) {
-	var main *world
+	var main, lo *world
 	mainWorld := func() (*world, error) {
 		if main != nil {
 			return main, nil
@@ -190,6 +191,15 @@ func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, laun
 		prog.show("building the main topology")
 		w, err := newWorld("main", td, launch, self, dir, fileLimit)
 		main = w
+		return w, err
+	}
+	loWorld := func() (*world, error) {
+		if lo != nil {
+			return lo, nil
+		}
+		prog.show("building the loopback topology")
+		w, err := newLoopbackWorld("loopback", td, launch, self, dir, fileLimit)
+		lo = w
 		return w, err
 	}
 	var paths []*path
@@ -220,20 +230,24 @@ func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, laun
 				p, err = setupUproxy(ctx, w, name, mode, "nftables", cfg.Uproxy)
 			}
 		default:
+			build, rules := mainWorld, "iptables"
+			if loopbackPath(name) {
+				build, rules = loWorld, "none"
+			}
 			var w *world
-			if w, err = mainWorld(); err != nil {
-				// Without the main topology nothing else here can run.
+			if w, err = build(); err != nil {
+				// Without the topology nothing else in it can run.
 				return nil, err
 			}
-			switch name {
+			switch baseName(name) {
 			case Direct:
-				p = setupDirect(w)
+				p = setupDirect(w, name)
 			case Userspace:
-				p, err = setupUproxy(ctx, w, name, "", "iptables", cfg.Uproxy)
+				p, err = setupUproxy(ctx, w, name, "", rules, cfg.Uproxy)
 			case HAProxy:
-				p, err = setupHAProxy(ctx, w)
+				p, err = setupHAProxy(ctx, w, name)
 			case Nginx:
-				p, err = setupNginx(ctx, w)
+				p, err = setupNginx(ctx, w, name)
 			}
 		}
 		if ctx.Err() != nil {

@@ -17,6 +17,10 @@ var pathColors = map[string]string{
 	IPVS:         "#17becf",
 	HAProxy:      "#2ca02c",
 	Nginx:        "#ff7f0e",
+	LoDirect:     "#999999",
+	LoUserspace:  "#f4a6a6",
+	LoHAProxy:    "#98df8a",
+	LoNginx:      "#ffbb78",
 }
 
 // Chart geometry, in SVG user units.

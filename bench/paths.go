@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -29,23 +30,52 @@ const (
 	Nginx        = "nginx"         // nginx stream
 )
 
+// The loopback topology's paths: client, proxy and backends in one namespace
+// on 127.0.0.1, the client dialing each proxy's own port (uproxy's proxy port
+// with --rules none): no routing and no netfilter rule on the way.
+const (
+	loPrefix    = "lo-"
+	LoDirect    = loPrefix + Direct
+	LoUserspace = loPrefix + Userspace
+	LoHAProxy   = loPrefix + HAProxy
+	LoNginx     = loPrefix + Nginx
+)
+
 // Paths lists every path in the order the report shows them.
-var Paths = []string{Direct, Userspace, UserspaceNFT, IPTables, NFTables, IPVS, HAProxy, Nginx}
+var Paths = []string{Direct, Userspace, UserspaceNFT, IPTables, NFTables, IPVS, HAProxy, Nginx,
+	LoDirect, LoUserspace, LoHAProxy, LoNginx}
+
+// loopbackPath reports whether the path is in the loopback topology.
+func loopbackPath(name string) bool { return strings.HasPrefix(name, loPrefix) }
+
+// baseName is the path's name without its topology: lo-nginx is nginx.
+func baseName(name string) string { return strings.TrimPrefix(name, loPrefix) }
+
+// topologyOf names the topology a path runs in, to compare it only with the
+// paths of the same one.
+func topologyOf(name string) string {
+	if loopbackPath(name) {
+		return loPrefix
+	}
+	return ""
+}
 
 // userspacePath reports whether the path is uproxy's userspace mode, whose
 // process is on the data path.
-func userspacePath(name string) bool { return name == Userspace || name == UserspaceNFT }
+func userspacePath(name string) bool {
+	return baseName(name) == Userspace || name == UserspaceNFT
+}
 
-// uproxyPath reports whether uproxy programs the path (its control plane can
-// be measured).
+// uproxyPath reports whether uproxy programs the path's rules (its control
+// plane can be measured).
 func uproxyPath(name string) bool {
-	return userspacePath(name) || name == IPTables || name == NFTables || name == IPVS
+	return name == Userspace || name == UserspaceNFT || name == IPTables || name == NFTables || name == IPVS
 }
 
 // peers are the other userspace proxies uproxy is judged against.
 var peers = []string{HAProxy, Nginx}
 
-func isPeer(name string) bool { return name == HAProxy || name == Nginx }
+func isPeer(name string) bool { b := baseName(name); return b == HAProxy || b == Nginx }
 
 // Virtual IPs of the benchmark's Services; they exist only in the benchmark's
 // namespaces.
@@ -81,7 +111,10 @@ type path struct {
 
 // probe says why a path cannot run on this machine, or "" when it can.
 func probe(name, uproxy string) string {
-	switch name {
+	if loopbackPath(name) && baseName(name) == Userspace {
+		return "" // --rules none: no rule tool needed
+	}
+	switch baseName(name) {
 	case Direct:
 		return ""
 	case Userspace:
@@ -184,9 +217,13 @@ func firstLine(b []byte) string {
 }
 
 // setupDirect: the client dials the backends themselves.
-func setupDirect(w *world) *path {
+func setupDirect(w *world, name string) *path {
+	version := "kernel forwarding"
+	if w.loopback {
+		version = "loopback"
+	}
 	return &path{
-		name: Direct, w: w, version: "kernel forwarding",
+		name: name, w: w, version: version,
 		echo: w.backendAddr(w.ports.Echo),
 		bulk: w.backendAddr(w.ports.Bulk),
 		udp:  w.backendAddr(w.ports.UDP),
@@ -237,7 +274,19 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 	if out, err := exec.Command(exe, "version").Output(); err == nil {
 		pt.version = firstLine(out)
 	}
-	if err := w.waitTraffic(ctx, p, 20*time.Second, target{"tcp", echoVIP}, target{"udp", udpVIP}); err != nil {
+	if rules == "none" {
+		// No portal: the client dials the proxy ports, and no Service IP
+		// works, so the control plane cannot be timed by traffic.
+		pt.ctl = nil
+		ports, err := ctl.proxyPorts(ctx, 20*time.Second, "bench/echo:p", "bench/bulk:p", "bench/udp:p")
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", name, err)
+		}
+		pt.echo = netip.AddrPortFrom(w.ip.node, uint16(ports[0]))
+		pt.bulk = netip.AddrPortFrom(w.ip.node, uint16(ports[1]))
+		pt.udp = netip.AddrPortFrom(w.ip.node, uint16(ports[2]))
+	}
+	if err := w.waitTraffic(ctx, p, 20*time.Second, target{"tcp", pt.echo}, target{"udp", pt.udp}); err != nil {
 		return nil, fmt.Errorf("%s: %w", name, err)
 	}
 	w.tuneConntrack()
@@ -246,7 +295,7 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 
 // setupHAProxy runs HAProxy in the node namespace: tcp mode, splice forced both
 // ways, its default of one thread per CPU. HAProxy does not proxy UDP.
-func setupHAProxy(ctx context.Context, w *world) (*path, error) {
+func setupHAProxy(ctx context.Context, w *world, name string) (*path, error) {
 	listen := func(i int) netip.AddrPort { return netip.AddrPortFrom(w.ip.nodeClientSide, uint16(haproxyBase+i)) }
 	// HAProxy sizes its file limit from maxconn (two sockets per connection) and
 	// maxpipes (two descriptors per splice pipe, default maxconn/4), and refuses
@@ -270,15 +319,15 @@ defaults
 	for i, be := range []uint16{w.ports.Echo, w.ports.Bulk} {
 		fmt.Fprintf(&cfg, "listen l%d\n\tbind %s\n\tserver b %s\n", i, listen(i), w.backendAddr(be))
 	}
-	file := filepath.Join(w.dir, "haproxy.cfg")
+	file := filepath.Join(w.dir, w.name+"-haproxy.cfg")
 	if err := os.WriteFile(file, []byte(cfg.String()), 0o644); err != nil {
 		return nil, err
 	}
-	p, err := w.start("haproxy", nodeRole, nil, nil, nil, "haproxy", "-db", "-f", file)
+	p, err := w.start(name, nodeRole, nil, nil, nil, "haproxy", "-db", "-f", file)
 	if err != nil {
 		return nil, err
 	}
-	pt := &path{name: HAProxy, w: w, echo: listen(0), bulk: listen(1), noUDP: "HAProxy does not proxy UDP", proxy: p}
+	pt := &path{name: name, w: w, echo: listen(0), bulk: listen(1), noUDP: "HAProxy does not proxy UDP", proxy: p}
 	if out, err := exec.Command("haproxy", "-v").CombinedOutput(); err == nil {
 		pt.version = firstLine(out)
 	}
@@ -291,13 +340,13 @@ defaults
 // setupNginx runs nginx's stream proxy in the node namespace with one worker per
 // CPU. UDP listens with reuseport so every datagram of a client reaches the
 // worker holding its session.
-func setupNginx(ctx context.Context, w *world) (*path, error) {
+func setupNginx(ctx context.Context, w *world, name string) (*path, error) {
 	module, err := nginxStreamModule()
 	if err != nil {
 		return nil, err
 	}
 	listen := func(i int) netip.AddrPort { return netip.AddrPortFrom(w.ip.nodeClientSide, uint16(nginxBase+i)) }
-	prefix := filepath.Join(w.dir, "nginx")
+	prefix := filepath.Join(w.dir, w.name+"-nginx")
 	if err := os.MkdirAll(filepath.Join(prefix, "logs"), 0o755); err != nil {
 		return nil, err
 	}
@@ -322,11 +371,11 @@ stream {
 	if err := os.WriteFile(file, []byte(cfg.String()), 0o644); err != nil {
 		return nil, err
 	}
-	p, err := w.start("nginx", nodeRole, nil, nil, nil, "nginx", "-p", prefix, "-e", filepath.Join(prefix, "logs", "error.log"), "-c", file)
+	p, err := w.start(name, nodeRole, nil, nil, nil, "nginx", "-p", prefix, "-e", filepath.Join(prefix, "logs", "error.log"), "-c", file)
 	if err != nil {
 		return nil, err
 	}
-	pt := &path{name: Nginx, w: w, echo: listen(0), bulk: listen(1), udp: listen(2), proxy: p}
+	pt := &path{name: name, w: w, echo: listen(0), bulk: listen(1), udp: listen(2), proxy: p}
 	if out, err := exec.Command("nginx", "-v").CombinedOutput(); err == nil {
 		pt.version = strings.TrimPrefix(firstLine(out), "nginx version: ")
 	}
@@ -439,4 +488,54 @@ func parseSyncMetric(r io.Reader) (sum float64, count uint64, err error) {
 		return 0, 0, fmt.Errorf("no %s histogram in /metrics", name)
 	}
 	return sum, count, nil
+}
+
+// proxyPorts asks /debug/services for the proxy ports of the named Service
+// ports, waiting until every one has one.
+func (c *uproxyCtl) proxyPorts(ctx context.Context, timeout time.Duration, names ...string) ([]int, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		ports, err := c.tryProxyPorts(names)
+		if err == nil {
+			return ports, nil
+		}
+		if !c.p.running() {
+			return nil, fmt.Errorf("uproxy exited: %s", c.p.logTail())
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("proxy ports within %v: %w", timeout, err)
+		}
+		if !sleepCtx(ctx, 20*time.Millisecond) {
+			return nil, ctx.Err()
+		}
+	}
+}
+
+func (c *uproxyCtl) tryProxyPorts(names []string) ([]int, error) {
+	resp, err := c.http.Get("http://" + c.metrics + "/debug/services")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	var body struct {
+		Services []struct {
+			Name      string `json:"name"`
+			ProxyPort int    `json:"proxyPort"`
+		} `json:"services"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&body); err != nil {
+		return nil, fmt.Errorf("/debug/services: %w", err)
+	}
+	ports := make([]int, len(names))
+	for i, n := range names {
+		for _, s := range body.Services {
+			if s.Name == n && s.ProxyPort > 0 {
+				ports[i] = s.ProxyPort
+			}
+		}
+		if ports[i] == 0 {
+			return nil, fmt.Errorf("no proxy port for %s yet", n)
+		}
+	}
+	return ports, nil
 }

@@ -183,7 +183,8 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 }
 
 // ratios fills VsDirect, VsBestPeer, ProxyCPUVsBestPeer and AddedP50. The best
-// peer is the best of HAProxy and nginx on each figure separately.
+// peer is the best of HAProxy and nginx on each figure separately. A path is
+// compared with the direct path and the peers of its own topology.
 func ratios(wr *WorkloadResult, withDirect bool) {
 	find := func(name string) *PathResult {
 		for i := range wr.Results {
@@ -199,25 +200,26 @@ func ratios(wr *WorkloadResult, withDirect bool) {
 		}
 		return a < b
 	}
-	var bestVal, bestCPU *float64
-	for _, name := range peers {
-		pr := find(name)
-		if pr == nil {
-			continue
-		}
-		if pr.Value != nil && (bestVal == nil || better(*pr.Value, *bestVal, wr.HigherIsBetter)) {
-			bestVal = pr.Value
-		}
-		if pr.ProxyCPU != nil && (bestCPU == nil || *pr.ProxyCPU < *bestCPU) {
-			bestCPU = pr.ProxyCPU
-		}
-	}
-	direct := find(Direct)
 	for i := range wr.Results {
 		r := &wr.Results[i]
 		if r.Value == nil {
 			continue
 		}
+		topo := topologyOf(r.Path)
+		var bestVal, bestCPU *float64
+		for _, name := range peers {
+			pr := find(topo + name)
+			if pr == nil {
+				continue
+			}
+			if pr.Value != nil && (bestVal == nil || better(*pr.Value, *bestVal, wr.HigherIsBetter)) {
+				bestVal = pr.Value
+			}
+			if pr.ProxyCPU != nil && (bestCPU == nil || *pr.ProxyCPU < *bestCPU) {
+				bestCPU = pr.ProxyCPU
+			}
+		}
+		direct := find(topo + Direct)
 		if withDirect && direct != nil && direct.Value != nil && *direct.Value != 0 {
 			r.VsDirect = ptr(*r.Value / *direct.Value)
 		}
@@ -353,7 +355,8 @@ func (r *Report) WriteTable(w io.Writer) error {
 			}
 		}
 	}
-	b.WriteString("\n×direct and ×best peer divide the figure by the direct path's and by the better of HAProxy and nginx.\n" +
+	b.WriteString("\n×direct and ×best peer divide the figure by the direct path's and by the better of HAProxy and nginx\n" +
+		"of the same topology: the lo- paths run on 127.0.0.1 in one namespace, each proxy dialed on its own port.\n" +
 		"CPU columns are CPU time per unit of work: the proxy's process tree, the load generators (client),\n" +
 		"the backend servers, and the whole machine (which alone sees kernel-mode proxying); client share is\n" +
 		"the load generators' part of the machine's CPU. +p50 is p50 minus direct's. Control-plane times through\n" +

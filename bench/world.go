@@ -131,15 +131,18 @@ func (p *process) logTail() string {
 }
 
 // world is one topology: client, node and backend namespaces, the backend
-// servers, and the processes started in it.
+// servers, and the processes started in it. A loopback world puts all three in
+// the node namespace on 127.0.0.1: no routing, no netfilter rule, the plain
+// path a proxy port is measured on.
 type world struct {
-	name    string
-	t       *teardown
-	tp      *topology.Topology
-	dir     string
-	launch  *launcher
-	backend *process
-	ports   backendPorts
+	name     string
+	loopback bool
+	t        *teardown
+	tp       *topology.Topology
+	dir      string
+	launch   *launcher
+	backend  *process
+	ports    backendPorts
 	// fileLimit is the open-file limit every process of the run has.
 	fileLimit int
 	ip        struct{ client, node, nodeClientSide, backend netip.Addr }
@@ -161,7 +164,16 @@ var conntrackSysctls = []string{
 // newWorld builds a topology and starts the backend servers in it. Everything
 // it creates is registered with t, also when it fails halfway.
 func newWorld(name string, t *teardown, launch *launcher, exe, dir string, fileLimit int) (*world, error) {
-	w := &world{name: name, t: t, launch: launch, dir: dir, fileLimit: fileLimit}
+	return buildWorld(&world{name: name, t: t, launch: launch, dir: dir, fileLimit: fileLimit}, exe)
+}
+
+// newLoopbackWorld builds a loopback world (see world).
+func newLoopbackWorld(name string, t *teardown, launch *launcher, exe, dir string, fileLimit int) (*world, error) {
+	return buildWorld(&world{name: name, loopback: true, t: t, launch: launch, dir: dir, fileLimit: fileLimit}, exe)
+}
+
+func buildWorld(w *world, exe string) (*world, error) {
+	name, t := w.name, w.t
 	tp, err := topology.Build()
 	if err != nil {
 		return nil, fmt.Errorf("build topology %s: %w", name, err)
@@ -176,6 +188,10 @@ func newWorld(name string, t *teardown, launch *launcher, exe, dir string, fileL
 	w.ip.nodeClientSide = w.tp.NS(clientRole).GatewayIPv4
 	w.ip.node = w.tp.NS(nodeRole).IPv4
 	w.ip.backend = w.tp.NS(backendRole).IPv4
+	if w.loopback {
+		lo := netip.MustParseAddr("127.0.0.1")
+		w.ip.client, w.ip.nodeClientSide, w.ip.node, w.ip.backend = lo, lo, lo, lo
+	}
 	for _, role := range []string{clientRole, nodeRole, backendRole} {
 		for _, s := range sysctls {
 			if out, err := w.tp.Exec(role, "sysctl", "-q", "-w", s); err != nil {
@@ -207,7 +223,7 @@ func (w *world) start(name, role string, env []string, stdin io.Reader, stdout i
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command("ip", append([]string{"netns", "exec", w.tp.NS(role).Name}, args...)...)
+	cmd := exec.Command("ip", append([]string{"netns", "exec", w.tp.NS(w.role(role)).Name}, args...)...)
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, logf, logf
 	if stdout != nil {
@@ -235,7 +251,16 @@ var dialer = net.Dialer{KeepAlive: -1, Timeout: topology.DialTimeout}
 
 // inClient runs fn on a thread inside the client namespace; sockets fn opens
 // are the client's.
-func (w *world) inClient(fn func() error) error { return w.tp.Run(clientRole, fn) }
+func (w *world) inClient(fn func() error) error { return w.tp.Run(w.role(clientRole), fn) }
+
+// role is the namespace that plays role: itself, or the node's in a loopback
+// world.
+func (w *world) role(role string) string {
+	if w.loopback {
+		return nodeRole
+	}
+	return role
+}
 
 // probeDialer gives up on a connection attempt soon. A SYN sent before the
 // rules exist creates a conntrack entry without NAT, and its retransmissions
