@@ -71,15 +71,7 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 				return err
 			}
 			if chart != "" {
-				f, err := os.Create(chart)
-				if err != nil {
-					return fmt.Errorf("--chart: %w", err)
-				}
-				if err := rep.WriteChart(f); err != nil {
-					f.Close()
-					return fmt.Errorf("--chart: %w", err)
-				}
-				if err := f.Close(); err != nil {
+				if err := writeFile(chart, rep.WriteChart); err != nil {
 					return fmt.Errorf("--chart: %w", err)
 				}
 			}

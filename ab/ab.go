@@ -108,7 +108,8 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// validate names the field (as the command's flag) of the first bad value.
+// validate returns an error naming the first bad field by its flag of
+// `uproxy ab`, the name users know it by.
 func (c *Config) validate() error {
 	for _, f := range []struct {
 		name string
@@ -121,23 +122,23 @@ func (c *Config) validate() error {
 		{"resamples", c.Resamples},
 	} {
 		if f.v < 1 {
-			return fmt.Errorf("%s %d: want at least 1", f.name, f.v)
+			return fmt.Errorf("--%s %d: want at least 1", f.name, f.v)
 		}
 	}
 	if c.Payload > MaxPayload {
-		return fmt.Errorf("payload %d: want at most %d bytes", c.Payload, MaxPayload)
+		return fmt.Errorf("--payload %d: want at most %d bytes", c.Payload, MaxPayload)
 	}
 	if c.Resamples < 100 {
-		return fmt.Errorf("resamples %d: want at least 100 for an interval to mean anything", c.Resamples)
+		return fmt.Errorf("--resamples %d: want at least 100 for an interval to mean anything", c.Resamples)
 	}
 	if c.DialTimeout < 0 {
-		return fmt.Errorf("dial-timeout %v: want a positive duration", c.DialTimeout)
+		return fmt.Errorf("--dial-timeout %v: want a positive duration", c.DialTimeout)
 	}
 	if c.Timeout < 0 {
-		return fmt.Errorf("timeout %v: want a positive duration", c.Timeout)
+		return fmt.Errorf("--timeout %v: want a positive duration", c.Timeout)
 	}
 	if !(c.Confidence > 0 && c.Confidence < 1) {
-		return fmt.Errorf("confidence %g: want a level between 0 and 1, e.g. 0.95", c.Confidence)
+		return fmt.Errorf("--confidence %g: want a level between 0 and 1, e.g. 0.95", c.Confidence)
 	}
 	return nil
 }
@@ -171,7 +172,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	for _, s := range sides {
 		ap, err := resolve(ctx, s.address)
 		if err != nil {
-			return nil, fmt.Errorf("address %s %q: %w", s.name, s.address, err)
+			return nil, fmt.Errorf("ADDR_%s %q: %w", s.name, s.address, err)
 		}
 		s.dialed = ap.String()
 		s.errors = map[string]int{}

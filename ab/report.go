@@ -252,7 +252,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 		}
 		b.WriteString("\n")
 	}
-	fmt.Fprintf(&b, "%d %s of %d bytes per connection, blocks of %d alternating A and B first, %.1fs\n",
+	fmt.Fprintf(&b, "%d %s of %d bytes per connection; blocks of %d connections, A B B A A B ...; %.1fs\n",
 		s.RequestsPerConnection, plural(s.RequestsPerConnection, "exchange", "exchanges"), s.Payload, s.Interleave, r.ElapsedSeconds)
 	fmt.Fprintf(&b, "intervals: %g%% of B-A over %d bootstrap resamples (seed %d)\n", s.Confidence*100, s.Resamples, s.Seed)
 	if r.Stopped != "" {
@@ -267,7 +267,8 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(tw, "%s\tA (n=%d)\tB (n=%d)\tB-A\t%g%% interval\tverdict\n", m.Name, m.A.Count, m.B.Count, s.Confidence*100)
 		for _, row := range m.Rows {
 			if row.CILow == nil {
-				fmt.Fprintf(tw, "  %s\t-\t-\t-\t-\t%s\n", row.Percentile, row.Verdict)
+				fmt.Fprintf(tw, "  %s\t%s\t%s\t-\t-\t%s\n", row.Percentile,
+					orDash(m.A.Count, row.A), orDash(m.B.Count, row.B), row.Verdict)
 				continue
 			}
 			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s%s\t[%s, %s]\t%s\n", row.Percentile,
@@ -276,6 +277,13 @@ func (r *Report) WriteTable(w io.Writer) error {
 		}
 	}
 	tw.Flush()
+	// The padding of the blank separator rows is trailing space.
+	lines := strings.Split(b.String(), "\n")
+	for i, l := range lines {
+		lines[i] = strings.TrimRight(l, " ")
+	}
+	b.Reset()
+	b.WriteString(strings.Join(lines, "\n"))
 	for _, sd := range []struct {
 		name string
 		s    Side
@@ -291,6 +299,13 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+func orDash(count int, us float64) string {
+	if count == 0 {
+		return "-"
+	}
+	return chart.Micros(us)
 }
 
 func plural(n int, one, many string) string {
