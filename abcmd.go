@@ -56,32 +56,16 @@ alone makes here.`,
 			if output != "table" && output != "json" {
 				return fmt.Errorf("-o %q: want table or json", output)
 			}
-			// Zero selects a default in ab.Config; on the command line it is a mistake.
-			for _, f := range []struct {
-				name string
-				v    int
-			}{
-				{"connections", cfg.Connections},
-				{"requests-per-connection", cfg.RequestsPerConnection},
-				{"payload", cfg.Payload},
-				{"interleave", cfg.Interleave},
-				{"resamples", cfg.Resamples},
-			} {
-				if f.v < 1 {
-					return fmt.Errorf("--%s %d: want at least 1", f.name, f.v)
+			// Zero selects a default in ab.Config; on the command line it is a
+			// mistake. Other bad values are ab.Run's to name.
+			for _, name := range []string{"connections", "requests-per-connection", "payload", "interleave",
+				"dial-timeout", "timeout", "resamples", "confidence"} {
+				if v := cmd.Flags().Lookup(name).Value.String(); v == "0" || v == "0s" {
+					return fmt.Errorf("--%s %s: want more than zero", name, v)
 				}
-			}
-			if !(cfg.Confidence > 0 && cfg.Confidence < 1) {
-				return fmt.Errorf("--confidence %g: want a level between 0 and 1, e.g. 0.95", cfg.Confidence)
 			}
 			if maxErrors < 0 {
 				return fmt.Errorf("--max-errors %d: want 0 (never stop) or more", maxErrors)
-			}
-			if cfg.DialTimeout <= 0 {
-				return fmt.Errorf("--dial-timeout %v: want a positive duration", cfg.DialTimeout)
-			}
-			if cfg.Timeout <= 0 {
-				return fmt.Errorf("--timeout %v: want a positive duration", cfg.Timeout)
 			}
 			cfg.A, cfg.B = args[0], args[1]
 			cfg.MaxErrors = maxErrors
@@ -95,29 +79,14 @@ alone makes here.`,
 					cfg.Live = true
 				}
 			}
-			ctx := cmd.Context()
-			if ctx == nil {
-				ctx = context.Background()
-			}
-			ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+			ctx, stop := interruptible(cmd)
 			defer stop()
 			rep, err := ab.Run(ctx, cfg)
 			if err != nil {
 				return fmt.Errorf("ab: %w", err)
 			}
-			out := cmd.OutOrStdout()
-			if output == "json" {
-				err = rep.WriteJSON(out)
-			} else {
-				err = rep.WriteTable(out)
-			}
-			if err != nil {
+			if err := printReport(cmd, rep, output, chartFile); err != nil {
 				return err
-			}
-			if chartFile != "" {
-				if err := writeFile(chartFile, rep.WriteChart); err != nil {
-					return fmt.Errorf("--chart: %w", err)
-				}
 			}
 			if rep.Stopped != "" {
 				return fmt.Errorf("ab: stopped early: %s", rep.Stopped)
@@ -162,11 +131,7 @@ func newEchoCommand() *cobra.Command {
 				return fmt.Errorf("echo: %w", err)
 			}
 			fmt.Fprintf(cmd.ErrOrStderr(), "echo: listening on %s\n", ln.Addr())
-			ctx := cmd.Context()
-			if ctx == nil {
-				ctx = context.Background()
-			}
-			ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+			ctx, stop := interruptible(cmd)
 			defer stop()
 			go func() {
 				<-ctx.Done()
@@ -194,4 +159,41 @@ func writeFile(name string, write func(io.Writer) error) error {
 		return err
 	}
 	return f.Close()
+}
+
+// interruptible is the command's context, ended by SIGINT or SIGTERM as well.
+func interruptible(cmd *cobra.Command) (context.Context, context.CancelFunc) {
+	ctx := cmd.Context()
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	return signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+}
+
+// report is what bench and ab print.
+type report interface {
+	WriteJSON(io.Writer) error
+	WriteTable(io.Writer) error
+	WriteChart(io.Writer) error
+}
+
+// printReport writes rep to stdout in the -o format (table or json), and its
+// chart to chartFile if one is named.
+func printReport(cmd *cobra.Command, rep report, output, chartFile string) error {
+	out := cmd.OutOrStdout()
+	var err error
+	if output == "json" {
+		err = rep.WriteJSON(out)
+	} else {
+		err = rep.WriteTable(out)
+	}
+	if err != nil {
+		return err
+	}
+	if chartFile != "" {
+		if err := writeFile(chartFile, rep.WriteChart); err != nil {
+			return fmt.Errorf("--chart: %w", err)
+		}
+	}
+	return nil
 }

@@ -22,6 +22,12 @@ func startEcho(t *testing.T, delay time.Duration) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return serveEcho(t, ln, delay)
+}
+
+// serveEcho serves Echo with delay on ln and returns its address; t.Cleanup
+// closes ln and checks that Serve returned cleanly.
+func serveEcho(t *testing.T, ln net.Listener, delay time.Duration) string {
 	e := &Echo{Delay: delay}
 	done := make(chan error, 1)
 	go func() { done <- e.Serve(ln) }()
