@@ -4,10 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"os/signal"
 	"strings"
-	"syscall"
 
 	"github.com/spf13/cobra"
 
@@ -48,11 +45,7 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 			cfg.Workloads = splitList(workloads)
 			cfg.Progress = cmd.ErrOrStderr()
 			cfg.Log = cmd.ErrOrStderr()
-			ctx := cmd.Context()
-			if ctx == nil {
-				ctx = context.Background()
-			}
-			ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+			ctx, stop := interruptible(cmd)
 			defer stop()
 			rep, err := bench.Run(ctx, cfg)
 			if errors.Is(err, context.Canceled) {
@@ -61,27 +54,8 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 			if err != nil {
 				return fmt.Errorf("bench: %w", err)
 			}
-			out := cmd.OutOrStdout()
-			if output == "json" {
-				err = rep.WriteJSON(out)
-			} else {
-				err = rep.WriteTable(out)
-			}
-			if err != nil {
+			if err := printReport(cmd, rep, output, chart); err != nil {
 				return err
-			}
-			if chart != "" {
-				f, err := os.Create(chart)
-				if err != nil {
-					return fmt.Errorf("--chart: %w", err)
-				}
-				if err := rep.WriteChart(f); err != nil {
-					f.Close()
-					return fmt.Errorf("--chart: %w", err)
-				}
-				if err := f.Close(); err != nil {
-					return fmt.Errorf("--chart: %w", err)
-				}
 			}
 			if failed := rep.Failed(); len(failed) > 0 {
 				return fmt.Errorf("bench: %d failures:\n  %s", len(failed), strings.Join(failed, "\n  "))

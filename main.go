@@ -64,6 +64,7 @@ and retries another when a dial fails.`,
 		newDemoCommand(),
 		newExplainCommand(),
 		newBenchCommand(),
+		newABCommand(), newEchoCommand(),
 		&cobra.Command{
 			Use:   "version",
 			Short: "Print the version",

@@ -4,6 +4,8 @@ import (
 	"math"
 	"math/bits"
 	"time"
+
+	"github.com/uproxy/uproxy/chart"
 )
 
 // subBits sets the histogram's precision: every power-of-two range of durations is
@@ -139,7 +141,4 @@ func (h *Histogram) CDF() []CDFPoint {
 }
 
 // CDFPoint is one point of a latency distribution.
-type CDFPoint struct {
-	Micros   float64 `json:"us"`
-	Fraction float64 `json:"fraction"`
-}
+type CDFPoint = chart.Point
