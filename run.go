@@ -53,7 +53,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 
 	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	// Manifests on disk when --services is given, else the API server.
-	var src syncloop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName}}
+	var src syncloop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName, Zone: cfg.zone}}
 	srcName := o.services
 	if o.services == "" {
 		ks, err := newKubeSource(ctx, o, cfg, health)

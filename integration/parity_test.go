@@ -188,3 +188,42 @@ spec:
 		})
 	}
 }
+
+// TestUserspaceTopologyFromFiles: with manifests on disk, --node-labels gives
+// the node its zone, so zone hints apply; node hints (trafficDistribution:
+// PreferSameNode) name the node given by --hostname-override.
+func TestUserspaceTopologyFromFiles(t *testing.T) {
+	tp := testbed.New(t)
+	podIP := tp.NS(testbed.Pod).IPv4.String()
+	port := func(name string) int {
+		return namedTCP(t, tp, testbed.Pod, podIP+":0", name).Addr().(*net.TCPAddr).Port
+	}
+	svc := func(name, clusterIP string) string {
+		return fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: %s, namespace: it}\nspec:\n  clusterIP: %s\n  ports:\n  - {name: p, protocol: TCP, port: 80}\n", name, clusterIP)
+	}
+	// hinted is a slice of one endpoint with the given hints.
+	hinted := func(name, svc, backend, hints string) string {
+		return fmt.Sprintf(`apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: %s, namespace: it, labels: {kubernetes.io/service-name: %s}}
+addressType: IPv4
+ports: [{name: p, protocol: TCP, port: %d}]
+endpoints: [{addresses: [%q], conditions: {ready: true}, hints: %s}]
+`, name, svc, port(backend), podIP, hints)
+	}
+	manifests := join(
+		svc("zoned", "10.96.0.40"),
+		hinted("zoned-a", "zoned", "in-zone-a", "{forZones: [{name: zone-a}]}"),
+		hinted("zoned-b", "zoned", "in-zone-b", "{forZones: [{name: zone-b}]}"),
+		svc("samenode", "10.96.0.41"),
+		hinted("samenode-1", "samenode", "on-it-node", "{forZones: [{name: zone-a}], forNodes: [{name: it-node}]}"),
+		hinted("samenode-2", "samenode", "on-other-node", "{forZones: [{name: zone-a}], forNodes: [{name: other-node}]}"),
+	)
+	startProxy(t, tp, manifests, 2, "--hostname-override", "it-node", "--node-labels", "topology.kubernetes.io/zone=zone-a")
+	if got := spread(tp, "TCP", testbed.Pod, "10.96.0.40:80", 6); got["in-zone-a"] != 6 {
+		t.Errorf("zone hints: 6 connections got %v, want all on in-zone-a", got)
+	}
+	if got := spread(tp, "TCP", testbed.Pod, "10.96.0.41:80", 6); got["on-it-node"] != 6 {
+		t.Errorf("node hints: 6 connections got %v, want all on on-it-node", got)
+	}
+}
