@@ -1,6 +1,15 @@
 // Package proxier is the userspace mode: for every Service port it holds a proxy
 // listener (TCP or UDP), keeps the port's backend choice up to date, and asks the
 // portals (rules) to steer the Service's virtual IPs to the listener.
+//
+// A connection gets endpoints by the way it came in, as in kube-proxy: through
+// a ClusterIP the port's ClusterEndpoints, through a NodePort, ExternalIP or
+// LoadBalancer IP its ExternalEndpoints, and of its own address family only.
+// The traffic class is told apart by proxy port, not by each connection's
+// original destination: a Service port whose traffic policies differ gets a
+// second proxy port for its external addresses, which costs nothing per
+// connection and works for UDP, where SO_ORIGINAL_DST has no counterpart. The
+// family is the client address's. route.go has the details.
 package proxier
 
 import (
