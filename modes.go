@@ -98,7 +98,6 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 			ChainPrefix:       o.chainPrefix,
 			IPv6:              hasIPv6(ips),
 			NodePortAddresses: cfg.prefixes,
-			Zone:              cfg.proxier.Zone,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode iptables: %w", err)
@@ -111,7 +110,6 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 			IPv6:              hasIPv6(ips),
 			NodeIPs:           ips,
 			NodePortAddresses: cfg.prefixes,
-			Zone:              cfg.proxier.Zone,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode ipvs: %w", err)

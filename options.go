@@ -45,6 +45,7 @@ type options struct {
 	chainPrefix        string
 	nodePortAddresses  []string
 	hostnameOverride   string
+	nodeLabels         map[string]string
 	shutdownGrace      time.Duration
 	cleanup            bool
 	cleanupOnExit      bool
@@ -116,6 +117,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, chainPrefixHelp)
 	f.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", o.nodePortAddresses, "CIDRs of the node addresses NodePorts answer on (empty: all)")
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
+	f.StringToStringVar(&o.nodeLabels, "node-labels", o.nodeLabels, "this node's labels, KEY=VALUE,... (with --services only; the API server's Node has its own): topology.kubernetes.io/zone sets the zone for topology hints")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
 	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit")
 	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")
@@ -140,6 +142,7 @@ type config struct {
 	rules       string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
 	prefixes    []netip.Prefix
 	nodeName    string
+	zone        string // from --node-labels
 	metricsAddr string
 	healthzAddr string
 	eventLoops  int
@@ -288,6 +291,9 @@ func (o *options) validate() (*config, error) {
 		}
 	}
 	c.nodeName = strings.ToLower(strings.TrimSpace(c.nodeName))
+	if c.zone, err = nodeZone(o.nodeLabels, o.services != ""); err != nil {
+		return nil, err
+	}
 	return c, nil
 }
 

@@ -56,6 +56,9 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--healthz-bind-address=0.0.0.0:-1"}, "--healthz-bind-address"},
 		{[]string{"--proxy-mode=nope"}, "--proxy-mode"},
 		{[]string{"--proxy-mode=userspace", "--scheduler=wrr"}, "--scheduler"},
+		{[]string{"--node-labels=topology.kubernetes.io/zone=z1"}, "--node-labels"},
+		{[]string{"--services=x", "--node-labels=bad key=z1"}, "--node-labels"},
+		{[]string{"--services=x", "--node-labels=topology.kubernetes.io/zone=not a value"}, "--node-labels"},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
@@ -64,6 +67,9 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 				t.Errorf("validate with %v: got %v, want an error starting with %q", tt.args, err, tt.wantFlag)
 			}
 		})
+	}
+	if c, err := validateArgs(t, "--services=x", "--node-labels=topology.kubernetes.io/zone=z1,rack=r7"); err != nil || c.zone != "z1" {
+		t.Errorf("validate with --node-labels: got %+v, %v; want zone z1", c, err)
 	}
 	c, err := validateArgs(t, "--event-loops=3")
 	if err != nil || c.eventLoops != 3 {

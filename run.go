@@ -53,7 +53,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 
 	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	// Manifests on disk when --services is given, else the API server.
-	var src syncloop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName}}
+	var src syncloop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName, Zone: cfg.zone}}
 	srcName := o.services
 	if o.services == "" {
 		ks, err := newKubeSource(ctx, o, cfg, health)
@@ -290,16 +290,9 @@ func newKubeSource(ctx context.Context, o *options, cfg *config, health *observe
 	if err != nil {
 		return nil, fmt.Errorf("API client: %w", err)
 	}
-	zctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	// A proxy must start even while the API server is away or its Node is not
-	// registered yet; topology hints then stay off until a restart.
-	if cfg.proxier.Zone, err = kube.NodeZone(zctx, client, cfg.nodeName); err != nil {
-		klog.ErrorS(err, "Reading this node's zone; topology hints are off", "node", cfg.nodeName)
-	}
-	zone := cfg.proxier.Zone
-	seenZone := zone // NodeChanged runs on one goroutine
-	klog.InfoS("Following the API server", "host", rc.Host, "node", cfg.nodeName, "zone", zone, "serviceProxyName", o.serviceProxyName)
+	// The source follows this node's zone (its Node's label) into every
+	// Snapshot, live.
+	klog.InfoS("Following the API server", "host", rc.Host, "node", cfg.nodeName, "serviceProxyName", o.serviceProxyName)
 	return &kube.Source{
 		Client:           client,
 		NodeName:         cfg.nodeName,
@@ -310,12 +303,6 @@ func newKubeSource(ctx context.Context, o *options, cfg *config, health *observe
 			if n == nil {
 				klog.InfoS("This node's Node was deleted", "node", cfg.nodeName)
 				return
-			}
-			if z := n.Labels[kube.LabelZone]; z != seenZone {
-				seenZone = z
-				if z != zone {
-					klog.InfoS("This node's zone changed; restart to apply it to topology hints", "node", cfg.nodeName, "zone", z, "using", zone)
-				}
 			}
 			klog.V(2).InfoS("Node changed", "node", n.Name, "eligible", kube.NodeEligible(n))
 		},

@@ -19,19 +19,23 @@ import (
 
 // ServiceState is the /debug/services view of one Service port.
 type ServiceState struct {
-	Name            string          `json:"name"`
-	Protocol        string          `json:"protocol"`
-	ClusterIPs      []string        `json:"clusterIPs"`
-	ExternalIPs     []string        `json:"externalIPs,omitempty"`
-	LoadBalancerIPs []string        `json:"loadBalancerIPs,omitempty"`
-	Port            int             `json:"port"`
-	NodePort        int             `json:"nodePort,omitempty"`
-	ProxyPort       int             `json:"proxyPort"`
-	SessionAffinity string          `json:"sessionAffinity"`
-	AffinityTimeout int             `json:"affinityTimeoutSeconds,omitempty"`
-	Scheduler       string          `json:"scheduler"`
-	Endpoints       []EndpointState `json:"endpoints"`
-	Affinity        []AffinityEntry `json:"affinity"`
+	Name            string   `json:"name"`
+	Protocol        string   `json:"protocol"`
+	ClusterIPs      []string `json:"clusterIPs"`
+	ExternalIPs     []string `json:"externalIPs,omitempty"`
+	LoadBalancerIPs []string `json:"loadBalancerIPs,omitempty"`
+	Port            int      `json:"port"`
+	NodePort        int      `json:"nodePort,omitempty"`
+	ProxyPort       int      `json:"proxyPort"`
+	// ExternalProxyPort is the proxy port of the NodePort, ExternalIPs and
+	// LoadBalancer IPs when they have one of their own (their endpoints may
+	// differ from the ClusterIPs'); 0 when they share ProxyPort.
+	ExternalProxyPort int             `json:"externalProxyPort,omitempty"`
+	SessionAffinity   string          `json:"sessionAffinity"`
+	AffinityTimeout   int             `json:"affinityTimeoutSeconds,omitempty"`
+	Scheduler         string          `json:"scheduler"`
+	Endpoints         []EndpointState `json:"endpoints"`
+	Affinity          []AffinityEntry `json:"affinity"`
 	// NextEndpoint is where the scheduler's rotation resumes.
 	NextEndpoint     string            `json:"nextEndpoint,omitempty"`
 	AffinityCounters *AffinityCounters `json:"affinityCounters,omitempty"`

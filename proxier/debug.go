@@ -8,29 +8,11 @@ import (
 
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/service"
 )
 
 // What the proxier shows of its state: /debug/services, explain's next choice
 // and the balancer figures observe exports at scrape time.
-
-// balancerStats reads b for the metrics scrape, in observe's terms.
-func balancerStats(b *affinity.Balancer) func() observe.BalancerStats {
-	return func() observe.BalancerStats {
-		c, eps := b.Stats()
-		st := observe.BalancerStats{
-			Affinity: observe.AffinityCounters{
-				Hits: c.AffinityHits, Misses: c.AffinityMisses,
-				Resets: c.AffinityResets, Expired: c.AffinityExpired,
-			},
-			Endpoints: make([]observe.EndpointStats, len(eps)),
-		}
-		for i, e := range eps {
-			// Stats leaves EjectedUntil zero once the ejection has ended.
-			st.Endpoints[i] = observe.EndpointStats{Addr: e.Addr, Active: e.Active, Failures: e.Failures, Ejected: !e.EjectedUntil.IsZero()}
-		}
-		return st
-	}
-}
 
 // DebugServices reports every Service port for /debug/services.
 func (p *Proxier) DebugServices() []observe.ServiceState {
@@ -52,17 +34,22 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	port := sp.port.Load()
 	st := observe.PortState(port, p.cfg.Scheduler)
-	ls := sp.listener.Load()
+	ls := sp.cluster.listener.Load()
 	st.ProxyPort, st.Reopens = ls.proxyPort, ls.reopens
+	if ext := sp.external.Load(); ext != nil {
+		el := ext.listener.Load()
+		st.ExternalProxyPort = el.proxyPort
+		st.Reopens += el.reopens
+	}
 	if err := ls.serving.failed(); err != nil {
 		st.ListenerDown, st.ListenerError = true, err.Error()
 	} else if ls.lastFailure != nil {
 		st.ListenerError = ls.lastFailure.Error()
 	}
-	if sp.udp != nil {
-		st.ActiveClients = sp.udp.Clients()
+	if sp.protocol == service.UDP {
+		st.ActiveClients = sp.udpClients()
 	}
-	bs := sp.balancer.State()
+	bs := sp.state()
 	balanced := make(map[netip.AddrPort]affinity.EndpointState, len(bs.Endpoints))
 	for _, e := range bs.Endpoints {
 		balanced[e.Addr] = e
@@ -71,8 +58,16 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 		st.Ejection = fmt.Sprintf("after %d consecutive failed dials, for %v doubling up to %v", e.After, e.Base, e.Max)
 	}
 	usable := make(map[netip.AddrPort]bool)
-	for _, e := range port.ClusterEndpoints(p.cfg.Zone) {
+	p.mu.RLock()
+	zone := p.zone
+	p.mu.RUnlock()
+	for _, e := range port.ClusterEndpoints(zone) {
 		usable[e.Addr] = true
+	}
+	if sp.external.Load() != nil {
+		for _, e := range port.ExternalEndpoints(zone) {
+			usable[e.Addr] = true
+		}
 	}
 	for _, e := range port.Endpoints {
 		b := balanced[e.Addr]
@@ -127,7 +122,7 @@ func (p *Proxier) NextChoice(service string, client netip.Addr) (observe.Choice,
 		return observe.Choice{}, false
 	}
 	out := observe.Choice{Client: client.String()}
-	c, err := sp.balancer.Explain(client)
+	c, err := sp.explain(client)
 	if err != nil {
 		out.Reason = err.Error()
 		return out, true

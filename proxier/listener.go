@@ -53,32 +53,34 @@ func (p *Proxier) listenHost() string {
 	return p.cfg.BindAddress.String()
 }
 
-// listen opens sp's proxy socket on proxy port pp and starts serving it.
-func (p *Proxier) listen(sp *servicePort, pp int) (*serving, error) {
+// listen opens the proxy socket of sp's route r on proxy port pp and starts
+// serving it.
+func (p *Proxier) listen(sp *servicePort, r *route, pp int) (*serving, error) {
 	addr := net.JoinHostPort(p.listenHost(), strconv.Itoa(pp))
 	sv := &serving{done: make(chan struct{})}
-	if sp.tcp != nil {
-		ln, err := sp.tcp.Listen(context.Background(), "tcp", addr)
+	if r.tcp != nil {
+		ln, err := r.tcp.Listen(context.Background(), "tcp", addr)
 		if err != nil {
 			return nil, err
 		}
-		go p.serve(sp, sv, func() error { return sp.tcp.Serve(ln) })
+		go p.serve(sp, sv, func() error { return r.tcp.Serve(ln) })
 	} else {
 		pc, err := new(net.ListenConfig).ListenPacket(context.Background(), "udp", addr)
 		if err != nil {
 			return nil, err
 		}
-		go p.serve(sp, sv, func() error { return sp.udp.Serve(pc.(*net.UDPConn)) })
+		go p.serve(sp, sv, func() error { return r.udp.Serve(pc.(*net.UDPConn)) })
 	}
 	return sv, nil
 }
 
-// listenAnywhere opens sp's proxy socket on a free port of the range.
-func (p *Proxier) listenAnywhere(sp *servicePort) (*listenerState, error) {
+// listenAnywhere opens the proxy socket of sp's route r on a free port of the
+// range.
+func (p *Proxier) listenAnywhere(sp *servicePort, r *route) (*listenerState, error) {
 	var ls *listenerState
 	var lastErr error
 	ok := p.alloc.each(func(pp int) bool {
-		sv, err := p.listen(sp, pp)
+		sv, err := p.listen(sp, r, pp)
 		if err != nil {
 			lastErr = err
 			return false
@@ -107,20 +109,29 @@ func (p *Proxier) serve(sp *servicePort, sv *serving, run func() error) {
 	}
 }
 
-// reopenFailed replaces sp's proxy socket if it has failed for good: on the same
-// proxy port while that is free (clients and portals keep it), else on another
-// of the range. While no port can be had the dead socket's port stays held, to
-// be tried first by the next Sync.
+// reopenFailed replaces each proxy socket of sp that has failed for good: on
+// the same proxy port while that is free (clients and portals keep it), else
+// on another of the range. While no port can be had the dead socket's port
+// stays held, to be tried first by the next Sync.
 func (p *Proxier) reopenFailed(sp *servicePort) error {
-	old := sp.listener.Load()
+	for _, r := range sp.routes() {
+		if err := p.reopenRoute(sp, r); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *Proxier) reopenRoute(sp *servicePort, r *route) error {
+	old := r.listener.Load()
 	failure := old.serving.failed()
 	if failure == nil {
 		return nil
 	}
 	ls := &listenerState{proxyPort: old.proxyPort, reopens: old.reopens + 1, lastFailure: failure}
-	sv, err := p.listen(sp, old.proxyPort)
+	sv, err := p.listen(sp, r, old.proxyPort)
 	if err != nil {
-		moved, err := p.listenAnywhere(sp)
+		moved, err := p.listenAnywhere(sp, r)
 		if err != nil {
 			return fmt.Errorf("reopen proxy port %d of %s after %v: %w", old.proxyPort, sp.name, failure, err)
 		}
@@ -128,7 +139,7 @@ func (p *Proxier) reopenFailed(sp *servicePort) error {
 		ls.proxyPort, sv = moved.proxyPort, moved.serving
 	}
 	ls.serving = sv
-	sp.listener.Store(ls)
+	r.listener.Store(ls)
 	sp.observer.Reopened(old.proxyPort, ls.proxyPort, failure)
 	return nil
 }

@@ -1,6 +1,15 @@
 // Package proxier is the userspace mode: for every Service port it holds a proxy
 // listener (TCP or UDP), keeps the port's backend choice up to date, and asks the
 // portals (rules) to steer the Service's virtual IPs to the listener.
+//
+// A connection gets endpoints by the way it came in, as in kube-proxy: through
+// a ClusterIP the port's ClusterEndpoints, through a NodePort, ExternalIP or
+// LoadBalancer IP its ExternalEndpoints, and of its own address family only.
+// The traffic class is told apart by proxy port, not by each connection's
+// original destination: a Service port whose traffic policies differ gets a
+// second proxy port for its external addresses, which costs nothing per
+// connection and works for UDP, where SO_ORIGINAL_DST has no counterpart. The
+// family is the client address's. route.go has the details.
 package proxier
 
 import (
@@ -46,8 +55,6 @@ type Config struct {
 	UDPTimeout time.Duration
 	// UDPMaxClients bounds each UDP Service's client table; 0: socket default.
 	UDPMaxClients int
-	// Zone is this node's topology zone, for topology-aware endpoint choice ("": off).
-	Zone string
 	// Portals programs the rules that steer virtual IPs to proxy ports; nil: none.
 	Portals rules.Portals
 	// Events, if set, records every connection and every ejection.
@@ -82,6 +89,8 @@ type Proxier struct {
 	// dialing or writing rules, so debug readers do not wait on the kernel.
 	mu    sync.RWMutex
 	ports map[service.PortName]*servicePort
+	// zone is the node's topology zone of the last Sync's Snapshot.
+	zone string
 	// portErrors are the per-Service-port problems of the last sync.
 	portErrors []error
 	// synced holds, for each Port of the last Sync's Snapshot in order, its
@@ -101,22 +110,21 @@ type syncedPort struct {
 }
 
 // servicePort is the running state of one Service port. Everything but port and
-// listener is set before the port is published in Proxier.ports and never
+// external is set before the port is published in Proxier.ports and never
 // changes.
 type servicePort struct {
-	name service.PortName
+	name     service.PortName
+	protocol service.Protocol
 	// port is the Port of the last sync. Ports are immutable, so readers on any
 	// goroutine (the /debug handlers) load it without a lock, and Sync's short
 	// way pays one atomic store per changed port.
-	port atomic.Pointer[service.Port]
-	// listener is the proxy socket: replaced whole, by Sync, when a failed
-	// socket is reopened (listener.go).
-	listener atomic.Pointer[listenerState]
-	balancer *affinity.Balancer
+	port     atomic.Pointer[service.Port]
 	observer *observe.PortObserver
-	// Exactly one of tcp, udp is set; it serves every socket the port has had.
-	tcp *socket.TCPProxy
-	udp *socket.UDPProxy
+	// cluster serves the ClusterIPs, and every address while external is nil.
+	cluster *route
+	// external serves the NodePort, ExternalIPs and LoadBalancer IPs while the
+	// port SplitsExternal (see route.go); only Sync's long way sets or clears it.
+	external atomic.Pointer[route]
 }
 
 // New returns a Proxier with no Service ports, with its event loops running; call
@@ -192,10 +200,22 @@ func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) 
 	if synced == nil || len(synced) != len(s.Ports) || p.socketFailed.Swap(false) {
 		return nil, false
 	}
+	p.mu.RLock()
+	zoneChanged := p.zone != s.Zone
+	p.mu.RUnlock()
 	for i, port := range s.Ports {
 		if prev := synced[i].port; prev != port && !service.IdentityEqual(prev, port) {
 			return nil, false
 		}
+		// Opening or closing an external route is the long way's job.
+		if sp := synced[i].sp; sp != nil && port.SplitsExternal() != (sp.external.Load() != nil) {
+			return nil, false
+		}
+	}
+	if zoneChanged {
+		p.mu.Lock()
+		p.zone = s.Zone
+		p.mu.Unlock()
 	}
 	portals := make([]rules.Portal, 0, len(s.Ports))
 	for i, port := range s.Ports {
@@ -209,10 +229,10 @@ func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) 
 		// synced with has nothing new: with a builder that reuses the Ports of
 		// unchanged Services, an endpoint change costs one balancer update, not
 		// one per Service port.
-		if sp.port.Load() != port {
+		if zoneChanged || sp.port.Load() != port {
 			p.updatePort(sp, port)
 		}
-		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.listener.Load().proxyPort})
+		portals = append(portals, sp.portal(port))
 	}
 	return portals, true
 }
@@ -242,6 +262,10 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 		p.closePort(sp)
 	}
 
+	p.mu.Lock()
+	zoneChanged := p.zone != s.Zone
+	p.zone = s.Zone
+	p.mu.Unlock()
 	portals := make([]rules.Portal, 0, len(s.Ports))
 	complete := true
 	for i, port := range s.Ports {
@@ -264,7 +288,12 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 			p.ports[port.Name] = sp
 			p.mu.Unlock()
 		} else {
-			if sp.port.Load() != port { // see syncSameListeners
+			if err := p.routeExternal(sp, port); err != nil {
+				portErrs = multierror.Append(portErrs, err)
+				complete = false
+				continue
+			}
+			if zoneChanged || sp.port.Load() != port { // see syncSameListeners
 				p.updatePort(sp, port)
 			}
 			if err := p.reopenFailed(sp); err != nil {
@@ -274,7 +303,7 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 			}
 		}
 		synced[i].sp = sp
-		portals = append(portals, rules.Portal{Port: port, ProxyPort: sp.listener.Load().proxyPort})
+		portals = append(portals, sp.portal(port))
 	}
 	p.mu.Lock()
 	if complete && sortedByName(s.Ports) {
@@ -313,37 +342,61 @@ func flatten(err error) []error {
 	return []error{err}
 }
 
-// updatePort hands the port's current endpoints and affinity settings to its balancer.
+// portal is the Portal of sp for port.
+func (sp *servicePort) portal(port *service.Port) rules.Portal {
+	pt := rules.Portal{Port: port, ProxyPort: sp.cluster.listener.Load().proxyPort}
+	if ext := sp.external.Load(); ext != nil {
+		pt.ExternalProxyPort = ext.listener.Load().proxyPort
+	}
+	return pt
+}
+
+// updatePort hands each route of the port its endpoints and affinity settings:
+// the cluster route the ClusterEndpoints, the external route (when there is
+// one) the ExternalEndpoints.
 func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
-	eps := port.ClusterEndpoints(p.cfg.Zone)
-	addrs := make([]netip.AddrPort, len(eps))
-	for i, e := range eps {
-		addrs[i] = e.Addr
-	}
-	var dst netip.Addr
-	if len(port.ClusterIPs) > 0 {
-		dst = port.ClusterIPs[0]
-	}
-	sp.balancer.Update(addrs, dst, port.AffinityClientIP, port.AffinityTimeout)
-	sp.observer.Retain(addrs)
-	old := sp.port.Swap(port)
-	// A UDP client that keeps sending would stay on a removed endpoint for as
-	// long as it talks: its entry never idles out. End such entries, so its next
-	// datagram picks a usable endpoint (what kube-proxy gets by deleting the
-	// flows' conntrack entries).
-	if sp.udp != nil && old != nil && lostEndpoint(old.ClusterEndpoints(p.cfg.Zone), addrs) {
-		if n, err := sp.udp.Retain(addrs); err != nil {
-			klog.ErrorS(err, "Ending UDP clients of removed endpoints", "service", sp.name)
-		} else if n > 0 {
-			klog.V(1).InfoS("Moved UDP clients off removed endpoints", "service", sp.name, "clients", n)
+	p.mu.RLock()
+	zone := p.zone
+	p.mu.RUnlock()
+	old := sp.port.Load()
+	all := make(map[netip.AddrPort]bool)
+	for _, r := range sp.routes() {
+		classEndpoints := port.ClusterEndpoints
+		if r != sp.cluster {
+			classEndpoints = port.ExternalEndpoints
 		}
+		eps := classEndpoints(zone)
+		addrs := make([]netip.AddrPort, len(eps))
+		for i, e := range eps {
+			addrs[i] = e.Addr
+			all[e.Addr] = true
+		}
+		r.picker.update(addrs, port)
+		// A UDP client that keeps sending would stay on a removed endpoint for
+		// as long as it talks: its entry never idles out. End such entries, so
+		// its next datagram picks a usable endpoint (what kube-proxy gets by
+		// deleting the flows' conntrack entries).
+		if r.udp != nil && old != nil && lostEndpoint(r.endpoints, addrs) {
+			if n, err := r.udp.Retain(addrs); err != nil {
+				klog.ErrorS(err, "Ending UDP clients of removed endpoints", "service", sp.name)
+			} else if n > 0 {
+				klog.V(1).InfoS("Moved UDP clients off removed endpoints", "service", sp.name, "clients", n)
+			}
+		}
+		r.endpoints = addrs
 	}
+	kept := make([]netip.AddrPort, 0, len(all))
+	for a := range all {
+		kept = append(kept, a)
+	}
+	sp.observer.Retain(kept)
+	sp.port.Store(port)
 }
 
 // lostEndpoint reports whether an endpoint of before is not in now.
-func lostEndpoint(before []service.Endpoint, now []netip.AddrPort) bool {
+func lostEndpoint(before, now []netip.AddrPort) bool {
 	for _, e := range before {
-		if !slices.Contains(now, e.Addr) {
+		if !slices.Contains(now, e) {
 			return true
 		}
 	}
@@ -361,71 +414,124 @@ func (p *Proxier) ejection() affinity.Ejection {
 	return e
 }
 
-// openPort opens the listener of a new Service port on a proxy port and starts serving.
+// openPort opens the listener of a new Service port on a proxy port (two when
+// the port SplitsExternal) and starts serving.
 func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
-	bal, err := affinity.NewBalancer(p.cfg.Scheduler)
-	if err != nil {
-		return nil, err
-	}
-	bal.SetEjection(p.ejection())
 	sp := &servicePort{
 		name:     port.Name,
-		balancer: bal,
+		protocol: port.Protocol,
 		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
 	}
-	// The balancer ejects endpoints from the dial reports of the socket layer;
-	// the observer only hears of its decisions.
-	bal.SetEjectionObserver(sp.observer)
+	r, err := p.newRoute(sp)
+	if err != nil {
+		sp.observer.Forget()
+		return nil, err
+	}
+	sp.cluster = r
+	var udpClients func() int
+	if port.Protocol == service.UDP {
+		udpClients = sp.udpClients
+	}
+	sp.observer.Attach(portStats(sp), udpClients)
 	// The first connection finds the endpoints, and a reader the Port.
 	p.updatePort(sp, port)
-	switch port.Protocol {
-	case service.TCP:
-		sp.tcp = &socket.TCPProxy{
-			Service:      port.Name.String(),
-			Picker:       bal,
-			Loops:        p.loops,
-			DialTimeouts: p.cfg.DialTimeouts,
-			KeepAlive:    p.cfg.TCPKeepAlive,
-			IdleTimeout:  p.cfg.TCPIdleTimeout,
-			Observer:     sp.observer,
-		}
-		sp.observer.Attach(balancerStats(bal), nil)
-	case service.UDP:
-		sp.udp = &socket.UDPProxy{
-			Service:    port.Name.String(),
-			Picker:     bal,
-			Loops:      p.loops,
-			Timeout:    p.cfg.UDPTimeout,
-			MaxClients: p.cfg.UDPMaxClients,
-			Observer:   sp.observer,
-		}
-		sp.observer.Attach(balancerStats(bal), sp.udp.Clients)
-	}
-	ls, err := p.listenAnywhere(sp)
+	ls, err := p.listenAnywhere(sp, r)
 	if err != nil {
 		// Nothing was served: the port leaves no series and no scrape behind.
 		sp.observer.Forget()
 		return nil, fmt.Errorf("open proxy port for %s/%s: %w", port.Name, port.Protocol, err)
 	}
-	sp.listener.Store(ls)
+	r.listener.Store(ls)
+	if err := p.routeExternal(sp, port); err != nil {
+		p.closePort(sp)
+		return nil, err
+	}
 	// At the default verbosity: with --rules none the proxy port is the only way
 	// to a Service, and this line the only place that says which it is.
 	klog.InfoS("Opened proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", ls.proxyPort, "serves", port.Claims())
 	return sp, nil
 }
 
+// newRoute returns a route of sp with its balancers and proxy, not listening yet.
+func (p *Proxier) newRoute(sp *servicePort) (*route, error) {
+	picker, err := newFamilyPicker(p.cfg.Scheduler, p.ejection(), sp.observer)
+	if err != nil {
+		return nil, err
+	}
+	r := &route{picker: picker}
+	switch sp.protocol {
+	case service.TCP:
+		r.tcp = &socket.TCPProxy{
+			Service:      sp.name.String(),
+			Picker:       picker,
+			Loops:        p.loops,
+			DialTimeouts: p.cfg.DialTimeouts,
+			KeepAlive:    p.cfg.TCPKeepAlive,
+			IdleTimeout:  p.cfg.TCPIdleTimeout,
+			Observer:     sp.observer,
+		}
+	case service.UDP:
+		r.udp = &socket.UDPProxy{
+			Service:    sp.name.String(),
+			Picker:     picker,
+			Loops:      p.loops,
+			Timeout:    p.cfg.UDPTimeout,
+			MaxClients: p.cfg.UDPMaxClients,
+			Observer:   sp.observer,
+		}
+	}
+	return r, nil
+}
+
+// routeExternal gives sp an external route, listening on a proxy port of its
+// own, when port SplitsExternal, and closes the one it has when not.
+func (p *Proxier) routeExternal(sp *servicePort, port *service.Port) error {
+	ext := sp.external.Load()
+	switch split := port.SplitsExternal(); {
+	case split && ext == nil:
+		r, err := p.newRoute(sp)
+		if err != nil {
+			return err
+		}
+		ls, err := p.listenAnywhere(sp, r)
+		if err != nil {
+			return fmt.Errorf("open external proxy port for %s/%s: %w", port.Name, port.Protocol, err)
+		}
+		r.listener.Store(ls)
+		sp.external.Store(r)
+		p.updatePort(sp, port)
+		klog.InfoS("Opened external proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", ls.proxyPort,
+			"externalTrafficPolicyLocal", port.ExternalPolicyLocal, "internalTrafficPolicyLocal", port.InternalPolicyLocal)
+	case !split && ext != nil:
+		sp.external.Store(nil)
+		p.closeRoute(sp, ext)
+		p.updatePort(sp, port)
+	}
+	return nil
+}
+
 // closePort stops accepting for a Service port that went away. Open TCP
 // connections carry on to their end; UDP client entries end with the socket.
 func (p *Proxier) closePort(sp *servicePort) {
-	if sp.tcp != nil {
-		sp.tcp.Close()
-	} else {
-		sp.udp.Close()
+	for _, r := range sp.routes() {
+		p.closeRoute(sp, r)
 	}
-	ls := sp.listener.Load()
+	sp.observer.Forget()
+}
+
+// closeRoute stops accepting on one route of sp and releases its proxy port.
+func (p *Proxier) closeRoute(sp *servicePort, r *route) {
+	if r.tcp != nil {
+		r.tcp.Close()
+	} else {
+		r.udp.Close()
+	}
+	ls := r.listener.Load()
+	if ls == nil {
+		return
+	}
 	<-ls.serving.done
 	p.alloc.release(ls.proxyPort)
-	sp.observer.Forget()
 	klog.V(1).InfoS("Closed proxy port", "service", sp.name, "proxyPort", ls.proxyPort)
 }
 
@@ -434,7 +540,21 @@ func (p *Proxier) ProxyPort(name service.PortName) int {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	if sp := p.ports[name]; sp != nil {
-		return sp.listener.Load().proxyPort
+		return sp.cluster.listener.Load().proxyPort
+	}
+	return 0
+}
+
+// ExternalProxyPort returns the proxy port of a Service port's NodePort,
+// ExternalIPs and LoadBalancer IPs when it has one of its own (see route.go),
+// else 0.
+func (p *Proxier) ExternalProxyPort(name service.PortName) int {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if sp := p.ports[name]; sp != nil {
+		if ext := sp.external.Load(); ext != nil {
+			return ext.listener.Load().proxyPort
+		}
 	}
 	return 0
 }
@@ -458,22 +578,24 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 	var mu sync.Mutex
 	var errs *multierror.Error
 	for _, sp := range ports {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			var err error
-			if sp.tcp != nil {
-				err = sp.tcp.Shutdown(ctx)
-			} else {
-				err = sp.udp.Close()
-			}
-			<-sp.listener.Load().serving.done
-			if err != nil && !errors.Is(err, net.ErrClosed) {
-				mu.Lock()
-				errs = multierror.Append(errs, fmt.Errorf("%s: %w", sp.name, err))
-				mu.Unlock()
-			}
-		}()
+		for _, r := range sp.routes() {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				var err error
+				if r.tcp != nil {
+					err = r.tcp.Shutdown(ctx)
+				} else {
+					err = r.udp.Close()
+				}
+				<-r.listener.Load().serving.done
+				if err != nil && !errors.Is(err, net.ErrClosed) {
+					mu.Lock()
+					errs = multierror.Append(errs, fmt.Errorf("%s: %w", sp.name, err))
+					mu.Unlock()
+				}
+			}()
+		}
 	}
 	wg.Wait()
 	// Every proxy has drained: nothing runs on the loops any more.

@@ -25,15 +25,15 @@ func udpTargetsOf(entries []entry, f int) udpTargets {
 		if e.protocol != service.UDP || !e.families[f] {
 			continue
 		}
-		for _, ips := range [][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
+		for kind, ips := range [][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
 			for _, ip := range ips {
 				if familyOf(ip) == f {
-					t.vips[netip.AddrPortFrom(ip, uint16(e.port))] = uint16(e.proxyPort)
+					t.vips[netip.AddrPortFrom(ip, uint16(e.port))] = uint16(e.proxyPortOf(kind != 0))
 				}
 			}
 		}
 		if e.nodePort != 0 && e.nodePortHeld[f] {
-			t.nodePorts[uint16(e.nodePort)] = uint16(e.proxyPort)
+			t.nodePorts[uint16(e.nodePort)] = uint16(e.extProxyPort)
 		}
 	}
 	return t

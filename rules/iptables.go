@@ -137,7 +137,7 @@ func equalEntries(a, b []entry) bool {
 	for i := range a {
 		x, y := &a[i], &b[i]
 		if x.name != y.name || x.protocol != y.protocol || x.proto != y.proto || x.port != y.port ||
-			x.proxyPort != y.proxyPort || x.nodePort != y.nodePort ||
+			x.proxyPort != y.proxyPort || x.extProxyPort != y.extProxyPort || x.nodePort != y.nodePort ||
 			x.families != y.families || x.nodePortHeld != y.nodePortHeld ||
 			!slices.Equal(x.clusterIPs, y.clusterIPs) || !slices.Equal(x.externalIPs, y.externalIPs) ||
 			!slices.Equal(x.lbIPs, y.lbIPs) {
@@ -184,7 +184,10 @@ func entriesOf(portals []Portal, enabled [2]bool) ([]entry, []error) {
 			errs = append(errs, fmt.Errorf("portal %d: no Service port", i))
 			continue
 		}
-		e := entry{name: sp.Name, protocol: sp.Protocol, port: sp.Port, proxyPort: pt.ProxyPort, nodePort: sp.NodePort}
+		e := entry{name: sp.Name, protocol: sp.Protocol, port: sp.Port, proxyPort: pt.ProxyPort, extProxyPort: pt.ProxyPort, nodePort: sp.NodePort}
+		if pt.ExternalProxyPort != 0 {
+			e.extProxyPort = pt.ExternalProxyPort
+		}
 		fail := func(port int, err error) {
 			errs = append(errs, &PortalError{Service: sp.Name, Protocol: sp.Protocol, Port: port, Err: err})
 		}
@@ -204,6 +207,10 @@ func entriesOf(portals []Portal, enabled [2]bool) ([]entry, []error) {
 		}
 		if !validPort(pt.ProxyPort) {
 			fail(sp.Port, fmt.Errorf("invalid proxy port %d", pt.ProxyPort))
+			continue
+		}
+		if !validPort(e.extProxyPort) {
+			fail(sp.Port, fmt.Errorf("invalid external proxy port %d", pt.ExternalProxyPort))
 			continue
 		}
 		if sp.NodePort != 0 && !validPort(sp.NodePort) {

@@ -141,7 +141,7 @@ func TestSyncWritesExactRestoreInput(t *testing.T) {
 	}{
 		{
 			name:    "ClusterIP ExternalIP LoadBalancer NodePort, TCP and UDP, IPv4 only",
-			portals: []Portal{{web, 40001}, {dns, 40002}},
+			portals: []Portal{{Port: web, ProxyPort: 40001}, {Port: dns, ProxyPort: 40002}},
 			want: [2]string{`*filter
 :UPROXY-NODEPORT-NON-LOCAL - [0:0]
 -A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN
@@ -167,7 +167,7 @@ COMMIT
 		{
 			name:    "IPv6 rules go to ip6tables, NodePortAddresses narrow NodePorts, other prefix",
 			cfg:     Config{IPv6: true, ChainPrefix: "UP6", NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("fd00::/64")}},
-			portals: []Portal{{web, 40001}, {v6only, 40003}},
+			portals: []Portal{{Port: web, ProxyPort: 40001}, {Port: v6only, ProxyPort: 40003}},
 			want: [2]string{strings.ReplaceAll(`*filter
 :UPROXY-NODEPORT-NON-LOCAL - [0:0]
 COMMIT
@@ -197,13 +197,13 @@ COMMIT
 		},
 		{
 			name:    "SCTP is skipped with an error, IPv6-only Service ignored without IPv6",
-			portals: []Portal{{sctp, 40004}, {v6only, 40003}},
+			portals: []Portal{{Port: sctp, ProxyPort: 40004}, {Port: v6only, ProxyPort: 40003}},
 			want:    [2]string{filterEmpty + natHead + "COMMIT\n"},
 			wantErr: []string{"portal shop/sig port 9/SCTP: protocol not supported by the userspace mode"},
 		},
 		{
 			name:    "invalid proxy port",
-			portals: []Portal{{dns, 0}},
+			portals: []Portal{{Port: dns, ProxyPort: 0}},
 			want:    [2]string{filterEmpty + natHead + "COMMIT\n"},
 			wantErr: []string{"portal kube-system/dns:dns port 53/UDP: invalid proxy port 0"},
 		},
@@ -245,7 +245,7 @@ func TestSyncUnchangedWritesNothing(t *testing.T) {
 	svc := port("a", "b", "c", service.TCP, 80)
 	svc.ClusterIPs = ips("10.96.0.1", "fd00:96::1")
 	for i := range 3 {
-		if err := p.Sync([]Portal{{svc, 40000}}); err != nil {
+		if err := p.Sync([]Portal{{Port: svc, ProxyPort: 40000}}); err != nil {
 			t.Fatalf("Sync %d: %v", i, err)
 		}
 	}
@@ -293,18 +293,18 @@ func TestSyncAfterQuietSyncSeesEveryChange(t *testing.T) {
 			k := newFakeKernel()
 			p := newTestIPTables(t, k, Config{})
 			for range 2 {
-				if err := p.Sync([]Portal{{base(), 40001}}); err != nil {
+				if err := p.Sync([]Portal{{Port: base(), ProxyPort: 40001}}); err != nil {
 					t.Fatalf("Sync: %v", err)
 				}
 			}
 			changed := base()
 			tt.change(t, changed)
-			if err := p.Sync([]Portal{{changed, tt.proxyPort}}); err != nil {
+			if err := p.Sync([]Portal{{Port: changed, ProxyPort: tt.proxyPort}}); err != nil {
 				t.Fatalf("Sync after change: %v", err)
 			}
 			p.holder.close() // frees the NodePort for the fresh IPTables
 			fresh := newFakeKernel()
-			if err := newTestIPTables(t, fresh, Config{}).Sync([]Portal{{changed, tt.proxyPort}}); err != nil {
+			if err := newTestIPTables(t, fresh, Config{}).Sync([]Portal{{Port: changed, ProxyPort: tt.proxyPort}}); err != nil {
 				t.Fatalf("fresh Sync: %v", err)
 			}
 			if got := len(k.restores(v4)); got != 2 {
@@ -368,7 +368,7 @@ func TestCanaryLossForcesRewrite(t *testing.T) {
 	svc.ClusterIPs = ips("10.96.0.53")
 	sync := func() {
 		t.Helper()
-		if err := p.Sync([]Portal{{svc, 40000}}); err != nil {
+		if err := p.Sync([]Portal{{Port: svc, ProxyPort: 40000}}); err != nil {
 			t.Fatalf("Sync: %v", err)
 		}
 	}
@@ -399,10 +399,10 @@ func TestRemovedServiceVanishes(t *testing.T) {
 	b := port("ns", "b", "", service.TCP, 80)
 	b.ClusterIPs = ips("10.96.0.2")
 	b.ExternalIPs = ips("10.250.0.2")
-	if err := p.Sync([]Portal{{a, 40001}, {b, 40002}}); err != nil {
+	if err := p.Sync([]Portal{{Port: a, ProxyPort: 40001}, {Port: b, ProxyPort: 40002}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Sync([]Portal{{a, 40001}}); err != nil {
+	if err := p.Sync([]Portal{{Port: a, ProxyPort: 40001}}); err != nil {
 		t.Fatal(err)
 	}
 	if len(k.restores(v4)) != 2 {
@@ -462,7 +462,7 @@ func TestNodePortHeldAndConflict(t *testing.T) {
 	twin := port("ns", "twin", "", service.TCP, 81)
 	twin.ClusterIPs = ips("10.96.0.3")
 	twin.NodePort = free
-	portals := []Portal{{clash, 40001}, {ok, 40002}, {twin, 40003}}
+	portals := []Portal{{Port: clash, ProxyPort: 40001}, {Port: ok, ProxyPort: 40002}, {Port: twin, ProxyPort: 40003}}
 
 	err = p.Sync(portals)
 	var perrs []*PortalError
@@ -573,7 +573,7 @@ func testStaleUDPFlows(t *testing.T, p Portals, ct *conntrack.Recorder) {
 		// matches maps a flow to whether it must be deleted; nil = no deletion pass.
 		matches map[*netlink.ConntrackFlow]bool
 	}{
-		{"first sync checks every UDP destination", []Portal{{dns, 40001}, {web, 40002}}, map[*netlink.ConntrackFlow]bool{
+		{"first sync checks every UDP destination", []Portal{{Port: dns, ProxyPort: 40001}, {Port: web, ProxyPort: 40002}}, map[*netlink.ConntrackFlow]bool{
 			flow("10.96.0.53", 53, 40001):         false, // already on the right proxy port
 			flow("10.96.0.53", 53, 39999):         true,  // a previous run's proxy port
 			flow("10.96.0.53", 53, 53):            true,  // predates the portal
@@ -581,13 +581,13 @@ func testStaleUDPFlows(t *testing.T, p Portals, ct *conntrack.Recorder) {
 			flow("10.96.0.80", 80, 80):            false, // TCP Service: not watched
 			flow("10.96.0.54", 53, 53):            false,
 		}},
-		{"unchanged: no pass", []Portal{{dns, 40001}, {web, 40002}}, nil},
-		{"proxy port changed", []Portal{{dns, 40005}, {web, 40002}}, map[*netlink.ConntrackFlow]bool{
+		{"unchanged: no pass", []Portal{{Port: dns, ProxyPort: 40001}, {Port: web, ProxyPort: 40002}}, nil},
+		{"proxy port changed", []Portal{{Port: dns, ProxyPort: 40005}, {Port: web, ProxyPort: 40002}}, map[*netlink.ConntrackFlow]bool{
 			flow("10.96.0.53", 53, 40001):       true,
 			flow("10.96.0.53", 53, 40005):       false,
 			flow("10.0.0.1", uint16(np), 40001): true,
 		}},
-		{"TCP change: no pass", []Portal{{dns, 40005}, {web, 40009}}, nil},
+		{"TCP change: no pass", []Portal{{Port: dns, ProxyPort: 40005}, {Port: web, ProxyPort: 40009}}, nil},
 		{"removed", nil, map[*netlink.ConntrackFlow]bool{
 			flow("10.96.0.53", 53, 40005):       true,
 			flow("10.0.0.1", uint16(np), 40005): true,

@@ -326,7 +326,7 @@ func testRealPortals(t *testing.T, b realBackend) {
 
 	web := webPort(30080)
 	dns := dnsPort(30053, "10.96.0.53", "fd00:96::53")
-	portals := []Portal{{web, int(tcpProxy.Port())}, {dns, udpPortA}}
+	portals := []Portal{{Port: web, ProxyPort: int(tcpProxy.Port())}, {Port: dns, ProxyPort: udpPortA}}
 
 	p, writes := b.build(t, Config{
 		NodeIPs:  []netip.Addr{node.IPv4, node.IPv6},
@@ -490,7 +490,7 @@ func testRealPortals(t *testing.T, b realBackend) {
 		if got, err := exchange(c, "1", 2); got != "A1" {
 			t.Fatalf("before: got %q (%v), want %q", got, err, "A1")
 		}
-		moved := []Portal{{web, int(tcpProxy.Port())}, {dns, udpPortB}}
+		moved := []Portal{{Port: web, ProxyPort: int(tcpProxy.Port())}, {Port: dns, ProxyPort: udpPortB}}
 		sync(t, moved)
 		// Same client socket, same conntrack tuple: only deleting the flow lets
 		// the new REDIRECT apply.
@@ -577,7 +577,7 @@ func TestRealStandaloneCleanup(t *testing.T) {
 			svc := port("a", "b", "", service.TCP, 80)
 			svc.ClusterIPs = ips("10.96.0.1")
 			svc.NodePort = 30001
-			if err := tp.Run(testbed.Node, func() error { return p.Sync([]Portal{{svc, 40000}}) }); err != nil {
+			if err := tp.Run(testbed.Node, func() error { return p.Sync([]Portal{{Port: svc, ProxyPort: 40000}}) }); err != nil {
 				t.Fatal(err)
 			}
 			if got := rulesets(t, tp); got == before {

@@ -27,7 +27,7 @@ func BenchmarkNFTablesPortalSync(b *testing.B) {
 	extra.NodePort = 39999 // above benchPortals' NodePorts, below its proxy ports
 	for _, n := range []int{1000, 10000, 50000} {
 		base := benchPortals(n, 20000)
-		plus := append(slices.Clip(base), Portal{extra, 61000})
+		plus := append(slices.Clip(base), Portal{Port: extra, ProxyPort: 61000})
 		ops := []struct {
 			name string
 			// untimed runs before each timed sync, which syncs to

@@ -47,7 +47,7 @@ func TestNFTablesFirstSyncWritesWholeTable(t *testing.T) {
 		DialMark:          testDialMark,
 		NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")},
 	})
-	err := p.Sync([]Portal{{web, 40001}, {dns, 40002}, {sctp, 40003}})
+	err := p.Sync([]Portal{{Port: web, ProxyPort: 40001}, {Port: dns, ProxyPort: 40002}, {Port: sctp, ProxyPort: 40003}})
 	if err == nil || !strings.Contains(err.Error(), "portal shop/sig port 9/SCTP: protocol not supported") {
 		t.Errorf("Sync: got %v, want the SCTP portal refused", err)
 	}
@@ -111,29 +111,29 @@ func TestNFTablesSyncWritesOnlyChanges(t *testing.T) {
 		portals []Portal
 		want    string // the transaction, "" for none
 	}{
-		{"identical: no transaction", []Portal{{a, 40001}, {b, 40002}}, ""},
-		{"add a Service port: its elements only", []Portal{{a, 40001}, {b, 40002}, {c, 40003}}, `add element inet uproxy external-ips4 { 10.250.0.3 . udp . 80 comment "ns/c" : 40003 }
+		{"identical: no transaction", []Portal{{Port: a, ProxyPort: 40001}, {Port: b, ProxyPort: 40002}}, ""},
+		{"add a Service port: its elements only", []Portal{{Port: a, ProxyPort: 40001}, {Port: b, ProxyPort: 40002}, {Port: c, ProxyPort: 40003}}, `add element inet uproxy external-ips4 { 10.250.0.3 . udp . 80 comment "ns/c" : 40003 }
 add element inet uproxy nodeports4 { udp . ` + NP + ` comment "ns/c" : 40003 }
 add element inet uproxy service-ips4 { 10.96.0.3 . udp . 80 comment "ns/c" : 40003 }
 `},
-		{"re-point: the elements replaced", []Portal{{a, 40001}, {b, 40002}, {c, 40009}}, `delete element inet uproxy external-ips4 { 10.250.0.3 . udp . 80 }
+		{"re-point: the elements replaced", []Portal{{Port: a, ProxyPort: 40001}, {Port: b, ProxyPort: 40002}, {Port: c, ProxyPort: 40009}}, `delete element inet uproxy external-ips4 { 10.250.0.3 . udp . 80 }
 delete element inet uproxy nodeports4 { udp . ` + NP + ` }
 delete element inet uproxy service-ips4 { 10.96.0.3 . udp . 80 }
 add element inet uproxy external-ips4 { 10.250.0.3 . udp . 80 comment "ns/c" : 40009 }
 add element inet uproxy nodeports4 { udp . ` + NP + ` comment "ns/c" : 40009 }
 add element inet uproxy service-ips4 { 10.96.0.3 . udp . 80 comment "ns/c" : 40009 }
 `},
-		{"the same key under another Service: replaced for its comment", []Portal{{a, 40001}, {renamed, 40002}, {c, 40009}}, `delete element inet uproxy service-ips4 { 10.96.0.2 . tcp . 80 }
+		{"the same key under another Service: replaced for its comment", []Portal{{Port: a, ProxyPort: 40001}, {Port: renamed, ProxyPort: 40002}, {Port: c, ProxyPort: 40009}}, `delete element inet uproxy service-ips4 { 10.96.0.2 . tcp . 80 }
 add element inet uproxy service-ips4 { 10.96.0.2 . tcp . 80 comment "ns/b2" : 40002 }
 `},
-		{"remove a Service port: its elements deleted", []Portal{{a, 40001}, {renamed, 40002}}, `delete element inet uproxy external-ips4 { 10.250.0.3 . udp . 80 }
+		{"remove a Service port: its elements deleted", []Portal{{Port: a, ProxyPort: 40001}, {Port: renamed, ProxyPort: 40002}}, `delete element inet uproxy external-ips4 { 10.250.0.3 . udp . 80 }
 delete element inet uproxy nodeports4 { udp . ` + NP + ` }
 delete element inet uproxy service-ips4 { 10.96.0.3 . udp . 80 }
 `},
-		{"identical again", []Portal{{a, 40001}, {renamed, 40002}}, ""},
+		{"identical again", []Portal{{Port: a, ProxyPort: 40001}, {Port: renamed, ProxyPort: 40002}}, ""},
 	}
 	p, k := newTestNFTables(t, Config{})
-	if err := p.Sync([]Portal{{a, 40001}, {b, 40002}}); err != nil {
+	if err := p.Sync([]Portal{{Port: a, ProxyPort: 40001}, {Port: b, ProxyPort: 40002}}); err != nil {
 		t.Fatalf("first Sync: %v", err)
 	}
 	for _, st := range steps {
@@ -164,7 +164,7 @@ delete element inet uproxy service-ips4 { 10.96.0.3 . udp . 80 }
 func TestNFTablesExternalFlushRewritesWhole(t *testing.T) {
 	svc := port("ns", "dns", "", service.UDP, 53)
 	svc.ClusterIPs = ips("10.96.0.53", "fd00:96::53")
-	portals := []Portal{{svc, 40001}}
+	portals := []Portal{{Port: svc, ProxyPort: 40001}}
 	tests := []struct {
 		name  string
 		flush func(*nftablestest.Fake) error
@@ -210,15 +210,15 @@ func TestNFTablesWriteFailureRewritesWhole(t *testing.T) {
 	a := port("ns", "a", "", service.TCP, 80)
 	a.ClusterIPs = ips("10.96.0.1")
 	p, k := newTestNFTables(t, Config{})
-	if err := p.Sync([]Portal{{a, 40001}}); err != nil {
+	if err := p.Sync([]Portal{{Port: a, ProxyPort: 40001}}); err != nil {
 		t.Fatal(err)
 	}
 	k.FailNextRun(errors.New("nft: Could not process rule: No such file or directory"))
-	err := p.Sync([]Portal{{a, 40002}})
+	err := p.Sync([]Portal{{Port: a, ProxyPort: 40002}})
 	if err == nil || !strings.Contains(err.Error(), "write nftables table inet uproxy: nft: Could not process rule") {
 		t.Fatalf("Sync: got %v, want the failed write", err)
 	}
-	if err := p.Sync([]Portal{{a, 40002}}); err != nil {
+	if err := p.Sync([]Portal{{Port: a, ProxyPort: 40002}}); err != nil {
 		t.Fatalf("Sync after the failure: %v", err)
 	}
 	if got := writes(k, 1); !strings.HasPrefix(got, "add table inet uproxy\ndelete table inet uproxy\n") ||
@@ -236,7 +236,7 @@ func TestNFTablesDuplicateKey(t *testing.T) {
 	second.ClusterIPs = ips("10.96.0.1")
 	second.LoadBalancerIPs = ips("10.251.0.2")
 	p, k := newTestNFTables(t, Config{})
-	err := p.Sync([]Portal{{second, 40002}, {first, 40001}})
+	err := p.Sync([]Portal{{Port: second, ProxyPort: 40002}, {Port: first, ProxyPort: 40001}})
 	me, ok := err.(*multierror.Error)
 	if !ok || len(me.Errors) != 1 {
 		t.Fatalf("Sync: got %v, want one error", err)
@@ -246,7 +246,7 @@ func TestNFTablesDuplicateKey(t *testing.T) {
 		!strings.Contains(pe.Error(), "10.96.0.1 . tcp . 80 in map service-ips4 already used by ns/a") {
 		t.Errorf("error: got %v, want a PortalError of ns/b naming ns/a", me.Errors[0])
 	}
-	if again := p.Sync([]Portal{{second, 40002}, {first, 40001}}); again == nil || again.Error() != err.Error() || len(k.Transactions) != 1 {
+	if again := p.Sync([]Portal{{Port: second, ProxyPort: 40002}, {Port: first, ProxyPort: 40001}}); again == nil || again.Error() != err.Error() || len(k.Transactions) != 1 {
 		t.Errorf("an unchanged sync: got %v and %d transactions, want the same error and no write", again, len(k.Transactions)-1)
 	}
 	m := k.Table.Maps["service-ips4"]
@@ -263,7 +263,7 @@ func TestNFTablesCleanupDeletesTable(t *testing.T) {
 	a.ClusterIPs = ips("10.96.0.1")
 	a.NodePort = freePort(t, "tcp4")
 	p, k := newTestNFTables(t, Config{})
-	if err := p.Sync([]Portal{{a, 40001}}); err != nil {
+	if err := p.Sync([]Portal{{Port: a, ProxyPort: 40001}}); err != nil {
 		t.Fatal(err)
 	}
 	for i := range 2 { // the second finds nothing to delete
@@ -278,7 +278,7 @@ func TestNFTablesCleanupDeletesTable(t *testing.T) {
 		t.Errorf("NodePorts still held after Cleanup: %v", p.holder.held)
 	}
 	// The next sync writes the whole table again.
-	if err := p.Sync([]Portal{{a, 40001}}); err != nil {
+	if err := p.Sync([]Portal{{Port: a, ProxyPort: 40001}}); err != nil {
 		t.Fatal(err)
 	}
 	if k.Table == nil || k.Table.Maps["service-ips4"].FindElement("10.96.0.1", "tcp", "80") == nil {
@@ -292,7 +292,7 @@ func TestNFTablesCleanupDeletesTable(t *testing.T) {
 // backends.
 func TestProxyPortsOnNodeIPDNATFromOutside(t *testing.T) {
 	web := webPort(freePort(t, "tcp4"))
-	portals := []Portal{{web, 40001}}
+	portals := []Portal{{Port: web, ProxyPort: 40001}}
 	t.Run("iptables", func(t *testing.T) {
 		k := newFakeKernel()
 		p := newTestIPTables(t, k, Config{ProxyPortsOnNodeIP: true})

@@ -218,7 +218,7 @@ func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
 	var errs []error
 	for i := range entries {
 		e := &entries[i]
-		add := func(m map[nftKey]nftElement, name string, port int, k nftKey) {
+		add := func(m map[nftKey]nftElement, name string, port int, k nftKey, proxyPort int) {
 			if old, ok := m[k]; ok {
 				if old.owner != e.name {
 					errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
@@ -226,7 +226,7 @@ func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
 				}
 				return
 			}
-			m[k] = nftElement{proxyPort: e.proxyPort, owner: e.name}
+			m[k] = nftElement{proxyPort: proxyPort, owner: e.name}
 		}
 		for _, fam := range l.fams {
 			if !e.families[fam.f] {
@@ -240,12 +240,12 @@ func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
 				m := els[name]
 				for _, ip := range ips {
 					if familyOf(ip) == fam.f {
-						add(m, name, e.port, nftKey{ip, e.proto, e.port})
+						add(m, name, e.port, nftKey{ip, e.proto, e.port}, e.proxyPortOf(kind != 0))
 					}
 				}
 			}
 			if e.nodePort != 0 && e.nodePortHeld[fam.f] && fam.nodePorts {
-				add(els[fam.nodePortMap], fam.nodePortMap, e.nodePort, nftKey{proto: e.proto, port: e.nodePort})
+				add(els[fam.nodePortMap], fam.nodePortMap, e.nodePort, nftKey{proto: e.proto, port: e.nodePort}, e.extProxyPort)
 			}
 		}
 	}

@@ -52,6 +52,10 @@ type Portal struct {
 	Port *service.Port
 	// ProxyPort is the local port the proxy listens on for it.
 	ProxyPort int
+	// ExternalProxyPort, when not 0, is the proxy port of the NodePort,
+	// ExternalIPs and LoadBalancer IPs, whose endpoints may differ from the
+	// ClusterIPs' (externalTrafficPolicy: Local); 0: they go to ProxyPort.
+	ExternalProxyPort int
 }
 
 // Config configures IPTables and NFTables. The zero value needs only NodeIPs.

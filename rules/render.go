@@ -34,7 +34,10 @@ type entry struct {
 	proto     string // "tcp" or "udp", as iptables spells it
 	port      int
 	proxyPort int
-	nodePort  int
+	// extProxyPort is the proxy port of the NodePort, ExternalIPs and
+	// LoadBalancer IPs: Portal.ExternalProxyPort, or proxyPort when that is 0.
+	extProxyPort int
+	nodePort     int
 	// ips are the virtual IPs by kind; every address is unmapped and zoneless.
 	clusterIPs, externalIPs, lbIPs []netip.Addr
 	// families the Service port lives in (both false never happens after validation).
@@ -127,26 +130,44 @@ func (r *renderer) each(out []byte, entries []entry, parts []ruleParts, write fu
 	return out
 }
 
+// proxyPortOf returns the proxy port of e's external addresses (NodePort,
+// ExternalIPs, LoadBalancer IPs) when external is true, else of its ClusterIPs.
+func (e *entry) proxyPortOf(external bool) int {
+	if external {
+		return e.extProxyPort
+	}
+	return e.proxyPort
+}
+
 // ruleParts are the pieces of text shared by every rule of one entry.
 type ruleParts struct {
 	match    string // " -p tcp -m comment --comment \"ns/name:port\" -m tcp --dport "
 	port     string // the Service port
 	redirect string // " -j REDIRECT --to-ports N\n"
 	dnat     string // " -j DNAT --to-destination nodeIP:N\n"
+	// extRedirect and extDnat are redirect and dnat to the external proxy port.
+	extRedirect, extDnat string
 }
 
 // ruleParts orders protocol, comment and destination port as iptables-save
 // prints them, so the written rules read back identically.
 func (r *renderer) ruleParts(e *entry) ruleParts {
-	proxy := strconv.Itoa(e.proxyPort)
+	redirect := func(pp int) string { return " -j REDIRECT --to-ports " + strconv.Itoa(pp) + "\n" }
+	dnat := func(pp int) string {
+		return " -j DNAT --to-destination " + netip.AddrPortFrom(r.nodeIP, uint16(pp)).String() + "\n"
+	}
 	p := ruleParts{
 		match:    " -p " + e.proto + " -m comment --comment " + iptables.Quote(e.name.String()) + " -m " + e.proto + " --dport ",
 		port:     strconv.Itoa(e.port),
-		redirect: " -j REDIRECT --to-ports " + proxy + "\n",
-		dnat:     " -j DNAT --to-destination " + netip.AddrPortFrom(r.nodeIP, uint16(e.proxyPort)).String() + "\n",
+		redirect: redirect(e.proxyPort),
+		dnat:     dnat(e.proxyPort),
+	}
+	p.extRedirect, p.extDnat = p.redirect, p.dnat
+	if e.extProxyPort != e.proxyPort {
+		p.extRedirect, p.extDnat = redirect(e.extProxyPort), dnat(e.extProxyPort)
 	}
 	if r.onNodeIP {
-		p.redirect = p.dnat
+		p.redirect, p.extRedirect = p.dnat, p.extDnat
 	}
 	return p
 }
@@ -165,17 +186,24 @@ func (r *renderer) ruleParts(e *entry) ruleParts {
 // today, so A/B comparisons see the same semantics. A node process reaching an
 // ExternalIP the node does not own goes to the real address, as in legacy.
 func (r *renderer) portalsContainer(b []byte, e *entry, s *ruleParts) []byte {
-	return r.portals(b, e, s, r.chains.portalsContainer, " -m addrtype ! --src-type LOCAL", s.redirect)
+	return r.portals(b, e, s, r.chains.portalsContainer, " -m addrtype ! --src-type LOCAL", s.redirect, s.extRedirect)
 }
 
 // portalsHost writes the OUTPUT rules of e's virtual IPs: DNAT to nodeIP:proxy port.
 func (r *renderer) portalsHost(b []byte, e *entry, s *ruleParts) []byte {
-	return r.portals(b, e, s, r.chains.portalsHost, " -m addrtype --dst-type LOCAL", s.dnat)
+	return r.portals(b, e, s, r.chains.portalsHost, " -m addrtype --dst-type LOCAL", s.dnat, s.extDnat)
 }
 
-func (r *renderer) portals(b []byte, e *entry, s *ruleParts, chain, externalMatch, target string) []byte {
+// portals writes the rules of e's virtual IPs in chain: ClusterIPs to target,
+// LoadBalancer IPs and ExternalIPs (these only when externalMatch holds too)
+// to extTarget, the external proxy port.
+func (r *renderer) portals(b []byte, e *entry, s *ruleParts, chain, externalMatch, target, extTarget string) []byte {
 	for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
 		external := kind == 2
+		t := target
+		if kind != 0 {
+			t = extTarget
+		}
 		for _, ip := range ips {
 			if familyOf(ip) != r.family {
 				continue
@@ -191,7 +219,7 @@ func (r *renderer) portals(b []byte, e *entry, s *ruleParts, chain, externalMatc
 			if external {
 				b = append(b, externalMatch...)
 			}
-			b = append(b, target...)
+			b = append(b, t...)
 		}
 	}
 	return b
@@ -209,7 +237,7 @@ func (r *renderer) nodePortContainer(b []byte, e *entry, s *ruleParts) []byte {
 		return b
 	}
 	for _, d := range r.nodePortDsts {
-		b = append(b, "-A "+r.chains.nodePortContainer+d+s.match+strconv.Itoa(e.nodePort)+s.redirect...)
+		b = append(b, "-A "+r.chains.nodePortContainer+d+s.match+strconv.Itoa(e.nodePort)+s.extRedirect...)
 	}
 	return b
 }
@@ -220,7 +248,7 @@ func (r *renderer) nodePortHost(b []byte, e *entry, s *ruleParts) []byte {
 		return b
 	}
 	for _, d := range r.nodePortDsts {
-		b = append(b, "-A "+r.chains.nodePortHost+d+s.match+strconv.Itoa(e.nodePort)+s.dnat...)
+		b = append(b, "-A "+r.chains.nodePortHost+d+s.match+strconv.Itoa(e.nodePort)+s.extDnat...)
 	}
 	return b
 }
@@ -232,7 +260,7 @@ func (r *renderer) nonLocal(b []byte, e *entry, s *ruleParts) []byte {
 	if !r.acceptsNonLocal(e) {
 		return b
 	}
-	return append(b, "-A "+r.chains.nodePortNonLocal+s.match+strconv.Itoa(e.proxyPort)+
+	return append(b, "-A "+r.chains.nodePortNonLocal+s.match+strconv.Itoa(e.extProxyPort)+
 		" -m conntrack --ctstate DNAT --ctorigdstport "+strconv.Itoa(e.nodePort)+" -j ACCEPT\n"...)
 }
 

@@ -14,8 +14,12 @@ import (
 // BuildOptions are the facts about this node that a Snapshot depends on.
 type BuildOptions struct {
 	// NodeName is this node's name; endpoints whose nodeName equals it are Local.
-	// If empty, no endpoint is Local.
+	// If empty, no endpoint is Local. Endpoints whose hints.forNodes name it are
+	// preferred (Endpoint.ForThisNode).
 	NodeName string
+	// Zone is this node's topology zone (its topology.kubernetes.io/zone label),
+	// for the zone hints; "" turns them off. It is handed on as Snapshot.Zone.
+	Zone string
 }
 
 // objectKey names a namespaced object.
@@ -121,10 +125,24 @@ func NewBuilder(opts BuildOptions) *Builder {
 	}
 }
 
+// SetOptions changes the facts about this node that the next Build uses. When
+// they differ from the current ones every Port is built afresh (new pointers),
+// so consumers that skip unchanged Ports redo all of them: which endpoints are
+// Local or preferred, and the Snapshot's Zone, may all have changed.
+func (b *Builder) SetOptions(opts BuildOptions) {
+	if opts == b.opts {
+		return
+	}
+	b.opts = opts
+	for _, ss := range b.services {
+		ss.svc, ss.epSlices, ss.ports = nil, nil, nil
+	}
+}
+
 // Build returns the Snapshot of svcs and epSlices, as the package-level Build
 // would but for the established owners of shared addresses.
 func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice) *Snapshot {
-	snap := &Snapshot{Built: time.Now()}
+	snap := &Snapshot{Built: time.Now(), Zone: b.opts.Zone}
 	b.gen++
 	gen := b.gen
 	// used counts the entries of each map that this Build touched: when it
@@ -463,6 +481,7 @@ func portEndpoints(sp v1.ServicePort, eps []*discoveryv1.EndpointSlice, opts Bui
 				}
 				for _, n := range h.ForNodes {
 					e.NodeHints = append(e.NodeHints, n.Name)
+					e.ForThisNode = e.ForThisNode || (opts.NodeName != "" && n.Name == opts.NodeName)
 				}
 			}
 			for _, a := range ep.Addresses {

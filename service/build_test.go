@@ -283,7 +283,7 @@ func TestBuildConversion(t *testing.T) {
 				Name: web, Protocol: TCP, Port: 80, ClusterIPs: []netip.Addr{ip("10.96.0.10")},
 				Endpoints: []Endpoint{
 					{Addr: ap("10.0.0.1:8080"), Ready: true, Serving: true, NodeName: "node-a", Zone: "zone-a",
-						ZoneHints: []string{"zone-a", "zone-b"}, NodeHints: []string{"node-a"}, Local: true},
+						ZoneHints: []string{"zone-a", "zone-b"}, NodeHints: []string{"node-a"}, ForThisNode: true, Local: true},
 					{Addr: ap("10.0.0.2:8080"), Ready: true, Serving: true, NodeName: "node-b", Zone: "zone-b"},
 				},
 			}},
@@ -582,6 +582,42 @@ func TestBuilderReusesUnchangedPorts(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestBuilderSetOptions: new facts about the node rebuild every Port (new
+// pointers, Local and node hints judged again) and reach the Snapshot's Zone;
+// the same facts again change nothing.
+func TestBuilderSetOptions(t *testing.T) {
+	web := testService("ns", "web")
+	webS := testSlice("ns", "web-1", "web", discoveryv1.AddressTypeIPv4, slicePorts(":8080"),
+		testEndpoint(addrs("10.0.0.1"), onNode("node-a", "zone-a"), func(e *discoveryv1.Endpoint) {
+			e.Hints = &discoveryv1.EndpointHints{ForNodes: []discoveryv1.ForNode{{Name: "node-a"}}}
+		}))
+	name := PortName{Namespace: "ns", Name: "web"}
+	b := NewBuilder(BuildOptions{NodeName: "node-a", Zone: "zone-a"})
+	first := b.Build([]*v1.Service{web}, []*discoveryv1.EndpointSlice{webS})
+	if first.Zone != "zone-a" {
+		t.Errorf("first Zone: got %q, want zone-a", first.Zone)
+	}
+	b.SetOptions(BuildOptions{NodeName: "node-a", Zone: "zone-a"})
+	if same := b.Build([]*v1.Service{web}, []*discoveryv1.EndpointSlice{webS}); same.Lookup(name) != first.Lookup(name) {
+		t.Errorf("same options: got a new Port, want the same pointer")
+	}
+	b.SetOptions(BuildOptions{NodeName: "node-b", Zone: "zone-b"})
+	second := b.Build([]*v1.Service{web}, []*discoveryv1.EndpointSlice{webS})
+	if second.Zone != "zone-b" {
+		t.Errorf("second Zone: got %q, want zone-b", second.Zone)
+	}
+	if first.Equal(second) {
+		t.Errorf("snapshots of other options are Equal, want not")
+	}
+	p := second.Lookup(name)
+	if p == first.Lookup(name) {
+		t.Fatalf("new options: got the same Port pointer, want a new one")
+	}
+	if e := p.Endpoints[0]; e.Local || e.ForThisNode {
+		t.Errorf("endpoint on node-a seen from node-b: got Local %v ForThisNode %v, want false", e.Local, e.ForThisNode)
 	}
 }
 

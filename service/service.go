@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/netip"
 	"reflect"
+	"slices"
 	"sort"
 	"time"
 )
@@ -68,6 +69,9 @@ type Endpoint struct {
 	// ZoneHints and NodeHints are the topology hints of the endpoint (empty when none).
 	ZoneHints []string
 	NodeHints []string
+	// ForThisNode is true when NodeHints name this node (the node name the
+	// snapshot was built for): trafficDistribution PreferSameNode.
+	ForThisNode bool
 	// Local is true when the endpoint runs on this node (NodeName equals the node
 	// name the snapshot was built for).
 	Local bool
@@ -126,6 +130,11 @@ type Snapshot struct {
 	Conflicts []*Conflict
 	// Built is when the snapshot was assembled.
 	Built time.Time
+	// Zone is this node's topology zone when the snapshot was built ("": none),
+	// the zone every mode hands to ClusterEndpoints and ExternalEndpoints. It
+	// lives in the snapshot so that a change of the Node's zone label reaches
+	// every mode the way any other change does: as a new snapshot.
+	Zone string
 }
 
 // Lookup returns the port with the given name, or nil.
@@ -142,7 +151,7 @@ func (s *Snapshot) Lookup(name PortName) *Port {
 // that rebuilds on every event can tell the sync loop about effective changes
 // only.
 func (s *Snapshot) Equal(o *Snapshot) bool {
-	if !reflect.DeepEqual(s.Ports, o.Ports) || len(s.Errors) != len(o.Errors) {
+	if s.Zone != o.Zone || !reflect.DeepEqual(s.Ports, o.Ports) || len(s.Errors) != len(o.Errors) {
 		return false
 	}
 	for i := range s.Errors {
@@ -176,8 +185,8 @@ func usable(eps []Endpoint, keep func(Endpoint) bool) []Endpoint {
 }
 
 // ClusterEndpoints returns the endpoints for traffic to the ClusterIPs: with
-// internalTrafficPolicy Local only this node's, otherwise all (narrowed by topology
-// hints when every usable endpoint carries hints for zone; zone "" disables hints).
+// internalTrafficPolicy Local only this node's, otherwise all, narrowed by
+// topology hints (see byTopology) for zone, this node's zone ("": no zone hints).
 func (p *Port) ClusterEndpoints(zone string) []Endpoint {
 	if p.InternalPolicyLocal {
 		return p.LocalEndpoints()
@@ -186,7 +195,8 @@ func (p *Port) ClusterEndpoints(zone string) []Endpoint {
 }
 
 // ExternalEndpoints returns the endpoints for traffic arriving through NodePorts,
-// ExternalIPs and LoadBalancer IPs: with externalTrafficPolicy Local only this node's.
+// ExternalIPs and LoadBalancer IPs: with externalTrafficPolicy Local only this
+// node's, otherwise those of ClusterEndpoints with the Cluster policy.
 func (p *Port) ExternalEndpoints(zone string) []Endpoint {
 	if p.ExternalPolicyLocal {
 		return p.LocalEndpoints()
@@ -194,34 +204,63 @@ func (p *Port) ExternalEndpoints(zone string) []Endpoint {
 	return p.byTopology(zone)
 }
 
+// SplitsExternal reports whether traffic through the external addresses
+// (NodePort, ExternalIPs, LoadBalancer IPs) may go to other endpoints than
+// traffic to the ClusterIPs: the port has external addresses and its two
+// traffic policies differ. It depends on the Service's spec alone, never on
+// its endpoints of the moment.
+func (p *Port) SplitsExternal() bool {
+	if p.ExternalPolicyLocal == p.InternalPolicyLocal {
+		return false
+	}
+	return p.NodePort != 0 || len(p.ExternalIPs) > 0 || len(p.LoadBalancerIPs) > 0
+}
+
 // LocalEndpoints returns the usable endpoints on this node.
 func (p *Port) LocalEndpoints() []Endpoint {
 	return usable(p.Endpoints, func(e Endpoint) bool { return e.Local })
 }
 
-// byTopology applies topology hints the way kube-proxy does: only when every usable
-// endpoint has hints and some hint names this zone; otherwise all usable endpoints.
+// byTopology applies topology hints the way kube-proxy (1.35 and later) does.
+// Node hints (trafficDistribution: PreferSameNode) come first: when every
+// usable endpoint has some and one of them names this node, only the endpoints
+// so hinted. Else zone hints: when every usable endpoint has some and one of
+// them names zone, only the endpoints hinted for zone. Otherwise every usable
+// endpoint.
 func (p *Port) byTopology(zone string) []Endpoint {
 	all := usable(p.Endpoints, func(Endpoint) bool { return true })
-	if zone == "" || len(all) == 0 {
+	if len(all) == 0 {
 		return all
 	}
-	var inZone []Endpoint
+	allNode, forNode, allZone, forZone := true, false, zone != "", false
 	for _, e := range all {
-		if len(e.ZoneHints) == 0 {
-			return all
+		if len(e.NodeHints) == 0 {
+			allNode = false
+		} else if e.ForThisNode {
+			forNode = true
 		}
-		for _, z := range e.ZoneHints {
-			if z == zone {
-				inZone = append(inZone, e)
-				break
-			}
+		if len(e.ZoneHints) == 0 {
+			allZone = false
+		} else if slices.Contains(e.ZoneHints, zone) {
+			forZone = true
 		}
 	}
-	if len(inZone) == 0 {
+	var keep func(Endpoint) bool
+	switch {
+	case allNode && forNode:
+		keep = func(e Endpoint) bool { return e.ForThisNode }
+	case allZone && forZone:
+		keep = func(e Endpoint) bool { return slices.Contains(e.ZoneHints, zone) }
+	default:
 		return all
 	}
-	return inZone
+	out := make([]Endpoint, 0, len(all))
+	for _, e := range all {
+		if keep(e) {
+			out = append(out, e)
+		}
+	}
+	return out
 }
 
 // IdentityEqual reports whether a and b would be served by the same proxy listener:

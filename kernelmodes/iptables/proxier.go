@@ -69,8 +69,6 @@ type Config struct {
 	// MasqueradeBit is the mark bit (0-31) for masquerading; 0 means
 	// DefaultMasqueradeBit.
 	MasqueradeBit int
-	// Zone is this node's zone for topology hints ("" ignores hints).
-	Zone string
 	// IPTables is iptables and ip6tables; nil runs the commands
 	// (iptables.Commands) in the calling thread's network namespace.
 	IPTables ipt.Kernel
@@ -136,7 +134,7 @@ func New(cfg Config) (*Proxier, error) {
 		if v6 && !cfg.IPv6 {
 			continue
 		}
-		r := renderer{n: p.n, v6: v6, mark: fmt.Sprintf("%#x", uint32(1)<<bit), masqueradeAll: cfg.MasqueradeAll, zone: cfg.Zone}
+		r := renderer{n: p.n, v6: v6, mark: fmt.Sprintf("%#x", uint32(1)<<bit), masqueradeAll: cfg.MasqueradeAll}
 		for _, c := range cfg.ClusterCIDRs {
 			if r.family(c.Addr()) {
 				r.clusterCIDRs = append(r.clusterCIDRs, c.Masked())
@@ -185,6 +183,9 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	}
 	programmed := map[service.PortName]map[netip.AddrPort]bool{}
 	for _, fam := range p.fams {
+		// The zone comes with every snapshot: a change of the Node's zone
+		// label re-renders every port, whose text is compared as usual.
+		fam.r.zone = s.Zone
 		if err := p.syncFamily(fam, ports, programmed); err != nil {
 			errs = append(errs, err)
 		}

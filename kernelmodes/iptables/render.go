@@ -114,7 +114,7 @@ type renderer struct {
 	// nodePortDsts are the destination matches of NodePort rules: the family's
 	// NodePortAddresses prefixes, or local addresses except loopback when none.
 	nodePortDsts []string
-	zone         string
+	zone         string // this node's zone for topology hints, from the snapshot
 }
 
 // portRules is what one Service port contributes to one family.

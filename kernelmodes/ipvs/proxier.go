@@ -69,8 +69,6 @@ type Config struct {
 	MasqueradeAll bool
 	// MasqueradeBit is the mark bit (0-31); 0 means 14.
 	MasqueradeBit int
-	// Zone is this node's zone for topology hints.
-	Zone string
 	// Kernel is IPVS and netlink; nil opens the real one (NewNetlinkKernel).
 	Kernel Kernel
 	// IPTables is iptables and ip6tables; nil runs the commands (iptables.Commands).
@@ -284,9 +282,9 @@ func (p *Proxier) desired(s *service.Snapshot) (map[vsKey]*desiredVS, map[netip.
 			}
 		}
 		for _, ip := range cleanAddrs(sp.ClusterIPs) {
-			add(ip, sp.Port, sp.ClusterEndpoints(p.cfg.Zone), true)
+			add(ip, sp.Port, sp.ClusterEndpoints(s.Zone), true)
 		}
-		external := sp.ExternalEndpoints(p.cfg.Zone)
+		external := sp.ExternalEndpoints(s.Zone)
 		for _, ip := range cleanAddrs(slices.Concat(sp.ExternalIPs, sp.LoadBalancerIPs)) {
 			add(ip, sp.Port, external, true)
 		}

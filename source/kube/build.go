@@ -25,7 +25,8 @@ import (
 // pointer lookups per unchanged object.
 type builder struct {
 	// snaps builds incrementally, by the same rule.
-	snaps *service.Builder
+	snaps    *service.Builder
+	nodeName string
 	// gen numbers the builds; every state records the last build that saw it,
 	// and what a build did not see is dropped at its end.
 	gen    uint64
@@ -71,8 +72,14 @@ type keyState struct {
 	dropped bool
 }
 
+// setZone makes the next build's Snapshot carry zone, and judge the hints by it.
+func (b *builder) setZone(zone string) {
+	b.snaps.SetOptions(service.BuildOptions{NodeName: b.nodeName, Zone: zone})
+}
+
 func newBuilder(nodeName string) *builder {
 	return &builder{
+		nodeName:  nodeName,
 		snaps:     service.NewBuilder(service.BuildOptions{NodeName: nodeName}),
 		svcs:      make(map[*v1.Service]*objectState),
 		slices:    make(map[*discoveryv1.EndpointSlice]*objectState),

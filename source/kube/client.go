@@ -1,14 +1,10 @@
 package kube
 
 import (
-	"context"
 	"errors"
 	"fmt"
 
 	v1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 )
@@ -81,19 +77,6 @@ func ClientConfig(opts ClientOptions) (*rest.Config, error) {
 
 // LabelZone is the Node label that names its topology zone.
 const LabelZone = v1.LabelTopologyZone
-
-// NodeZone returns the topology zone of the Node named name, "" when it has none
-// or does not exist (a proxy can run before its Node is registered).
-func NodeZone(ctx context.Context, client kubernetes.Interface, name string) (string, error) {
-	n, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return "", nil
-	}
-	if err != nil {
-		return "", fmt.Errorf("get node %s: %w", name, err)
-	}
-	return n.Labels[LabelZone], nil
-}
 
 // ToBeDeletedTaint is the taint the cluster autoscaler puts on a Node it is about
 // to remove.

@@ -18,6 +18,7 @@ package kube
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -54,8 +55,9 @@ const (
 type Source struct {
 	Client kubernetes.Interface
 	// NodeName is this node's name: endpoints on it are Local, and the Node object
-	// of that name is watched for NodeChanged. If empty, nothing is Local and no
-	// Node is watched.
+	// of that name is watched for its zone (topology.kubernetes.io/zone, which
+	// the Snapshots carry as Zone and follow live) and for NodeChanged. If
+	// empty, nothing is Local and no Node is watched.
 	NodeName string
 	// ServiceProxyName, if set, selects only the Services labelled
 	// service.kubernetes.io/service-proxy-name=ServiceProxyName; if empty, only
@@ -164,8 +166,28 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	svcLister := corelisters.NewServiceLister(svcInformer.GetIndexer())
 	sliceLister := discoverylisters.NewEndpointSliceLister(sliceInformer.GetIndexer())
 
+	// zone is the node's zone as the Node informer last saw it; the build
+	// loop reads it, and a change wakes it like any other change.
+	var zoneMu sync.Mutex
+	zone := ""
+	setZone := func(n *v1.Node) {
+		z := ""
+		if n != nil {
+			z = n.Labels[LabelZone]
+		}
+		zoneMu.Lock()
+		changed := z != zone
+		was := zone
+		zone = z
+		zoneMu.Unlock()
+		if changed {
+			klog.InfoS("This node's zone; topology hints follow it", "node", s.NodeName, "zone", z, "previous", was)
+			notify()
+		}
+	}
+	synced := []cache.InformerSynced{svcInformer.HasSynced, sliceInformer.HasSynced}
 	var nodeFactory informers.SharedInformerFactory
-	if s.NodeName != "" && s.NodeChanged != nil {
+	if s.NodeName != "" {
 		// The Node is watched by name alone: a node cannot read every other node's
 		// changes cheaply, nor needs to.
 		nodeFactory = informers.NewSharedInformerFactoryWithOptions(s.Client, s.ResyncPeriod,
@@ -174,9 +196,12 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 				o.FieldSelector = fields.OneTermEqualSelector(metav1.ObjectNameField, s.NodeName).String()
 			}))
 		nodeInformer := nodeFactory.Core().V1().Nodes().Informer()
-		if _, err := nodeInformer.AddEventHandler(s.nodeHandler()); err != nil {
+		if _, err := nodeInformer.AddEventHandler(s.nodeHandler(setZone)); err != nil {
 			return fmt.Errorf("kube source: node handler: %w", err)
 		}
+		// The first Snapshot has the zone of a Node that exists; a node not
+		// registered yet lists as none, and its zone comes when it does.
+		synced = append(synced, nodeInformer.HasSynced)
 		nodeFactory.Start(ctx.Done())
 	}
 	factory.Start(ctx.Done())
@@ -190,7 +215,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	}()
 
 	klog.InfoS("Waiting for Services and EndpointSlices", "serviceSelector", svcSel, "endpointSliceSelector", sliceSel)
-	if !cache.WaitForCacheSync(ctx.Done(), svcInformer.HasSynced, sliceInformer.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
 		return nil // ctx is done
 	}
 	klog.InfoS("Services and EndpointSlices synced")
@@ -198,6 +223,9 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	b := newBuilder(s.NodeName)
 	var last *service.Snapshot
 	for {
+		zoneMu.Lock()
+		b.setZone(zone)
+		zoneMu.Unlock()
 		svcs, err := svcLister.List(labels.Everything())
 		if err != nil {
 			return fmt.Errorf("kube source: list services: %w", err)
@@ -220,19 +248,27 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	}
 }
 
-func (s *Source) nodeHandler() cache.ResourceEventHandler {
+// nodeHandler hands this node's Node to setZone, then to NodeChanged if set.
+func (s *Source) nodeHandler(setZone func(*v1.Node)) cache.ResourceEventHandler {
+	changed := func(n *v1.Node) {
+		setZone(n)
+		if s.NodeChanged != nil {
+			s.NodeChanged(n)
+		}
+	}
 	return cache.ResourceEventHandlerFuncs{
 		AddFunc: func(obj any) {
 			if n, ok := obj.(*v1.Node); ok {
-				s.NodeChanged(n)
+				changed(n)
 			}
 		},
 		UpdateFunc: func(_, obj any) {
 			if n, ok := obj.(*v1.Node); ok {
-				s.NodeChanged(n)
+				changed(n)
 			}
 		},
-		DeleteFunc: func(any) { s.NodeChanged(nil) },
+		// A deleted Node has no zone: hints stay off until it is back.
+		DeleteFunc: func(any) { changed(nil) },
 	}
 }
 

@@ -230,15 +230,18 @@ func TestSource(t *testing.T) {
 		if _, err := client.CoreV1().Nodes().Create(context.Background(), node, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		zone, err := NodeZone(context.Background(), client, "node-z")
-		if err != nil || zone != "zone-1" {
-			t.Errorf("NodeZone: got %q, %v, want zone-1", zone, err)
-		}
-		if zone, err := NodeZone(context.Background(), client, "absent"); err != nil || zone != "" {
-			t.Errorf("NodeZone of an absent node: got %q, %v, want \"\", nil", zone, err)
-		}
-
 		w := runSource(t, &Source{Client: client, NodeName: "node-z"})
+		// The first Snapshot already has the Node's zone.
+		w.mu.Lock()
+		for w.latest == nil {
+			w.mu.Unlock()
+			time.Sleep(10 * time.Millisecond)
+			w.mu.Lock()
+		}
+		if first := w.latest.Zone; first != "zone-1" {
+			t.Errorf("first Snapshot's Zone: got %q, want zone-1", first)
+		}
+		w.mu.Unlock()
 		// The Node informer's first event must be the Node as created: changing it
 		// before the informer has listed it would let the list see the change first.
 		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
@@ -256,6 +259,12 @@ func TestSource(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// A new zone label reaches the Snapshots without a restart.
+		n.Labels[LabelZone] = "zone-2"
+		if n, err = client.CoreV1().Nodes().Update(context.Background(), n, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.await("the Node's new zone", func(s *service.Snapshot) bool { return s.Zone == "zone-2" })
 		n.Spec.Taints = []v1.Taint{{Key: ToBeDeletedTaint, Effect: v1.TaintEffectNoSchedule}}
 		if _, err := client.CoreV1().Nodes().Update(context.Background(), n, metav1.UpdateOptions{}); err != nil {
 			t.Fatal(err)
@@ -264,7 +273,7 @@ func TestSource(t *testing.T) {
 			t.Fatal(err)
 		}
 		deadline := time.Now().Add(30 * time.Second)
-		want := []string{"eligible zone-1", "not eligible zone-1", "deleted"}
+		want := []string{"eligible zone-1", "eligible zone-2", "not eligible zone-2", "deleted"}
 		for {
 			w.mu.Lock()
 			var got []string
@@ -287,6 +296,7 @@ func TestSource(t *testing.T) {
 			}
 			time.Sleep(10 * time.Millisecond)
 		}
+		w.await("no zone once the Node is deleted", func(s *service.Snapshot) bool { return s.Zone == "" })
 	})
 
 	t.Run("duplicate ExternalIPs", func(t *testing.T) {

@@ -1,0 +1,222 @@
+package proxier
+
+import (
+	"net/netip"
+	"sync/atomic"
+
+	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/socket"
+)
+
+// Which endpoints a connection may reach depends on how it came in, as in
+// kube-proxy: through a ClusterIP it gets the port's ClusterEndpoints, through
+// a NodePort, ExternalIP or LoadBalancer IP its ExternalEndpoints, and in
+// either case only endpoints of its own address family.
+//
+// The traffic class is told apart by proxy port. A Service port whose two
+// classes may get different endpoints (service.Port.SplitsExternal: its
+// traffic policies differ and it has external addresses) has a second proxy
+// port, and the portals steer its external addresses there; every other port
+// has one. The alternative, reading each connection's original destination
+// (SO_ORIGINAL_DST), costs a system call per TCP connection, and has no
+// counterpart for UDP: a datagram redirected to the proxy port arrives with the
+// node's address as its destination, and its original one is only in
+// conntrack. Two proxy ports cost nothing per connection or datagram, work the
+// same for TCP and UDP, and leave the portals' cost flat (a rule's target or a
+// map element's value is another port number). Whether a port has the second
+// proxy port follows the Service's spec alone, so its proxy ports stay put
+// while its endpoints come and go.
+//
+// The family needs no such help: the client's address is of the family of
+// the address it connected to (NAT never changes the family), so each class
+// has one balancer per family and a connection picks from its client's.
+
+// route is one traffic class of a Service port: its proxy socket, the proxy
+// serving it and the balancers it picks from. Exactly one of tcp, udp is set.
+type route struct {
+	// listener is the proxy socket: replaced whole, by Sync, when a failed
+	// socket is reopened (listener.go).
+	listener atomic.Pointer[listenerState]
+	picker   *familyPicker
+	tcp      *socket.TCPProxy
+	udp      *socket.UDPProxy
+	// endpoints are those the last update gave the route; only Sync uses them.
+	endpoints []netip.AddrPort
+}
+
+// familyPicker is the socket.Picker of one route: a balancer per address
+// family. A client gets endpoints of its own family only, as each of
+// kube-proxy's per-family proxiers programs its family's endpoints only; a
+// client of a family without endpoints is refused.
+type familyPicker struct {
+	fam [2]*affinity.Balancer // IPv4, IPv6
+}
+
+var _ socket.Picker = (*familyPicker)(nil)
+
+func familyIndex(a netip.Addr) int {
+	if a.Unmap().Is4() {
+		return 0
+	}
+	return 1
+}
+
+func newFamilyPicker(scheduler string, ej affinity.Ejection, obs affinity.EjectionObserver) (*familyPicker, error) {
+	fp := &familyPicker{}
+	for i := range fp.fam {
+		b, err := affinity.NewBalancer(scheduler)
+		if err != nil {
+			return nil, err
+		}
+		b.SetEjection(ej)
+		// The balancer ejects endpoints from the dial reports of the socket
+		// layer; the observer only hears of its decisions.
+		b.SetEjectionObserver(obs)
+		fp.fam[i] = b
+	}
+	return fp, nil
+}
+
+func (fp *familyPicker) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPort, error) {
+	return fp.fam[familyIndex(client)].Pick(client, tried)
+}
+
+func (fp *familyPicker) Release(ep netip.AddrPort) { fp.fam[familyIndex(ep.Addr())].Release(ep) }
+
+func (fp *familyPicker) ResetAffinity(client netip.Addr) {
+	fp.fam[familyIndex(client)].ResetAffinity(client)
+}
+
+func (fp *familyPicker) DialSucceeded(ep netip.AddrPort) {
+	fp.fam[familyIndex(ep.Addr())].DialSucceeded(ep)
+}
+
+func (fp *familyPicker) DialFailed(ep netip.AddrPort, err error) {
+	fp.fam[familyIndex(ep.Addr())].DialFailed(ep, err)
+}
+
+// update hands each family's balancer the endpoints of its family; dh hashes
+// the first ClusterIP of the family.
+func (fp *familyPicker) update(eps []netip.AddrPort, port *service.Port) {
+	var byFam [2][]netip.AddrPort
+	for _, ep := range eps {
+		f := familyIndex(ep.Addr())
+		byFam[f] = append(byFam[f], ep)
+	}
+	var dst [2]netip.Addr
+	for _, ip := range port.ClusterIPs {
+		if f := familyIndex(ip); !dst[f].IsValid() {
+			dst[f] = ip
+		}
+	}
+	for f, b := range fp.fam {
+		b.Update(byFam[f], dst[f], port.AffinityClientIP, port.AffinityTimeout)
+	}
+}
+
+// routes returns sp's routes: the cluster one, then the external one if any.
+func (sp *servicePort) routes() []*route {
+	if ext := sp.external.Load(); ext != nil {
+		return []*route{sp.cluster, ext}
+	}
+	return []*route{sp.cluster}
+}
+
+// balancers returns every balancer of sp, the cluster route's first.
+func (sp *servicePort) balancers() []*affinity.Balancer {
+	var out []*affinity.Balancer
+	for _, r := range sp.routes() {
+		out = append(out, r.picker.fam[:]...)
+	}
+	return out
+}
+
+// udpClients counts the UDP client entries of every route of sp.
+func (sp *servicePort) udpClients() int {
+	n := 0
+	for _, r := range sp.routes() {
+		if r.udp != nil {
+			n += r.udp.Clients()
+		}
+	}
+	return n
+}
+
+// portStats reads every balancer of sp for the metrics scrape, in observe's
+// terms: an endpoint that two balancers hold (both traffic classes) is one
+// series, with the sum of its activity.
+func portStats(sp *servicePort) func() observe.BalancerStats {
+	return func() observe.BalancerStats {
+		var st observe.BalancerStats
+		at := map[netip.AddrPort]int{}
+		for _, b := range sp.balancers() {
+			c, eps := b.Stats()
+			st.Affinity.Hits += c.AffinityHits
+			st.Affinity.Misses += c.AffinityMisses
+			st.Affinity.Resets += c.AffinityResets
+			st.Affinity.Expired += c.AffinityExpired
+			for _, e := range eps {
+				// Stats leaves EjectedUntil zero once the ejection has ended.
+				es := observe.EndpointStats{Addr: e.Addr, Active: e.Active, Failures: e.Failures, Ejected: !e.EjectedUntil.IsZero()}
+				i, ok := at[e.Addr]
+				if !ok {
+					at[e.Addr] = len(st.Endpoints)
+					st.Endpoints = append(st.Endpoints, es)
+					continue
+				}
+				m := &st.Endpoints[i]
+				m.Active += es.Active
+				m.Failures = max(m.Failures, es.Failures)
+				m.Ejected = m.Ejected || es.Ejected
+			}
+		}
+		return st
+	}
+}
+
+// state merges the states of every balancer of sp for /debug/services, in the
+// terms of one balancer: endpoints held twice are merged as in portStats,
+// affinity entries and counters are added up, and Next is the cluster
+// route's (IPv4 first).
+func (sp *servicePort) state() affinity.State {
+	var out affinity.State
+	at := map[netip.AddrPort]int{}
+	for _, b := range sp.balancers() {
+		s := b.State()
+		out.Scheduler, out.ClientIPAffinity, out.AffinityTimeoutSeconds = s.Scheduler, s.ClientIPAffinity, s.AffinityTimeoutSeconds
+		if !out.Next.IsValid() {
+			out.Next = s.Next
+		}
+		for _, e := range s.Endpoints {
+			i, ok := at[e.Addr]
+			if !ok {
+				at[e.Addr] = len(out.Endpoints)
+				out.Endpoints = append(out.Endpoints, e)
+				continue
+			}
+			m := &out.Endpoints[i]
+			m.Active += e.Active
+			m.Failures = max(m.Failures, e.Failures)
+			m.Ejections = max(m.Ejections, e.Ejections)
+			if e.EjectedUntil.After(m.EjectedUntil) {
+				m.EjectedUntil = e.EjectedUntil
+			}
+		}
+		out.Affinity = append(out.Affinity, s.Affinity...)
+		c := &out.Counters
+		c.AffinityHits += s.Counters.AffinityHits
+		c.AffinityMisses += s.Counters.AffinityMisses
+		c.AffinityResets += s.Counters.AffinityResets
+		c.AffinityExpired += s.Counters.AffinityExpired
+		c.Ejections += s.Counters.Ejections
+		c.Readmissions += s.Counters.Readmissions
+	}
+	return out
+}
+
+// explain says which endpoint client would get next through the cluster route.
+func (sp *servicePort) explain(client netip.Addr) (affinity.Choice, error) {
+	return sp.cluster.picker.fam[familyIndex(client)].Explain(client)
+}
