@@ -50,6 +50,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/hashicorp/go-multierror"
 	"k8s.io/klog/v2"
@@ -623,4 +624,44 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 		out = append(out, st)
 	}
 	return out
+}
+
+// Probe reports why this namespace's nftables cannot run the mode (nil when it
+// can): no nft command, one too old, no permission, or a kernel without what
+// the table uses (NAT, fib, numgen, concatenated and interval keys, dynamic
+// sets). It checks the whole table of both families, with an element and an
+// affinity chain of each kind, through nft --check: the kernel validates the
+// transaction and discards it, so nothing changes.
+func Probe() error {
+	t, err := TableName("")
+	if err != nil {
+		return err
+	}
+	cidr := []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:244::/48")}
+	p := &Proxier{}
+	p.l.mark = "0x4000"
+	for _, cfg := range []Config{{ClusterCIDRs: cidr}, {ClusterCIDRs: cidr, NodePortAddresses: cidr}} {
+		p.l.fams = []*family{newFamily(false, cfg), newFamily(true, cfg)}
+		p.r = renderer{l: &p.l}
+		// Documentation addresses: only the syntax and the kernel's support count.
+		web := &service.Port{Name: service.PortName{Namespace: "probe", Name: "web"}, Protocol: service.TCP, Port: 80,
+			ClusterIPs: []netip.Addr{netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("2001:db8::1")}, NodePort: 30000,
+			LoadBalancerIPs:          []netip.Addr{netip.MustParseAddr("192.0.2.2"), netip.MustParseAddr("2001:db8::2")},
+			LoadBalancerSourceRanges: []netip.Prefix{netip.MustParsePrefix("198.51.100.0/24"), netip.MustParsePrefix("2001:db8:1::/48")},
+			ExternalPolicyLocal:      true,
+			Endpoints: []service.Endpoint{
+				{Addr: netip.MustParseAddrPort("198.51.100.1:8080"), Ready: true, Local: true},
+				{Addr: netip.MustParseAddrPort("[2001:db8:1::1]:8080"), Ready: true, Local: true},
+			}}
+		sticky := *web
+		sticky.Name.Name, sticky.Protocol, sticky.AffinityClientIP, sticky.AffinityTimeout = "sticky", service.UDP, true, time.Minute
+		cur := map[portKey]*rendered{}
+		for _, sp := range []*service.Port{web, &sticky} {
+			cur[portKey{sp.Name, sp.Protocol}] = p.r.port(sp)
+		}
+		if err := nftables.Probe(t, func(tx *knftables.Transaction) { p.writeAll(tx, cur) }); err != nil {
+			return err
+		}
+	}
+	return nil
 }
