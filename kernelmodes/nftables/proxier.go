@@ -47,6 +47,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"sync"
@@ -217,6 +218,10 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	}
 	// A Snapshot's ports are immutable and a source reuses the unchanged
 	// ones, so an identical pointer needs no rendering.
+	var prev map[portKey]*rendered
+	if p.written != nil {
+		prev = p.written.ports
+	}
 	cur := make(map[portKey]*rendered, len(ports))
 	for _, sp := range ports {
 		k := portKey{sp.Name, sp.Protocol}
@@ -230,7 +235,7 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	}
 	if err := p.write(ctx, cur); err != nil {
 		errs = append(errs, err)
-	} else if err := p.syncConntrack(cur); err != nil {
+	} else if err := p.syncConntrack(prev, cur); err != nil {
 		errs = append(errs, err)
 	}
 	p.last = s
@@ -316,18 +321,28 @@ func (p *Proxier) writeChanges(tx *knftables.Transaction, cur map[portKey]*rende
 	old := p.written
 	next := &state{ports: cur, elems: old.elems, maps: old.maps}
 	type change struct{ was, now *rendered }
-	var changes []change
-	for _, k := range sortedPorts(cur) {
-		now, was := cur[k], old.ports[k]
+	changed := map[portKey]change{}
+	for k, now := range cur {
+		was := old.ports[k]
 		if was == now || was != nil && was.equalContent(now) {
 			continue
 		}
-		changes = append(changes, change{was, now})
+		changed[k] = change{was, now}
 	}
-	for _, k := range sortedPorts(old.ports) {
+	for k, was := range old.ports {
 		if _, ok := cur[k]; !ok {
-			changes = append(changes, change{old.ports[k], nil})
+			changed[k] = change{was, nil}
 		}
+	}
+	// In name order, so that the transaction is the same for the same change.
+	keys := make([]portKey, 0, len(changed))
+	for k := range changed {
+		keys = append(keys, k)
+	}
+	slices.SortFunc(keys, comparePortKeys)
+	changes := make([]change, len(keys))
+	for i, k := range keys {
+		changes[i] = changed[k]
 	}
 	if len(changes) == 0 {
 		return next
@@ -504,30 +519,72 @@ func sortedPorts(m map[portKey]*rendered) []portKey {
 	for k := range m {
 		keys = append(keys, k)
 	}
-	slices.SortFunc(keys, func(a, b portKey) int {
-		return cmp.Or(a.name.Compare(b.name), cmp.Compare(a.proto, b.proto))
-	})
+	slices.SortFunc(keys, comparePortKeys)
 	return keys
 }
 
-// syncConntrack deletes the UDP flows the sync made stale, per family.
-func (p *Proxier) syncConntrack(cur map[portKey]*rendered) error {
+func comparePortKeys(a, b portKey) int {
+	return cmp.Or(a.name.Compare(b.name), cmp.Compare(a.proto, b.proto))
+}
+
+// syncConntrack deletes the UDP flows the sync made stale, per family. prev
+// are the renderings the table held before (nil: unknown); only the ports
+// rendered anew since are compared, so an unchanged Service costs nothing.
+func (p *Proxier) syncConntrack(prev, cur map[portKey]*rendered) error {
 	var errs []error
 	for fi, f := range p.l.fams {
-		view := map[portKey]conntrack.UDPPort{}
-		for k, r := range cur {
-			if r.udp[fi] != nil {
-				view[k] = *r.udp[fi]
+		old, now := p.udp[fi], map[portKey]conntrack.UDPPort{}
+		if old == nil || prev == nil {
+			old = nil
+			for k, r := range cur {
+				if r.udp[fi] != nil {
+					now[k] = *r.udp[fi]
+				}
 			}
+		} else {
+			// The changed ports' views, before and after.
+			was := map[portKey]conntrack.UDPPort{}
+			note := func(k portKey) {
+				if v, ok := old[k]; ok {
+					was[k] = v
+				}
+				if r := cur[k]; r != nil && r.udp[fi] != nil {
+					now[k] = *r.udp[fi]
+				}
+			}
+			for k, r := range cur {
+				if prev[k] != r {
+					note(k)
+				}
+			}
+			for k := range prev {
+				if _, ok := cur[k]; !ok {
+					note(k)
+				}
+			}
+			stale := conntrack.StaleUDPOf(was, now)
+			if !stale.Empty() {
+				if err := stale.Delete(p.cfg.Conntrack, f.v6); err != nil {
+					// Unknown from now on: the next sync checks every port.
+					p.udp[fi] = nil
+					errs = append(errs, err)
+					continue
+				}
+			}
+			for k := range was {
+				delete(old, k)
+			}
+			maps.Copy(old, now)
+			continue
 		}
-		if stale := conntrack.StaleUDPOf(p.udp[fi], view); !stale.Empty() {
-			// On failure the old view stays, so the next sync tries again.
+		if stale := conntrack.StaleUDPOf(old, now); !stale.Empty() {
 			if err := stale.Delete(p.cfg.Conntrack, f.v6); err != nil {
+				p.udp[fi] = nil
 				errs = append(errs, err)
 				continue
 			}
 		}
-		p.udp[fi] = view
+		p.udp[fi] = now
 	}
 	return multierror.Append(nil, errs...).ErrorOrNil()
 }

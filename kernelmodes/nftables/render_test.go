@@ -26,7 +26,16 @@ func eps(ss ...string) []service.Endpoint {
 	return out
 }
 
-func newFake(t *testing.T, cfg Config) (*Proxier, *nftablestest.Fake, *conntrack.Recorder) {
+// localEps are endpoints on this node.
+func localEps(ss ...string) []service.Endpoint {
+	var out []service.Endpoint
+	for _, s := range ss {
+		out = append(out, ep(s, true))
+	}
+	return out
+}
+
+func newFake(t testing.TB, cfg Config) (*Proxier, *nftablestest.Fake, *conntrack.Recorder) {
 	t.Helper()
 	k := nftablestest.New(nftables.Table{Family: knftables.InetFamily, Name: "uproxy-kernel"})
 	ct := &conntrack.Recorder{}
@@ -125,11 +134,7 @@ add element inet uproxy-kernel external-local4 { 10.251.0.7 . tcp . 80 comment "
 add element inet uproxy-kernel external-masq4 { 10.250.0.5 . tcp . 80 comment "shop/web:http" }
 add element inet uproxy-kernel firewall-allow4 { 10.251.0.7 . tcp . 80 . 192.168.0.0/16 comment "shop/local" }
 add element inet uproxy-kernel firewall4 { 10.251.0.7 . tcp . 80 comment "shop/local" }
-add element inet uproxy-kernel hairpin4 { 10.244.1.2 . 10.244.1.2 }
 add element inet uproxy-kernel hairpin4 { 10.244.1.5 . 10.244.1.5 }
-add element inet uproxy-kernel hairpin4 { 10.244.2.3 . 10.244.2.3 }
-add element inet uproxy-kernel hairpin4 { 10.244.2.5 . 10.244.2.5 }
-add element inet uproxy-kernel hairpin6 { fd00:244::2 . fd00:244::2 }
 add element inet uproxy-kernel local-backends4-1 { 10.251.0.7 . tcp . 80 . 0 comment "shop/local" : 10.244.1.5 . 80 }
 add element inet uproxy-kernel np-backends4-2 { tcp . 30080 . 0 comment "shop/web:http" : 10.244.1.2 . 8080 }
 add element inet uproxy-kernel np-backends4-2 { tcp . 30080 . 1 comment "shop/web:http" : 10.244.2.3 . 8080 }
@@ -200,20 +205,24 @@ func TestNodePortAddresses(t *testing.T) {
 func TestPartialSync(t *testing.T) {
 	a := svcPort("ns", "a", "", service.TCP, 80)
 	a.ClusterIPs = addrs("10.96.0.1")
-	a.Endpoints = eps("10.244.1.1:80", "10.244.1.2:80")
+	a.Endpoints = localEps("10.244.1.1:80", "10.244.1.2:80")
 	b := svcPort("ns", "b", "", service.TCP, 80)
 	b.ClusterIPs = addrs("10.96.0.2")
-	b.Endpoints = eps("10.244.2.1:80", "10.244.2.2:80")
+	b.Endpoints = localEps("10.244.2.1:80", "10.244.2.2:80")
 	moved := *b
-	moved.Endpoints = eps("10.244.2.1:80", "10.244.2.3:80")
+	moved.Endpoints = localEps("10.244.2.1:80", "10.244.2.3:80")
 	grown := *b
-	grown.Endpoints = eps("10.244.2.1:80", "10.244.2.2:80", "10.244.2.3:80")
+	grown.Endpoints = localEps("10.244.2.1:80", "10.244.2.2:80", "10.244.2.3:80")
 	sticky := svcPort("ns", "s", "", service.TCP, 80)
 	sticky.ClusterIPs = addrs("10.96.0.3")
 	sticky.AffinityClientIP, sticky.AffinityTimeout = true, time.Minute
-	sticky.Endpoints = eps("10.244.3.1:80", "10.244.3.2:80")
+	sticky.Endpoints = localEps("10.244.3.1:80", "10.244.3.2:80")
 	stickyMoved := *sticky
-	stickyMoved.Endpoints = eps("10.244.3.1:80", "10.244.3.3:80")
+	stickyMoved.Endpoints = localEps("10.244.3.1:80", "10.244.3.3:80")
+	// c shares an endpoint address with b.
+	c := svcPort("ns", "c", "", service.TCP, 81)
+	c.ClusterIPs = addrs("10.96.0.4")
+	c.Endpoints = localEps("10.244.2.1:81")
 	aff := func(ep string) string { return "aff4-" + hash("ns/s/TCP", 16) + "-" + hash(ep, 8) + "-60" }
 	chain := "aff4-" + hash("ns/s/TCP", 16) + "-all"
 
@@ -261,13 +270,15 @@ flush chain inet uproxy-kernel ` + chain + `
 delete chain inet uproxy-kernel ` + chain + `
 delete set inet uproxy-kernel ` + aff("10.244.3.1:80") + `
 delete set inet uproxy-kernel ` + aff("10.244.3.3:80")},
-		{"a port removed: its elements deleted, the shared hairpin pairs kept", []*service.Port{a}, `delete element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 0 }
+		{"a port removed: its elements deleted, a hairpin pair another port shares kept", []*service.Port{a, c}, `add map inet uproxy-kernel backends4-1 { typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport ; }
+add rule inet uproxy-kernel services4 meta l4proto { tcp, udp, sctp } dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 map @backends4-1
+delete element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 0 }
 delete element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 1 }
 delete element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 2 }
-delete element inet uproxy-kernel hairpin4 { 10.244.2.1 . 10.244.2.1 }
 delete element inet uproxy-kernel hairpin4 { 10.244.2.2 . 10.244.2.2 }
-delete element inet uproxy-kernel hairpin4 { 10.244.2.3 . 10.244.2.3 }`},
-		{"identical again", []*service.Port{a}, ""},
+delete element inet uproxy-kernel hairpin4 { 10.244.2.3 . 10.244.2.3 }
+add element inet uproxy-kernel backends4-1 { 10.96.0.4 . tcp . 81 . 0 comment "ns/c" : 10.244.2.1 . 81 }`},
+		{"identical again", []*service.Port{a, c}, ""},
 	}
 	p, k, _ := newFake(t, Config{})
 	mustSync(t, p, snapshot(a, b))
@@ -290,7 +301,7 @@ delete element inet uproxy-kernel hairpin4 { 10.244.2.3 . 10.244.2.3 }`},
 	}
 	// The fake's table now equals a whole write of the last snapshot.
 	fresh, fk, _ := newFake(t, Config{})
-	mustSync(t, fresh, snapshot(a))
+	mustSync(t, fresh, snapshot(a, c))
 	if got, want := elementsOf(t, k), elementsOf(t, fk); got != want {
 		t.Errorf("elements after the partial syncs:\n%s\nwant those of a whole write:\n%s", got, want)
 	}
