@@ -223,19 +223,29 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 		prev = p.written.ports
 	}
 	cur := make(map[portKey]*rendered, len(ports))
+	// touched are the ports rendered anew and those gone: all a partial
+	// sync needs to look at.
+	var touched []portKey
 	for _, sp := range ports {
 		k := portKey{sp.Name, sp.Protocol}
-		if p.written != nil {
-			if old := p.written.ports[k]; old != nil && old.port == sp {
-				cur[k] = old
-				continue
-			}
+		if old := prev[k]; old != nil && old.port == sp {
+			cur[k] = old
+			continue
 		}
 		cur[k] = p.r.port(sp)
+		touched = append(touched, k)
 	}
-	if err := p.write(ctx, cur); err != nil {
+	if len(cur)-len(touched) < len(prev) {
+		for k := range prev {
+			if _, ok := cur[k]; !ok {
+				touched = append(touched, k)
+			}
+		}
+	}
+	slices.SortFunc(touched, comparePortKeys)
+	if err := p.write(ctx, cur, touched); err != nil {
 		errs = append(errs, err)
-	} else if err := p.syncConntrack(prev, cur); err != nil {
+	} else if err := p.syncConntrack(prev, cur, touched); err != nil {
 		errs = append(errs, err)
 	}
 	p.last = s
@@ -244,7 +254,7 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 
 // write makes the table hold cur: all of it when its state is unknown, else
 // the changes since the last write; nothing when nothing changed.
-func (p *Proxier) write(ctx context.Context, cur map[portKey]*rendered) error {
+func (p *Proxier) write(ctx context.Context, cur map[portKey]*rendered, touched []portKey) error {
 	k := p.cfg.NFTables
 	tx := k.NewTransaction()
 	full := p.written == nil
@@ -252,7 +262,7 @@ func (p *Proxier) write(ctx context.Context, cur map[portKey]*rendered) error {
 	if full {
 		next = p.writeAll(tx, cur)
 	} else {
-		next = p.writeChanges(tx, cur)
+		next = p.writeChanges(tx, cur, touched)
 		if tx.NumOperations() == 0 {
 			p.written.ports = cur
 			p.lastWasFull = false
@@ -317,32 +327,18 @@ func (p *Proxier) writeAll(tx *knftables.Transaction, cur map[portKey]*rendered)
 // chains first; then the element deletions (a verdict map's element before
 // the chain it jumps to); chains rewritten, then stale ones and their sets
 // deleted; the element additions last.
-func (p *Proxier) writeChanges(tx *knftables.Transaction, cur map[portKey]*rendered) *state {
+func (p *Proxier) writeChanges(tx *knftables.Transaction, cur map[portKey]*rendered, touched []portKey) *state {
 	old := p.written
 	next := &state{ports: cur, elems: old.elems, maps: old.maps}
 	type change struct{ was, now *rendered }
-	changed := map[portKey]change{}
-	for k, now := range cur {
-		was := old.ports[k]
-		if was == now || was != nil && was.equalContent(now) {
+	// touched is in name order, so the transaction is the same for the same change.
+	var changes []change
+	for _, k := range touched {
+		was, now := old.ports[k], cur[k]
+		if was != nil && now != nil && was.equalContent(now) {
 			continue
 		}
-		changed[k] = change{was, now}
-	}
-	for k, was := range old.ports {
-		if _, ok := cur[k]; !ok {
-			changed[k] = change{was, nil}
-		}
-	}
-	// In name order, so that the transaction is the same for the same change.
-	keys := make([]portKey, 0, len(changed))
-	for k := range changed {
-		keys = append(keys, k)
-	}
-	slices.SortFunc(keys, comparePortKeys)
-	changes := make([]change, len(keys))
-	for i, k := range keys {
-		changes[i] = changed[k]
+		changes = append(changes, change{was, now})
 	}
 	if len(changes) == 0 {
 		return next
@@ -528,9 +524,10 @@ func comparePortKeys(a, b portKey) int {
 }
 
 // syncConntrack deletes the UDP flows the sync made stale, per family. prev
-// are the renderings the table held before (nil: unknown); only the ports
-// rendered anew since are compared, so an unchanged Service costs nothing.
-func (p *Proxier) syncConntrack(prev, cur map[portKey]*rendered) error {
+// are the renderings the table held before (nil: unknown); only the touched
+// ports (rendered anew, or gone) are compared, so an unchanged Service costs
+// nothing.
+func (p *Proxier) syncConntrack(prev, cur map[portKey]*rendered, touched []portKey) error {
 	var errs []error
 	for fi, f := range p.l.fams {
 		old, now := p.udp[fi], map[portKey]conntrack.UDPPort{}
@@ -552,15 +549,8 @@ func (p *Proxier) syncConntrack(prev, cur map[portKey]*rendered) error {
 					now[k] = *r.udp[fi]
 				}
 			}
-			for k, r := range cur {
-				if prev[k] != r {
-					note(k)
-				}
-			}
-			for k := range prev {
-				if _, ok := cur[k]; !ok {
-					note(k)
-				}
+			for _, k := range touched {
+				note(k)
 			}
 			stale := conntrack.StaleUDPOf(was, now)
 			if !stale.Empty() {
