@@ -258,17 +258,16 @@ func (r *renderer) family(out *rendered, f *family, fi int, p *service.Port, pro
 		}
 	}
 	slices.SortFunc(eps, netip.AddrPort.Compare)
-	// Hairpin pairs for this node's endpoints only: another node's endpoint
-	// reaching itself through a Service does so through its own node's rules.
-	var hairpin []netip.Addr
-	for _, e := range localEps {
-		if programmed[e] && !slices.Contains(hairpin, e.Addr()) {
-			hairpin = append(hairpin, e.Addr())
+	// Hairpin pairs, one per endpoint address (shared by the Service ports
+	// with the same address). Every endpoint gets one, not only those known
+	// to be on this node: Endpoint.Local needs the node's name, which a
+	// source may not know, and a missing pair breaks the Service for the pod
+	// behind it.
+	for i, ep := range eps {
+		if i == 0 || eps[i-1].Addr() != ep.Addr() {
+			a := ep.Addr().String()
+			add(f.name("hairpin"), a+" . "+a, "")
 		}
-	}
-	slices.SortFunc(hairpin, netip.Addr.Compare)
-	for _, a := range hairpin {
-		add(f.name("hairpin"), a.String()+" . "+a.String(), "")
 	}
 
 	if p.Protocol == service.UDP {

@@ -134,7 +134,11 @@ add element inet uproxy-kernel external-local4 { 10.251.0.7 . tcp . 80 comment "
 add element inet uproxy-kernel external-masq4 { 10.250.0.5 . tcp . 80 comment "shop/web:http" }
 add element inet uproxy-kernel firewall-allow4 { 10.251.0.7 . tcp . 80 . 192.168.0.0/16 comment "shop/local" }
 add element inet uproxy-kernel firewall4 { 10.251.0.7 . tcp . 80 comment "shop/local" }
+add element inet uproxy-kernel hairpin4 { 10.244.1.2 . 10.244.1.2 }
 add element inet uproxy-kernel hairpin4 { 10.244.1.5 . 10.244.1.5 }
+add element inet uproxy-kernel hairpin4 { 10.244.2.3 . 10.244.2.3 }
+add element inet uproxy-kernel hairpin4 { 10.244.2.5 . 10.244.2.5 }
+add element inet uproxy-kernel hairpin6 { fd00:244::2 . fd00:244::2 }
 add element inet uproxy-kernel local-backends4-1 { 10.251.0.7 . tcp . 80 . 0 comment "shop/local" : 10.244.1.5 . 80 }
 add element inet uproxy-kernel np-backends4-2 { tcp . 30080 . 0 comment "shop/web:http" : 10.244.1.2 . 8080 }
 add element inet uproxy-kernel np-backends4-2 { tcp . 30080 . 1 comment "shop/web:http" : 10.244.2.3 . 8080 }
