@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"sigs.k8s.io/knftables"
+
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
 )
@@ -454,6 +456,44 @@ func TestRealNFTablesMode(t *testing.T) {
 					t.Errorf("%s from %s: got %s, want one of %v", c.to, c.from, got, c.eps)
 				}
 			}
+		}
+	})
+
+	t.Run("Find reads the elements of a destination through nft", func(t *testing.T) {
+		var found []Element
+		err := tp.Run(testbed.Node, func() error {
+			nft, err := knftables.New(knftables.InetFamily, "uproxy-kernel")
+			if err != nil {
+				return err
+			}
+			found, err = Find(t.Context(), nft, netip.MustParseAddrPort("10.96.0.12:80"), "tcp", false)
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(found) != 1 || found[0].Set != "reject4" || found[0].Key != "10.96.0.12 . tcp . 80" || found[0].Service != "shop/empty" {
+			t.Errorf("Find(10.96.0.12:80): got %+v, want the reject4 element of shop/empty", found)
+		}
+		err = tp.Run(testbed.Node, func() error {
+			nft, err := knftables.New(knftables.InetFamily, "uproxy-kernel")
+			if err != nil {
+				return err
+			}
+			found, err = Find(t.Context(), nft, netip.AddrPortFrom(w.nodeIPv4, 30080), "tcp", true)
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var slots int
+		for _, e := range found {
+			if e.Set == "np-backends4-3" && e.Service == "shop/web:http" {
+				slots++
+			}
+		}
+		if slots != 3 {
+			t.Errorf("Find(NodePort 30080): got %+v, want 3 slots of np-backends4-3", found)
 		}
 	})
 

@@ -462,3 +462,51 @@ func udpFlow(dst, reply string) *netlink.ConntrackFlow {
 	c.Reverse.SrcPort = r.Port()
 	return c
 }
+
+// TestFind: the elements that concern a destination, with what they do.
+func TestFind(t *testing.T) {
+	web := svcPort("shop", "web", "", service.TCP, 80)
+	web.ClusterIPs = addrs("10.96.0.10")
+	web.NodePort = 30080
+	web.Endpoints = eps("10.244.1.2:8080", "10.244.1.3:8080")
+	empty := svcPort("shop", "empty", "", service.TCP, 80)
+	empty.ClusterIPs = addrs("10.96.0.12")
+	p, k, _ := newFake(t, Config{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+	if _, err := Find(t.Context(), k, netip.MustParseAddrPort("10.96.0.10:80"), "tcp", false); !errors.Is(err, ErrNoTable) {
+		t.Errorf("Find before any sync: got %v, want ErrNoTable", err)
+	}
+	mustSync(t, p, snapshot(web, empty))
+	for _, tc := range []struct {
+		dst   string
+		local bool
+		want  []string
+	}{
+		{"10.96.0.10:80", false, []string{
+			"cluster-masq4 10.96.0.10 . tcp . 80 :  (shop/web)",
+			"backends4-2 10.96.0.10 . tcp . 80 . 0 : 10.244.1.2 . 8080 (shop/web)",
+			"backends4-2 10.96.0.10 . tcp . 80 . 1 : 10.244.1.3 . 8080 (shop/web)",
+		}},
+		{"10.96.0.12:80", false, []string{"reject4 10.96.0.12 . tcp . 80 :  (shop/empty)"}},
+		{"192.168.1.1:30080", true, []string{
+			"np-masq4 tcp . 30080 :  (shop/web)",
+			"np-backends4-2 tcp . 30080 . 0 : 10.244.1.2 . 8080 (shop/web)",
+			"np-backends4-2 tcp . 30080 . 1 : 10.244.1.3 . 8080 (shop/web)",
+		}},
+		{"192.168.1.1:30080", false, nil},
+	} {
+		found, err := Find(t.Context(), k, netip.MustParseAddrPort(tc.dst), "TCP", tc.local)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, e := range found {
+			got = append(got, e.Set+" "+e.Key+" : "+e.Value+" ("+e.Service+")")
+			if e.Meaning == "" {
+				t.Errorf("%s: no meaning", e.Set)
+			}
+		}
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("Find(%s, local %v):\ngot  %q\nwant %q", tc.dst, tc.local, got, tc.want)
+		}
+	}
+}
