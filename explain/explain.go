@@ -93,9 +93,9 @@ type explanation struct {
 	NFTPortalsTable string            `json:"nftPortalsTable,omitempty"`
 	// NFTKernel are the elements of the nftables kernel mode's table that
 	// concern the destination (--proxy-mode nftables).
-	NFTKernel      []knft.Element `json:"nftKernel,omitempty"`
-	NFTKernelTable string         `json:"nftKernelTable,omitempty"`
-	RecentFailures  []observe.Event   `json:"recentFailures"`
+	NFTKernel      []knft.Element  `json:"nftKernel,omitempty"`
+	NFTKernelTable string          `json:"nftKernelTable,omitempty"`
+	RecentFailures []observe.Event `json:"recentFailures"`
 	// Conflicts are the Service ports left out because another one serves the
 	// destination.
 	Conflicts []observe.ConflictState `json:"conflicts,omitempty"`
