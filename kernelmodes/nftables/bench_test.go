@@ -2,9 +2,12 @@ package nftables
 
 import (
 	"fmt"
+	"net"
 	"net/netip"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
@@ -148,4 +151,82 @@ func BenchmarkRender(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkNodeDialThroughKernelMode measures the CPU (user + system of the
+// process, in which the kernel runs the nat chains for its own connections)
+// per new connection from the node to a ClusterIP DNATed to a listener on the
+// node, with 10 and 10k other Service ports in the table: the cost must not
+// grow with the number of Services.
+//
+//	go test -run '^$' -bench NodeDialThroughKernelMode ./kernelmodes/nftables/
+func BenchmarkNodeDialThroughKernelMode(b *testing.B) {
+	testbed.RequireNFTables(b)
+	tp := testbed.New(b)
+	node := tp.NS(testbed.Node)
+	ln := tp.Listen(testbed.Node, "tcp", node.IPv4.String()+":0")
+	to := ln.Addr().(*net.TCPAddr).AddrPort()
+	lfd, err := ln.(*net.TCPListener).File()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer lfd.Close()
+	unix.SetNonblock(int(lfd.Fd()), false)
+	target := svcPort("bench", "target", "", service.TCP, 80)
+	target.ClusterIPs = []netip.Addr{netip.MustParseAddr("10.95.0.10")}
+	target.Endpoints = []service.Endpoint{{Addr: to, Ready: true}}
+	sa := &unix.SockaddrInet4{Addr: [4]byte{10, 95, 0, 10}, Port: 80}
+	dial := func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		if err := unix.Connect(fd, sa); err != nil {
+			return err
+		}
+		afd, _, err := unix.Accept(int(lfd.Fd()))
+		if err != nil {
+			return err
+		}
+		return unix.Close(afd)
+	}
+	cpu := func() time.Duration {
+		var ru unix.Rusage
+		unix.Getrusage(unix.RUSAGE_SELF, &ru)
+		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	var p *Proxier
+	if err := tp.Run(testbed.Node, func() (err error) { p, err = New(Config{}); return err }); err != nil {
+		b.Fatal(err)
+	}
+	for _, n := range []int{10, 10000} {
+		b.Run(fmt.Sprintf("ports=%d", n), func(b *testing.B) {
+			s := benchSnapshot(n)
+			s.Ports = append(s.Ports, target)
+			err := tp.Run(testbed.Node, func() error {
+				if err := p.Sync(s); err != nil {
+					return err
+				}
+				for range 200 { // warm-up: conntrack and routing caches
+					if err := dial(); err != nil {
+						return err
+					}
+				}
+				b.ResetTimer()
+				start := cpu()
+				for b.Loop() {
+					if err := dial(); err != nil {
+						return err
+					}
+				}
+				b.ReportMetric(float64((cpu()-start).Microseconds())/float64(b.N), "cpu-us/conn")
+				return nil
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+	tp.Run(testbed.Node, p.Cleanup)
 }
