@@ -18,7 +18,8 @@ connection to IP:PORT:
 
   - which rule catches the destination: the chain and rule number, from PREROUTING
     (traffic from pods and other hosts) and from OUTPUT (traffic from this node),
-    or the nftables portals' map element (--rules nftables);
+    or the nftables portals' map element (--rules nftables), or the elements of
+    the nftables kernel mode's table (--proxy-mode nftables);
   - which Service port it is, and what serves it: a userspace proxy port, or the
     kernel's DNAT rules;
   - the endpoints with their state (ready, ejected, active connections, failures);

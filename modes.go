@@ -11,6 +11,7 @@ import (
 	"github.com/uproxy/uproxy/kernelmodes"
 	kiptables "github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
+	knftables "github.com/uproxy/uproxy/kernelmodes/nftables"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/rules"
@@ -101,6 +102,17 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode iptables: %w", err)
+		}
+		return m, nil, nil
+	case kernelmodes.NFTables:
+		m, err := knftables.New(knftables.Config{
+			ChainPrefix:       o.chainPrefix,
+			IPv6:              hasIPv6(ips),
+			NodePortAddresses: cfg.prefixes,
+			Zone:              cfg.proxier.Zone,
+		})
+		if err != nil {
+			return nil, nil, fmt.Errorf("--proxy-mode nftables: %w", err)
 		}
 		return m, nil, nil
 	case kernelmodes.IPVS:

@@ -109,7 +109,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.tcpKeepAlive, "tcp-keepalive", o.tcpKeepAlive, "TCP keepalive on both sockets of every proxied connection: probes after this long without a packet, then every this long, until net.ipv4.tcp_keepalive_probes go unanswered (whole seconds, up to 32767s); 0: off")
 	f.DurationVar(&o.tcpIdleTimeout, "tcp-idle-timeout", o.tcpIdleTimeout, "reset both sides of a proxied TCP connection once no byte has moved either way for this long; 0: never, as kube-proxy")
 	f.StringVar(&o.scheduler, "scheduler", o.scheduler, "backend scheduler: "+strings.Join(affinity.Schedulers, ", ")+" (ipvs mode: also wrr, wlc)")
-	f.StringVar(&o.proxyMode, "proxy-mode", o.proxyMode, "userspace (proxy ports, retries), iptables (kernel DNAT), ipvs, or auto (ipvs, else iptables, else userspace)")
+	f.StringVar(&o.proxyMode, "proxy-mode", o.proxyMode, "userspace (proxy ports, retries), nftables or iptables (kernel DNAT), ipvs, or auto (ipvs, else nftables, else iptables, else userspace)")
 	f.StringVar(&o.metricsBindAddress, "metrics-bind-address", o.metricsBindAddress, "address of /metrics and /debug (empty: off)")
 	f.StringVar(&o.healthzBindAddress, "healthz-bind-address", o.healthzBindAddress, "address of /healthz and /livez (empty: off)")
 	f.DurationVar(&o.syncPeriod, "sync-period", o.syncPeriod, "most time between two syncs")
@@ -204,9 +204,9 @@ func (o *options) validate() (*config, error) {
 		if err := checkUserspaceScheduler(o.scheduler); err != nil {
 			return nil, err
 		}
-	case kernelmodes.Auto, "", kernelmodes.IPTables, kernelmodes.IPVS:
+	case kernelmodes.Auto, "", kernelmodes.IPTables, kernelmodes.NFTables, kernelmodes.IPVS:
 	default:
-		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables or ipvs", o.proxyMode)
+		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables, nftables or ipvs", o.proxyMode)
 	}
 	if o.events < 0 {
 		return nil, fmt.Errorf("--events %d: must not be negative (0: the default, %d)", o.events, observe.DefaultEvents)

@@ -25,6 +25,7 @@ import (
 	"strings"
 	"time"
 
+	knft "github.com/uproxy/uproxy/kernelmodes/nftables"
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
@@ -64,6 +65,9 @@ type Options struct {
 	// NFT reads the nftables portals; nil runs nft on the table ChainPrefix
 	// names (and, without nft, shows no nftables portals).
 	NFT knftables.Interface
+	// NFTKernel reads the nftables kernel mode's table; nil runs nft on the
+	// table ChainPrefix names.
+	NFTKernel knftables.Interface
 }
 
 func (o *Options) metricsAddress() string {
@@ -87,7 +91,11 @@ type explanation struct {
 	// catch the destination (--rules nftables).
 	NFTPortals      []rules.NFTPortal `json:"nftPortals,omitempty"`
 	NFTPortalsTable string            `json:"nftPortalsTable,omitempty"`
-	RecentFailures  []observe.Event   `json:"recentFailures"`
+	// NFTKernel are the elements of the nftables kernel mode's table that
+	// concern the destination (--proxy-mode nftables).
+	NFTKernel      []knft.Element  `json:"nftKernel,omitempty"`
+	NFTKernelTable string          `json:"nftKernelTable,omitempty"`
+	RecentFailures []observe.Event `json:"recentFailures"`
 	// Conflicts are the Service ports left out because another one serves the
 	// destination.
 	Conflicts []observe.ConflictState `json:"conflicts,omitempty"`
@@ -229,6 +237,11 @@ func Run(w io.Writer, destination string, o Options) error {
 			x.Notes = append(x.Notes, "nftables portals unreadable: "+err.Error())
 		}
 	}
+	if x.Mode == "nftables" {
+		if err := x.findNFTKernel(o, dst, proto, local[dst.Addr()] || dst.Addr().IsLoopback()); err != nil {
+			x.Notes = append(x.Notes, "nftables kernel mode's table unreadable: "+err.Error())
+		}
+	}
 	if (err == nil || len(x.NFTPortals) > 0) && x.Mode == "userspace" && !x.anyRewrite() {
 		for _, sm := range x.Services {
 			if sm.MatchedAs != "proxyPort" {
@@ -278,6 +291,29 @@ func (x *explanation) findNFTPortals(o Options, dst netip.AddrPort, proto string
 		return err
 	}
 	x.NFTPortals, x.NFTPortalsTable = found, table.String()
+	return nil
+}
+
+// findNFTKernel looks dst up in the nftables kernel mode's table.
+func (x *explanation) findNFTKernel(o Options, dst netip.AddrPort, proto string, local bool) error {
+	table, err := knft.TableName(o.ChainPrefix)
+	if err != nil {
+		return err
+	}
+	nft := o.NFTKernel
+	if nft == nil {
+		if nft, err = knftables.New(table.Family, table.Name); err != nil {
+			return err
+		}
+	}
+	found, err := knft.Find(context.Background(), nft, dst, proto, local)
+	if err != nil {
+		return err
+	}
+	x.NFTKernel, x.NFTKernelTable = found, table.String()
+	if len(found) == 0 {
+		x.Notes = append(x.Notes, fmt.Sprintf("no element of table %s concerns %s/%s: the kernel leaves it alone", table, dst, proto))
+	}
 	return nil
 }
 

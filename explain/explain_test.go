@@ -18,6 +18,9 @@ import (
 	"golang.org/x/sys/unix"
 	"sigs.k8s.io/knftables"
 
+	knft "github.com/uproxy/uproxy/kernelmodes/nftables"
+	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/service"
@@ -487,5 +490,45 @@ func TestServedByProxy(t *testing.T) {
 				t.Errorf("got %q, want it to say %q and the proxy port, not %q", got, tt.want, tt.wantNot)
 			}
 		})
+	}
+}
+
+// TestExplainNFTablesMode: in the nftables kernel mode, explain shows the
+// elements of the mode's table that concern the destination, with what each
+// does.
+func TestExplainNFTablesMode(t *testing.T) {
+	table, err := knft.TableName("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := nftablestest.New(table)
+	mode, err := knft.New(knft.Config{NFTables: k, Conntrack: &conntrack.Recorder{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	web := &service.Port{Name: service.PortName{Namespace: "shop", Name: "web", Port: "http"}, Protocol: service.TCP, Port: 80,
+		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
+		Endpoints:  []service.Endpoint{{Addr: netip.MustParseAddrPort("10.244.1.5:8080"), Ready: true, Serving: true}}}
+	if err := mode.Sync(&service.Snapshot{Ports: []*service.Port{web}}); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer((&observe.Server{Mode: "nftables", Services: mode, Debug: true}).MetricsHandler())
+	t.Cleanup(srv.Close)
+	bare := writeFile(t, "*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n")
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	out := runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: bare, NFTKernel: k})
+	for _, want := range []string{
+		"Proxy mode: nftables",
+		"nftables kernel mode (table inet uproxy-kernel):",
+		"backends4-1: 10.96.0.10 . tcp . 80 . 0 : 10.244.1.5 . 8080 (shop/web:http)",
+		"=> DNAT to this endpoint, one slot of the random pick",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output: missing %q\n%s", want, out)
+		}
+	}
+	out = runExplain(t, "10.96.0.99:80", Options{MetricsAddress: addr, IPTablesSave: bare, NFTKernel: k})
+	if !strings.Contains(out, "no element of table inet uproxy-kernel concerns 10.96.0.99:80/TCP") {
+		t.Errorf("output for an unknown destination: missing the note\n%s", out)
 	}
 }

@@ -117,6 +117,16 @@ func (x *explanation) writeText(w io.Writer) error {
 			p("    => from this node (output): DNAT to node IP:%d, unless the connection is uproxy's own dial\n", np.ProxyPort)
 		}
 	}
+	if len(x.NFTKernel) > 0 {
+		p("\nnftables kernel mode (table %s):\n", x.NFTKernelTable)
+		for _, e := range x.NFTKernel {
+			v := ""
+			if e.Value != "" {
+				v = " : " + e.Value
+			}
+			p("  %s: %s%s (%s)\n    => %s\n", e.Set, e.Key, v, e.Service, e.Meaning)
+		}
+	}
 	p("\nRules (nat table):\n")
 	if x.RulesError != "" {
 		p("  unavailable: %s\n", x.RulesError)

@@ -60,6 +60,76 @@ func TestIPTablesModeEndToEnd(t *testing.T) {
 	}
 }
 
+// TestNFTablesModeEndToEnd runs the binary in the nftables kernel mode: the
+// Service is served by the kernel, so it keeps working while uproxy is
+// stopped; `uproxy cleanup` then leaves the ruleset as it found it, kube-proxy's
+// table included.
+func TestNFTablesModeEndToEnd(t *testing.T) {
+	testbed.RequireNFTables(t)
+	tp := testbed.New(t)
+	for _, cmd := range []string{"add table inet kube-proxy", "add chain inet kube-proxy services { type nat hook prerouting priority dstnat; }"} {
+		if out, err := tp.Exec(testbed.Node, "nft", cmd); err != nil {
+			t.Fatalf("nft %s: %v: %s", cmd, err, out)
+		}
+	}
+	before := tp.NFTRuleset(t)
+	px := runUproxy(t, tp, webService(t, tp), launch{want: -1, flags: []string{"--proxy-mode", "nftables"}})
+	if mode, err := px.get("/proxyMode"); err != nil || mode != "nftables" {
+		t.Fatalf("/proxyMode: got %q (%v), want nftables", mode, err)
+	}
+	seen := map[string]int{}
+	for i := 0; i < 60; i++ {
+		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
+		if err != nil {
+			t.Fatalf("connection %d from pod: %v", i, err)
+		}
+		seen[name]++
+	}
+	if len(seen) != 3 {
+		t.Errorf("backends over 60 connections: got %v, want all three", seen)
+	}
+	node := tp.NS(testbed.Node)
+	if name, err := whoTCP(tp, testbed.External, node.IPv4.String()+":30080"); err != nil || !strings.HasPrefix(name, "web-") {
+		t.Errorf("NodePort from external: got %q (%v), want a web backend", name, err)
+	}
+	if svcs, err := px.get("/debug/services"); err != nil || !strings.Contains(svcs, `"usable": true`) {
+		t.Errorf("/debug/services: got %s (%v), want usable endpoints", svcs, err)
+	}
+
+	px.signal(syscall.SIGSTOP)
+	for i := 0; i < 10; i++ {
+		if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+			px.signal(syscall.SIGCONT)
+			t.Fatalf("connection %d with uproxy stopped: got %q (%v), want a web backend", i, name, err)
+		}
+	}
+	px.signal(syscall.SIGCONT)
+
+	// Someone flushes the ruleset: the mode notices and writes its table again.
+	if out, err := tp.Exec(testbed.Node, "nft", "delete", "table", "inet", "uproxy-kernel"); err != nil {
+		t.Fatalf("nft delete table: %v: %s", err, out)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
+		if err == nil && strings.HasPrefix(name, "web-") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after the table was deleted: got %q (%v) for 15s, want it repaired", name, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+
+	px.stop()
+	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {
+		t.Fatalf("uproxy cleanup: %v: %s", err, out)
+	}
+	if got := tp.NFTRuleset(t); got != before {
+		t.Errorf("ruleset after cleanup:\n%s\nwant:\n%s", got, before)
+	}
+}
+
 // TestModeSwitchLeavesNoStaleState switches modes and portal backends on one
 // node (userspace with iptables portals, with nftables portals, the iptables
 // mode, and back): each start removes what the others left, and cleanup
@@ -85,6 +155,7 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 	before, beforeNFT := tp.SavedRules(t, false), nftTables()
 	manifests := webService(t, tp)
 	const nftPortals = "table inet uproxy\n"
+	const nftKernel = "table inet uproxy-kernel\n"
 	steps := []struct {
 		flags      []string
 		want       int
@@ -95,6 +166,7 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 		{[]string{"--proxy-mode", "userspace", "--rules", "nftables"}, 1, "", "UPROXY-PORTALS-CONTAINER", true},
 		{[]string{"--proxy-mode", "userspace", "--rules", "iptables"}, 1, "UPROXY-PORTALS-CONTAINER", "UPROXY-SERVICES", false},
 		{[]string{"--proxy-mode", "iptables"}, -1, "UPROXY-SERVICES", "UPROXY-PORTALS-CONTAINER", false},
+		{[]string{"--proxy-mode", "nftables"}, -1, "", "UPROXY-SERVICES", false},
 		{[]string{"--proxy-mode", "userspace", "--rules", "nftables"}, 1, "", "UPROXY-SERVICES", true},
 	}
 	for i, st := range steps {
@@ -109,6 +181,9 @@ func TestModeSwitchLeavesNoStaleState(t *testing.T) {
 		}
 		if got := strings.Contains(nftTables(), nftPortals); got != st.nft {
 			t.Errorf("step %d (%v): nftables portals' table present: got %v, want %v", i, st.flags, got, st.nft)
+		}
+		if got, want := strings.Contains(nftTables(), nftKernel), st.flags[1] == "nftables"; got != want {
+			t.Errorf("step %d (%v): nftables mode's table present: got %v, want %v", i, st.flags, got, want)
 		}
 	}
 	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {

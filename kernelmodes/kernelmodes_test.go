@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/kernelmodes/iptables"
+	"github.com/uproxy/uproxy/kernelmodes/nftables"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
@@ -87,13 +88,20 @@ func TestProbeMatchesKernel(t *testing.T) {
 	if v.IPTables() != (lookErr == nil) {
 		t.Errorf("iptables mode usable: got %v, want %v (missing %q)", v.IPTables(), lookErr == nil, v.IPTablesMissing)
 	}
+	_, nftErr := exec.LookPath("nft")
+	if v.NFTables() != (nftErr == nil) {
+		t.Errorf("nftables mode usable: got %v, want %v (missing %q)", v.NFTables(), nftErr == nil, v.NFTablesMissing)
+	}
+	if out, err := tp.Exec(testbed.Node, "nft", "list", "tables"); nftErr == nil && (err != nil || strings.TrimSpace(string(out)) != "") {
+		t.Errorf("the nftables probe left tables behind: %s (%v)", out, err)
+	}
 	if out, err := tp.Exec(testbed.Node, "ip", "link", "show", "uproxy-probe0"); err == nil {
 		t.Errorf("the probe left its dummy link behind: %s", out)
 	}
 
-	if !wantIPVS && !wantDummy && v.IPTables() {
+	if !wantIPVS && !wantDummy && v.IPTables() && v.NFTables() {
 		// The kernel of our machines: the exact message users see.
-		want := "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS), cannot create dummy links (CONFIG_DUMMY); use --proxy-mode iptables or --proxy-mode userspace"
+		want := "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS), cannot create dummy links (CONFIG_DUMMY); use --proxy-mode nftables or --proxy-mode iptables or --proxy-mode userspace"
 		if err := v.IPVSError(); err == nil || err.Error() != want {
 			t.Errorf("IPVSError: got %v, want %q", err, want)
 		}
@@ -104,8 +112,8 @@ func TestProbeMatchesKernel(t *testing.T) {
 		}
 		var mode, reason string
 		tp.Run(testbed.Node, func() error { mode, reason, err = Choose(Auto, ""); return nil })
-		if mode != IPTables || err != nil || !strings.Contains(reason, "CONFIG_IP_VS") {
-			t.Errorf("Choose(auto): got %q %q %v, want iptables with a reason naming CONFIG_IP_VS", mode, reason, err)
+		if mode != NFTables || err != nil || !strings.Contains(reason, "CONFIG_IP_VS") {
+			t.Errorf("Choose(auto): got %q %q %v, want nftables with a reason naming CONFIG_IP_VS", mode, reason, err)
 		}
 	}
 }
@@ -113,7 +121,8 @@ func TestProbeMatchesKernel(t *testing.T) {
 func TestChoose(t *testing.T) {
 	all := Verdict{}
 	noIPVS := Verdict{IPVSMissing: []string{"no IPVS netlink family (CONFIG_IP_VS)"}}
-	nothing := Verdict{IPVSMissing: noIPVS.IPVSMissing, IPTablesMissing: []string{"no iptables-restore command"}}
+	onlyIPT := Verdict{IPVSMissing: noIPVS.IPVSMissing, NFTablesMissing: []string{"nftables: no nft command"}}
+	nothing := Verdict{IPVSMissing: noIPVS.IPVSMissing, NFTablesMissing: onlyIPT.NFTablesMissing, IPTablesMissing: []string{"no iptables-restore command"}}
 	cases := []struct {
 		requested string
 		v         Verdict
@@ -121,16 +130,21 @@ func TestChoose(t *testing.T) {
 		errText   string
 	}{
 		{Auto, all, IPVS, ""},
-		{"", noIPVS, IPTables, ""},
+		{"", noIPVS, NFTables, ""},
+		{Auto, onlyIPT, IPTables, ""},
 		{Auto, nothing, Userspace, ""},
 		{IPVS, all, IPVS, ""},
-		{IPVS, noIPVS, "", "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS); use --proxy-mode iptables or --proxy-mode userspace"},
+		{IPVS, noIPVS, "", "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS); use --proxy-mode nftables or --proxy-mode iptables or --proxy-mode userspace"},
+		{IPVS, onlyIPT, "", "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS); use --proxy-mode iptables or --proxy-mode userspace"},
 		{IPVS, nothing, "", "ipvs mode unavailable on this kernel: no IPVS netlink family (CONFIG_IP_VS); use --proxy-mode userspace"},
+		{NFTables, noIPVS, NFTables, ""},
+		{NFTables, onlyIPT, "", "nftables mode unavailable: nftables: no nft command; use --proxy-mode iptables or --proxy-mode userspace"},
+		{NFTables, nothing, "", "nftables mode unavailable: nftables: no nft command; use --proxy-mode userspace"},
 		{IPTables, noIPVS, IPTables, ""},
 		{IPTables, nothing, "", "iptables mode unavailable: no iptables-restore command; use --proxy-mode userspace"},
 	}
 	for _, c := range cases {
-		t.Run(c.requested+"/"+strings.Join(append(c.v.IPVSMissing, c.v.IPTablesMissing...), ","), func(t *testing.T) {
+		t.Run(c.requested+"/"+strings.Join(slices.Concat(c.v.IPVSMissing, c.v.NFTablesMissing, c.v.IPTablesMissing), ","), func(t *testing.T) {
 			mode, reason, err := choose(c.requested, c.v)
 			errText := ""
 			if err != nil {
@@ -173,6 +187,9 @@ func TestModeSwitches(t *testing.T) {
 		must(t, ipt, "-t", "filter", "-A", "INPUT", "-j", "ACCEPT")
 	}
 	testbed.RequireNFTables(t)
+	// kube-proxy's nftables table, which no cleanup may touch.
+	must(t, "nft", "add table inet kube-proxy")
+	must(t, "nft", "add chain inet kube-proxy services { type nat hook prerouting priority dstnat; }")
 	before := [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
 	// iptables-nft creates its built-in chains when first used, which
 	// iptables-save already covers: nftables is compared table by table.
@@ -214,7 +231,14 @@ func TestModeSwitches(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			return p.Sync(&service.Snapshot{Ports: []*service.Port{web}})
+			if err := p.Sync(&service.Snapshot{Ports: []*service.Port{web}}); err != nil {
+				return err
+			}
+			k, err := nftables.New(nftables.Config{})
+			if err != nil {
+				return err
+			}
+			return k.Sync(&service.Snapshot{Ports: []*service.Port{web}})
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -227,6 +251,7 @@ func TestModeSwitches(t *testing.T) {
 	}
 	// nftPortals stands for the nftables portals' table among the chains.
 	const nftPortals = "table inet uproxy"
+	const nftKernel = "table inet uproxy-kernel"
 	has := func(chains ...string) map[string]bool {
 		s := tp.SavedRules(t, false)
 		tables := nftTables()
@@ -235,20 +260,23 @@ func TestModeSwitches(t *testing.T) {
 			got[c] = strings.Contains(s, ":"+c+" ")
 		}
 		got[nftPortals] = strings.Contains(tables, nftPortals+"\n")
+		got[nftKernel] = strings.Contains(tables, nftKernel+"\n")
 		return got
 	}
-	chains := []string{"UPROXY-PORTALS-CONTAINER", nftPortals, "UPROXY-SERVICES", "UPROXY-IPVS-SERVICES", "UPROXY-IPVS-FILTER"}
+	chains := []string{"UPROXY-PORTALS-CONTAINER", nftPortals, "UPROXY-SERVICES", nftKernel, "UPROXY-IPVS-SERVICES", "UPROXY-IPVS-FILTER"}
 	steps := []struct {
 		name  string
 		clean func() error
 		want  map[string]bool
 	}{
 		{"start in iptables mode", func() error { return CleanupOthers(IPTables, "") },
-			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": true, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": true, nftKernel: false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+		{"start in nftables mode", func() error { return CleanupOthers(NFTables, "") },
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": false, nftKernel: true, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
 		{"start in userspace mode", func() error { return CleanupOthers(Userspace, "") },
-			map[string]bool{"UPROXY-PORTALS-CONTAINER": true, nftPortals: true, "UPROXY-SERVICES": false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": true, nftPortals: true, "UPROXY-SERVICES": false, nftKernel: false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
 		{"start in ipvs mode", func() error { return CleanupOthers(IPVS, "") },
-			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": false, "UPROXY-IPVS-SERVICES": true, "UPROXY-IPVS-FILTER": true}},
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": false, nftKernel: false, "UPROXY-IPVS-SERVICES": true, "UPROXY-IPVS-FILTER": true}},
 	}
 	for _, st := range steps {
 		t.Run(st.name, func(t *testing.T) {

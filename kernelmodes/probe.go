@@ -1,5 +1,5 @@
 // Package kernelmodes chooses and cleans up uproxy's proxy modes: it probes what
-// the running kernel offers (IPVS, dummy links, iptables), picks a mode for
+// the running kernel offers (IPVS, dummy links, nftables, iptables), picks a mode for
 // --proxy-mode auto, refuses an explicit mode the kernel cannot run with one
 // message naming what is missing, and removes the state other modes left.
 //
@@ -19,6 +19,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/uproxy/uproxy/kernelmodes/nftables"
 	"github.com/uproxy/uproxy/netfilter/iptables"
 )
 
@@ -27,6 +28,7 @@ const (
 	Auto      = "auto"
 	Userspace = "userspace"
 	IPTables  = "iptables"
+	NFTables  = "nftables"
 	IPVS      = "ipvs"
 )
 
@@ -38,6 +40,8 @@ const probeLink = "uproxy-probe0"
 type Verdict struct {
 	// IPVSMissing is empty when the IPVS mode can run.
 	IPVSMissing []string
+	// NFTablesMissing is empty when the nftables mode can run.
+	NFTablesMissing []string
 	// IPTablesMissing is empty when the iptables mode can run.
 	IPTablesMissing []string
 	// Notes are findings that do not block a mode (e.g. an unverifiable
@@ -48,6 +52,9 @@ type Verdict struct {
 // IPVS reports whether the IPVS mode can run.
 func (v Verdict) IPVS() bool { return len(v.IPVSMissing) == 0 }
 
+// NFTables reports whether the nftables mode can run.
+func (v Verdict) NFTables() bool { return len(v.NFTablesMissing) == 0 }
+
 // IPTables reports whether the iptables mode can run.
 func (v Verdict) IPTables() bool { return len(v.IPTablesMissing) == 0 }
 
@@ -57,11 +64,28 @@ func (v Verdict) IPVSError() error {
 	if v.IPVS() {
 		return nil
 	}
-	alt := "use --proxy-mode iptables or --proxy-mode userspace"
-	if !v.IPTables() {
-		alt = "use --proxy-mode userspace"
+	return fmt.Errorf("ipvs mode unavailable on this kernel: %s; %s", strings.Join(v.IPVSMissing, ", "), v.alternatives(v.NFTables(), v.IPTables()))
+}
+
+// alternatives names the modes to use instead of one the kernel cannot run.
+func (v Verdict) alternatives(nft, ipt bool) string {
+	var alts []string
+	if nft {
+		alts = append(alts, "--proxy-mode nftables")
 	}
-	return fmt.Errorf("ipvs mode unavailable on this kernel: %s; %s", strings.Join(v.IPVSMissing, ", "), alt)
+	if ipt {
+		alts = append(alts, "--proxy-mode iptables")
+	}
+	return "use " + strings.Join(append(alts, "--proxy-mode userspace"), " or ")
+}
+
+// NFTablesError is nil when the nftables mode can run, else the one message
+// to show: what is missing and what to use instead.
+func (v Verdict) NFTablesError() error {
+	if v.NFTables() {
+		return nil
+	}
+	return fmt.Errorf("nftables mode unavailable: %s; %s", strings.Join(v.NFTablesMissing, ", "), v.alternatives(false, v.IPTables()))
 }
 
 // IPTablesError is nil when the iptables mode can run.
@@ -98,6 +122,9 @@ func Probe(schedulers ...string) Verdict {
 				v.IPVSMissing = append(v.IPVSMissing, fmt.Sprintf("no IPVS scheduler %s (CONFIG_IP_VS_%s)", s, strings.ToUpper(s)))
 			}
 		}
+	}
+	if err := nftables.Probe(); err != nil {
+		v.NFTablesMissing = append(v.NFTablesMissing, err.Error())
 	}
 	v.IPTablesMissing = probeIPTables()
 	return v
@@ -180,16 +207,16 @@ func probeIPTables() []string {
 }
 
 // Choose resolves --proxy-mode. "auto" (or "") picks ipvs when the kernel runs
-// it, else iptables, else userspace, and reason says why. An explicit ipvs or
-// iptables the kernel cannot run is an error naming what is missing, for the
+// it, else nftables, else iptables, else userspace, and reason says why. An
+// explicit kernel mode the kernel cannot run is an error naming what is missing, for the
 // caller to exit non-zero with. scheduler is the IPVS scheduler ("" for rr).
 func Choose(requested, scheduler string) (mode, reason string, err error) {
 	switch requested {
 	case Userspace:
 		return Userspace, "requested", nil
-	case "", Auto, IPVS, IPTables:
+	case "", Auto, IPVS, NFTables, IPTables:
 	default:
-		return "", "", fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables or ipvs", requested)
+		return "", "", fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables, nftables or ipvs", requested)
 	}
 	if scheduler == "" {
 		scheduler = "rr"
@@ -205,6 +232,11 @@ func choose(requested string, v Verdict) (mode, reason string, err error) {
 			return "", "", err
 		}
 		return IPVS, "requested", nil
+	case NFTables:
+		if err := v.NFTablesError(); err != nil {
+			return "", "", err
+		}
+		return NFTables, "requested", nil
 	case IPTables:
 		if err := v.IPTablesError(); err != nil {
 			return "", "", err
@@ -215,6 +247,10 @@ func choose(requested string, v Verdict) (mode, reason string, err error) {
 		return IPVS, "auto: the kernel offers IPVS and dummy links", nil
 	}
 	why := "auto: " + strings.Join(v.IPVSMissing, ", ")
+	if v.NFTables() {
+		return NFTables, why + "; nftables works", nil
+	}
+	why += "; " + strings.Join(v.NFTablesMissing, ", ")
 	if v.IPTables() {
 		return IPTables, why + "; iptables works", nil
 	}

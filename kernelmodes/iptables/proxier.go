@@ -100,7 +100,7 @@ type family struct {
 	// kernel state is unknown: the next sync is a full one.
 	written map[portKey]*portRules
 	// udp is the UDP conntrack view after the last sync (nil: unknown).
-	udp map[portKey]udpState
+	udp map[portKey]conntrack.UDPPort
 	// lastFull, lastPartial describe the most recent write, for tests and logs.
 	lastWasFull bool
 	// shared is the shared chains' text as last written (valid with written).
@@ -312,7 +312,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 // syncConntrack deletes the UDP flows the sync made stale.
 func (p *Proxier) syncConntrack(fam *family, order []*portRules) error {
 	udp := udpStateOf(order)
-	if stale := staleUDP(fam.udp, udp); !stale.Empty() {
+	if stale := conntrack.StaleUDPOf(fam.udp, udp); !stale.Empty() {
 		// On failure fam.udp keeps the old view, so the next sync tries again.
 		if err := stale.Delete(p.cfg.Conntrack, fam.v6); err != nil {
 			return err

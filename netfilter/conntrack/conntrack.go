@@ -13,6 +13,7 @@ package conntrack
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -104,4 +105,61 @@ func (r *Recorder) ConntrackDeleteFilters(_ netlink.ConntrackTableType, family n
 	}
 	r.Filters[i] = append(r.Filters[i], filters...)
 	return 0, nil
+}
+
+// UDPPort is where the traffic of one UDP Service port may go after a sync of a
+// mode that DNATs to endpoints: its destinations and the endpoints the rules
+// send them to. A mode keeps one view (a map by Service port) per family.
+type UDPPort struct {
+	VIPs      []netip.AddrPort
+	NodePort  int
+	Endpoints map[netip.AddrPort]bool
+}
+
+// StaleUDPOf compares the UDP views before and after a sync: every Service
+// port whose endpoints or destinations changed, appeared or disappeared gets
+// its flows checked, which are stale unless their replies come from an
+// endpoint the rules still send to. With no earlier view (old nil: the first
+// sync, or after a restart) every port is checked.
+func StaleUDPOf[K comparable](old, cur map[K]UDPPort) StaleUDP {
+	s := StaleUDP{VIPs: map[netip.AddrPort]Replies{}, NodePorts: map[uint16]Replies{}}
+	add := func(st UDPPort, allowed Replies) {
+		for _, v := range st.VIPs {
+			s.VIPs[v] = allowed
+		}
+		if st.NodePort != 0 {
+			s.NodePorts[uint16(st.NodePort)] = allowed
+		}
+	}
+	for k, st := range cur {
+		if was, ok := old[k]; old != nil && ok && was.equal(st) {
+			continue
+		}
+		add(st, Replies{From: st.Endpoints})
+	}
+	for k, was := range old {
+		if _, ok := cur[k]; !ok {
+			add(was, Replies{})
+		} else if !was.equal(cur[k]) {
+			// Destinations the port no longer has: nothing allowed there.
+			for _, v := range was.VIPs {
+				if _, still := s.VIPs[v]; !still {
+					s.VIPs[v] = Replies{}
+				}
+			}
+		}
+	}
+	return s
+}
+
+func (a UDPPort) equal(b UDPPort) bool {
+	if a.NodePort != b.NodePort || len(a.Endpoints) != len(b.Endpoints) || !slices.Equal(a.VIPs, b.VIPs) {
+		return false
+	}
+	for ep := range a.Endpoints {
+		if !b.Endpoints[ep] {
+			return false
+		}
+	}
+	return true
 }
