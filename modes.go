@@ -109,7 +109,6 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 			ChainPrefix:       o.chainPrefix,
 			IPv6:              hasIPv6(ips),
 			NodePortAddresses: cfg.prefixes,
-			Zone:              cfg.proxier.Zone,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode nftables: %w", err)

@@ -92,8 +92,6 @@ type Config struct {
 	// MasqueradeBit is the mark bit (0-31) for masquerading; 0 means
 	// DefaultMasqueradeBit.
 	MasqueradeBit int
-	// Zone is this node's zone for topology hints ("" ignores hints).
-	Zone string
 	// NFTables is the table; nil uses nft and netlink in the calling thread's
 	// network namespace (nftables.New).
 	NFTables nftables.Kernel
@@ -189,7 +187,7 @@ func New(cfg Config) (*Proxier, error) {
 	if cfg.IPv6 {
 		p.l.fams = append(p.l.fams, newFamily(true, cfg))
 	}
-	p.r = renderer{l: &p.l, zone: cfg.Zone}
+	p.r = renderer{l: &p.l}
 	return p, nil
 }
 
@@ -216,6 +214,10 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 		klog.InfoS("nftables-mode table was flushed or deleted by someone else; rewriting it", "table", p.table)
 		p.written = nil
 	}
+	// The zone comes with every snapshot: a change of the Node's zone label
+	// re-renders every port.
+	zoneChanged := s.Zone != p.r.zone
+	p.r.zone = s.Zone
 	// A Snapshot's ports are immutable and a source reuses the unchanged
 	// ones, so an identical pointer needs no rendering.
 	var prev map[portKey]*rendered
@@ -228,7 +230,7 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	var touched []portKey
 	for _, sp := range ports {
 		k := portKey{sp.Name, sp.Protocol}
-		if old := prev[k]; old != nil && old.port == sp {
+		if old := prev[k]; old != nil && old.port == sp && !zoneChanged {
 			cur[k] = old
 			continue
 		}

@@ -510,3 +510,29 @@ func TestFind(t *testing.T) {
 		}
 	}
 }
+
+// TestZoneFromSnapshot: topology hints follow the zone each snapshot carries,
+// also when only the zone changed and the ports are the same objects (the
+// Node's zone label edited while the proxy runs).
+func TestZoneFromSnapshot(t *testing.T) {
+	p, k, _ := newFake(t, Config{})
+	sp := svcPort("ns", "z", "", service.TCP, 80)
+	sp.ClusterIPs = addrs("10.96.0.9")
+	sp.Endpoints = eps("10.244.1.1:80", "10.244.2.1:80")
+	sp.Endpoints[0].ZoneHints = []string{"zone-a"}
+	sp.Endpoints[1].ZoneHints = []string{"zone-b"}
+	for _, step := range []struct{ zone, want, not string }{
+		{"zone-a", "10.244.1.1 . 80", "10.244.2.1 . 80"},
+		{"zone-b", "10.244.2.1 . 80", "10.244.1.1 . 80"},
+		{"", "10.244.1.1 . 80", ""}, // no zone: every endpoint
+	} {
+		mustSync(t, p, &service.Snapshot{Ports: []*service.Port{sp}, Zone: step.zone})
+		got := elementsOf(t, k)
+		if !strings.Contains(got, step.want) || (step.not != "" && strings.Contains(got, step.not)) {
+			t.Errorf("zone %q: elements\n%s\nwant %s and not %q", step.zone, got, step.want, step.not)
+		}
+		if step.zone == "" && !strings.Contains(got, "10.244.2.1 . 80") {
+			t.Errorf("no zone: elements\n%s\nwant both endpoints", got)
+		}
+	}
+}
