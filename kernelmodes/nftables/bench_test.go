@@ -153,14 +153,15 @@ func BenchmarkRender(b *testing.B) {
 	}
 }
 
-// BenchmarkNodeDialThroughKernelMode measures the CPU (user + system of the
-// process, in which the kernel runs the nat chains for its own connections)
-// per new connection from the node to a ClusterIP DNATed to a listener on the
-// node, with 10 and 10k other Service ports in the table: the cost must not
-// grow with the number of Services.
+// BenchmarkConnThroughKernelMode measures the CPU (user + system of the
+// process, in which the kernel runs the nat chains for the connections it
+// opens, from either namespace) per new connection from a pod and from the
+// node to a ClusterIP DNATed to a listener on the node, with 10 and 10k other
+// Service ports in the table: the cost must not grow with the number of
+// Services.
 //
-//	go test -run '^$' -bench NodeDialThroughKernelMode ./kernelmodes/nftables/
-func BenchmarkNodeDialThroughKernelMode(b *testing.B) {
+//	go test -run '^$' -bench ConnThroughKernelMode ./kernelmodes/nftables/
+func BenchmarkConnThroughKernelMode(b *testing.B) {
 	testbed.RequireNFTables(b)
 	tp := testbed.New(b)
 	node := tp.NS(testbed.Node)
@@ -201,32 +202,34 @@ func BenchmarkNodeDialThroughKernelMode(b *testing.B) {
 		b.Fatal(err)
 	}
 	for _, n := range []int{10, 10000} {
-		b.Run(fmt.Sprintf("ports=%d", n), func(b *testing.B) {
-			s := benchSnapshot(n)
-			s.Ports = append(s.Ports, target)
-			err := tp.Run(testbed.Node, func() error {
-				if err := p.Sync(s); err != nil {
-					return err
-				}
-				for range 200 { // warm-up: conntrack and routing caches
-					if err := dial(); err != nil {
-						return err
+		s := benchSnapshot(n)
+		s.Ports = append(s.Ports, target)
+		if err := tp.Run(testbed.Node, func() error { return p.Sync(s) }); err != nil {
+			b.Fatal(err)
+		}
+		for _, from := range []string{testbed.Pod, testbed.Node} {
+			b.Run(fmt.Sprintf("from=%s/ports=%d", from, n), func(b *testing.B) {
+				err := tp.Run(from, func() error {
+					for range 200 { // warm-up: conntrack and routing caches
+						if err := dial(); err != nil {
+							return err
+						}
 					}
-				}
-				b.ResetTimer()
-				start := cpu()
-				for b.Loop() {
-					if err := dial(); err != nil {
-						return err
+					b.ResetTimer()
+					start := cpu()
+					for b.Loop() {
+						if err := dial(); err != nil {
+							return err
+						}
 					}
+					b.ReportMetric(float64((cpu()-start).Microseconds())/float64(b.N), "cpu-us/conn")
+					return nil
+				})
+				if err != nil {
+					b.Fatal(err)
 				}
-				b.ReportMetric(float64((cpu()-start).Microseconds())/float64(b.N), "cpu-us/conn")
-				return nil
 			})
-			if err != nil {
-				b.Fatal(err)
-			}
-		})
+		}
 	}
 	tp.Run(testbed.Node, p.Cleanup)
 }
