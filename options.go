@@ -21,6 +21,7 @@ import (
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
 	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/source/kube"
 )
@@ -177,7 +178,7 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--udp-max-clients %d: must be positive", o.udpMaxClients)
 	}
 	c.proxier.UDPMaxClients = o.udpMaxClients
-	if c.proxier.DialTimeouts, err = socket.ParseDialTimeouts(o.dialTimeouts); err != nil {
+	if c.proxier.DialTimeouts, err = service.ParseDialTimeouts(o.dialTimeouts); err != nil {
 		return nil, fmt.Errorf("--dial-timeouts: %w", err)
 	}
 	switch {
