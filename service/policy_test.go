@@ -48,7 +48,6 @@ func TestParseDialTimeouts(t *testing.T) {
 	}
 }
 
-
 func TestParsePolicy(t *testing.T) {
 	hedge := func(d time.Duration) *time.Duration { return &d }
 	budget := func(f float64) *float64 { return &f }
