@@ -51,7 +51,13 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 
 func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	port := sp.port.Load()
-	st := observe.PortState(port, p.cfg.Scheduler)
+	pol := p.policy(port)
+	st := observe.PortState(port, sp.balancer.Scheduler())
+	st.Policy = observe.NewPolicyState(pol)
+	if sp.tcp != nil && pol.RetryBudget > 0 {
+		tokens := sp.tcp.RetryTokens()
+		st.Policy.RetryTokens = &tokens
+	}
 	ls := sp.listener.Load()
 	st.ProxyPort, st.Reopens = ls.proxyPort, ls.reopens
 	if err := ls.serving.failed(); err != nil {

@@ -36,6 +36,11 @@ type Config struct {
 	Scheduler string
 	// DialTimeouts has one per-attempt timeout per TCP dial attempt; nil: socket defaults.
 	DialTimeouts []time.Duration
+	// DialHedge hedges TCP dials after that long (socket.DialPolicy.Hedge); 0: off.
+	DialHedge time.Duration
+	// RetryBudget bounds TCP retries and hedges to that percentage of first
+	// attempts, per Service port (socket.DialPolicy.RetryBudget); 0: off.
+	RetryBudget float64
 	// TCPKeepAlive is the keepalive idle time and probe interval on both sockets
 	// of every TCP connection; 0: socket.DefaultKeepAlive (15s), negative: off.
 	TCPKeepAlive time.Duration
@@ -313,8 +318,28 @@ func flatten(err error) []error {
 	return []error{err}
 }
 
-// updatePort hands the port's current endpoints and affinity settings to its balancer.
+// policy returns the policy port runs with: its annotations over the flags.
+// Scheduler, DialTimeouts, DialHedge and RetryBudget of the Config are the flags.
+func (p *Proxier) policy(port *service.Port) service.EffectivePolicy {
+	timeouts := p.cfg.DialTimeouts
+	if len(timeouts) == 0 {
+		timeouts = socket.DefaultDialTimeouts
+	}
+	return port.Policy.Over(service.FlagPolicy(timeouts, p.cfg.DialHedge, p.cfg.RetryBudget, p.cfg.Scheduler))
+}
+
+// updatePort hands the port's current endpoints, affinity settings and policy
+// to its balancer and proxy.
 func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
+	pol := p.policy(port)
+	// A Service's scheduler annotation is validated by service.ParsePolicy;
+	// the flag by the program: neither can be unknown here.
+	if err := sp.balancer.SetScheduler(pol.Scheduler); err != nil {
+		klog.ErrorS(err, "Keeping the scheduler", "service", sp.name, "scheduler", sp.balancer.Scheduler())
+	}
+	if sp.tcp != nil {
+		sp.tcp.SetDialPolicy(dialPolicy(pol))
+	}
 	eps := port.ClusterEndpoints(p.cfg.Zone)
 	addrs := make([]netip.AddrPort, len(eps))
 	for i, e := range eps {
@@ -361,9 +386,15 @@ func (p *Proxier) ejection() affinity.Ejection {
 	return e
 }
 
+// dialPolicy is the socket layer's share of pol.
+func dialPolicy(pol service.EffectivePolicy) socket.DialPolicy {
+	return socket.DialPolicy{Timeouts: pol.DialTimeouts, Hedge: pol.DialHedge, RetryBudget: pol.RetryBudget}
+}
+
 // openPort opens the listener of a new Service port on a proxy port and starts serving.
 func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
-	bal, err := affinity.NewBalancer(p.cfg.Scheduler)
+	pol := p.policy(port)
+	bal, err := affinity.NewBalancer(pol.Scheduler)
 	if err != nil {
 		return nil, err
 	}
@@ -384,7 +415,9 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 			Service:      port.Name.String(),
 			Picker:       bal,
 			Loops:        p.loops,
-			DialTimeouts: p.cfg.DialTimeouts,
+			DialTimeouts: pol.DialTimeouts,
+			DialHedge:    pol.DialHedge,
+			RetryBudget:  pol.RetryBudget,
 			KeepAlive:    p.cfg.TCPKeepAlive,
 			IdleTimeout:  p.cfg.TCPIdleTimeout,
 			Observer:     sp.observer,
