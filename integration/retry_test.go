@@ -71,7 +71,7 @@ func TestRetryStrategies(t *testing.T) {
 	}
 	var debug struct {
 		Services []struct {
-			Name   string `json:"name"`
+			Name   string                     `json:"name"`
 			Policy map[string]json.RawMessage `json:"policy"`
 		} `json:"services"`
 	}
