@@ -305,20 +305,23 @@ EOF
 (cd "$WORK/tool" && go mod init demoretry >/dev/null 2>&1 && go build -o "$WORK/t" .)
 T="$WORK/t"
 
-cat >"$WORK/services.yaml" <<EOF
+# service_yaml NAME VIP ANNOTATIONS: a Service over the three backends.
+service_yaml() {
+	cat <<EOF
+---
 apiVersion: v1
 kind: Service
-metadata: {name: web, namespace: demo}
+metadata: {name: $1, namespace: demo, annotations: $3}
 spec:
-  clusterIP: $VIP
+  clusterIP: $2
   ports: [{name: http, protocol: TCP, port: 80, targetPort: 8080}]
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
 metadata:
-  name: web-1
+  name: $1-1
   namespace: demo
-  labels: {kubernetes.io/service-name: web}
+  labels: {kubernetes.io/service-name: $1}
 addressType: IPv4
 ports: [{name: http, protocol: TCP, port: 8080}]
 endpoints:
@@ -326,6 +329,8 @@ endpoints:
 - {addresses: ["10.99.2.12"], conditions: {ready: true}}
 - {addresses: ["10.99.2.13"], conditions: {ready: true}}
 EOF
+}
+service_yaml web "$VIP" "{}" >"$WORK/services.yaml"
 
 HELP=$("$UPROXY" --help 2>&1 || true)
 has_flag() { grep -q -- "--$1" <<<"$HELP"; }
@@ -456,33 +461,12 @@ run_modes() {
 # dropped). Outlier ejection is off (--eject-after 0), so every connection meets
 # the fault and the strategies alone differ.
 strategy_services() {
-	local i=0 name vip ann
+	local i=0 ann
 	for s in sequential hedged budget; do
-		i=$((i + 1)); vip=10.96.100.2$i; name=web-$s; ann="{}"
+		i=$((i + 1)); ann="{}"
 		[ "$s" = hedged ] && ann='{uproxy.io/dial-hedge: "30ms"}'
 		[ "$s" = budget ] && ann='{uproxy.io/retry-budget: "20"}'
-		cat <<EOF
----
-apiVersion: v1
-kind: Service
-metadata: {name: $name, namespace: demo, annotations: $ann}
-spec:
-  clusterIP: $vip
-  ports: [{name: http, protocol: TCP, port: 80, targetPort: 8080}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: $name-1
-  namespace: demo
-  labels: {kubernetes.io/service-name: $name}
-addressType: IPv4
-ports: [{name: http, protocol: TCP, port: 8080}]
-endpoints:
-- {addresses: ["10.99.2.11"], conditions: {ready: true}}
-- {addresses: ["10.99.2.12"], conditions: {ready: true}}
-- {addresses: ["10.99.2.13"], conditions: {ready: true}}
-EOF
+		service_yaml "web-$s" "10.96.100.2$i" "$ann"
 	done
 }
 

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"bufio"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -100,16 +99,7 @@ func TestRetryStrategies(t *testing.T) {
 	}
 
 	const conns = 12 // four rounds of three endpoints
-	connect := func(addr string) (string, error) {
-		c, err := tp.Dial(testbed.Pod, "tcp", addr)
-		if err != nil {
-			return "", err
-		}
-		defer c.Close()
-		c.SetDeadline(time.Now().Add(10 * time.Second))
-		line, err := bufio.NewReader(c).ReadString('\n')
-		return strings.TrimSpace(line), err
-	}
+	connect := func(addr string) (string, error) { return whoTCP(tp, testbed.Pod, addr) }
 	fds := func() int {
 		entries, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", px.cmd.Process.Pid))
 		if err != nil {

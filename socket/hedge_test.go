@@ -92,18 +92,7 @@ func TestTCPProxyHedgedDials(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			eps := make([]netip.AddrPort, len(tt.eps))
-			for i, kind := range tt.eps {
-				ip := fmt.Sprintf("127.0.0.%d", i+2)
-				switch kind {
-				case serving:
-					eps[i] = startTCPServer(t, ip, echo).addr
-				case refused:
-					eps[i] = refusedAddr(t, ip)
-				case unanswered:
-					eps[i] = unansweredAddr(t, ip)
-				}
-			}
+			eps := endpointsOf(t, tt.eps)
 			picker := newCyclePicker(eps...)
 			rec := &recorder{}
 			p := &TCPProxy{Service: "ns/hedge:tcp", Picker: picker, Observer: rec, DialTimeouts: tt.timeouts, DialHedge: tt.hedge}

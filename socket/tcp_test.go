@@ -54,6 +54,23 @@ func (k endpointKind) String() string {
 	return [...]string{"serving", "refused", "unanswered"}[k]
 }
 
+// endpointsOf makes one endpoint of each kind, on 127.0.0.2, 127.0.0.3, ...
+func endpointsOf(t testing.TB, kinds []endpointKind) []netip.AddrPort {
+	eps := make([]netip.AddrPort, len(kinds))
+	for i, kind := range kinds {
+		ip := fmt.Sprintf("127.0.0.%d", i+2)
+		switch kind {
+		case serving:
+			eps[i] = startTCPServer(t, ip, echo).addr
+		case refused:
+			eps[i] = refusedAddr(t, ip)
+		case unanswered:
+			eps[i] = unansweredAddr(t, ip)
+		}
+	}
+	return eps
+}
+
 func TestTCPProxyRetries(t *testing.T) {
 	ms := time.Millisecond
 	// long is the timeout of attempts that should not time out, even on a loaded machine.
@@ -101,18 +118,7 @@ func TestTCPProxyRetries(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			eps := make([]netip.AddrPort, len(tt.eps))
-			for i, kind := range tt.eps {
-				ip := fmt.Sprintf("127.0.0.%d", i+2)
-				switch kind {
-				case serving:
-					eps[i] = startTCPServer(t, ip, echo).addr
-				case refused:
-					eps[i] = refusedAddr(t, ip)
-				case unanswered:
-					eps[i] = unansweredAddr(t, ip)
-				}
-			}
+			eps := endpointsOf(t, tt.eps)
 			picker := newCyclePicker(eps...)
 			rec := &recorder{}
 			p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec, DialTimeouts: tt.timeouts}
