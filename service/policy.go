@@ -168,6 +168,13 @@ func ParsePolicy(svc *v1.Service) (Policy, []error) {
 	return p, errs
 }
 
+// IsPolicyError reports whether err is ParsePolicy's: about an annotation whose
+// flag stays in force, not about an object left out.
+func IsPolicyError(err error) bool {
+	fe, ok := err.(*FieldError)
+	return ok && fe.Kind == "Service" && strings.HasPrefix(fe.Field, "metadata.annotations[uproxy.io/")
+}
+
 // Where a value of an EffectivePolicy came from.
 const (
 	FromFlag       = "flag"

@@ -108,6 +108,9 @@ func TestParsePolicy(t *testing.T) {
 				if !strings.HasPrefix(err.Error(), want) || !strings.Contains(err.Error(), "keeps the proxy's flag") {
 					t.Errorf("error %d: got %q, want it to begin %q and say the flag stays", i, err, want)
 				}
+				if !IsPolicyError(err) {
+					t.Errorf("IsPolicyError(%q): got false, want true", err)
+				}
 			}
 		})
 	}
