@@ -1,6 +1,7 @@
 package socket
 
 import (
+	"math"
 	"sync/atomic"
 	"time"
 )
@@ -8,6 +9,7 @@ import (
 // DialPolicy is how a TCPProxy dials the endpoints of each connection.
 type DialPolicy struct {
 	// Timeouts holds one timeout per dial attempt; nil means DefaultDialTimeouts.
+	// At most the first 255 are used.
 	// Attempts go to another endpoint each while any remains (the Picker's
 	// promise), and a failed attempt is followed by the next at once.
 	Timeouts []time.Duration
@@ -31,7 +33,8 @@ func (d *DialPolicy) timeouts() []time.Duration {
 	if len(d.Timeouts) == 0 {
 		return DefaultDialTimeouts
 	}
-	return d.Timeouts
+	// A session counts its attempts in a byte.
+	return d.Timeouts[:min(len(d.Timeouts), math.MaxUint8)]
 }
 
 // Retry budget: a token bucket per TCPProxy (Service port), as the retry budgets

@@ -29,6 +29,10 @@ type tcpSession struct {
 	// up copies client to backend, down backend to client.
 	up, down tcpDirection
 	state    sessionState
+	// started and concurrent belong to the dialing state below (kept here,
+	// beside state, where they take no word of their own).
+	started    uint8
+	concurrent bool
 
 	// Dialing. policy is the proxy's dial policy when the session began. dial
 	// is an attempt in flight (fd >= 0), and hedges the further attempts in
@@ -38,12 +42,10 @@ type tcpSession struct {
 	// ended ones); nextHedge is when (loop.Now) the next hedge is due, 0 when
 	// none is. concurrent is set once two attempts were in flight at a time:
 	// rec.Attempts, kept in the order attempts ended, is then sorted by start.
-	policy     *DialPolicy
-	dial       dialAttempt
-	hedges     []*dialAttempt
-	started    int
-	nextHedge  int64
-	concurrent bool
+	policy    *DialPolicy
+	dial      dialAttempt
+	hedges    []*dialAttempt
+	nextHedge int64
 	// timer, while dialing, is due at the earliest deadline of the attempts in
 	// flight or the next hedge; once open it is the idle timeout
 	// (TCPProxy.IdleTimeout). lastMoved is when (loop.Now) a byte last moved
@@ -175,7 +177,7 @@ func (s *tcpSession) dialNext(lastErr error) {
 	p, pol := s.p, s.policy
 	timeouts := pol.timeouts()
 	clientIP := s.rec.Client.Addr().Unmap()
-	for s.started < len(timeouts) && s.err == nil && !s.rec.RetryRefused {
+	for int(s.started) < len(timeouts) && s.err == nil && !s.rec.RetryRefused {
 		budgeted := s.started > 0 && pol.RetryBudget > 0
 		if budgeted && !p.budget.withdraw() {
 			s.rec.RetryRefused = true
@@ -222,7 +224,7 @@ func (s *tcpSession) dialNext(lastErr error) {
 				now := s.l.Now()
 				d.deadline = now + int64(timeouts[s.started-1])
 				s.nextHedge = 0
-				if pol.Hedge > 0 && s.started < len(timeouts) {
+				if pol.Hedge > 0 && int(s.started) < len(timeouts) {
 					s.nextHedge = now + int64(pol.Hedge)
 				}
 				s.armDialTimer()
