@@ -21,6 +21,7 @@ import (
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
 	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/source/kube"
 )
@@ -54,6 +55,8 @@ type options struct {
 	ejectAfter         int
 	eventLoops         int
 	dialMarkBit        int
+	dialHedge          time.Duration
+	retryBudget        string
 
 	// The Kubernetes source, used when --services is not given.
 	kubeconfig         string
@@ -133,6 +136,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
 	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables or nftables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
 	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections and UDP flows; 0: one per CPU but one, at least one")
+	f.DurationVar(&o.dialHedge, "dial-hedge", o.dialHedge, "hedge TCP dials: when an attempt has not connected after this long, start the next one to another endpoint while it stays pending; the first to connect serves (Service annotation "+service.AnnotationDialHedge+" overrides); 0: off")
+	f.StringVar(&o.retryBudget, "retry-budget", o.retryBudget, "cap TCP retries and hedges at this percentage of first attempts per Service port, a token bucket of 10 (Service annotation "+service.AnnotationRetryBudget+" overrides); empty or 0: no cap")
 	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
 
@@ -180,7 +185,7 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--udp-max-clients %d: must be positive", o.udpMaxClients)
 	}
 	c.proxier.UDPMaxClients = o.udpMaxClients
-	if c.proxier.DialTimeouts, err = socket.ParseDialTimeouts(o.dialTimeouts); err != nil {
+	if c.proxier.DialTimeouts, err = service.ParseDialTimeouts(o.dialTimeouts); err != nil {
 		return nil, fmt.Errorf("--dial-timeouts: %w", err)
 	}
 	switch {
@@ -246,6 +251,15 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--eject-after %d: must not be negative", o.ejectAfter)
 	}
 	c.proxier.EjectAfter = o.ejectAfter
+	if o.dialHedge < 0 {
+		return nil, fmt.Errorf("--dial-hedge %v: must not be negative (0: off)", o.dialHedge)
+	}
+	c.proxier.DialHedge = o.dialHedge
+	if o.retryBudget != "" {
+		if c.proxier.RetryBudget, err = service.ParseRetryBudget(o.retryBudget); err != nil {
+			return nil, fmt.Errorf("--retry-budget: %w", err)
+		}
+	}
 	if o.eventLoops < 0 || o.eventLoops > maxEventLoops {
 		return nil, fmt.Errorf("--event-loops %d: want 0 (automatic) to %d", o.eventLoops, maxEventLoops)
 	}

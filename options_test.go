@@ -59,6 +59,9 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--node-labels=topology.kubernetes.io/zone=z1"}, "--node-labels"},
 		{[]string{"--services=x", "--node-labels=bad key=z1"}, "--node-labels"},
 		{[]string{"--services=x", "--node-labels=topology.kubernetes.io/zone=not a value"}, "--node-labels"},
+		{[]string{"--dial-hedge=-1ms"}, "--dial-hedge"},
+		{[]string{"--retry-budget=120"}, "--retry-budget"},
+		{[]string{"--retry-budget=some"}, "--retry-budget"},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
@@ -74,6 +77,12 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 	c, err := validateArgs(t, "--event-loops=3")
 	if err != nil || c.eventLoops != 3 {
 		t.Errorf("validate with --event-loops=3: got %v, %v; want 3 event loops", c, err)
+	}
+	if c, err := validateArgs(t, "--dial-hedge=30ms", "--retry-budget=20%"); err != nil || c.proxier.DialHedge != 30*time.Millisecond || c.proxier.RetryBudget != 20 {
+		t.Errorf("validate with --dial-hedge=30ms --retry-budget=20%%: got %+v, %v; want hedge 30ms and budget 20", c, err)
+	}
+	if c, err := validateArgs(t); err != nil || c.proxier.DialHedge != 0 || c.proxier.RetryBudget != 0 {
+		t.Errorf("validate with no policy flag: got %+v, %v; want no hedge and no budget", c, err)
 	}
 	for bit, want := range map[string]uint32{"13": 0x2000, "0": 1, "31": 0x80000000, "-1": 0} {
 		if c, err := validateArgs(t, "--dial-mark-bit="+bit); err != nil || c.dialMark != want {

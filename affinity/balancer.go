@@ -53,10 +53,11 @@ const minSweep = 1024
 // max(minSweep, twice the entries that were live at the previous sweep).
 // Sweep is exported for callers that want to free memory on their own schedule.
 type Balancer struct {
-	sched scheduler
-	now   func() time.Time // replaced only by tests, before first use
+	now func() time.Time // replaced only by tests, before first use
 
 	mu sync.Mutex
+	// sched is the scheduler; SetScheduler changes it.
+	sched scheduler
 	// eps are the endpoints in the order Update gave them; index maps each address
 	// (as endpointKey) to its position. Addresses are unique.
 	eps   []backend
@@ -150,7 +151,32 @@ func NewBalancer(scheduler string) (*Balancer, error) {
 }
 
 // Scheduler returns the name of b's scheduler.
-func (b *Balancer) Scheduler() string { return b.sched.String() }
+func (b *Balancer) Scheduler() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.sched.String()
+}
+
+// SetScheduler switches b to the named scheduler ("" means DefaultScheduler),
+// keeping its endpoints, their active counts and outlier state, and the
+// affinity table: a Service whose scheduler annotation changed goes on serving.
+func (b *Balancer) SetScheduler(name string) error {
+	s, err := parseScheduler(name)
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if s == b.sched {
+		return nil
+	}
+	b.sched = s
+	b.buckets, b.bucketBits = nil, 0
+	if s.hashed() {
+		b.buckets, b.bucketBits = buildBuckets(b.eps)
+	}
+	return nil
+}
 
 // Update replaces the endpoint set and the affinity settings. dst is the Service's
 // first virtual IP, hashed by dh (it may be the zero Addr). A timeout <= 0 means

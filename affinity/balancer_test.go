@@ -423,3 +423,46 @@ func TestConcurrent(t *testing.T) {
 		})
 	}
 }
+
+// SetScheduler switches the scheduler under a running Balancer: endpoints,
+// their active counts and the affinity table stay.
+func TestSetScheduler(t *testing.T) {
+	b, err := NewBalancer("rr")
+	if err != nil {
+		t.Fatal(err)
+	}
+	eps := addrs("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80")
+	b.Update(eps, netip.Addr{}, false, 0)
+	client := netip.MustParseAddr("192.0.2.1")
+	// rr hands out 1 and 2; both stay active.
+	for _, want := range eps[:2] {
+		if got, _ := b.Pick(client, nil); got != want {
+			t.Fatalf("rr Pick: got %v, want %v", got, want)
+		}
+	}
+	if err := b.SetScheduler("lc"); err != nil {
+		t.Fatalf("SetScheduler(lc): %v", err)
+	}
+	if got := b.Scheduler(); got != "lc" {
+		t.Errorf("Scheduler: got %q, want lc", got)
+	}
+	// lc: the one endpoint with no connection.
+	if got, _ := b.Pick(client, nil); got != eps[2] {
+		t.Errorf("lc Pick after the switch: got %v, want %v (the only idle one: active counts kept)", got, eps[2])
+	}
+	if err := b.SetScheduler("sh"); err != nil {
+		t.Fatalf("SetScheduler(sh): %v", err)
+	}
+	first, _ := b.Pick(client, nil)
+	for range 5 {
+		if got, _ := b.Pick(client, nil); got != first {
+			t.Fatalf("sh Pick: got %v then %v for one client, want the same (hash table built)", first, got)
+		}
+	}
+	if err := b.SetScheduler("wrr"); err == nil {
+		t.Errorf("SetScheduler(wrr): got nil, want an error (not a userspace scheduler)")
+	}
+	if got := b.Scheduler(); got != "sh" {
+		t.Errorf("Scheduler after a refused switch: got %q, want sh", got)
+	}
+}

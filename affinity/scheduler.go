@@ -6,10 +6,13 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+
+	"github.com/uproxy/uproxy/service"
 )
 
-// Schedulers lists the scheduler names accepted, default first. They mean what
-// IPVS means by them:
+// Schedulers lists the scheduler names accepted, default first: the names a
+// Service may ask for (service.Schedulers, the one list). They mean what IPVS
+// means by them:
 //
 //	rr   round robin: rotate over the endpoints
 //	lc   least connection: fewest active connections
@@ -17,7 +20,7 @@ import (
 //	dh   destination hashing: the same table, over the Service's virtual IP
 //	sed  shortest expected delay: least (active+1)/weight
 //	nq   never queue: an idle endpoint if there is one, else sed
-var Schedulers = []string{"rr", "lc", "sh", "dh", "sed", "nq"}
+var Schedulers = service.Schedulers
 
 // DefaultScheduler is the scheduler used when none is named.
 const DefaultScheduler = "rr"

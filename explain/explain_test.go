@@ -69,7 +69,9 @@ func explainWorld(t *testing.T) (metricsAddr string, proxyPort int, live, refuse
 		defer cancel()
 		px.Shutdown(ctx)
 	})
+	budget := 20.0
 	port := &service.Port{
+		Policy:     service.Policy{RetryBudget: &budget},
 		Name:       service.PortName{Namespace: "shop", Name: "web", Port: "http"},
 		Protocol:   service.TCP,
 		Port:       80,
@@ -214,6 +216,8 @@ func TestExplainUserspace(t *testing.T) {
 			"Service port shop/web:http (TCP, matched as clusterIP)",
 			fmt.Sprintf("Served by uproxy's proxy port %d (userspace mode)", pp),
 			"outlier ejection after 3 consecutive failed dials",
+			"Retry policy: dial timeouts 250ms,500ms,1s,2s (flag --dial-timeouts); hedge off (flag --dial-hedge); retry budget 20% (annotation uproxy.io/retry-budget)",
+			"; scheduler rr (flag --scheduler).",
 			live.String() + "  in use, ready",
 			refused.String() + "  in use, ready",
 			"consecutive failures 1",

@@ -57,7 +57,15 @@ func (x *explanation) writeText(w io.Writer) error {
 		if st.Ejection != "" {
 			p(", outlier ejection %s", st.Ejection)
 		}
-		p(".\n  Endpoints:\n")
+		p(".\n")
+		if pol := st.Policy; pol != nil {
+			p("  Retry policy: dial timeouts %s; hedge %s; retry budget %s", pol.DialTimeouts, pol.DialHedge, pol.RetryBudget)
+			if pol.RetryTokens != nil {
+				p(", %.1f retries left in it", *pol.RetryTokens)
+			}
+			p("; scheduler %s.\n", pol.Scheduler)
+		}
+		p("  Endpoints:\n")
 		if len(st.Endpoints) == 0 {
 			p("    none: every connection fails (reset)\n")
 		}

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # demo-retry: the same client load through uproxy's userspace mode and through the
 # iptables kernel mode while one backend is killed and another blackholed, printed
-# side by side with what uproxy's events show. Needs root (network namespaces,
-# iptables). Usage: hack/demo-retry.sh [path/to/uproxy]   (make demo-retry)
+# side by side with what uproxy's events show; then the three retry strategies
+# (sequential, hedged, budget) side by side on the same faults (refused,
+# blackholed, slow accept). Needs root (network namespaces, iptables).
+# Usage: hack/demo-retry.sh [path/to/uproxy]   (make demo-retry)
+# PARTS=modes or PARTS=strategies runs one part only.
 set -euo pipefail
 
 UPROXY=$(realpath "${1:-bin/uproxy}")
@@ -12,6 +15,8 @@ CLIENT_TIMEOUT=${CLIENT_TIMEOUT:-3s}
 VIP=10.96.100.10
 METRICS=127.0.0.1:10249
 P=urd                        # namespace prefix: urd-client, urd-node, urd-be
+PARTS=${PARTS:-modes strategies}
+STRATEGY_CONNS=${STRATEGY_CONNS:-200} # connections per fault and strategy
 
 [ "$(id -u)" = 0 ] || { echo "demo-retry: needs root (network namespaces, iptables)" >&2; exit 1; }
 for c in ip iptables go; do
@@ -61,6 +66,20 @@ func main() {
 			fmt.Fprintf(c, "%s\n", os.Args[3])
 			c.Close()
 		}
+	case "serve-slow": // serve-slow ADDR NAME EVERY: accept one connection per EVERY, backlog 1
+		// An overloaded backend: its accept queue holds one connection, and
+		// the kernel drops the SYNs that arrive while it is full.
+		ln := listenBacklog(os.Args[2], 1)
+		every := dur(os.Args[4])
+		for {
+			c, err := ln.Accept()
+			check(err)
+			fmt.Fprintf(c, "%s\n", os.Args[3])
+			c.Close()
+			time.Sleep(every)
+		}
+	case "dials": // dials METRICS-ADDR SERVICE: dial attempts and budget refusals of one Service port
+		dials(os.Args[2], os.Args[3])
 	case "load": // load TARGET N INTERVAL TIMEOUT
 		load(os.Args[2], atoi(os.Args[3]), dur(os.Args[4]), dur(os.Args[5]))
 	case "wait": // wait URL: until it answers 200 with a proxied Service
@@ -228,6 +247,45 @@ func events(addr string) {
 	}
 }
 
+// listenBacklog listens on addr (IPv4) with the given accept queue length.
+func listenBacklog(addr string, backlog int) net.Listener {
+	ap, err := net.ResolveTCPAddr("tcp4", addr)
+	check(err)
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	check(err)
+	check(syscall.SetsockoptInt(fd, syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1))
+	sa := &syscall.SockaddrInet4{Port: ap.Port}
+	copy(sa.Addr[:], ap.IP.To4())
+	check(syscall.Bind(fd, sa))
+	check(syscall.Listen(fd, backlog))
+	ln, err := net.FileListener(os.NewFile(uintptr(fd), "listener"))
+	check(err)
+	return ln
+}
+
+func dials(addr, service string) {
+	resp, err := http.Get("http://" + addr + "/metrics")
+	check(err)
+	defer resp.Body.Close()
+	var n, refused float64
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		name, rest, _ := strings.Cut(sc.Text(), "{")
+		labels, val, _ := strings.Cut(rest, "} ")
+		if !strings.Contains(labels, `service="`+service+`"`) {
+			continue
+		}
+		v, _ := strconv.ParseFloat(val, 64)
+		switch name {
+		case "uproxy_dial_attempts_total":
+			n += v
+		case "uproxy_retry_budget_refusals_total":
+			refused += v
+		}
+	}
+	fmt.Printf("dials=%.0f budget-refusals=%.0f\n", n, refused)
+}
+
 func isTimeout(err error) bool {
 	var t interface{ Timeout() bool }
 	return errors.As(err, &t) && t.Timeout()
@@ -247,20 +305,23 @@ EOF
 (cd "$WORK/tool" && go mod init demoretry >/dev/null 2>&1 && go build -o "$WORK/t" .)
 T="$WORK/t"
 
-cat >"$WORK/services.yaml" <<EOF
+# service_yaml NAME VIP ANNOTATIONS: a Service over the three backends.
+service_yaml() {
+	cat <<EOF
+---
 apiVersion: v1
 kind: Service
-metadata: {name: web, namespace: demo}
+metadata: {name: $1, namespace: demo, annotations: $3}
 spec:
-  clusterIP: $VIP
+  clusterIP: $2
   ports: [{name: http, protocol: TCP, port: 80, targetPort: 8080}]
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
 metadata:
-  name: web-1
+  name: $1-1
   namespace: demo
-  labels: {kubernetes.io/service-name: web}
+  labels: {kubernetes.io/service-name: $1}
 addressType: IPv4
 ports: [{name: http, protocol: TCP, port: 8080}]
 endpoints:
@@ -268,6 +329,8 @@ endpoints:
 - {addresses: ["10.99.2.12"], conditions: {ready: true}}
 - {addresses: ["10.99.2.13"], conditions: {ready: true}}
 EOF
+}
+service_yaml web "$VIP" "{}" >"$WORK/services.yaml"
 
 HELP=$("$UPROXY" --help 2>&1 || true)
 has_flag() { grep -q -- "--$1" <<<"$HELP"; }
@@ -278,7 +341,8 @@ if has_flag proxy-mode; then MODES+=(iptables); else
 	echo "note: this uproxy has no --proxy-mode yet: running the userspace mode only"
 fi
 
-# world builds client -- node -- backends, the node routing between them.
+# world builds client -- node -- backends, the node routing between them, and
+# starts the backends named (by their last byte; default all three).
 world() {
 	for ns in client node be; do ip netns del "$P-$ns" 2>/dev/null || true; ip netns add "$P-$ns"; done
 	for ns in client node be; do ip -n "$P-$ns" link set lo up; done
@@ -296,7 +360,7 @@ world() {
 	ip -n "$P-be" route add default via 10.99.2.1
 	ip netns exec "$P-node" sysctl -qw net.ipv4.ip_forward=1
 	BACKEND=()
-	for i in 11 12 13; do
+	for i in ${1:-11 12 13}; do
 		ip netns exec "$P-be" "$T" serve "10.99.2.$i:8080" "backend-$i" &
 		BACKEND[$i]=$!
 		PIDS+=($!)
@@ -334,55 +398,120 @@ run_mode() {
 	kill "$up"; wait "$up" 2>/dev/null || true
 }
 
-for m in "${MODES[@]}"; do
-	desc=$m; [ "$m" = no-eject ] && desc="userspace with --eject-after 0"
-	echo "== $desc: $CONNS connections, one per $INTERVAL; backend-12 killed at 1s, backend-13 blackholed at 2s"
-	run_mode "$m"
-done
+run_modes() {
+	for m in "${MODES[@]}"; do
+		desc=$m; [ "$m" = no-eject ] && desc="userspace with --eject-after 0"
+		echo "== $desc: $CONNS connections, one per $INTERVAL; backend-12 killed at 1s, backend-13 blackholed at 2s"
+		run_mode "$m"
+	done
+
+	echo
+	printf "%-46s" ""; for m in "${MODES[@]}"; do printf "%14s" "$m"; done; echo
+	row() { # LABEL KEY [events]
+		printf "%-46s" "$1"
+		local m src v
+		for m in "${MODES[@]}"; do
+			src=${RESULT[$m]}
+			if [ "${3:-}" = sent ]; then
+				src=${EVENTS[$m]}
+			elif [ "${3:-}" = events ]; then
+				# Kernel modes have no data path in uproxy, so no events to count.
+				src=""
+				[ "$m" = iptables ] || src=${EVENTS[$m]}
+			fi
+			v=$(field "$src" "$2")
+			printf "%14s" "${v:--}"
+		done
+		echo
+	}
+	row "client connections" connections
+	row "  answered" ok
+	row "  failed" failed
+	row "    refused (killed backend)" refused
+	row "    reset" reset
+	row "    timed out (blackholed backend)" timeout
+	row "  p50 latency of answered" p50
+	row "  p99 latency of answered" p99
+	row "  slowest answered" max
+	echo "tries per backend (uproxy's dials; the kernel's DNATs)"
+	row "  backend-11 (alive)" to11 sent
+	row "  backend-12 (killed)" to12 sent
+	row "  backend-13 (blackholed)" to13 sent
+	row "uproxy: served by the first dial" success events
+	row "uproxy: retried, then served" retried events
+	row "uproxy: failed (client reset)" failed events
+	row "uproxy: dial attempts retried" retries events
+	row "uproxy: endpoint ejections" ejection events
+	echo
+	grep -h "sample-" <<<"${EVENTS[userspace]}" | sed 's/^sample-retried/a retried connection, as \/debug\/events shows it:\n /; s/^sample-ejection/an ejection, as \/debug\/events shows it:\n /'
+	for m in "${MODES[@]}"; do
+		[ -s "$WORK/explain-$m" ] || continue
+		echo
+		echo "$m mode: uproxy explain $VIP:80 --client 10.99.1.2, right after the load:"
+		sed 's/^/  /' "$WORK/explain-$m"
+	done
+}
+
+# The retry strategies. One uproxy serves three Services over the same three
+# backends, each with its own policy from annotations: sequential (the
+# defaults), hedged (uproxy.io/dial-hedge: 30ms) and budget
+# (uproxy.io/retry-budget: "20"). backend-13 is faulty for the whole run, one
+# fault at a time: refused (not running), blackholed (SYNs dropped), slow accept
+# (an accept queue of one, drained every 100ms: SYNs that find it full are
+# dropped). Outlier ejection is off (--eject-after 0), so every connection meets
+# the fault and the strategies alone differ.
+strategy_services() {
+	local i=0 ann
+	for s in sequential hedged budget; do
+		i=$((i + 1)); ann="{}"
+		[ "$s" = hedged ] && ann='{uproxy.io/dial-hedge: "30ms"}'
+		[ "$s" = budget ] && ann='{uproxy.io/retry-budget: "20"}'
+		service_yaml "web-$s" "10.96.100.2$i" "$ann"
+	done
+}
+
+run_strategies() {
+	strategy_services >"$WORK/strategies.yaml"
+	echo "== retry strategies: backend-13 of 3 faulty, $STRATEGY_CONNS connections per strategy, one per $INTERVAL, no ejection"
+	printf "%-12s %-11s %7s %9s %9s %13s %9s\n" fault strategy failed p50 p99 "extra dials" refusals
+	local fault s i load dl up
+	for fault in ${FAULTS:-none refused blackholed slow-accept}; do
+		case $fault in
+		none) world ;;
+		refused) world "11 12" ;; # nothing listens on backend-13's port
+		blackholed)
+			world
+			ip netns exec "$P-be" iptables -A INPUT -d 10.99.2.13 -p tcp --dport 8080 -j DROP
+			;;
+		slow-accept)
+			world "11 12"
+			ip netns exec "$P-be" "$T" serve-slow 10.99.2.13:8080 backend-13 100ms &
+			PIDS+=($!)
+			;;
+		esac
+		ip netns exec "$P-node" "$UPROXY" --services "$WORK/strategies.yaml" --rules iptables --metrics-bind-address "$METRICS" \
+			--healthz-bind-address "" --hostname-override node --eject-after 0 >"$WORK/uproxy-strategies-$fault.log" 2>&1 &
+		up=$!
+		PIDS+=($up)
+		ip netns exec "$P-node" "$T" wait "http://$METRICS/healthz" || { cat "$WORK/uproxy-strategies-$fault.log"; exit 1; }
+		sleep 1 # the first sync programs the rules
+		i=0
+		for s in sequential hedged budget; do
+			i=$((i + 1))
+			load=$(ip netns exec "$P-client" "$T" load "10.96.100.2$i:80" "$STRATEGY_CONNS" "$INTERVAL" "$CLIENT_TIMEOUT")
+			dl=$(ip netns exec "$P-node" "$T" dials "$METRICS" "demo/web-$s:http")
+			printf "%-12s %-11s %7s %9s %9s %13s %9s\n" "$fault" "$s" "$(field "$load" failed)" "$(field "$load" p50)" "$(field "$load" p99)" \
+				"$(awk -v d="$(field "$dl" dials)" -v n="$STRATEGY_CONNS" 'BEGIN { printf "%.2f/conn", (d - n) / n }')" \
+				"$(field "$dl" budget-refusals)"
+		done
+		kill "$up"; wait "$up" 2>/dev/null || true
+	done
+}
 
 field() { grep -o "$2=[^ ]*" <<<"$1" | cut -d= -f2 || true; }
-echo
-printf "%-46s" ""; for m in "${MODES[@]}"; do printf "%14s" "$m"; done; echo
-row() { # LABEL KEY [events]
-	printf "%-46s" "$1"
-	local m src v
-	for m in "${MODES[@]}"; do
-		src=${RESULT[$m]}
-		if [ "${3:-}" = sent ]; then
-			src=${EVENTS[$m]}
-		elif [ "${3:-}" = events ]; then
-			# Kernel modes have no data path in uproxy, so no events to count.
-			src=""
-			[ "$m" = iptables ] || src=${EVENTS[$m]}
-		fi
-		v=$(field "$src" "$2")
-		printf "%14s" "${v:--}"
-	done
-	echo
-}
-row "client connections" connections
-row "  answered" ok
-row "  failed" failed
-row "    refused (killed backend)" refused
-row "    reset" reset
-row "    timed out (blackholed backend)" timeout
-row "  p50 latency of answered" p50
-row "  p99 latency of answered" p99
-row "  slowest answered" max
-echo "tries per backend (uproxy's dials; the kernel's DNATs)"
-row "  backend-11 (alive)" to11 sent
-row "  backend-12 (killed)" to12 sent
-row "  backend-13 (blackholed)" to13 sent
-row "uproxy: served by the first dial" success events
-row "uproxy: retried, then served" retried events
-row "uproxy: failed (client reset)" failed events
-row "uproxy: dial attempts retried" retries events
-row "uproxy: endpoint ejections" ejection events
-echo
-grep -h "sample-" <<<"${EVENTS[userspace]}" | sed 's/^sample-retried/a retried connection, as \/debug\/events shows it:\n /; s/^sample-ejection/an ejection, as \/debug\/events shows it:\n /'
-for m in "${MODES[@]}"; do
-	[ -s "$WORK/explain-$m" ] || continue
-	echo
-	echo "$m mode: uproxy explain $VIP:80 --client 10.99.1.2, right after the load:"
-	sed 's/^/  /' "$WORK/explain-$m"
+for part in $PARTS; do
+	case $part in
+	modes) run_modes ;;
+	strategies) echo; run_strategies ;;
+	esac
 done

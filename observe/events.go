@@ -18,8 +18,13 @@ const (
 	KindReadmission = "readmission"
 )
 
-// ReasonIdle is the Reason of a connection closed by the idle timeout.
-const ReasonIdle = "idle"
+// Reasons of connection events.
+const (
+	// ReasonIdle: the idle timeout closed the connection.
+	ReasonIdle = "idle"
+	// ReasonBudget: the retry budget refused the connection a retry or a hedge.
+	ReasonBudget = "budget"
+)
 
 // Connection outcomes.
 const (
@@ -49,8 +54,9 @@ type Event struct {
 	Duration   string  `json:"duration"`
 	DurationMs float64 `json:"durationMs"`
 	Error      string  `json:"error,omitempty"`
-	// Reason explains an ejection or re-admission, or why the proxy closed a
-	// connection: ReasonIdle.
+	// Reason explains an ejection or re-admission, why the proxy closed a
+	// connection (ReasonIdle), or that the retry budget refused it an attempt
+	// (ReasonBudget).
 	Reason string `json:"reason,omitempty"`
 }
 
@@ -117,8 +123,11 @@ func NewEvents(n int) *Events {
 // Add records the connection c (it keeps no reference to c).
 func (e *Events) Add(c *record.Conn) {
 	reason := ""
-	if c.IdledOut() {
+	switch {
+	case c.IdledOut():
 		reason = ReasonIdle
+	case c.RetryRefused:
+		reason = ReasonBudget
 	}
 	e.mu.Lock()
 	r := e.take()

@@ -9,6 +9,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/uproxy/uproxy/record"
 )
 
 // Registry holds every uproxy metric (and the Go and process collectors).
@@ -71,7 +73,7 @@ var (
 	}, []string{"service", "protocol", "result"})
 	DialAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_attempts_total",
-		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other).",
+		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other; hedge_lost: abandoned when another attempt of the connection, hedged, connected first).",
 	}, []string{"service", "endpoint", "result"})
 	DialDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    "uproxy_dial_duration_seconds",
@@ -80,7 +82,11 @@ var (
 	}, []string{"service", "endpoint"})
 	Retries = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_retries_total",
-		Help: "Dial attempts that followed a failed attempt of the same connection, by Service port.",
+		Help: "Dial attempts of a connection after its first (retries after a failure, and hedges), by Service port.",
+	}, []string{"service"})
+	RetryBudgetRefusals = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_retry_budget_refusals_total",
+		Help: "TCP connections the retry budget refused a further attempt (a retry or a hedge), by Service port.",
 	}, []string{"service"})
 	ActiveConnections = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "uproxy_active_connections",
@@ -134,7 +140,7 @@ func init() {
 		SyncDuration, SyncLastTimestamp, SyncLastQueuedTimestamp, NetworkProgrammingDuration,
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
 		IPTablesRestoreFailures, ServicePortConflicts,
-		Connections, DialAttempts, DialDuration, Retries, ActiveConnections, ConnectionDuration,
+		Connections, DialAttempts, DialDuration, Retries, RetryBudgetRefusals, ActiveConnections, ConnectionDuration,
 		Bytes, UDPExpiries, UDPEndpointRemovals, IdleTimeouts, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens,
 		portsCollector{},
 	)
@@ -148,13 +154,15 @@ const (
 	resultUnreachable
 	resultReset
 	resultOther
+	// resultHedgeLost is an attempt abandoned because a hedge connected first.
+	resultHedgeLost
 	numResults
 )
 
-var resultNames = [numResults]string{"success", "refused", "timeout", "unreachable", "reset", "other"}
+var resultNames = [numResults]string{"success", "refused", "timeout", "unreachable", "reset", "other", "hedge_lost"}
 
 // DialResult classifies a dial error for the result label: success, refused,
-// timeout, unreachable, reset or other (no-endpoints for a connection that had no
+// timeout, unreachable, reset, other or hedge_lost (no-endpoints for a connection that had no
 // endpoint to dial).
 func DialResult(err error) string {
 	if isNoEndpoints(err) {
@@ -174,6 +182,8 @@ func dialResult(err error) int {
 	switch {
 	case err == nil:
 		return resultSuccess
+	case errors.Is(err, record.ErrHedgeLost):
+		return resultHedgeLost
 	case errors.Is(err, syscall.ECONNREFUSED):
 		return resultRefused
 	case errors.Is(err, syscall.ETIMEDOUT), isTimeout(err):

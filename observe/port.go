@@ -28,6 +28,7 @@ type PortObserver struct {
 
 	active      prometheus.Gauge
 	retries     prometheus.Counter
+	refusals    prometheus.Counter
 	bytesIn     prometheus.Counter
 	bytesOut    prometheus.Counter
 	connOK      prometheus.Counter
@@ -66,6 +67,7 @@ func NewPortObserver(service, protocol string, events *Events) *PortObserver {
 		events:      events,
 		active:      ActiveConnections.WithLabelValues(service),
 		retries:     Retries.WithLabelValues(service),
+		refusals:    RetryBudgetRefusals.WithLabelValues(service),
 		bytesIn:     Bytes.WithLabelValues(service, "in"),
 		bytesOut:    Bytes.WithLabelValues(service, "out"),
 		connOK:      Connections.WithLabelValues(service, protocol, "success"),
@@ -183,6 +185,9 @@ func (o *PortObserver) ConnClosed(c *record.Conn) {
 	if n > 1 {
 		o.retries.Add(float64(n - 1))
 	}
+	if c.RetryRefused {
+		o.refusals.Inc()
+	}
 	if c.BytesIn > 0 {
 		o.bytesIn.Add(float64(c.BytesIn))
 	}
@@ -278,6 +283,7 @@ func (o *PortObserver) Forget() {
 	livePorts.Unlock()
 	ActiveConnections.DeleteLabelValues(o.service)
 	Retries.DeleteLabelValues(o.service)
+	RetryBudgetRefusals.DeleteLabelValues(o.service)
 	Bytes.DeleteLabelValues(o.service, "in")
 	Bytes.DeleteLabelValues(o.service, "out")
 	for _, outcome := range []string{"success", "retried", "failed"} {

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/netip"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -42,6 +43,9 @@ type ServiceState struct {
 	ActiveClients    int               `json:"activeClients,omitempty"` // UDP client table size
 	// Ejection is the outlier ejection policy ("" when off), e.g. "after 3 consecutive failed dials".
 	Ejection string `json:"ejection,omitempty"`
+	// Policy is the port's effective retry policy, each value with where it
+	// came from (modes that dial in userspace; the scheduler alone for IPVS).
+	Policy *PolicyState `json:"policy,omitempty"`
 	// Reopens counts the times a sync reopened the proxy port's socket after it
 	// failed for good (userspace mode). ListenerError is the latest such
 	// failure, and ListenerDown is true from it until the sync that reopens it.
@@ -85,6 +89,57 @@ func PortState(port *service.Port, scheduler string) ServiceState {
 	}
 	return st
 }
+
+// PolicyState is a Service port's effective retry policy.
+type PolicyState struct {
+	DialTimeouts PolicyValue `json:"dialTimeouts"`
+	DialHedge    PolicyValue `json:"dialHedge"`
+	RetryBudget  PolicyValue `json:"retryBudget"`
+	Scheduler    PolicyValue `json:"scheduler"`
+	// RetryTokens is what the retry budget has left (at most 10 retries), while
+	// there is a budget.
+	RetryTokens *float64 `json:"retryTokens,omitempty"`
+}
+
+// PolicyValue is one value of a policy: From is "flag" or "annotation", and
+// Source the flag (--dial-hedge) or annotation (uproxy.io/dial-hedge) it came from.
+type PolicyValue struct {
+	Value  string `json:"value"`
+	From   string `json:"from"`
+	Source string `json:"source"`
+}
+
+// NewPolicyState describes e.
+func NewPolicyState(e service.EffectivePolicy) *PolicyState {
+	timeouts := make([]string, len(e.DialTimeouts))
+	for i, d := range e.DialTimeouts {
+		timeouts[i] = d.String()
+	}
+	hedge, budget := "off", "off"
+	if e.DialHedge > 0 {
+		hedge = e.DialHedge.String()
+	}
+	if e.RetryBudget > 0 {
+		budget = strconv.FormatFloat(e.RetryBudget, 'f', -1, 64) + "%"
+	}
+	return &PolicyState{
+		DialTimeouts: policyValue(strings.Join(timeouts, ","), e.DialTimeoutsFrom, "--dial-timeouts", service.AnnotationDialTimeouts),
+		DialHedge:    policyValue(hedge, e.DialHedgeFrom, "--dial-hedge", service.AnnotationDialHedge),
+		RetryBudget:  policyValue(budget, e.RetryBudgetFrom, "--retry-budget", service.AnnotationRetryBudget),
+		Scheduler:    policyValue(e.Scheduler, e.SchedulerFrom, "--scheduler", service.AnnotationScheduler),
+	}
+}
+
+func policyValue(v, from, flag, annotation string) PolicyValue {
+	src := flag
+	if from == service.FromAnnotation {
+		src = annotation
+	}
+	return PolicyValue{Value: v, From: from, Source: src}
+}
+
+// String says where the value came from, as "30ms (annotation uproxy.io/dial-hedge)".
+func (v PolicyValue) String() string { return v.Value + " (" + v.From + " " + v.Source + ")" }
 
 // addrStrings formats addresses for a ServiceState (never nil, so JSON shows []).
 func addrStrings(addrs []netip.Addr) []string {

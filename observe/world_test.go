@@ -63,7 +63,15 @@ func mkWorld(t testing.TB, cfg proxier.Config) *world {
 // unique name (ns/name:p) and proxy port.
 func (w *world) addService(proto service.Protocol, clientIP bool, eps ...netip.AddrPort) (string, int) {
 	w.t.Helper()
+	return w.addPolicyService(service.Policy{}, proto, clientIP, eps...)
+}
+
+// addPolicyService is addService for a Service with its own policy, as from
+// its annotations.
+func (w *world) addPolicyService(policy service.Policy, proto service.Protocol, clientIP bool, eps ...netip.AddrPort) (string, int) {
+	w.t.Helper()
 	p := &service.Port{
+		Policy:     policy,
 		Name:       service.PortName{Namespace: "t", Name: fmt.Sprintf("svc%d", serviceSeq.Add(1)), Port: "p"},
 		Protocol:   proto,
 		Port:       80,

@@ -33,7 +33,17 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 
 func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	port := sp.port.Load()
-	st := observe.PortState(port, p.cfg.Scheduler)
+	pol := p.policy(port)
+	st := observe.PortState(port, sp.cluster.picker.fam[0].Scheduler())
+	st.Policy = observe.NewPolicyState(pol)
+	if tcp := sp.cluster.tcp; tcp != nil && pol.RetryBudget > 0 {
+		// The external route, when there is one, has a bucket of its own.
+		tokens := tcp.RetryTokens()
+		if ext := sp.external.Load(); ext != nil {
+			tokens += ext.tcp.RetryTokens()
+		}
+		st.Policy.RetryTokens = &tokens
+	}
 	ls := sp.cluster.listener.Load()
 	st.ProxyPort, st.Reopens = ls.proxyPort, ls.reopens
 	if ext := sp.external.Load(); ext != nil {

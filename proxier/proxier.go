@@ -45,6 +45,11 @@ type Config struct {
 	Scheduler string
 	// DialTimeouts has one per-attempt timeout per TCP dial attempt; nil: socket defaults.
 	DialTimeouts []time.Duration
+	// DialHedge hedges TCP dials after that long (socket.DialPolicy.Hedge); 0: off.
+	DialHedge time.Duration
+	// RetryBudget bounds TCP retries and hedges to that percentage of first
+	// attempts, per Service port (socket.DialPolicy.RetryBudget); 0: off.
+	RetryBudget float64
 	// TCPKeepAlive is the keepalive idle time and probe interval on both sockets
 	// of every TCP connection; 0: socket.DefaultKeepAlive (15s), negative: off.
 	TCPKeepAlive time.Duration
@@ -351,16 +356,36 @@ func (sp *servicePort) portal(port *service.Port) rules.Portal {
 	return pt
 }
 
-// updatePort hands each route of the port its endpoints and affinity settings:
-// the cluster route the ClusterEndpoints, the external route (when there is
-// one) the ExternalEndpoints.
+// policy returns the policy port runs with: its annotations over the flags.
+// Scheduler, DialTimeouts, DialHedge and RetryBudget of the Config are the flags.
+func (p *Proxier) policy(port *service.Port) service.EffectivePolicy {
+	timeouts := p.cfg.DialTimeouts
+	if len(timeouts) == 0 {
+		timeouts = socket.DefaultDialTimeouts
+	}
+	return port.Policy.Over(service.FlagPolicy(timeouts, p.cfg.DialHedge, p.cfg.RetryBudget, p.cfg.Scheduler))
+}
+
+// updatePort hands each route of the port its endpoints, affinity settings
+// and policy: the cluster route the ClusterEndpoints, the external route
+// (when there is one) the ExternalEndpoints.
 func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 	p.mu.RLock()
 	zone := p.zone
 	p.mu.RUnlock()
+	pol := p.policy(port)
 	old := sp.port.Load()
 	all := make(map[netip.AddrPort]bool)
 	for _, r := range sp.routes() {
+		// A Service's scheduler annotation is validated by
+		// service.ParsePolicy; the flag by the program: neither can be
+		// unknown here.
+		if err := r.picker.setScheduler(pol.Scheduler); err != nil {
+			klog.ErrorS(err, "Keeping the scheduler", "service", sp.name, "scheduler", r.picker.fam[0].Scheduler())
+		}
+		if r.tcp != nil {
+			r.tcp.SetDialPolicy(dialPolicy(pol))
+		}
 		classEndpoints := port.ClusterEndpoints
 		if r != sp.cluster {
 			classEndpoints = port.ExternalEndpoints
@@ -414,6 +439,11 @@ func (p *Proxier) ejection() affinity.Ejection {
 	return e
 }
 
+// dialPolicy is the socket layer's share of pol.
+func dialPolicy(pol service.EffectivePolicy) socket.DialPolicy {
+	return socket.DialPolicy{Timeouts: pol.DialTimeouts, Hedge: pol.DialHedge, RetryBudget: pol.RetryBudget}
+}
+
 // openPort opens the listener of a new Service port on a proxy port (two when
 // the port SplitsExternal) and starts serving.
 func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
@@ -422,7 +452,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 		protocol: port.Protocol,
 		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
 	}
-	r, err := p.newRoute(sp)
+	r, err := p.newRoute(sp, port)
 	if err != nil {
 		sp.observer.Forget()
 		return nil, err
@@ -452,9 +482,11 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 	return sp, nil
 }
 
-// newRoute returns a route of sp with its balancers and proxy, not listening yet.
-func (p *Proxier) newRoute(sp *servicePort) (*route, error) {
-	picker, err := newFamilyPicker(p.cfg.Scheduler, p.ejection(), sp.observer)
+// newRoute returns a route of sp with its balancers and proxy, not listening
+// yet, under port's policy.
+func (p *Proxier) newRoute(sp *servicePort, port *service.Port) (*route, error) {
+	pol := p.policy(port)
+	picker, err := newFamilyPicker(pol.Scheduler, p.ejection(), sp.observer)
 	if err != nil {
 		return nil, err
 	}
@@ -465,7 +497,9 @@ func (p *Proxier) newRoute(sp *servicePort) (*route, error) {
 			Service:      sp.name.String(),
 			Picker:       picker,
 			Loops:        p.loops,
-			DialTimeouts: p.cfg.DialTimeouts,
+			DialTimeouts: pol.DialTimeouts,
+			DialHedge:    pol.DialHedge,
+			RetryBudget:  pol.RetryBudget,
 			KeepAlive:    p.cfg.TCPKeepAlive,
 			IdleTimeout:  p.cfg.TCPIdleTimeout,
 			Observer:     sp.observer,
@@ -489,7 +523,7 @@ func (p *Proxier) routeExternal(sp *servicePort, port *service.Port) error {
 	ext := sp.external.Load()
 	switch split := port.SplitsExternal(); {
 	case split && ext == nil:
-		r, err := p.newRoute(sp)
+		r, err := p.newRoute(sp, port)
 		if err != nil {
 			return err
 		}

@@ -518,3 +518,46 @@ func TestUDPClientMovesOffARemovedEndpoint(t *testing.T) {
 		t.Errorf("uproxy_udp_clients_moved_total grew by %v, want 1", got)
 	}
 }
+
+// A Service's policy annotations override the flags for its port, and a change
+// of them applies at the next sync without reopening the proxy port.
+func TestPolicyFollowsAnnotations(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	p := newProxier(t, Config{Scheduler: "rr", DialHedge: 50 * time.Millisecond, DialTimeouts: []time.Duration{time.Second}})
+	hedge := time.Duration(0)
+	sp := port("web", service.TCP, a)
+	sp.Policy = service.Policy{Scheduler: "lc", DialHedge: &hedge}
+	mustSync(t, p, snapshot(sp))
+	pp := p.ProxyPort(sp.Name)
+	check := func(when, scheduler, hedge, hedgeFrom string) {
+		t.Helper()
+		st := p.DebugServices()[0]
+		if st.Scheduler != scheduler || st.Policy.Scheduler.Value != scheduler {
+			t.Errorf("%s: got scheduler %q (policy %+v), want %q", when, st.Scheduler, st.Policy.Scheduler, scheduler)
+		}
+		if st.Policy.DialHedge.Value != hedge || st.Policy.DialHedge.From != hedgeFrom {
+			t.Errorf("%s: got hedge %+v, want %s from %s", when, st.Policy.DialHedge, hedge, hedgeFrom)
+		}
+		if st.Policy.DialTimeouts.Value != "1s" || st.Policy.DialTimeouts.From != service.FromFlag {
+			t.Errorf("%s: got dial timeouts %+v, want 1s from the flag", when, st.Policy.DialTimeouts)
+		}
+		if got := p.ProxyPort(sp.Name); got != pp {
+			t.Errorf("%s: proxy port %d, want %d kept", when, got, pp)
+		}
+		p.mu.RLock()
+		running := p.ports[sp.Name]
+		p.mu.RUnlock()
+		if got, _ := time.ParseDuration(strings.Replace(hedge, "off", "0s", 1)); running.cluster.tcp.DialPolicy().Hedge != got || running.cluster.picker.fam[0].Scheduler() != scheduler {
+			t.Errorf("%s: the proxy dials with %+v and the balancer schedules %s, want hedge %s and %s",
+				when, running.cluster.tcp.DialPolicy(), running.cluster.picker.fam[0].Scheduler(), hedge, scheduler)
+		}
+		if name, err := getTCP(t, pp); err != nil || name != "a" {
+			t.Errorf("%s: through the proxy: got %q, %v, want a", when, name, err)
+		}
+	}
+	check("with annotations", "lc", "off", service.FromAnnotation)
+	changed := port("web", service.TCP, a)
+	mustSync(t, p, snapshot(changed))
+	check("annotations removed", "rr", "50ms", service.FromFlag)
+}

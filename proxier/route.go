@@ -97,6 +97,16 @@ func (fp *familyPicker) DialFailed(ep netip.AddrPort, err error) {
 	fp.fam[familyIndex(ep.Addr())].DialFailed(ep, err)
 }
 
+// setScheduler switches every family's balancer to scheduler.
+func (fp *familyPicker) setScheduler(scheduler string) error {
+	for _, b := range fp.fam {
+		if err := b.SetScheduler(scheduler); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // update hands each family's balancer the endpoints of its family; dh hashes
 // the first ClusterIP of the family.
 func (fp *familyPicker) update(eps []netip.AddrPort, port *service.Port) {

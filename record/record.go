@@ -17,6 +17,15 @@ var ErrIdle = errors.New("idle timeout")
 // endpoint left the Service: the client's next datagram picks a usable one.
 var ErrEndpointRemoved = errors.New("endpoint removed from the Service")
 
+// ErrHedgeLost is the Err of a dial attempt abandoned because another attempt of
+// the same connection, begun while it was pending (a hedge), connected first.
+// It says nothing against its endpoint: the attempt was cut short, not failed.
+var ErrHedgeLost = errors.New("hedge lost: another attempt connected first")
+
+// ErrRetryBudget is the Err (wrapped) of a TCP connection that failed because its
+// Service port's retry budget refused it another attempt.
+var ErrRetryBudget = errors.New("retry budget spent")
+
 // Attempt is one dial of one endpoint for one connection.
 type Attempt struct {
 	Endpoint netip.AddrPort
@@ -41,7 +50,13 @@ type Conn struct {
 	Duration          time.Duration
 	// Err is why the connection failed or ended abnormally (nil for a clean end).
 	Err error
+	// RetryRefused is set when the retry budget refused the connection an
+	// attempt (a retry or a hedge); it then made no further attempt.
+	RetryRefused bool
 }
+
+// Lost reports whether the attempt was abandoned as a hedge's loser.
+func (a *Attempt) Lost() bool { return a.Err == ErrHedgeLost }
 
 // IdledOut reports whether the proxy closed the connection because it was idle
 // for its idle timeout.

@@ -33,7 +33,10 @@ type objectKey struct{ namespace, name string }
 // errors go to Snapshot.Errors; so does every repeated Service or slice (same
 // namespace and name), of which the first one given is used. Of two Service ports
 // that claim one address (see Claim), the one of the older Service is served and
-// the other is left out, with a Conflict in Snapshot.Conflicts and Errors. Build
+// the other is left out, with a Conflict in Snapshot.Conflicts and Errors. A
+// Service whose uproxy.io/ policy annotations do not parse (see ParsePolicy) is
+// served, with the flags' policy in place of each bad one, and each such error
+// goes to Snapshot.Errors. Build
 // never modifies its arguments, which may come straight from an informer cache,
 // and accepts nil entries.
 func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts BuildOptions) *Snapshot {
@@ -82,6 +85,10 @@ type objectState struct {
 	errs []error // validation errors; nil when valid
 	// skip is true for the Services and slices Build leaves out silently.
 	skip bool
+	// policy is a valid Service's own policy, and policyErrs its annotations
+	// that did not parse: they go to Snapshot.Errors, but the Service is served.
+	policy     Policy
+	policyErrs []error
 	// service is the Service the object is or belongs to; name is a slice's own key.
 	service, name objectKey
 	// ss and ns cache the states of service and name, to save the lookups by
@@ -204,6 +211,9 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		if st == nil {
 			st = &objectState{errs: ValidateService(svc), service: objectKey{svc.Namespace, svc.Name}}
 			st.skip = len(st.errs) == 0 && skipService(svc)
+			if len(st.errs) == 0 && !st.skip {
+				st.policy, st.policyErrs = ParsePolicy(svc)
+			}
 			b.svcs[svc] = st
 		}
 		if st.gen != gen {
@@ -222,6 +232,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			snap.Errors = append(snap.Errors, duplicate("Service", svc.Namespace, svc.Name))
 			continue
 		}
+		snap.Errors = append(snap.Errors, st.policyErrs...)
 		ss.svcGen = gen
 		var eps []*discoveryv1.EndpointSlice
 		if ss.slicesGen == gen {
@@ -231,7 +242,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			svcsChanged = svcsChanged || ss.svc != svc
 			// A copy: ss.slices is reused by the next Build.
 			ss.svc, ss.epSlices = svc, slices.Clone(eps)
-			ss.ports = servicePorts(svc, ss.epSlices, b.opts)
+			ss.ports = servicePorts(svc, st.policy, ss.epSlices, b.opts)
 			slices.SortFunc(ss.ports, comparePorts)
 		}
 		taken = append(taken, ss)
@@ -376,9 +387,10 @@ func duplicate(kind, namespace, name string) error {
 // servicePorts converts a valid, proxyable Service and its valid slices (sorted by
 // name) into one Port per ServicePort. The Ports of one Service share their address slices: a Snapshot is
 // never modified, so sharing is safe and saves copies for many-port Services.
-func servicePorts(svc *v1.Service, eps []*discoveryv1.EndpointSlice, opts BuildOptions) []*Port {
+func servicePorts(svc *v1.Service, policy Policy, eps []*discoveryv1.EndpointSlice, opts BuildOptions) []*Port {
 	spec := &svc.Spec
 	base := Port{
+		Policy:              policy,
 		InternalPolicyLocal: deref(spec.InternalTrafficPolicy) == v1.ServiceInternalTrafficPolicyLocal,
 		ExternalPolicyLocal: spec.ExternalTrafficPolicy == v1.ServiceExternalTrafficPolicyLocal,
 		TrafficDistribution: deref(spec.TrafficDistribution),

@@ -112,6 +112,11 @@ type Port struct {
 	// for the ones that should carry traffic.
 	Endpoints []Endpoint
 
+	// Policy is the Service's own retry and scheduling policy, from its
+	// uproxy.io/ annotations (see ParsePolicy); what it leaves unset, the
+	// proxy's flags decide.
+	Policy Policy
+
 	// LastChangeTriggerTime is the newest endpoints.kubernetes.io/last-change-trigger-time
 	// of the Service's slices (zero when unknown).
 	LastChangeTriggerTime time.Time

@@ -18,6 +18,13 @@
 // Every field of TCPProxy and UDPProxy has a working zero value except Picker and
 // Loops.
 //
+// A TCP connection dials by its proxy's DialPolicy: one attempt at a time by
+// default, or hedged (the next attempt begins while a slow one is pending), and
+// with a retry budget per proxy that bounds the attempts after the first
+// (budget.go). However many attempts are in flight, a connection has one timer,
+// due at the earliest of their deadlines and the next hedge; hedging allocates
+// only for the attempts beyond the first in flight.
+//
 // Costs are part of the contract. Connections run on a few event loops (loop.go;
 // what a loop costs, per event and per timer, is poll's contract), not on
 // goroutines of their own: an open TCP connection is a small struct and its two
@@ -37,7 +44,10 @@
 //     dial mark is set (mark.go), setsockopt SO_KEEPALIVE, TCP_KEEPIDLE and
 //     TCP_KEEPINTVL while keepalive is on (TCPProxy.KeepAlive; TCP_KEEPCNT is the
 //     node's), connect, epoll_ctl (add); each failed attempt adds a getsockopt
-//     SO_ERROR (or nothing, when the dial timer ends it) and a close.
+//     SO_ERROR (or nothing, when the dial timer ends it) and a close. A hedge's
+//     loser (DialPolicy.Hedge) costs a getsockopt TCP_INFO and a close, and a
+//     setsockopt SO_LINGER before it when it had connected too; the winner's
+//     socket changes handler without a system call (poll's Rehandle).
 //   - end: shutdown SHUT_WR to pass on a half-close, a close per socket, and a
 //     setsockopt SO_LINGER before the close of each socket that is reset.
 //

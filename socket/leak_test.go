@@ -97,6 +97,8 @@ type closePattern struct {
 	// endpoints replaces the backend (dial failures); dialTimeouts go with it.
 	endpoints    func(t *testing.T) []netip.AddrPort
 	dialTimeouts []time.Duration
+	// dialHedge hedges the dials (see DialPolicy.Hedge).
+	dialHedge time.Duration
 	// client runs the client's side of one connection.
 	client func(c *net.TCPConn) error
 	// refused is set when the proxy resets every connection, which may reach
@@ -211,6 +213,27 @@ func closePatterns() []closePattern {
 			},
 		},
 		{
+			// The hedge's loser, pending on an endpoint that never answers, is
+			// closed when the hedge connects.
+			name: "hedge wins over an unanswered dial",
+			endpoints: func(t *testing.T) []netip.AddrPort {
+				return []netip.AddrPort{unansweredAddr(t, "127.0.0.6"), startTCPServer(t, "127.0.0.7", echo).addr}
+			},
+			dialTimeouts: []time.Duration{time.Minute, time.Minute},
+			dialHedge:    time.Microsecond,
+			client:       echoRoundTrip,
+		},
+		{
+			// Both endpoints answer and the hedge is due at once: often both
+			// dials connect, and the loser is a connected socket that is reset.
+			name: "hedge races between two answering endpoints",
+			endpoints: func(t *testing.T) []netip.AddrPort {
+				return []netip.AddrPort{startTCPServer(t, "127.0.0.8", echo).addr, startTCPServer(t, "127.0.0.9", echo).addr}
+			},
+			dialHedge: time.Nanosecond,
+			client:    echoRoundTrip,
+		},
+		{
 			name:    "dial refused",
 			refused: true,
 			endpoints: func(t *testing.T) []netip.AddrPort {
@@ -240,6 +263,15 @@ func closePatterns() []closePattern {
 	}
 }
 
+// echoRoundTrip sends the payload to an echo backend, half-closes and reads it back.
+func echoRoundTrip(c *net.TCPConn) error {
+	if _, err := c.Write(leakPayload); err != nil {
+		return err
+	}
+	c.CloseWrite()
+	return readExactly(c, leakPayload)
+}
+
 func TestTCPProxyNoLeaksOverCloses(t *testing.T) {
 	const total = 10000
 	const concurrency = 32
@@ -263,7 +295,7 @@ func TestTCPProxyNoLeaksOverCloses(t *testing.T) {
 			eps = pt.endpoints(t)
 		}
 		w := world{picker: newCyclePicker(eps...), rec: &recorder{}}
-		w.proxy = &TCPProxy{Service: "ns/leak:" + pt.name, Picker: w.picker, Observer: w.rec, DialTimeouts: pt.dialTimeouts}
+		w.proxy = &TCPProxy{Service: "ns/leak:" + pt.name, Picker: w.picker, Observer: w.rec, DialTimeouts: pt.dialTimeouts, DialHedge: pt.dialHedge}
 		w.proxy.Loops = loops
 		w.addr = startTCPProxy(t, w.proxy)
 		worlds[i] = w
@@ -326,6 +358,20 @@ func TestTCPProxyNoLeaksOverCloses(t *testing.T) {
 			await(t, "no open connection", func() bool { return w.proxy.Active() == 0 })
 			if u := w.picker.unreleased(); len(u) != 0 {
 				t.Errorf("Pick without Release: %v", u)
+			}
+			if pt.dialHedge > 0 {
+				lost := 0
+				for _, c := range w.rec.awaitClosed(t, already+perPattern)[already:] {
+					for _, a := range c.Attempts {
+						if a.Lost() {
+							lost++
+						}
+					}
+				}
+				if lost == 0 {
+					t.Errorf("no attempt of %d connections lost a hedge race, want some: the pattern did not test a loser's close", perPattern)
+				}
+				t.Logf("%d hedge losers closed over %d connections", lost, perPattern)
 			}
 		})
 	}

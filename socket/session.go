@@ -2,9 +2,11 @@ package socket
 
 import (
 	"fmt"
+	"math"
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -22,18 +24,33 @@ type tcpSession struct {
 	// finds the node short of sockets backs it off.
 	ln *listenHandle
 
+	// backend is the connected backend socket, once open (fd -1 while dialing).
 	client, backend tcpSide
 	// up copies client to backend, down backend to client.
 	up, down tcpDirection
 	state    sessionState
+	// started and concurrent belong to the dialing state below (kept here,
+	// beside state, where they take no word of their own).
+	started    uint8
+	concurrent bool
 
-	// Dialing: when the attempt in flight began. (Attempts begun before it are
-	// in rec.Attempts.)
-	attemptStart time.Time
-	// timer is the dial timeout of the attempt in flight while dialing, and the
-	// idle timeout once open (TCPProxy.IdleTimeout). lastMoved is when (loop.Now)
-	// a byte last moved either way: the idle timer checks it when it expires
-	// rather than being moved at every transfer.
+	// Dialing. policy is the proxy's dial policy when the session began. dial
+	// is an attempt in flight (fd >= 0), and hedges the further attempts in
+	// flight that hedging (or a failure while a hedge was pending) began: with
+	// no hedging there is at most one attempt in flight, in dial, and nothing
+	// is allocated. started counts the attempts begun (rec.Attempts holds the
+	// ended ones); nextHedge is when (loop.Now) the next hedge is due, 0 when
+	// none is. concurrent is set once two attempts were in flight at a time:
+	// rec.Attempts, kept in the order attempts ended, is then sorted by start.
+	policy    *DialPolicy
+	dial      dialAttempt
+	hedges    []*dialAttempt
+	nextHedge int64
+	// timer, while dialing, is due at the earliest deadline of the attempts in
+	// flight or the next hedge; once open it is the idle timeout
+	// (TCPProxy.IdleTimeout). lastMoved is when (loop.Now) a byte last moved
+	// either way: the idle timer checks it when it expires rather than being
+	// moved at every transfer.
 	timer     poll.Timer
 	lastMoved int64
 
@@ -43,6 +60,22 @@ type tcpSession struct {
 	// Inline storage for the common case of at most four attempts.
 	tried    [4]netip.AddrPort
 	attempts [4]record.Attempt
+}
+
+// dialAttempt is one dial in flight: the first event of its socket ends it,
+// unless the session's timer finds its deadline passed first.
+type dialAttempt struct {
+	s        *tcpSession
+	fd       int // -1 when no attempt is in flight here
+	ep       netip.AddrPort
+	start    time.Time
+	deadline int64 // on the loop's clock
+}
+
+func (d *dialAttempt) Handle(ev uint32) {
+	if d.s.state == dialing {
+		d.s.connectEvent(d, ev)
+	}
 }
 
 type sessionState uint8
@@ -82,14 +115,9 @@ func (sd *tcpSide) Handle(ev uint32) {
 	if ev&(unix.EPOLLOUT|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 		sd.writable = true
 	}
-	s := sd.s
-	switch s.state {
-	case dialing:
-		// Client events wait for the backend; backend events end the attempt.
-		if sd == &s.backend {
-			s.connectEvent(ev)
-		}
-	case open:
+	// While dialing, client events wait for the backend (whose attempts have
+	// handlers of their own, see dialAttempt).
+	if s := sd.s; s.state == open {
 		s.pump()
 	}
 }
@@ -122,6 +150,8 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 	// A new connection's send buffer is empty.
 	s.client = tcpSide{s: s, fd: fd, writable: true}
 	s.backend = tcpSide{s: s, fd: -1}
+	s.dial = dialAttempt{s: s, fd: -1}
+	s.policy = p.policy.Load()
 	s.timer = poll.NewTimer(s)
 	s.rec = record.Conn{Service: p.Service, Protocol: "TCP", Client: client, Start: time.Now()}
 	s.rec.Attempts = s.attempts[:0]
@@ -141,19 +171,29 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 
 // dialNext begins the next dial attempt, and goes on to the one after at once when
 // an attempt fails without waiting (a refused or unroutable connect). lastErr is the
-// previous attempt's error. When no attempt is left the client is reset.
+// previous attempt's error (nil for a hedge). When no attempt is left, or the
+// retry budget refuses one, and none is in flight, the client is reset.
 func (s *tcpSession) dialNext(lastErr error) {
-	p := s.p
-	timeouts := p.dialTimeouts()
+	p, pol := s.p, s.policy
+	timeouts := pol.timeouts()
 	clientIP := s.rec.Client.Addr().Unmap()
-	for len(s.rec.Attempts) < len(timeouts) && s.err == nil {
-		timeout := timeouts[len(s.rec.Attempts)]
-		tried := s.tried[:0]
-		for _, a := range s.rec.Attempts {
-			tried = append(tried, a.Endpoint)
+	for int(s.started) < len(timeouts) && s.err == nil && !s.rec.RetryRefused {
+		budgeted := s.started > 0 && pol.RetryBudget > 0
+		if budgeted && !p.budget.withdraw() {
+			s.rec.RetryRefused = true
+			s.nextHedge = 0
+			break
 		}
-		ep, err := p.Picker.Pick(clientIP, tried)
+		ep, err := p.Picker.Pick(clientIP, s.triedEndpoints())
 		if err != nil {
+			if budgeted {
+				p.budget.refund()
+			}
+			if s.inFlight() > 0 {
+				// No hedge, then; the attempts in flight may yet connect.
+				s.nextHedge = 0
+				break
+			}
 			if n := len(s.rec.Attempts); n > 0 {
 				err = fmt.Errorf("pick endpoint after %d failed dial attempts (last: %v): %w", n, lastErr, err)
 			} else {
@@ -162,16 +202,34 @@ func (s *tcpSession) dialNext(lastErr error) {
 			s.abort(err)
 			return
 		}
-		s.attemptStart = time.Now()
-		s.rec.Endpoint = ep
+		if s.started == 0 && pol.RetryBudget > 0 {
+			p.budget.deposit(pol.RetryBudget)
+		}
+		d := &s.dial
+		if d.fd >= 0 {
+			d = &dialAttempt{s: s, fd: -1}
+		}
+		d.ep, d.start = ep, time.Now()
+		s.started++
 		fd, err := s.l.dial(ep, unix.SOCK_STREAM, p.keepAliveSecs())
 		if err == nil {
-			s.backend.fd = fd
-			if err = s.l.Watch(fd, &s.backend, sessionEvents); err == nil {
-				s.l.Schedule(&s.timer, timeout)
+			if err = s.l.Watch(fd, d, sessionEvents); err == nil {
+				if s.inFlight() > 0 {
+					s.concurrent = true
+				}
+				d.fd = fd
+				if d != &s.dial {
+					s.hedges = append(s.hedges, d)
+				}
+				now := s.l.Now()
+				d.deadline = now + int64(timeouts[s.started-1])
+				s.nextHedge = 0
+				if pol.Hedge > 0 && int(s.started) < len(timeouts) {
+					s.nextHedge = now + int64(pol.Hedge)
+				}
+				s.armDialTimer()
 				return
 			}
-			s.backend.fd = -1
 			unix.Close(fd)
 		}
 		err = dialError(ep, err)
@@ -180,16 +238,99 @@ func (s *tcpSession) dialNext(lastErr error) {
 			// is counted against it; the client is reset, and accepting more
 			// waits, as when accept itself runs short.
 			p.Picker.Release(ep)
-			s.rec.Endpoint = netip.AddrPort{}
 			s.abort(err)
 			s.ln.shortage(s.l, err)
 			return
 		}
-		lastErr = s.attemptFailed(err)
+		lastErr = s.attemptFailed(d, err)
 	}
-	if s.err == nil {
+	switch {
+	case s.err != nil:
+	case s.inFlight() > 0:
+		s.armDialTimer()
+	case s.rec.RetryRefused:
+		s.abort(fmt.Errorf("%d dial attempts failed (last: %w), and the retry budget refused another: %w",
+			len(s.rec.Attempts), lastErr, record.ErrRetryBudget))
+	default:
 		s.abort(fmt.Errorf("%d dial attempts failed, last: %w", len(s.rec.Attempts), lastErr))
 	}
+}
+
+// inFlight returns the number of dial attempts in flight.
+func (s *tcpSession) inFlight() int {
+	n := len(s.hedges)
+	if s.dial.fd >= 0 {
+		n++
+	}
+	return n
+}
+
+// dials returns the attempts in flight, in a new slice when there is more than
+// one (callers end attempts while they iterate).
+func (s *tcpSession) dials() []*dialAttempt {
+	if len(s.hedges) == 0 {
+		if s.dial.fd >= 0 {
+			return []*dialAttempt{&s.dial}
+		}
+		return nil
+	}
+	out := make([]*dialAttempt, 0, 1+len(s.hedges))
+	if s.dial.fd >= 0 {
+		out = append(out, &s.dial)
+	}
+	return append(out, s.hedges...)
+}
+
+// triedEndpoints returns the endpoints of the attempts begun so far, ended or in
+// flight, in loop-owned storage.
+func (s *tcpSession) triedEndpoints() []netip.AddrPort {
+	tried := s.tried[:0]
+	for _, a := range s.rec.Attempts {
+		tried = append(tried, a.Endpoint)
+	}
+	if s.dial.fd >= 0 {
+		tried = append(tried, s.dial.ep)
+	}
+	for _, d := range s.hedges {
+		tried = append(tried, d.ep)
+	}
+	return tried
+}
+
+// done takes attempt d out of flight, leaving its socket to the caller.
+func (s *tcpSession) done(d *dialAttempt) {
+	d.fd = -1
+	if d != &s.dial {
+		if i := slices.Index(s.hedges, d); i >= 0 {
+			s.hedges = slices.Delete(s.hedges, i, i+1)
+		}
+	}
+}
+
+// closeDial takes d's socket out of the loop and closes it.
+func (s *tcpSession) closeDial(d *dialAttempt) {
+	s.l.Forget(d.fd)
+	unix.Close(d.fd)
+}
+
+// armDialTimer sets the timer to the earliest deadline of the attempts in
+// flight, or the next hedge if that comes first.
+func (s *tcpSession) armDialTimer() {
+	next := int64(math.MaxInt64)
+	if s.dial.fd >= 0 {
+		next = s.dial.deadline
+	}
+	for _, d := range s.hedges {
+		next = min(next, d.deadline)
+	}
+	if s.nextHedge != 0 {
+		next = min(next, s.nextHedge)
+	}
+	if next == math.MaxInt64 {
+		s.l.Cancel(&s.timer)
+		return
+	}
+	s.l.ScheduleAt(&s.timer, next)
 }
 
 // dial opens a non-blocking socket of sotype (SOCK_STREAM or SOCK_DGRAM) to ep,
@@ -249,43 +390,106 @@ func dialError(ep netip.AddrPort, err error) error {
 	return &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ep), Err: err}
 }
 
-// connectEvent ends the attempt in flight on the backend socket's first event: an
-// error or hang-up fails it, output readiness completes it.
-func (s *tcpSession) connectEvent(ev uint32) {
+// connectEvent ends attempt d on its socket's first event: an error or hang-up
+// fails it, output readiness completes it.
+func (s *tcpSession) connectEvent(d *dialAttempt, ev uint32) {
 	if ev&(unix.EPOLLERR|unix.EPOLLHUP) != 0 {
-		errno, err := unix.GetsockoptInt(s.backend.fd, unix.SOL_SOCKET, unix.SO_ERROR)
+		errno, err := unix.GetsockoptInt(d.fd, unix.SOL_SOCKET, unix.SO_ERROR)
 		if err == nil {
 			err = unix.ECONNRESET
 			if errno != 0 {
 				err = unix.Errno(errno)
 			}
 		}
-		s.retry(os.NewSyscallError("connect", err))
+		s.closeDial(d)
+		s.dialNext(s.attemptFailed(d, dialError(d.ep, os.NewSyscallError("connect", err))))
 		return
 	}
 	if ev&unix.EPOLLOUT == 0 {
 		return
 	}
 	s.l.Cancel(&s.timer)
-	a := record.Attempt{Endpoint: s.rec.Endpoint, Start: s.attemptStart, Duration: time.Since(s.attemptStart)}
+	p := s.p
+	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start)}
 	s.rec.Attempts = append(s.rec.Attempts, a)
-	s.p.observer().AttemptDone(s.p.Service, a)
-	s.p.Picker.DialSucceeded(a.Endpoint)
+	p.observer().AttemptDone(p.Service, a)
+	p.Picker.DialSucceeded(a.Endpoint)
+	// The socket becomes the backend's; its events go there from now on.
+	s.backend = tcpSide{s: s, fd: d.fd}
+	s.l.Rehandle(d.fd, &s.backend)
+	s.rec.Endpoint = d.ep
+	s.done(d)
+	for _, o := range s.dials() {
+		s.lose(o)
+	}
 	s.state = open
-	if idle := s.p.IdleTimeout; idle > 0 {
+	if idle := p.IdleTimeout; idle > 0 {
 		s.lastMoved = s.l.Now()
 		s.l.Schedule(&s.timer, idle)
 	}
-	s.pump()
+	// The side takes in the event (writable, and whatever else it said), and
+	// the copy begins.
+	s.backend.Handle(ev)
 }
 
-// Expire is the dial timeout of the attempt in flight while dialing, and the
-// idle timeout once open: it closes the connection if no byte has moved since
-// the timeout began, and otherwise looks again when it would have.
+// lose abandons attempt d, still in flight when another connected: it is closed
+// and recorded with record.ErrHedgeLost. It is not reported as a failure - it
+// was cut short, not refused or timed out - and if it had in fact connected
+// already (its event not yet handled), that is reported as the success it is.
+func (s *tcpSession) lose(d *dialAttempt) {
+	p := s.p
+	established := false
+	if info, err := unix.GetsockoptTCPInfo(d.fd, unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+		established = info.State == tcpEstablished
+	}
+	s.l.Forget(d.fd)
+	if established {
+		// The backend accepted a connection that will carry nothing: a reset
+		// tells it so at once, and leaves no TIME_WAIT here.
+		resetFD(d.fd)
+	} else {
+		unix.Close(d.fd)
+	}
+	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Err: record.ErrHedgeLost}
+	s.rec.Attempts = append(s.rec.Attempts, a)
+	p.observer().AttemptDone(p.Service, a)
+	if established {
+		p.Picker.DialSucceeded(d.ep)
+	}
+	p.Picker.Release(d.ep)
+	s.done(d)
+}
+
+// tcpEstablished is the kernel's TCP_ESTABLISHED, the tcpi_state of a connected
+// socket (include/net/tcp_states.h).
+const tcpEstablished = 1
+
+// Expire is the dial timer while dialing - an attempt's deadline, or the next
+// hedge - and the idle timeout once open: it closes the connection if no byte
+// has moved since the timeout began, and otherwise looks again when it would
+// have.
 func (s *tcpSession) Expire() {
 	switch s.state {
 	case dialing:
-		s.retry(os.ErrDeadlineExceeded)
+		now := s.l.Now()
+		var lastErr error
+		failed := false
+		for _, d := range s.dials() {
+			if d.deadline <= now {
+				s.closeDial(d)
+				lastErr = s.attemptFailed(d, dialError(d.ep, os.ErrDeadlineExceeded))
+				failed = true
+			}
+		}
+		hedge := s.nextHedge != 0 && s.nextHedge <= now
+		if hedge {
+			s.nextHedge = 0
+		}
+		if failed || hedge {
+			s.dialNext(lastErr)
+		} else {
+			s.armDialTimer()
+		}
 	case open:
 		timeout := s.p.IdleTimeout
 		if idle := time.Duration(s.l.Now() - s.lastMoved); idle < timeout {
@@ -301,25 +505,18 @@ func (s *tcpSession) Expire() {
 	}
 }
 
-// retry fails the attempt in flight with err and moves on to the next.
-func (s *tcpSession) retry(err error) {
-	s.l.Cancel(&s.timer)
-	s.backend.close(s.l, false)
-	s.dialNext(s.attemptFailed(dialError(s.rec.Endpoint, err)))
-}
-
-// attemptFailed records a failed attempt of rec.Endpoint and returns err.
-func (s *tcpSession) attemptFailed(err error) error {
+// attemptFailed records the failure of attempt d (whose socket is closed), takes
+// it out of flight, and returns err.
+func (s *tcpSession) attemptFailed(d *dialAttempt, err error) error {
 	p := s.p
-	ep := s.rec.Endpoint
-	a := record.Attempt{Endpoint: ep, Start: s.attemptStart, Duration: time.Since(s.attemptStart), Err: err}
+	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Err: err}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	p.observer().AttemptDone(p.Service, a)
-	p.Picker.DialFailed(ep, err)
+	p.Picker.DialFailed(d.ep, err)
 	// The client's sticky endpoint just failed it: let the next pick move on.
 	p.Picker.ResetAffinity(s.rec.Client.Addr().Unmap())
-	p.Picker.Release(ep)
-	s.rec.Endpoint = netip.AddrPort{}
+	p.Picker.Release(d.ep)
+	s.done(d)
 	return err
 }
 
@@ -525,9 +722,9 @@ func (s *tcpSession) abort(err error) {
 	s.err = err
 	switch s.state {
 	case dialing:
-		if s.backend.fd >= 0 {
-			s.backend.close(s.l, false)
-			s.attemptFailed(dialError(s.rec.Endpoint, err))
+		for _, d := range s.dials() {
+			s.closeDial(d)
+			s.attemptFailed(d, dialError(d.ep, err))
 		}
 	case open:
 		s.backend.close(s.l, true)
@@ -564,6 +761,9 @@ func (s *tcpSession) end(err error) {
 			d.pipe = nil
 		}
 		d.pending = nil
+	}
+	if s.concurrent {
+		slices.SortStableFunc(s.rec.Attempts, func(a, b record.Attempt) int { return a.Start.Compare(b.Start) })
 	}
 	s.rec.BytesIn, s.rec.BytesOut = s.up.bytes, s.down.bytes
 	s.rec.Err = err

@@ -78,7 +78,11 @@ type TCPProxy struct {
 	// them once the proxy has shut down.
 	Loops *poll.Group
 	// DialTimeouts holds one timeout per dial attempt; nil means DefaultDialTimeouts.
+	// DialHedge and RetryBudget are the rest of the dial policy (DialPolicy says
+	// what each means); SetDialPolicy replaces all three while the proxy serves.
 	DialTimeouts []time.Duration
+	DialHedge    time.Duration
+	RetryBudget  float64
 	// KeepAlive turns TCP keepalive on for both sockets of every connection: after
 	// KeepAlive without a packet from the peer the kernel probes it, every
 	// KeepAlive, and fails the socket when the node's
@@ -101,6 +105,11 @@ type TCPProxy struct {
 	acceptBackoff func(err error, delay time.Duration)
 
 	initOnce sync.Once
+	// policy is the dial policy of new connections; a connection keeps the one
+	// it began with.
+	policy atomic.Pointer[DialPolicy]
+	// budget is the retry budget's bucket, kept across policy changes.
+	budget retryBudget
 	// drained is closed once the proxy is closed, no Serve loop runs and no
 	// connection is open.
 	drained chan struct{}
@@ -122,8 +131,26 @@ func (p *TCPProxy) init() {
 		p.drained = make(chan struct{})
 		p.listeners = make(map[*tcpListener]struct{})
 		p.conns = make(map[*tcpSession]struct{})
+		p.policy.CompareAndSwap(nil, &DialPolicy{Timeouts: p.DialTimeouts, Hedge: p.DialHedge, RetryBudget: p.RetryBudget})
 	})
 }
+
+// SetDialPolicy makes d the dial policy of the connections accepted from now on
+// (those dialing keep theirs). It is safe to call at any time, from any goroutine.
+func (p *TCPProxy) SetDialPolicy(d DialPolicy) {
+	p.init()
+	p.policy.Store(&d)
+}
+
+// DialPolicy returns the dial policy of new connections.
+func (p *TCPProxy) DialPolicy() DialPolicy {
+	p.init()
+	return *p.policy.Load()
+}
+
+// RetryTokens returns the tokens left in the retry budget's bucket (at most
+// 10); it is meaningful while the policy has a RetryBudget.
+func (p *TCPProxy) RetryTokens() float64 { return p.budget.tokens() }
 
 func (p *TCPProxy) observer() Observer {
 	if p.Observer == nil {
@@ -143,13 +170,6 @@ func (p *TCPProxy) keepAliveSecs() int {
 		d = DefaultKeepAlive
 	}
 	return int((min(d, maxKeepAlive) + time.Second - 1) / time.Second)
-}
-
-func (p *TCPProxy) dialTimeouts() []time.Duration {
-	if len(p.DialTimeouts) == 0 {
-		return DefaultDialTimeouts
-	}
-	return p.DialTimeouts
 }
 
 // Serve accepts connections on ln and proxies them on the event loops until Close

@@ -42,44 +42,6 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-func TestParseDialTimeouts(t *testing.T) {
-	tests := []struct {
-		in      string
-		want    []time.Duration
-		wantErr string
-	}{
-		{in: "250ms,500ms,1s,2s", want: DefaultDialTimeouts},
-		{in: " 1s , 2s ", want: []time.Duration{time.Second, 2 * time.Second}},
-		{in: "100ms", want: []time.Duration{100 * time.Millisecond}},
-		{in: strings.Repeat("1s,", 15) + "1s", want: slices.Repeat([]time.Duration{time.Second}, 16)},
-		{in: "", wantErr: "empty list"},
-		{in: "  ", wantErr: "empty list"},
-		{in: "1s,,2s", wantErr: "entry 2 is empty"},
-		{in: "1s,fast", wantErr: `entry 2: time: invalid duration "fast"`},
-		{in: "1s,0s", wantErr: "entry 2 is 0s, want a positive duration"},
-		{in: "-1s", wantErr: "entry 1 is -1s, want a positive duration"},
-		{in: "1", wantErr: `entry 1: time: missing unit in duration "1"`},
-		{in: strings.Repeat("1s,", 16) + "1s", wantErr: "17 entries, want at most 16"},
-	}
-	for _, tt := range tests {
-		t.Run(tt.in, func(t *testing.T) {
-			got, err := ParseDialTimeouts(tt.in)
-			if tt.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
-					t.Fatalf("ParseDialTimeouts(%q): got error %v, want one containing %q", tt.in, err, tt.wantErr)
-				}
-				return
-			}
-			if err != nil {
-				t.Fatalf("ParseDialTimeouts(%q): got error %v, want nil", tt.in, err)
-			}
-			if !slices.Equal(got, tt.want) {
-				t.Errorf("ParseDialTimeouts(%q): got %v, want %v", tt.in, got, tt.want)
-			}
-		})
-	}
-}
-
 type endpointKind int
 
 const (
@@ -90,6 +52,23 @@ const (
 
 func (k endpointKind) String() string {
 	return [...]string{"serving", "refused", "unanswered"}[k]
+}
+
+// endpointsOf makes one endpoint of each kind, on 127.0.0.2, 127.0.0.3, ...
+func endpointsOf(t testing.TB, kinds []endpointKind) []netip.AddrPort {
+	eps := make([]netip.AddrPort, len(kinds))
+	for i, kind := range kinds {
+		ip := fmt.Sprintf("127.0.0.%d", i+2)
+		switch kind {
+		case serving:
+			eps[i] = startTCPServer(t, ip, echo).addr
+		case refused:
+			eps[i] = refusedAddr(t, ip)
+		case unanswered:
+			eps[i] = unansweredAddr(t, ip)
+		}
+	}
+	return eps
 }
 
 func TestTCPProxyRetries(t *testing.T) {
@@ -139,18 +118,7 @@ func TestTCPProxyRetries(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			eps := make([]netip.AddrPort, len(tt.eps))
-			for i, kind := range tt.eps {
-				ip := fmt.Sprintf("127.0.0.%d", i+2)
-				switch kind {
-				case serving:
-					eps[i] = startTCPServer(t, ip, echo).addr
-				case refused:
-					eps[i] = refusedAddr(t, ip)
-				case unanswered:
-					eps[i] = unansweredAddr(t, ip)
-				}
-			}
+			eps := endpointsOf(t, tt.eps)
 			picker := newCyclePicker(eps...)
 			rec := &recorder{}
 			p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec, DialTimeouts: tt.timeouts}

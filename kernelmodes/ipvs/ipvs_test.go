@@ -495,3 +495,31 @@ func TestDebugServices(t *testing.T) {
 		t.Errorf("scheduler: got %q, want rr", st[0].Scheduler)
 	}
 }
+
+// A Service's uproxy.io/scheduler annotation sets its virtual servers'
+// scheduler; a change of it updates them in place.
+func TestServiceSchedulerAnnotation(t *testing.T) {
+	p, k, _ := newProxier(t, Config{Scheduler: "wlc"})
+	web := port("web", service.TCP, 80, "10.96.0.10", "10.244.1.2:8080")
+	web.Policy.Scheduler = "sh"
+	other := port("other", service.TCP, 80, "10.96.0.11", "10.244.1.2:8081")
+	syncOK(t, p, snap(web, other))
+	equal(t, "virtual servers", k.servers(), []string{
+		"10.96.0.10:80/TCP sh: 10.244.1.2:8080=1",
+		"10.96.0.11:80/TCP wlc: 10.244.1.2:8081=1",
+	})
+	changed := *web
+	changed.Policy.Scheduler = "lc"
+	n := len(k.ops)
+	syncOK(t, p, snap(&changed, other))
+	equal(t, "virtual servers after the annotation changed", k.servers(), []string{
+		"10.96.0.10:80/TCP lc: 10.244.1.2:8080=1",
+		"10.96.0.11:80/TCP wlc: 10.244.1.2:8081=1",
+	})
+	equal(t, "kernel calls", k.ops[n:], []string{"update service 10.96.0.10:80/TCP lc flags=0 timeout=0"})
+	for _, st := range p.DebugServices() {
+		if want := map[string]string{"shop/web": "lc", "shop/other": "wlc"}[st.Name]; st.Scheduler != want {
+			t.Errorf("DebugServices %s: got scheduler %q, want %q", st.Name, st.Scheduler, want)
+		}
+	}
+}

@@ -181,6 +181,15 @@ type desiredVS struct {
 	timeout uint32
 }
 
+// schedOf returns the scheduler of port's virtual servers: its Service's
+// uproxy.io/scheduler annotation, or else --scheduler.
+func (p *Proxier) schedOf(port *service.Port) string {
+	if port.Policy.Scheduler != "" {
+		return port.Policy.Scheduler
+	}
+	return p.sched
+}
+
 func (d *desiredVS) service(sched string) *ipvs.Service {
 	s := &ipvs.Service{
 		Address:       d.key.addr.AsSlice(),
@@ -402,7 +411,7 @@ func (p *Proxier) syncServices(want map[vsKey]*desiredVS) []error {
 	sort.Slice(keys, func(i, j int) bool { return keys[i].String() < keys[j].String() })
 	for _, k := range keys {
 		d := want[k]
-		vs := d.service(p.sched)
+		vs := d.service(p.schedOf(d.port))
 		if cur, ok := have[k]; !ok {
 			if err := p.k.AddService(vs); err != nil {
 				errs = append(errs, fmt.Errorf("add IPVS service %s (%s): %w", k, d.port.Name, err))
@@ -502,7 +511,7 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 	}
 	out := make([]observe.ServiceState, 0, len(p.last.Ports))
 	for _, sp := range p.last.Ports {
-		st := observe.PortState(sp, p.sched)
+		st := observe.PortState(sp, p.schedOf(sp))
 		active := map[netip.AddrPort]int{}
 		programmed := map[netip.AddrPort]bool{}
 		for _, k := range p.byPort[sp.Name] {

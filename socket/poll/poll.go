@@ -26,7 +26,7 @@
 // through the Go scheduler (see yieldEvery).
 //
 // Everything a Loop does with descriptors and timers happens on its goroutine:
-// Watch, Unwatch, Forget, Schedule and Cancel are called there (from a Handler, a
+// Watch, Rehandle, Unwatch, Forget, Schedule and Cancel are called there (from a Handler, a
 // TimerTarget or a posted function), and only Post, PostWait, Now and Local from
 // anywhere.
 package poll
@@ -210,6 +210,13 @@ func (l *Loop) Watch(fd int, h Handler, events uint32) error {
 	}
 	l.handlers[fd] = watched{h: h, gen: l.gen}
 	return nil
+}
+
+// Rehandle sends fd's events to h from now on, keeping its registration: no
+// system call, and an event already queued for fd goes to h too. fd must be
+// watched.
+func (l *Loop) Rehandle(fd int, h Handler) {
+	l.handlers[fd].h = h
 }
 
 // Unwatch removes fd from the epoll set without closing it.

@@ -305,3 +305,40 @@ func TestCloseReleasesEverything(t *testing.T) {
 		t.Errorf("descriptors after Close: got %d, want the %d from before New", len(after), len(before))
 	}
 }
+
+// Rehandle moves a watched descriptor's events to another handler, without a
+// new registration: the next event goes to the new handler only.
+func TestRehandleMovesEvents(t *testing.T) {
+	l := newGroup(t, Config{Loops: 1}).Next()
+	a, peer := socketPair(t)
+	defer unix.Close(a)
+	defer unix.Close(peer)
+	first, second := make(chan uint32, 16), make(chan uint32, 16)
+	drainTo := func(ch chan uint32) Handler {
+		return handlerFunc(func(ev uint32) {
+			unix.Read(a, make([]byte, 16))
+			ch <- ev
+		})
+	}
+	var err error
+	if perr := l.PostWait(func() { err = l.Watch(a, drainTo(first), unix.EPOLLIN|unix.EPOLLET) }); perr != nil || err != nil {
+		t.Fatalf("Watch: got %v, %v; want nil", perr, err)
+	}
+	unix.Write(peer, []byte("x"))
+	select {
+	case <-first:
+	case <-time.After(awaitTimeout):
+		t.Fatalf("no event for the first handler after %s", awaitTimeout)
+	}
+	l.PostWait(func() { l.Rehandle(a, drainTo(second)) })
+	unix.Write(peer, []byte("x"))
+	select {
+	case <-second:
+	case <-time.After(awaitTimeout):
+		t.Fatalf("no event for the new handler after %s", awaitTimeout)
+	}
+	if len(first) != 0 {
+		t.Errorf("events to the first handler after Rehandle: got %d, want none", len(first))
+	}
+	l.PostWait(func() { l.Unwatch(a) })
+}

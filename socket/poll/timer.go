@@ -53,7 +53,13 @@ func (l *Loop) armed(t *Timer) bool {
 // Schedule arms t to expire once the loop's clock has moved on by d, replacing any
 // earlier schedule on this loop.
 func (l *Loop) Schedule(t *Timer, d time.Duration) {
-	t.when = l.clock.Now() + int64(d)
+	l.ScheduleAt(t, l.clock.Now()+int64(d))
+}
+
+// ScheduleAt arms t to expire once the loop's clock reads when (see Now),
+// replacing any earlier schedule on this loop.
+func (l *Loop) ScheduleAt(t *Timer, when int64) {
+	t.when = when
 	if l.armed(t) {
 		heap.Fix(&l.timers, t.pos-1)
 		return

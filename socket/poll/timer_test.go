@@ -48,8 +48,8 @@ func TestTimersOnAManualClock(t *testing.T) {
 		l.Schedule(timers["b"], 10*ms)
 		l.Schedule(timers["c"], 20*ms)
 		l.Schedule(timers["cancelled"], 5*ms)
-		l.Schedule(timers["ticker"], 25*ms) // and at 50ms, 75ms
-		l.Schedule(timers["a"], 15*ms)      // replaces 30ms
+		l.Schedule(timers["ticker"], 25*ms)             // and at 50ms, 75ms
+		l.ScheduleAt(timers["a"], l.Now()+int64(15*ms)) // replaces 30ms
 		l.Cancel(timers["cancelled"])
 	})
 

@@ -458,3 +458,55 @@ func TestRunConflicts(t *testing.T) {
 		t.Errorf("got errors %q, want none", errorStrings(s))
 	}
 }
+
+// A manifest's uproxy.io/ annotations reach its Ports; a bad one is an error
+// naming the Service and the annotation, and the Service is still served.
+func TestLoadPolicyAnnotations(t *testing.T) {
+	dir := t.TempDir()
+	writeFile(t, filepath.Join(dir, "a.yaml"), `apiVersion: v1
+kind: Service
+metadata:
+  name: web
+  namespace: shop
+  annotations:
+    uproxy.io/dial-timeouts: "100ms,200ms"
+    uproxy.io/dial-hedge: "30ms"
+    uproxy.io/retry-budget: "20%"
+    uproxy.io/scheduler: "lc"
+spec:
+  clusterIP: 10.96.0.10
+  ports: [{name: http, port: 80}]
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: odd
+  namespace: shop
+  annotations:
+    uproxy.io/dial-hedge: "soonish"
+    uproxy.io/retry-budget: "5"
+spec:
+  clusterIP: 10.96.0.11
+  ports: [{name: http, port: 80}]
+`)
+	snap, err := Load(dir, service.BuildOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	web := snap.Lookup(service.PortName{Namespace: "shop", Name: "web", Port: "http"})
+	odd := snap.Lookup(service.PortName{Namespace: "shop", Name: "odd", Port: "http"})
+	if web == nil || odd == nil {
+		t.Fatalf("ports: got %q, want shop/web:http and shop/odd:http (served despite a bad annotation)", summary(snap))
+	}
+	if p := web.Policy; !reflect.DeepEqual(p.DialTimeouts, []time.Duration{100 * time.Millisecond, 200 * time.Millisecond}) ||
+		p.DialHedge == nil || *p.DialHedge != 30*time.Millisecond || p.RetryBudget == nil || *p.RetryBudget != 20 || p.Scheduler != "lc" {
+		t.Errorf("shop/web policy: got %+v, want every annotation's value", p)
+	}
+	if p := odd.Policy; p.DialHedge != nil || p.RetryBudget == nil || *p.RetryBudget != 5 {
+		t.Errorf("shop/odd policy: got %+v, want no hedge (bad) and a 5%% budget", p)
+	}
+	want := `Service shop/odd: metadata.annotations[uproxy.io/dial-hedge]: "soonish": `
+	if errs := errorStrings(snap); len(errs) != 1 || !strings.HasPrefix(errs[0], want) {
+		t.Errorf("errors: got %q, want one starting %q", errs, want)
+	}
+}

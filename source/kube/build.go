@@ -211,6 +211,8 @@ func (b *builder) log(errs []error) {
 		}
 		if _, ok := err.(*service.Conflict); ok {
 			klog.ErrorS(err, "Service port left out")
+		} else if service.IsPolicyError(err) {
+			klog.ErrorS(err, "Ignoring a Service annotation")
 		} else {
 			klog.ErrorS(err, "Ignoring invalid object")
 		}

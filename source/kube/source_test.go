@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -348,6 +349,50 @@ func TestSource(t *testing.T) {
 		w.await("the older Service taking over", func(s *service.Snapshot) bool {
 			return inNS("externals/older:p=")(s) && !hasConflict(s)
 		})
+	})
+
+	t.Run("policy annotations", func(t *testing.T) {
+		// A Service's uproxy.io/ annotations reach its Ports; a bad one is an
+		// error naming the Service and the annotation, and the Service is
+		// still served, with the flag in place of the bad value.
+		api := newNamespace(t, client, "policy")
+		w := runSource(t, &Source{Client: client})
+		ctx := context.Background()
+		svc := &v1.Service{
+			ObjectMeta: metav1.ObjectMeta{Name: "web", Annotations: map[string]string{
+				service.AnnotationDialHedge: "30ms", service.AnnotationScheduler: "fastest"}},
+			Spec: v1.ServiceSpec{Ports: []v1.ServicePort{{Name: "p", Protocol: v1.ProtocolTCP, Port: 80}}},
+		}
+		if _, err := client.CoreV1().Services(api.ns).Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		name := service.PortName{Namespace: api.ns, Name: "web", Port: "p"}
+		badScheduler := "Service policy/web: metadata.annotations[uproxy.io/scheduler]: \"fastest\""
+		s := w.await("the Service with its policy and the bad annotation's error", func(s *service.Snapshot) bool {
+			return s.Lookup(name) != nil && slices.ContainsFunc(s.Errors, func(err error) bool {
+				return strings.HasPrefix(err.Error(), badScheduler)
+			})
+		})
+		if pol := s.Lookup(name).Policy; pol.DialHedge == nil || *pol.DialHedge != 30*time.Millisecond || pol.Scheduler != "" {
+			t.Errorf("policy: got %+v, want hedge 30ms and no scheduler (the bad one left to the flag)", pol)
+		}
+		got, err := client.CoreV1().Services(api.ns).Get(ctx, "web", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got.Annotations[service.AnnotationScheduler] = "lc"
+		if _, err := client.CoreV1().Services(api.ns).Update(ctx, got, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		s = w.await("the fixed annotation", func(s *service.Snapshot) bool {
+			p := s.Lookup(name)
+			return p != nil && p.Policy.Scheduler == "lc"
+		})
+		for _, err := range s.Errors {
+			if strings.HasPrefix(err.Error(), "Service policy/") {
+				t.Errorf("error after the fix: %v, want none for policy/web", err)
+			}
+		}
 	})
 
 	t.Run("API server restart", func(t *testing.T) {
