@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -172,6 +173,54 @@ func TestIPTablesWrapperPicksTheNodesBackend(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// Commands started together through the wrapper, as uproxy starts them, all
+// succeed: one switches the backend, the others wait and then run through it.
+func TestIPTablesWrapperConcurrentFirstRuns(t *testing.T) {
+	testbed.Require(t)
+	if _, err := exec.LookPath("update-alternatives"); err != nil {
+		testbed.Skip(t, err)
+	}
+	tp := testbed.New(t)
+	for _, r := range []string{"iptables-legacy -N TEST-CHAIN", "iptables-legacy -A TEST-CHAIN -j RETURN"} {
+		if out, err := tp.Exec(testbed.Node, strings.Fields(r)...); err != nil {
+			t.Fatalf("%s: %v\n%s", r, err, out)
+		}
+	}
+	w := newWrapperWorld(t)
+	setup, err := os.ReadFile(w.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := []string{"iptables-save", "ip6tables-save", "iptables-save", "ip6tables-save", "iptables", "ip6tables"}
+	errs := make(chan error, len(names))
+	for _, name := range names {
+		args := []string{filepath.Join(w.sbin, name)}
+		if !strings.HasSuffix(name, "-save") {
+			args = append(args, "-w", "5", "-S")
+		}
+		go func() {
+			out, err := tp.Exec(testbed.Node, append(w.env(), args...)...)
+			if err == nil && strings.HasPrefix(name, "iptables") && !strings.Contains(string(out), "TEST-CHAIN") {
+				err = fmt.Errorf("%s printed no TEST-CHAIN, so not legacy's rules:\n%s", name, out)
+			}
+			errs <- err
+		}()
+	}
+	for range names {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	log, err := os.ReadFile(w.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	switched := strings.Count(string(log[len(setup):]), "link group iptables updated to point to "+filepath.Join(w.sbin, "iptables-legacy")+"\n")
+	if switched != 1 {
+		t.Errorf("the iptables alternative was switched to legacy %d times, want once:\n%s", switched, log)
 	}
 }
 
