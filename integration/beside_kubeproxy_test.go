@@ -85,6 +85,14 @@ func testBesideKubeProxy(t *testing.T, kpMode string, uproxyFlags []string) {
 	up := startUproxy()
 	w.awaitServed(t, theirs, "b1")
 	w.awaitServed(t, mine, "b3")
+	// From the node too (host-network clients): each proxy's output path
+	// passes the other's rules, kube-proxy's nftables drop of ClusterIPs it
+	// does not know among them.
+	for _, c := range []struct{ addr, want string }{{theirs, "b1"}, {mine, "b3"}} {
+		if got, err := whoTCP(w.tp, testbed.Node, c.addr); err != nil || got != c.want {
+			t.Errorf("from the node, %s: got %q (%v), want %s", c.addr, got, err, c.want)
+		}
+	}
 
 	before := ownedRules(t, w.tp)
 	if before.kubeProxy == "" || before.uproxy == "" {
