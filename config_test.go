@@ -106,6 +106,9 @@ func TestConfigFilePrecedence(t *testing.T) {
 	if c.nodeName != "node-from-flag" {
 		t.Errorf("node with --hostname-override: got %q, want node-from-flag (the flag wins, lower-cased)", c.nodeName)
 	}
+	if _, _, err := loadArgs(t, "--config", config, "--hostname-override", " "); err == nil || !strings.Contains(err.Error(), "--hostname-override") {
+		t.Errorf("--hostname-override of spaces: got %v, want an error naming it (kube-proxy refuses it too)", err)
+	}
 }
 
 // A bad value in the file is refused with an error naming the file's field,

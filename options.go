@@ -320,7 +320,10 @@ func (o *options) applyConfigFile() error {
 		if fl == nil {
 			return fmt.Errorf("--config %s: field %s: %q is not supported (no --%s flag)", o.configFile, st.Field, st.Value, st.Flag)
 		}
-		if st.Flag == "hostname-override" && fl.Changed && strings.TrimSpace(o.hostnameOverride) != "" {
+		if st.Flag == "hostname-override" && fl.Changed && o.hostnameOverride != "" {
+			if strings.TrimSpace(o.hostnameOverride) == "" {
+				return fmt.Errorf("--hostname-override %q: empty once spaces are trimmed", o.hostnameOverride)
+			}
 			continue
 		}
 		value := st.Value
