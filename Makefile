@@ -43,7 +43,8 @@ deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-# kube-apiserver and etcd for the Kubernetes source tests, built from pinned modules (cached in bin/).
+# kube-apiserver and etcd for the Kubernetes source tests, and kube-proxy to run beside uproxy,
+# built from pinned modules (cached in bin/).
 kube-bins:
 	bash hack/build-kube.sh $(BIN)
 

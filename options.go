@@ -66,10 +66,12 @@ type options struct {
 	kubeAPIContentType string
 	serviceProxyName   string
 	configSyncPeriod   time.Duration
-	// configFile is a KubeProxyConfiguration whose values apply to the flags not
-	// given on the command line.
+	// configFile is a KubeProxyConfiguration that decides the flags standing
+	// for its fields (applyConfigFile).
 	configFile string
-	flags      *pflag.FlagSet // the flags, to tell given from default ones
+	// configFields maps the flags configFile set to their fields, for errors.
+	configFields map[string]string
+	flags        *pflag.FlagSet // the flags, to tell given from default ones
 }
 
 func defaultOptions() *options {
@@ -132,7 +134,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.kubeAPIContentType, "kube-api-content-type", o.kubeAPIContentType, "content type of requests to the API server")
 	f.StringVar(&o.serviceProxyName, "service-proxy-name", o.serviceProxyName, "handle only the Services labelled "+kube.LabelServiceProxyName+"=NAME (empty: only those without the label, as kube-proxy)")
 	f.DurationVar(&o.configSyncPeriod, "config-sync-period", o.configSyncPeriod, "how often the Service and EndpointSlice caches are replayed (0: never)")
-	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1); flags given explicitly win")
+	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1): as in kube-proxy, it decides every flag that stands for one of its fields (a field left out or zero: kube-proxy's default) and those flags are ignored on the command line, except --hostname-override")
 	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
 	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables or nftables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
 	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections and UDP flows; 0: one per CPU but one, at least one")
@@ -292,8 +294,11 @@ func (o *options) validate() (*config, error) {
 	if err := kube.ValidateProxyName(o.serviceProxyName); err != nil {
 		return nil, fmt.Errorf("--service-proxy-name: %w", err)
 	}
-	if o.kubeAPIQPS <= 0 || o.kubeAPIBurst <= 0 {
-		return nil, fmt.Errorf("--kube-api-qps %v, --kube-api-burst %d: must be positive", o.kubeAPIQPS, o.kubeAPIBurst)
+	if o.kubeAPIQPS <= 0 {
+		return nil, fmt.Errorf("--kube-api-qps %v: must be positive", o.kubeAPIQPS)
+	}
+	if o.kubeAPIBurst <= 0 {
+		return nil, fmt.Errorf("--kube-api-burst %d: must be positive", o.kubeAPIBurst)
 	}
 	if o.configSyncPeriod < 0 {
 		return nil, fmt.Errorf("--config-sync-period %v: must not be negative", o.configSyncPeriod)
@@ -311,7 +316,13 @@ func (o *options) validate() (*config, error) {
 	return c, nil
 }
 
-// applyConfigFile sets, from --config, every flag not given on the command line.
+// applyConfigFile applies --config as kube-proxy v1.36 does: every flag that
+// stands for a field of the KubeProxyConfiguration takes the file's value, or
+// kube-proxy's default when the file leaves the field out or zero, and the
+// command line's value of such a flag is ignored (with a warning here; kube-proxy
+// is silent). The one exception among them is --hostname-override, which wins
+// when given, as in kube-proxy. Flags without a field (--master, -v, uproxy's
+// own) apply as given.
 func (o *options) applyConfigFile() error {
 	if o.configFile == "" || o.flags == nil {
 		return nil
@@ -323,16 +334,52 @@ func (o *options) applyConfigFile() error {
 	for _, field := range ignored {
 		klog.InfoS("Ignoring a kube-proxy setting uproxy does not use", "config", o.configFile, "field", field)
 	}
+	o.configFields = map[string]string{}
 	for _, st := range settings {
-		if o.flags.Lookup(st.Flag) == nil {
+		fl := o.flags.Lookup(st.Flag)
+		if fl == nil {
 			return fmt.Errorf("--config %s: field %s: %q is not supported (no --%s flag)", o.configFile, st.Field, st.Value, st.Flag)
 		}
-		if o.flags.Changed(st.Flag) {
+		if st.Flag == "hostname-override" && fl.Changed && o.hostnameOverride != "" {
+			if strings.TrimSpace(o.hostnameOverride) == "" {
+				return fmt.Errorf("--hostname-override %q: empty once spaces are trimmed", o.hostnameOverride)
+			}
 			continue
 		}
-		if err := o.flags.Set(st.Flag, st.Value); err != nil {
+		value := st.Value
+		if st.Default {
+			value = fl.DefValue
+		}
+		if fl.Changed {
+			klog.InfoS("Ignoring a flag that --config sets, as kube-proxy does", "flag", "--"+st.Flag, "given", fl.Value.String(), "config", o.configFile, "field", st.Field, "value", value)
+		}
+		if err := o.flags.Set(st.Flag, value); err != nil {
 			return fmt.Errorf("--config %s: field %s: %w", o.configFile, st.Field, err)
 		}
+		o.configFields[st.Flag] = st.Field
 	}
 	return nil
 }
+
+// configFieldError rewrites an error of validate about a flag that --config
+// set so that it names the file and the field instead (validate's errors begin
+// with the flag).
+func (o *options) configFieldError(err error) error {
+	msg := err.Error()
+	for flag, field := range o.configFields {
+		rest, ok := strings.CutPrefix(msg, "--"+flag)
+		if ok && (rest == "" || rest[0] == ' ' || rest[0] == ':' || rest[0] == ',') {
+			return &renamedError{msg: fmt.Sprintf("--config %s: field %q%s", o.configFile, field, rest), err: err}
+		}
+	}
+	return err
+}
+
+// renamedError is an error with another message, which still unwraps to it.
+type renamedError struct {
+	msg string
+	err error
+}
+
+func (e *renamedError) Error() string { return e.msg }
+func (e *renamedError) Unwrap() error { return e.err }

@@ -34,13 +34,13 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	}
 	cfg, err := o.validate()
 	if err != nil {
-		return err
+		return o.configFieldError(err)
 	}
 	// The HTTP addresses are bound before anything else happens (or is logged),
 	// so a port in use is reported as its flag's error at once.
 	metricsLn, healthzLn, err := bindHTTP(cfg)
 	if err != nil {
-		return err
+		return o.configFieldError(err)
 	}
 	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn}
 	defer srv.Stop(context.Background())

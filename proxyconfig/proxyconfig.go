@@ -1,14 +1,19 @@
 // Package proxyconfig reads a kube-proxy configuration file
 // (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1) and maps the part of
 // it that uproxy understands onto uproxy's command-line flags, so that a node's
-// existing kube-proxy configuration can be reused as it is.
+// existing kube-proxy configuration, kubeadm's included, can be reused as it is.
 //
 //	settings, ignored, err := proxyconfig.Load("/var/lib/uproxy/config.conf")
 //	for _, s := range settings {
-//		if !flags.Changed(s.Flag) { // flags given explicitly win
-//			flags.Set(s.Flag, s.Value)
-//		}
+//		flags.Set(s.Flag, s.Value) // s.Default: the flag's own default
 //	}
+//
+// Every field that maps to a flag yields a Setting, whether the file sets it or
+// not: a field left out, null or zero ("", 0, "0s") means what it means to
+// kube-proxy v1.36, its default (kubeadm writes every field, most of them zero).
+// This is kube-proxy's precedence too: with --config, the file decides these
+// settings and the matching command-line flags are ignored; see the caller for
+// the exceptions.
 //
 // Fields that kube-proxy knows and uproxy has no use for (conntrack, masquerade
 // bits, feature gates, ...) are accepted and reported as ignored when they hold a
@@ -19,8 +24,11 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"net"
+	"net/netip"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -38,9 +46,19 @@ type Setting struct {
 	Field string // path in the file, e.g. "ipvs.scheduler"
 	Flag  string // flag name without dashes, e.g. "scheduler"
 	Value string
+	// Default says the file leaves the field zero and kube-proxy's meaning of
+	// that is the program's own default (mode: kube-proxy's default mode,
+	// uproxy's; ipvs.scheduler: rr in both): the flag takes its default value
+	// and Value is empty.
+	Default bool
 }
 
-func (s Setting) String() string { return fmt.Sprintf("%s -> --%s=%s", s.Field, s.Flag, s.Value) }
+func (s Setting) String() string {
+	if s.Default {
+		return fmt.Sprintf("%s -> --%s (default)", s.Field, s.Flag)
+	}
+	return fmt.Sprintf("%s -> --%s=%s", s.Field, s.Flag, s.Value)
+}
 
 // kind says how a field's value is read.
 type kind int
@@ -59,6 +77,18 @@ type field struct {
 	// section, for the per-mode sync periods, is the mode whose section the field
 	// belongs to; it applies only when that mode is the file's mode.
 	section string
+	// zero is the value, in the flag's syntax, that kube-proxy v1.36 gives the
+	// field when it is absent or zero (its defaulting of v1alpha1); empty: the
+	// zero value stands (keepZero) or means the program's default (Setting.Default).
+	zero string
+	// keepZero: the empty string or list is a value of its own (kubeconfig "":
+	// in-cluster).
+	keepZero bool
+	// port marks the bind addresses: an address without a port gets this
+	// one, and the zero address is kube-proxy's default host for the family
+	// of bindAddress (wildcard for healthz, loopback for metrics) with it.
+	port     int
+	loopback bool
 }
 
 // schema is KubeProxyConfiguration v1alpha1: every field, with the flag it maps
@@ -68,34 +98,35 @@ var schema = map[string]any{
 	"apiVersion": field{kind: str},
 	"kind":       field{kind: str},
 	"clientConnection": map[string]any{
-		"kubeconfig":         field{kind: str, flag: "kubeconfig"},
-		"qps":                field{kind: number, flag: "kube-api-qps"},
-		"burst":              field{kind: number, flag: "kube-api-burst"},
-		"contentType":        field{kind: str, flag: "kube-api-content-type"},
+		"kubeconfig":         field{kind: str, flag: "kubeconfig", keepZero: true}, // "": in-cluster
+		"qps":                field{kind: number, flag: "kube-api-qps", zero: "5"},
+		"burst":              field{kind: number, flag: "kube-api-burst", zero: "10"},
+		"contentType":        field{kind: str, flag: "kube-api-content-type", zero: "application/vnd.kubernetes.protobuf"},
 		"acceptContentTypes": field{kind: ignored},
 	},
-	"hostnameOverride":   field{kind: str, flag: "hostname-override"},
-	"bindAddress":        field{kind: str, flag: "bind-address"},
-	"healthzBindAddress": field{kind: str, flag: "healthz-bind-address"},
-	"metricsBindAddress": field{kind: str, flag: "metrics-bind-address"},
+	"hostnameOverride":   field{kind: str, flag: "hostname-override", keepZero: true}, // "": the hostname
+	"bindAddress":        field{kind: str, flag: "bind-address", zero: "0.0.0.0"},
+	"healthzBindAddress": field{kind: str, flag: "healthz-bind-address", port: 10256},
+	"metricsBindAddress": field{kind: str, flag: "metrics-bind-address", port: 10249, loopback: true},
 	"mode":               field{kind: str, flag: "proxy-mode"},
-	"nodePortAddresses":  field{kind: strList, flag: "nodeport-addresses"},
-	"configSyncPeriod":   field{kind: duration, flag: "config-sync-period"},
+	"nodePortAddresses":  field{kind: strList, flag: "nodeport-addresses", keepZero: true}, // none: every address
+	"configSyncPeriod":   field{kind: duration, flag: "config-sync-period", zero: "15m0s"},
 	// portRange and udpIdleTimeout configured kube-proxy's own userspace mode,
-	// whose proxy ports and UDP idle timeout uproxy's flags are.
-	"portRange":      field{kind: str, flag: "proxy-port-range"},
+	// whose proxy ports and UDP idle timeout uproxy's flags are. kube-proxy
+	// v1.36 no longer has udpIdleTimeout; uproxy still reads it.
+	"portRange":      field{kind: str, flag: "proxy-port-range", keepZero: true}, // "": the ephemeral range
 	"udpIdleTimeout": field{kind: duration, flag: "udp-timeout"},
 	"iptables": map[string]any{
-		"syncPeriod":         field{kind: duration, flag: "sync-period", section: "iptables"},
-		"minSyncPeriod":      field{kind: duration, flag: "min-sync-period", section: "iptables"},
+		"syncPeriod":         field{kind: duration, flag: "sync-period", section: "iptables", zero: "30s"},
+		"minSyncPeriod":      field{kind: duration, flag: "min-sync-period", section: "iptables", zero: "1s"},
 		"masqueradeBit":      field{kind: ignored},
 		"masqueradeAll":      field{kind: ignored},
 		"localhostNodePorts": field{kind: ignored},
 	},
 	"ipvs": map[string]any{
-		"syncPeriod":    field{kind: duration, flag: "sync-period", section: "ipvs"},
-		"minSyncPeriod": field{kind: duration, flag: "min-sync-period", section: "ipvs"},
-		// uproxy's schedulers are IPVS's, by the same names.
+		"syncPeriod":    field{kind: duration, flag: "sync-period", section: "ipvs", zero: "30s"},
+		"minSyncPeriod": field{kind: duration, flag: "min-sync-period", section: "ipvs", zero: "0s"}, // no minimum
+		// uproxy's schedulers are IPVS's, by the same names; "" is rr to both.
 		"scheduler":     field{kind: str, flag: "scheduler"},
 		"excludeCIDRs":  field{kind: ignored},
 		"strictARP":     field{kind: ignored},
@@ -104,8 +135,8 @@ var schema = map[string]any{
 		"udpTimeout":    field{kind: ignored},
 	},
 	"nftables": map[string]any{
-		"syncPeriod":    field{kind: duration, flag: "sync-period", section: "nftables"},
-		"minSyncPeriod": field{kind: duration, flag: "min-sync-period", section: "nftables"},
+		"syncPeriod":    field{kind: duration, flag: "sync-period", section: "nftables", zero: "30s"},
+		"minSyncPeriod": field{kind: duration, flag: "min-sync-period", section: "nftables", zero: "1s"},
 		"masqueradeBit": field{kind: ignored},
 		"masqueradeAll": field{kind: ignored},
 	},
@@ -147,10 +178,11 @@ func Load(path string) (settings []Setting, ignoredFields []string, err error) {
 	return settings, ignoredFields, nil
 }
 
-// Parse reads a KubeProxyConfiguration in YAML or JSON. It returns the settings
-// for uproxy's flags, ordered by field path, and the fields that hold a value
-// uproxy does not use. Unknown fields, duplicate keys, values of the wrong type
-// and any other apiVersion or kind are errors.
+// Parse reads a KubeProxyConfiguration in YAML or JSON. It returns a setting
+// for every field that maps to a flag, ordered by field path, with
+// kube-proxy's default for a field left out or zero, and the fields that hold
+// a value uproxy does not use. Unknown fields, duplicate keys, values of the
+// wrong type and any other apiVersion or kind are errors naming the field.
 //
 // The sync periods are taken from the section of the file's mode (iptables when
 // the mode is empty, "userspace" or "iptables"), as kube-proxy does; the other
@@ -177,17 +209,23 @@ func Parse(data []byte) (settings []Setting, ignoredFields []string, err error) 
 		section = mode
 	}
 
-	w := walker{section: section}
+	w := walker{section: section, values: map[string]string{}}
 	if err := w.object("", doc, schema); err != nil {
 		return nil, nil, err
 	}
-	return w.settings, w.ignored, nil
+	settings, err = w.resolve()
+	if err != nil {
+		return nil, nil, err
+	}
+	return settings, w.ignored, nil
 }
 
 type walker struct {
-	section  string
-	settings []Setting
-	ignored  []string
+	section string
+	// values holds the mapped fields the file sets, by path, in the flag's
+	// syntax; a zero value is stored as "".
+	values  map[string]string
+	ignored []string
 }
 
 func (w *walker) object(prefix string, obj map[string]any, fields map[string]any) error {
@@ -249,13 +287,17 @@ func (w *walker) leaf(path string, v any, f field) error {
 		if err != nil {
 			return fmt.Errorf("field %q: %w", path, err)
 		}
-		value = d.String()
+		if d != 0 {
+			value = d.String()
+		}
 	case number:
 		n, ok := v.(json.Number)
 		if !ok {
 			return fmt.Errorf("field %q: want a number, got %s", path, jsonType(v))
 		}
-		value = n.String()
+		if f, err := n.Float64(); err != nil || f != 0 {
+			value = n.String()
+		}
 	case strList:
 		list, ok := v.([]any)
 		if !ok {
@@ -271,25 +313,106 @@ func (w *walker) leaf(path string, v any, f field) error {
 		}
 		value = strings.Join(items, ",")
 	}
-	w.settings = append(w.settings, Setting{Field: path, Flag: f.flag, Value: value})
+	w.values[path] = value
 	return nil
 }
 
+// resolve makes a Setting of every mapped field of the schema (of the mode's
+// section), giving the fields the file leaves out or zero kube-proxy's values.
+func (w *walker) resolve() ([]Setting, error) {
+	var settings []Setting
+	var visit func(prefix string, fields map[string]any) error
+	visit = func(prefix string, fields map[string]any) error {
+		for name, f := range fields {
+			path := prefix + name
+			switch f := f.(type) {
+			case map[string]any:
+				if err := visit(path+".", f); err != nil {
+					return err
+				}
+			case field:
+				if f.flag == "" || f.kind == ignored || (f.section != "" && f.section != w.section) {
+					continue
+				}
+				st, err := w.setting(path, f)
+				if err != nil {
+					return err
+				}
+				settings = append(settings, st)
+			}
+		}
+		return nil
+	}
+	if err := visit("", schema); err != nil {
+		return nil, err
+	}
+	slices.SortFunc(settings, func(a, b Setting) int { return strings.Compare(a.Field, b.Field) })
+	return settings, nil
+}
+
+func (w *walker) setting(path string, f field) (Setting, error) {
+	st := Setting{Field: path, Flag: f.flag, Value: w.values[path]}
+	switch {
+	case f.port != 0:
+		// kube-proxy's bind addresses: the default host follows bindAddress's
+		// family, and a bare IP gets the port.
+		if st.Value == "" {
+			host := "0.0.0.0"
+			if f.loopback {
+				host = "127.0.0.1"
+			}
+			if bind := w.values["bindAddress"]; bind != "" && !isIPv4(bind) {
+				host = "::"
+				if f.loopback {
+					host = "::1"
+				}
+			}
+			st.Value = net.JoinHostPort(host, strconv.Itoa(f.port))
+		} else if ip, err := netip.ParseAddr(st.Value); err == nil {
+			st.Value = net.JoinHostPort(ip.String(), strconv.Itoa(f.port))
+		} else if _, _, err := net.SplitHostPort(st.Value); err != nil {
+			return Setting{}, fmt.Errorf("field %q: %q is neither IP:PORT nor an IP address", path, st.Value)
+		}
+	case st.Value != "" || f.keepZero:
+	case f.zero != "":
+		st.Value = f.zero
+	default:
+		st.Default = true
+	}
+	return st, nil
+}
+
+// isIPv4 reports whether s is an IPv4 address (as kube-proxy decides the
+// family of bindAddress: anything else counts as IPv6).
+func isIPv4(s string) bool {
+	ip, err := netip.ParseAddr(s)
+	return err == nil && ip.Unmap().Is4()
+}
+
 // isZero reports whether v is a JSON value that sets nothing: null, "", 0, false,
-// or an empty list or object.
+// a zero duration or quantity ("0s", "0"), or a list or object of such values.
 func isZero(v any) bool {
 	switch x := v.(type) {
 	case nil:
 		return true
 	case string:
-		return x == ""
+		if x == "" || x == "0" {
+			return true
+		}
+		d, err := time.ParseDuration(x)
+		return err == nil && d == 0
 	case bool:
 		return !x
 	case json.Number:
 		f, err := x.Float64()
 		return err == nil && f == 0
 	case []any:
-		return len(x) == 0
+		for _, e := range x {
+			if !isZero(e) {
+				return false
+			}
+		}
+		return true
 	case map[string]any:
 		for _, e := range x {
 			if !isZero(e) {

@@ -1,6 +1,7 @@
 package proxyconfig
 
 import (
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -10,7 +11,50 @@ import (
 
 const header = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
 
+// defaults are the settings of a file that sets nothing mapped: kube-proxy's
+// defaults, and the program's own for mode and ipvs.scheduler.
+var defaults = map[string]string{
+	"bindAddress":                  "--bind-address=0.0.0.0",
+	"clientConnection.burst":       "--kube-api-burst=10",
+	"clientConnection.contentType": "--kube-api-content-type=application/vnd.kubernetes.protobuf",
+	"clientConnection.kubeconfig":  "--kubeconfig=",
+	"clientConnection.qps":         "--kube-api-qps=5",
+	"configSyncPeriod":             "--config-sync-period=15m0s",
+	"healthzBindAddress":           "--healthz-bind-address=0.0.0.0:10256",
+	"hostnameOverride":             "--hostname-override=",
+	"iptables.minSyncPeriod":       "--min-sync-period=1s",
+	"iptables.syncPeriod":          "--sync-period=30s",
+	"ipvs.scheduler":               "--scheduler (default)",
+	"metricsBindAddress":           "--metrics-bind-address=127.0.0.1:10249",
+	"mode":                         "--proxy-mode (default)",
+	"nodePortAddresses":            "--nodeport-addresses=",
+	"portRange":                    "--proxy-port-range=",
+	"udpIdleTimeout":               "--udp-timeout (default)",
+}
+
+// settings renders defaults with changes applied (an empty value deletes),
+// ordered by field, as Parse returns them.
+func settings(changes map[string]string) []string {
+	m := maps.Clone(defaults)
+	for k, v := range changes {
+		if v == "" {
+			delete(m, k)
+		} else {
+			m[k] = v
+		}
+	}
+	var out []string
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		out = append(out, k+" -> "+m[k])
+	}
+	return out
+}
+
 func TestParse(t *testing.T) {
+	kubeadm, err := os.ReadFile(filepath.Join("testdata", "kubeadm.conf"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	tests := []struct {
 		name        string
 		doc         string
@@ -24,12 +68,13 @@ healthzBindAddress: 0.0.0.0:10256
 metricsBindAddress: 127.0.0.1:10249
 clientConnection: {kubeconfig: /var/lib/kube-proxy/kubeconfig.conf, qps: 50, burst: 100, contentType: application/json}
 hostnameOverride: node-1
+mode: iptables
 nodePortAddresses: [10.0.0.0/8, 192.168.0.0/16]
-iptables: {syncPeriod: 30s, minSyncPeriod: 1s}
+iptables: {syncPeriod: 20s, minSyncPeriod: 2s}
 ipvs: {scheduler: lc}
-udpIdleTimeout: 250ms
+udpIdleTimeout: 300ms
 portRange: 30000-31000
-configSyncPeriod: 15m
+configSyncPeriod: 10m
 `,
 		want: []string{
 			"bindAddress -> --bind-address=127.0.0.1",
@@ -37,39 +82,82 @@ configSyncPeriod: 15m
 			"clientConnection.contentType -> --kube-api-content-type=application/json",
 			"clientConnection.kubeconfig -> --kubeconfig=/var/lib/kube-proxy/kubeconfig.conf",
 			"clientConnection.qps -> --kube-api-qps=50",
-			"configSyncPeriod -> --config-sync-period=15m0s",
+			"configSyncPeriod -> --config-sync-period=10m0s",
 			"healthzBindAddress -> --healthz-bind-address=0.0.0.0:10256",
 			"hostnameOverride -> --hostname-override=node-1",
-			"iptables.minSyncPeriod -> --min-sync-period=1s",
-			"iptables.syncPeriod -> --sync-period=30s",
+			"iptables.minSyncPeriod -> --min-sync-period=2s",
+			"iptables.syncPeriod -> --sync-period=20s",
 			"ipvs.scheduler -> --scheduler=lc",
 			"metricsBindAddress -> --metrics-bind-address=127.0.0.1:10249",
+			"mode -> --proxy-mode=iptables",
 			"nodePortAddresses -> --nodeport-addresses=10.0.0.0/8,192.168.0.0/16",
 			"portRange -> --proxy-port-range=30000-31000",
-			"udpIdleTimeout -> --udp-timeout=250ms",
+			"udpIdleTimeout -> --udp-timeout=300ms",
 		},
+	}, {
+		name: "nothing mapped: kube-proxy's defaults",
+		doc:  header,
+		want: settings(nil),
+	}, {
+		// kubeadm writes every field, zero unless it knows better; kube-proxy
+		// reads each zero as its default.
+		name:        "kubeadm's file",
+		doc:         string(kubeadm),
+		want:        settings(map[string]string{"clientConnection.kubeconfig": "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf"}),
+		wantIgnored: []string{"clusterCIDR"},
 	}, {
 		name: "sync periods come from the mode's section",
 		doc:  header + "mode: ipvs\niptables: {syncPeriod: 30s}\nipvs: {syncPeriod: 10s, minSyncPeriod: 0s}\n",
-		want: []string{
-			"ipvs.minSyncPeriod -> --min-sync-period=0s",
-			"ipvs.syncPeriod -> --sync-period=10s",
-			"mode -> --proxy-mode=ipvs",
-		},
+		want: settings(map[string]string{
+			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "",
+			"ipvs.minSyncPeriod": "--min-sync-period=0s",
+			"ipvs.syncPeriod":    "--sync-period=10s",
+			"mode":               "--proxy-mode=ipvs",
+		}),
 		wantIgnored: []string{"iptables.syncPeriod"},
 	}, {
-		name: "kube-proxy fields uproxy does not use are reported when set",
-		doc: header + `
-conntrack: {maxPerCore: 32768, min: 0, tcpBeLiberal: false}
-iptables: {masqueradeBit: 14, masqueradeAll: false}
-featureGates: {SomeGate: true}
-clusterCIDR: ""
-`,
+		// ipvs.minSyncPeriod has no default: zero is no minimum.
+		name: "zero sync periods of the ipvs section",
+		doc:  header + "mode: ipvs\nipvs: {syncPeriod: 0s}\n",
+		want: settings(map[string]string{
+			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "",
+			"ipvs.minSyncPeriod": "--min-sync-period=0s",
+			"ipvs.syncPeriod":    "--sync-period=30s",
+			"mode":               "--proxy-mode=ipvs",
+		}),
+	}, {
+		name: "zero sync periods of the nftables section",
+		doc:  header + "mode: nftables\nnftables: {syncPeriod: 0s, minSyncPeriod: 0s}\n",
+		want: settings(map[string]string{
+			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "",
+			"nftables.minSyncPeriod": "--min-sync-period=1s",
+			"nftables.syncPeriod":    "--sync-period=30s",
+			"mode":                   "--proxy-mode=nftables",
+		}),
+	}, {
+		name: "an IPv6 bindAddress makes the servers' default addresses IPv6",
+		doc:  header + "bindAddress: '::'\n",
+		want: settings(map[string]string{
+			"bindAddress":        "--bind-address=::",
+			"healthzBindAddress": "--healthz-bind-address=[::]:10256",
+			"metricsBindAddress": "--metrics-bind-address=[::1]:10249",
+		}),
+	}, {
+		name: "a bind address without a port gets kube-proxy's",
+		doc:  header + "healthzBindAddress: 10.0.0.1\nmetricsBindAddress: 'fd00::1'\n",
+		want: settings(map[string]string{
+			"healthzBindAddress": "--healthz-bind-address=10.0.0.1:10256",
+			"metricsBindAddress": "--metrics-bind-address=[fd00::1]:10249",
+		}),
+	}, {
+		name:        "kube-proxy fields uproxy does not use are reported when set",
+		doc:         header + "conntrack: {maxPerCore: 32768, min: 0, tcpBeLiberal: false}\niptables: {masqueradeBit: 14, masqueradeAll: false}\nfeatureGates: {SomeGate: true}\nclusterCIDR: \"\"\n",
+		want:        settings(nil),
 		wantIgnored: []string{"conntrack.maxPerCore", "featureGates", "iptables.masqueradeBit"},
 	}, {
 		name: "JSON and nulls",
 		doc:  `{"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration", "bindAddress": null, "hostnameOverride": "n"}`,
-		want: []string{"hostnameOverride -> --hostname-override=n"},
+		want: settings(map[string]string{"hostnameOverride": "--hostname-override=n"}),
 	}}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -105,6 +193,7 @@ func TestParseErrors(t *testing.T) {
 		{"number as string", header + "clientConnection: {qps: fast}\n", `field "clientConnection.qps": want a number`},
 		{"list of numbers", header + "nodePortAddresses: [1]\n", `field "nodePortAddresses"[0]: want a string`},
 		{"object expected", header + "ipvs: rr\n", `field "ipvs": want an object`},
+		{"bind address neither IP nor IP:PORT", header + "metricsBindAddress: localhost\n", `field "metricsBindAddress": "localhost" is neither IP:PORT nor an IP address`},
 		{"not YAML", "{", "parse"},
 	}
 	for _, tt := range tests {

@@ -48,7 +48,7 @@ import (
 
 const (
 	// BinDirEnv names the environment variable that points at the directory
-	// holding the kube-apiserver and etcd binaries. Unset, bin/ at the root of
+	// holding the kube-apiserver, etcd (and kube-proxy) binaries. Unset, bin/ at the root of
 	// the repository is used, where `make kube-bins` puts them.
 	BinDirEnv = "UPROXY_KUBE_BIN"
 
@@ -513,6 +513,15 @@ func (s *Server) path(name string) string { return filepath.Join(s.Dir, name) }
 // ends the test: skipped on a developer's machine, failed in CI.
 func requireBinaries(t testing.TB) string {
 	t.Helper()
+	return RequireBinaries(t, "etcd", "kube-apiserver")
+}
+
+// RequireBinaries returns the directory holding the named binaries of
+// `make kube-bins` (etcd, kube-apiserver, kube-proxy), from BinDirEnv or bin/
+// at the repository root, or ends the test: skipped on a developer's machine,
+// failed in CI.
+func RequireBinaries(t testing.TB, names ...string) string {
+	t.Helper()
 	dir := os.Getenv(BinDirEnv)
 	if dir == "" {
 		root, err := repoRoot()
@@ -522,7 +531,7 @@ func requireBinaries(t testing.TB) string {
 		dir = filepath.Join(root, "bin")
 	}
 	var absent []string
-	for _, name := range []string{"etcd", "kube-apiserver"} {
+	for _, name := range names {
 		info, err := os.Stat(filepath.Join(dir, name))
 		if err != nil || info.IsDir() || info.Mode()&0o111 == 0 {
 			absent = append(absent, name)

@@ -1,0 +1,147 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+// loadArgs parses args as the command line, applies --config and validates, as
+// runProxy does.
+func loadArgs(t *testing.T, args ...string) (*options, *config, error) {
+	t.Helper()
+	o := defaultOptions()
+	cmd := &cobra.Command{Use: "uproxy"}
+	o.addFlags(cmd)
+	if err := cmd.Flags().Parse(args); err != nil {
+		t.Fatalf("parse %v: %v", args, err)
+	}
+	if err := o.applyConfigFile(); err != nil {
+		return o, nil, err
+	}
+	c, err := o.validate()
+	if err != nil {
+		return o, nil, o.configFieldError(err)
+	}
+	return o, c, nil
+}
+
+// writeConfig writes a KubeProxyConfiguration with the given fields.
+func writeConfig(t *testing.T, fields string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "config.conf")
+	doc := "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n" + fields
+	if err := os.WriteFile(path, []byte(doc), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// kubeadm's KubeProxyConfiguration holds nearly every field at its zero value;
+// uproxy takes each as kube-proxy does, as the default, and starts.
+func TestConfigFileFromKubeadm(t *testing.T) {
+	o, _, err := loadArgs(t, "--config", filepath.Join("proxyconfig", "testdata", "kubeadm.conf"), "--hostname-override", "node-a")
+	if err != nil {
+		t.Fatalf("got error %v, want kubeadm's file accepted", err)
+	}
+	for _, c := range []struct {
+		what      string
+		got, want any
+	}{
+		{"metrics address", o.metricsBindAddress, "127.0.0.1:10249"},
+		{"healthz address", o.healthzBindAddress, "0.0.0.0:10256"},
+		{"bind address", o.bindAddress, "0.0.0.0"},
+		{"sync period", o.syncPeriod, 30 * time.Second},
+		{"min sync period", o.minSyncPeriod, time.Second},
+		{"config sync period", o.configSyncPeriod, 15 * time.Minute},
+		{"QPS", o.kubeAPIQPS, float32(5)},
+		{"burst", o.kubeAPIBurst, 10},
+		{"content type", o.kubeAPIContentType, "application/vnd.kubernetes.protobuf"},
+		{"scheduler", o.scheduler, "rr"},
+		{"mode", o.proxyMode, "userspace"},
+		{"kubeconfig", o.kubeconfig, "/var/lib/kube-proxy/kubeconfig.conf"},
+		{"node", o.hostnameOverride, "node-a"},
+		{"UDP timeout", o.udpTimeout, 250 * time.Millisecond},
+	} {
+		if c.got != c.want {
+			t.Errorf("%s: got %v, want %v", c.what, c.got, c.want)
+		}
+	}
+}
+
+// With --config, the file decides every flag that stands for one of its
+// fields, defaults included, as in kube-proxy; --hostname-override and the
+// flags without a field still count.
+func TestConfigFilePrecedence(t *testing.T) {
+	config := writeConfig(t, "metricsBindAddress: 127.0.0.1:10268\nhostnameOverride: node-from-file\n")
+	o, c, err := loadArgs(t, "--config", config,
+		"--metrics-bind-address", "127.0.0.1:9999", // set by the file: ignored
+		"--sync-period", "5s", // left to kube-proxy's default by the file: ignored
+		"--scheduler", "lc", // ipvs.scheduler, absent: the default
+		"--master", "https://10.0.0.1:6443", // no field: applies
+		"--dial-timeouts", "1s", // uproxy's own: applies
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.metricsBindAddress != "127.0.0.1:10268" || o.syncPeriod != 30*time.Second || o.scheduler != "rr" {
+		t.Errorf("got metrics %s, sync period %v, scheduler %s; want the file's 127.0.0.1:10268 and kube-proxy's defaults 30s, rr",
+			o.metricsBindAddress, o.syncPeriod, o.scheduler)
+	}
+	if o.master != "https://10.0.0.1:6443" || o.dialTimeouts != "1s" {
+		t.Errorf("got --master %q, --dial-timeouts %q; want the command line's", o.master, o.dialTimeouts)
+	}
+	if c.nodeName != "node-from-file" {
+		t.Errorf("node without --hostname-override: got %q, want the file's node-from-file", c.nodeName)
+	}
+
+	_, c, err = loadArgs(t, "--config", config, "--hostname-override", "Node-From-Flag")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.nodeName != "node-from-flag" {
+		t.Errorf("node with --hostname-override: got %q, want node-from-flag (the flag wins, lower-cased)", c.nodeName)
+	}
+	if _, _, err := loadArgs(t, "--config", config, "--hostname-override", " "); err == nil || !strings.Contains(err.Error(), "--hostname-override") {
+		t.Errorf("--hostname-override of spaces: got %v, want an error naming it (kube-proxy refuses it too)", err)
+	}
+}
+
+// A bad value in the file is refused with an error naming the file's field,
+// not the flag it maps to.
+func TestConfigFileErrorNamesTheField(t *testing.T) {
+	tests := []struct {
+		fields, wantField string
+	}{
+		{"iptables: {syncPeriod: -5s}\n", "iptables.syncPeriod"},
+		{"iptables: {syncPeriod: 10s, minSyncPeriod: 20s}\n", "iptables.minSyncPeriod"},
+		{"mode: ipvs\nipvs: {scheduler: fastest}\n", "ipvs.scheduler"},
+		{"ipvs: {scheduler: wrr}\n", "ipvs.scheduler"}, // IPVS-only, in the userspace mode
+		{"clientConnection: {qps: -1}\n", "clientConnection.qps"},
+		{"metricsBindAddress: 127.0.0.1:99999\n", "metricsBindAddress"},
+		{"healthzBindAddress: localhost\n", "healthzBindAddress"},
+		{"bindAddress: not-an-ip\n", "bindAddress"},
+		{"mode: fastest\n", "mode"},
+		{"nodePortAddresses: [primary]\n", "nodePortAddresses"},
+		{"configSyncPeriod: -1m\n", "configSyncPeriod"},
+		{"udpIdleTimeout: -1s\n", "udpIdleTimeout"},
+		{"portRange: 3-2\n", "portRange"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.wantField, func(t *testing.T) {
+			config := writeConfig(t, tt.fields)
+			_, _, err := loadArgs(t, "--config", config, "--hostname-override", "n")
+			if err == nil {
+				t.Fatalf("%q: got no error, want one naming %s", tt.fields, tt.wantField)
+			}
+			msg := err.Error()
+			if !strings.Contains(msg, `field "`+tt.wantField+`"`) || !strings.Contains(msg, config) {
+				t.Errorf("%q: got error %q, want one naming the file and field %s", tt.fields, msg, tt.wantField)
+			}
+		})
+	}
+}

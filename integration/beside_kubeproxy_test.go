@@ -1,0 +1,265 @@
+package integration
+
+import (
+	"context"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/uproxy/uproxy/source/kube"
+	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/testbed/kubeapi"
+	"github.com/uproxy/uproxy/testbed/kubeproxy"
+)
+
+// TestBesideKubeProxy runs uproxy beside the real kube-proxy of the pinned
+// Kubernetes release on one node, against one API server, as the README's
+// "Running beside kube-proxy" describes: kube-proxy serves the unlabelled
+// Service, uproxy the one labelled service.kubernetes.io/service-proxy-name=uproxy.
+// Both Services answer from a pod, and neither proxy's rules change while the
+// other restarts, follows an endpoint change, or (uproxy) cleans up.
+func TestBesideKubeProxy(t *testing.T) {
+	testbed.RequireIPTables(t)
+	testbed.RequireNFTables(t)
+	kubeapi.RequireBinaries(t, "kube-proxy") // before any API server starts
+	uproxyModes := []struct {
+		name  string
+		flags []string
+	}{
+		{"userspace-iptables-portals", []string{"--proxy-mode", "userspace", "--rules", "iptables"}},
+		{"userspace-nftables-portals", []string{"--proxy-mode", "userspace", "--rules", "nftables"}},
+		{"iptables", []string{"--proxy-mode", "iptables"}},
+	}
+	for _, kpMode := range []string{"iptables", "nftables"} {
+		for _, um := range uproxyModes {
+			t.Run("kube-proxy="+kpMode+"/uproxy="+um.name, func(t *testing.T) {
+				testBesideKubeProxy(t, kpMode, um.flags)
+			})
+		}
+	}
+}
+
+func testBesideKubeProxy(t *testing.T, kpMode string, uproxyFlags []string) {
+	w := newKubeWorld(t)
+	c := newCluster(t, w.srv, "beside")
+	createNode(t, c.client, kubeNode, w.tp.NS(testbed.Node).IPv4)
+	b1, b2, b3, b4 := w.backend(t, "b1"), w.backend(t, "b2"), w.backend(t, "b3"), w.backend(t, "b4")
+	theirs := clusterAddr(c.service("web-kube-proxy", nil))
+	// The backends run behind this node: kube-proxy's nftables mode
+	// masquerades a pod's connection to itself only for its node's endpoints.
+	c.endpoints("web-kube-proxy", endpoint{b: b1, node: kubeNode})
+	mine := clusterAddr(c.service("web-uproxy", func(s *v1.Service) {
+		s.Labels = map[string]string{kube.LabelServiceProxyName: "uproxy"}
+	}))
+	uproxyEndpoints := func(b *backend) {
+		t.Helper()
+		c.endpoints("web-uproxy", endpoint{b: b, node: kubeNode})
+		// The EndpointSlice controller copies the Service's labels to its
+		// slices, and kube-proxy leaves labelled slices alone too.
+		labelSlices(t, c, "web-uproxy", map[string]string{kube.LabelServiceProxyName: "uproxy"})
+	}
+	uproxyEndpoints(b3)
+
+	kp := kubeproxy.Start(t, w.tp, kubeproxy.Options{
+		Mode: kpMode, Kubeconfig: w.kubeconfig, NodeName: kubeNode, ClusterCIDR: "10.244.0.0/16",
+	})
+	startUproxy := func() *proxy {
+		t.Helper()
+		l := launch{
+			source: []string{"--kubeconfig", w.kubeconfig, "--hostname-override", kubeNode},
+			flags:  append([]string{"--service-proxy-name", "uproxy", "--dial-timeouts", "200ms", "--shutdown-grace", "1s"}, uproxyFlags...),
+			want:   -1,
+		}
+		if uproxyFlags[1] == "userspace" {
+			l.ready = func(s []serviceState) bool { return len(withProxyPorts(s)) == 1 }
+		}
+		return runUproxy(t, w.tp, "", l)
+	}
+	up := startUproxy()
+	w.awaitServed(t, theirs, "b1")
+	w.awaitServed(t, mine, "b3")
+	// From the node too (host-network clients): each proxy's output path
+	// passes the other's rules, kube-proxy's nftables drop of ClusterIPs it
+	// does not know among them.
+	for _, c := range []struct{ addr, want string }{{theirs, "b1"}, {mine, "b3"}} {
+		if got, err := whoTCP(w.tp, testbed.Node, c.addr); err != nil || got != c.want {
+			t.Errorf("from the node, %s: got %q (%v), want %s", c.addr, got, err, c.want)
+		}
+	}
+
+	before := ownedRules(t, w.tp)
+	if before.kubeProxy == "" || before.uproxy == "" {
+		t.Fatalf("rules with both proxies running: kube-proxy's:\n%s\nuproxy's:\n%s\nwant both present", before.kubeProxy, before.uproxy)
+	}
+	// untouched fails the test if whose rules differ from want.
+	untouched := func(step, whose string, want, got string) {
+		t.Helper()
+		if got != want {
+			t.Errorf("%s: %s's rules changed:\n%s", step, whose, lineDiff(want, got))
+		}
+	}
+
+	up.stop()
+	up = startUproxy()
+	w.awaitServed(t, mine, "b3")
+	w.awaitServed(t, theirs, "b1")
+	untouched("uproxy restarted", "kube-proxy", before.kubeProxy, ownedRules(t, w.tp).kubeProxy)
+
+	before = ownedRules(t, w.tp)
+	uproxyEndpoints(b4)
+	w.awaitServed(t, mine, "b4")
+	untouched("uproxy's EndpointSlice changed", "kube-proxy", before.kubeProxy, ownedRules(t, w.tp).kubeProxy)
+
+	before = ownedRules(t, w.tp)
+	synced := time.Now()
+	c.endpoints("web-kube-proxy", endpoint{b: b2, node: kubeNode})
+	w.awaitServed(t, theirs, "b2")
+	kp.WaitSynced(synced)
+	untouched("kube-proxy's EndpointSlice changed", "uproxy", before.uproxy, ownedRules(t, w.tp).uproxy)
+
+	before = ownedRules(t, w.tp)
+	kp.Restart()
+	w.awaitServed(t, theirs, "b2")
+	w.awaitServed(t, mine, "b4")
+	untouched("kube-proxy restarted", "uproxy", before.uproxy, ownedRules(t, w.tp).uproxy)
+
+	up.stop()
+	before = ownedRules(t, w.tp)
+	if out, err := exec.Command("ip", "netns", "exec", w.tp.NS(testbed.Node).Name, uproxyBin, "cleanup").CombinedOutput(); err != nil {
+		t.Fatalf("uproxy cleanup: %v\n%s", err, out)
+	}
+	after := ownedRules(t, w.tp)
+	untouched("uproxy cleanup", "kube-proxy", before.kubeProxy, after.kubeProxy)
+	if after.uproxy != "" {
+		t.Errorf("after uproxy cleanup, uproxy's rules remain:\n%s", after.uproxy)
+	}
+	w.awaitServed(t, theirs, "b2")
+
+	// uproxy comes back over kube-proxy's running rules.
+	startUproxy()
+	w.awaitServed(t, mine, "b4")
+	w.awaitServed(t, theirs, "b2")
+	untouched("uproxy started after cleanup", "kube-proxy", before.kubeProxy, ownedRules(t, w.tp).kubeProxy)
+}
+
+// createNode creates the Node kube-proxy runs as, with ip as its InternalIP:
+// kube-proxy waits for its Node and takes the node IPs from it.
+func createNode(t *testing.T, client kubernetes.Interface, name string, ip netip.Addr) {
+	t.Helper()
+	ctx := context.Background()
+	node, err := client.CoreV1().Nodes().Create(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create Node %s: %v", name, err)
+	}
+	node.Status.Addresses = []v1.NodeAddress{{Type: v1.NodeInternalIP, Address: ip.String()}, {Type: v1.NodeHostName, Address: name}}
+	if _, err := client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("set the addresses of Node %s: %v", name, err)
+	}
+}
+
+// labelSlices adds labels to every EndpointSlice of Service svc.
+func labelSlices(t *testing.T, c *cluster, svc string, labels map[string]string) {
+	t.Helper()
+	api := c.client.DiscoveryV1().EndpointSlices(c.ns)
+	list, err := api.List(context.Background(), metav1.ListOptions{LabelSelector: discoveryv1.LabelServiceName + "=" + svc})
+	if err != nil {
+		t.Fatalf("list EndpointSlices of %s: %v", svc, err)
+	}
+	for _, s := range list.Items {
+		for k, v := range labels {
+			s.Labels[k] = v
+		}
+		if _, err := api.Update(context.Background(), &s, metav1.UpdateOptions{}); err != nil {
+			t.Fatalf("label EndpointSlice %s: %v", s.Name, err)
+		}
+	}
+}
+
+// rulesByOwner is the part of the node's packet filter each proxy owns.
+type rulesByOwner struct {
+	// kubeProxy: the iptables lines (both families) naming a KUBE-* chain, and
+	// nftables' kube-proxy tables.
+	kubeProxy string
+	// uproxy: the iptables lines naming an UPROXY-* chain, and nftables'
+	// uproxy* tables.
+	uproxy string
+}
+
+// ownedRules reads the node's iptables (both families, counters zeroed) and
+// nftables rulesets and splits out each proxy's part. With iptables on its
+// nf_tables backend, iptables' own tables show in the nftables ruleset too;
+// they are read through iptables-save only.
+func ownedRules(t *testing.T, tp *testbed.Topology) rulesByOwner {
+	t.Helper()
+	var kp, up strings.Builder
+	for _, v6 := range []bool{false, true} {
+		table := ""
+		for _, line := range strings.Split(tp.SavedRules(t, v6), "\n") {
+			if name, ok := strings.CutPrefix(line, "*"); ok {
+				table = name
+				continue
+			}
+			family := "ipv4"
+			if v6 {
+				family = "ipv6"
+			}
+			if strings.Contains(line, "KUBE-") {
+				kp.WriteString(family + " " + table + " " + line + "\n")
+			}
+			if strings.Contains(line, "UPROXY-") {
+				up.WriteString(family + " " + table + " " + line + "\n")
+			}
+		}
+	}
+	var block *strings.Builder
+	for _, line := range strings.Split(tp.NFTRuleset(t), "\n") {
+		if strings.HasPrefix(line, "table ") {
+			block = nil
+			switch f := strings.Fields(line); {
+			case len(f) >= 3 && f[2] == "kube-proxy":
+				block = &kp
+			case len(f) >= 3 && strings.HasPrefix(f[2], "uproxy"):
+				block = &up
+			}
+		}
+		if block != nil {
+			block.WriteString(line + "\n")
+		}
+		if line == "}" {
+			block = nil
+		}
+	}
+	return rulesByOwner{kubeProxy: kp.String(), uproxy: up.String()}
+}
+
+// lineDiff lists the lines only in want (-) and only in got (+).
+func lineDiff(want, got string) string {
+	count := map[string]int{}
+	for _, l := range strings.Split(want, "\n") {
+		count[l]++
+	}
+	for _, l := range strings.Split(got, "\n") {
+		count[l]--
+	}
+	var b strings.Builder
+	for _, l := range strings.Split(want, "\n") {
+		if count[l] > 0 {
+			b.WriteString("- " + l + "\n")
+			count[l]--
+		}
+	}
+	for _, l := range strings.Split(got, "\n") {
+		if count[l] < 0 {
+			b.WriteString("+ " + l + "\n")
+			count[l]++
+		}
+	}
+	return b.String()
+}
