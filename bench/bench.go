@@ -170,7 +170,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	rep := &Report{
 		Started:  time.Now(),
 		Machine:  machineInfo(),
-		Settings: Settings{Quick: cfg.Quick, DurationSeconds: cfg.Duration.Seconds(), Rounds: cfg.Rounds, IdleConns: cfg.IdleConns, SyncSizes: cfg.SyncSizes, EndpointChanges: cfg.EndpointChanges},
+		Settings: Settings{Quick: cfg.Quick, DurationSeconds: cfg.Duration.Seconds(), Rounds: cfg.Rounds, IdleConns: cfg.IdleConns, SyncSizes: cfg.SyncSizes, EndpointChanges: cfg.EndpointChanges, UDPClients: cfg.UDPClients},
 	}
 	prog := newProgress(cfg.Progress, rep.Started)
 	defer prog.done()
