@@ -73,6 +73,7 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 	f.StringVar(&chart, "chart", "", "write the latency distributions as an SVG chart to this file")
 	f.StringVar(&paths, "paths", "", "comma-separated paths to run (default all)")
 	f.StringVar(&workloads, "workloads", "", "comma-separated workloads to run (default all)")
+	f.IntVar(&cfg.UDPClients, "udp-clients", 0, "clients of the UDP workload, each with one request outstanding (default 4)")
 	f.StringVar(&cfg.Uproxy, "uproxy", "", "uproxy binary for the uproxy paths (default this executable)")
 	return cmd
 }

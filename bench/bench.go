@@ -51,12 +51,27 @@ type Config struct {
 	// StepLimit bounds each control-plane step (plus 1ms per Service port): a
 	// proxy that takes longer fails the step. 0: 2m (quick 20s).
 	StepLimit time.Duration
+	// UDPClients is how many clients the UDP workload runs at once. 0: 4.
+	UDPClients int
 	// Uproxy is the uproxy binary for the uproxy paths; "": this executable.
 	Uproxy string
 	// Progress, if not nil, receives a progress line rewritten in place.
 	Progress io.Writer
 	// Log, if not nil, receives diagnostics (teardown problems).
 	Log io.Writer
+}
+
+// workload returns the traffic workload name as c sets it up: the UDP one with
+// c.UDPClients clients.
+func (c Config) workload(name string) *workload {
+	wl := trafficWorkloads[name]
+	if name == UDP && c.UDPClients != wl.workers {
+		w := *wl
+		w.workers = c.UDPClients
+		w.title = fmt.Sprintf("UDP request/response (64 B, %d clients; CPU per datagram, 2 per exchange)", w.workers)
+		return &w
+	}
+	return wl
 }
 
 func (c Config) withDefaults() (Config, error) {
@@ -92,6 +107,7 @@ func (c Config) withDefaults() (Config, error) {
 		}
 	}
 	c.Rounds = pick(c.Rounds, 3, 2)
+	c.UDPClients = pick(c.UDPClients, 4, 4)
 	c.IdleConns = pick(c.IdleConns, 10000, 1000)
 	c.EndpointChanges = pick(c.EndpointChanges, 5, 3)
 	if c.StepLimit <= 0 {
@@ -154,7 +170,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	rep := &Report{
 		Started:  time.Now(),
 		Machine:  machineInfo(),
-		Settings: Settings{Quick: cfg.Quick, DurationSeconds: cfg.Duration.Seconds(), Rounds: cfg.Rounds, IdleConns: cfg.IdleConns, SyncSizes: cfg.SyncSizes, EndpointChanges: cfg.EndpointChanges},
+		Settings: Settings{Quick: cfg.Quick, DurationSeconds: cfg.Duration.Seconds(), Rounds: cfg.Rounds, IdleConns: cfg.IdleConns, SyncSizes: cfg.SyncSizes, EndpointChanges: cfg.EndpointChanges, UDPClients: cfg.UDPClients},
 	}
 	prog := newProgress(cfg.Progress, rep.Started)
 	defer prog.done()
@@ -293,7 +309,7 @@ func runWorkloads(ctx context.Context, cfg Config, rep *Report, paths []*path, p
 		case Control:
 			err = runControlWorkload(ctx, cfg, rep, paths, prog)
 		default:
-			err = runTrafficWorkload(ctx, cfg, rep, trafficWorkloads[name], paths, prog)
+			err = runTrafficWorkload(ctx, cfg, rep, cfg.workload(name), paths, prog)
 		}
 		if err != nil {
 			return err

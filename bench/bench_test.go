@@ -47,6 +47,7 @@ func TestTinyRun(t *testing.T) {
 		IdleConns:       20,
 		SyncSizes:       []int{10},
 		EndpointChanges: 1,
+		UDPClients:      3,
 		Uproxy:          bin,
 		Progress:        &progress,
 		Log:             testWriter{t},
@@ -83,8 +84,14 @@ func TestTinyRun(t *testing.T) {
 		}
 	})
 
+	if rep.Settings.UDPClients != 3 {
+		t.Errorf("settings: got %d UDP clients, want 3", rep.Settings.UDPClients)
+	}
 	for _, wr := range rep.Workloads {
 		t.Run(wr.Name, func(t *testing.T) {
+			if wr.Name == UDP && !strings.Contains(wr.Title, "3 clients") {
+				t.Errorf("title %q, want it to say 3 clients", wr.Title)
+			}
 			seen := map[string]bool{}
 			for _, pr := range wr.Results {
 				seen[pr.Path] = true

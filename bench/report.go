@@ -37,6 +37,7 @@ type Settings struct {
 	IdleNote        string  `json:"idleNote,omitempty"`
 	SyncSizes       []int   `json:"syncSizes"`
 	EndpointChanges int     `json:"endpointChanges"`
+	UDPClients      int     `json:"udpClients"`
 }
 
 // PathStatus says whether a path ran. Unavailable paths carry the Reason (a

@@ -13,6 +13,10 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/socket/poll"
 )
 
 // Each benchmark runs the same traffic straight to the backend ("direct") and
@@ -205,4 +209,48 @@ func BenchmarkUDPRoundTrip(b *testing.B) {
 			b.ReportMetric(float64((processCPU(b)-cpu).Nanoseconds())/float64(b.N), "cpu-ns/op")
 		})
 	}
+}
+
+// BenchmarkKeepAliveOptions is what a short connection spares now that its
+// backend socket gets its keepalive options only once it has been open for
+// KeepAlive (see keepAliveDue): the three calls, on a socket not yet connected
+// ("at-dial", where they were made) - against what that costs instead, arming
+// and cancelling the session's timer on its loop ("timer").
+func BenchmarkKeepAliveOptions(b *testing.B) {
+	b.Run("at-dial", func(b *testing.B) {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer unix.Close(fd)
+		for b.Loop() {
+			if err := setKeepAlive(fd, 15); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("timer", func(b *testing.B) {
+		loops := newLoops(b, 1, nil)
+		s := &tcpSession{l: loopOf(loops.Next())}
+		s.timer = poll.NewTimer(s)
+		// Other connections' timers, as on a busy loop.
+		others := make([]tcpSession, 1000)
+		err := s.l.PostWait(func() {
+			for i := range others {
+				o := &others[i]
+				o.timer = poll.NewTimer(o)
+				s.l.Schedule(&o.timer, time.Hour+time.Duration(i))
+			}
+			for b.Loop() {
+				s.l.Schedule(&s.timer, DefaultKeepAlive)
+				s.l.Cancel(&s.timer)
+			}
+			for i := range others {
+				s.l.Cancel(&others[i].timer)
+			}
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	})
 }

@@ -41,19 +41,27 @@
 //     TCP_NODELAY and the keepalive settings from the listener, which Listen
 //     gives them once.
 //   - backend socket: socket, setsockopt TCP_NODELAY, setsockopt SO_MARK when a
-//     dial mark is set (mark.go), setsockopt SO_KEEPALIVE, TCP_KEEPIDLE and
-//     TCP_KEEPINTVL while keepalive is on (TCPProxy.KeepAlive; TCP_KEEPCNT is the
-//     node's), connect, epoll_ctl (add); each failed attempt adds a getsockopt
-//     SO_ERROR (or nothing, when the dial timer ends it) and a close. A hedge's
+//     dial mark is set (mark.go), connect, epoll_ctl (add); each failed attempt
+//     adds a getsockopt SO_ERROR (or nothing, when the dial timer ends it) and a
+//     close. While keepalive is on (TCPProxy.KeepAlive; TCP_KEEPCNT is the
+//     node's), a connection still open KeepAlive after it connected adds, from
+//     its timer, setsockopt SO_KEEPALIVE, TCP_KEEPIDLE and TCP_KEEPINTVL; one
+//     that ends sooner never makes them, and the first probe goes when it would
+//     have with the options set at dial (session.go, keepAliveDue). A hedge's
 //     loser (DialPolicy.Hedge) costs a getsockopt TCP_INFO and a close, and a
 //     setsockopt SO_LINGER before it when it had connected too; the winner's
 //     socket changes handler without a system call (poll's Rehandle).
 //   - end: shutdown SHUT_WR to pass on a half-close, a close per socket, and a
 //     setsockopt SO_LINGER before the close of each socket that is reset.
 //
-// That is 6 calls (7 with the empty accept) to set a connection up with keepalive
-// off and no dial mark, 9 (10) with keepalive on, the default; strace of
-// BenchmarkTCPConnect's proxy counts 4 setsockopt per connection with it, 1
-// without. The idle timeout (TCPProxy.IdleTimeout) costs no system call: a
-// reading of the loop's clock when bytes have moved.
+// That is 6 calls (7 with the empty accept) to set a connection up with no dial
+// mark, keepalive on (the default) or off; one that lives KeepAlive with it on
+// makes 3 more, once. Before the keepalive options waited for the timer, a
+// connection made those 3 at dial: 9 (10). strace (perf trace -s) of
+// BenchmarkTCPConnect's proxy counts 1 setsockopt per short connection either
+// way, 4 before. A connection open with keepalive on has its timer armed (no
+// system call: a place in the loop's heap); BenchmarkKeepAliveOptions compares
+// arming and cancelling it with the 3 calls it spares. The idle timeout
+// (TCPProxy.IdleTimeout) costs no system call: a reading of the loop's clock
+// when bytes have moved. docs/data-path.md has the measurements.
 package socket

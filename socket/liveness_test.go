@@ -60,23 +60,28 @@ func sessionSockets(t *testing.T, p *TCPProxy) (client, backend int) {
 
 // Both sockets of a connection carry TCP_NODELAY and the keepalive of
 // TCPProxy.KeepAlive: the client's inherited from the listener - even when it
-// connected before Serve began - and the backend's set when it is dialed.
+// connected before Serve began - and the backend's set once the connection has
+// been open for KeepAlive by the loop's clock, not before (see keepAliveDue).
 func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
+	noDelay := sockopts{noDelay: true}
 	tests := []struct {
 		name      string
 		keepAlive time.Duration
-		want      sockopts
+		// due is when the backend socket should have its options.
+		due  time.Duration
+		want sockopts
 	}{
-		{name: "default", want: sockopts{noDelay: true, keepAlive: true, idle: 15, interval: 15}},
-		{name: "30s", keepAlive: 30 * time.Second, want: sockopts{noDelay: true, keepAlive: true, idle: 30, interval: 30}},
-		{name: "rounded up to whole seconds", keepAlive: 1500 * time.Millisecond, want: sockopts{noDelay: true, keepAlive: true, idle: 2, interval: 2}},
-		{name: "kernel's bound", keepAlive: 100 * time.Hour, want: sockopts{noDelay: true, keepAlive: true, idle: 32767, interval: 32767}},
-		{name: "off", keepAlive: -1, want: sockopts{noDelay: true}},
+		{name: "default", due: 15 * time.Second, want: sockopts{noDelay: true, keepAlive: true, idle: 15, interval: 15}},
+		{name: "30s", keepAlive: 30 * time.Second, due: 30 * time.Second, want: sockopts{noDelay: true, keepAlive: true, idle: 30, interval: 30}},
+		{name: "rounded up to whole seconds", keepAlive: 1500 * time.Millisecond, due: 2 * time.Second, want: sockopts{noDelay: true, keepAlive: true, idle: 2, interval: 2}},
+		{name: "kernel's bound", keepAlive: 100 * time.Hour, due: 32767 * time.Second, want: sockopts{noDelay: true, keepAlive: true, idle: 32767, interval: 32767}},
+		{name: "off", keepAlive: -1, due: 24 * time.Hour, want: noDelay},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			clock := polltest.NewClock()
 			backend := startTCPServer(t, "127.0.0.2", echo)
-			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), KeepAlive: tt.keepAlive, Loops: newLoops(t, 1, nil)}
+			p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), KeepAlive: tt.keepAlive, Loops: newLoops(t, 1, clock)}
 			ln, err := p.Listen(context.Background(), "tcp", "127.0.0.1:0")
 			if err != nil {
 				t.Fatal(err)
@@ -92,10 +97,52 @@ func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
 			if got := sockoptsOf(t, clientFD); got != tt.want {
 				t.Errorf("client socket: got %+v, want %+v", got, tt.want)
 			}
+			if got := sockoptsOf(t, backendFD); got != noDelay {
+				t.Errorf("backend socket at once: got %+v, want %+v", got, noDelay)
+			}
+			clock.Advance(tt.due - time.Nanosecond)
+			if got := sockoptsOf(t, backendFD); got != noDelay {
+				t.Errorf("backend socket just before %v: got %+v, want %+v", tt.due, got, noDelay)
+			}
+			clock.Advance(time.Nanosecond)
 			if got := sockoptsOf(t, backendFD); got != tt.want {
-				t.Errorf("backend socket: got %+v, want %+v", got, tt.want)
+				t.Errorf("backend socket at %v: got %+v, want %+v", tt.due, got, tt.want)
+			}
+			// The connection still works, and its timer is done.
+			if got, err := roundTrip(c, []byte("pong")); err != nil || string(got) != "pong" {
+				t.Fatalf("round trip after %v: got %q, %v", tt.due, got, err)
 			}
 		})
+	}
+}
+
+// The backend socket's keepalive, set once the connection has been open for
+// KeepAlive, probes at once a backend that has been silent since: one that
+// vanished without a FIN is found as soon as the options are set, and both
+// sockets are freed.
+func TestTCPProxyKeepAliveFindsAVanishedBackend(t *testing.T) {
+	served := make(chan *net.TCPConn, 1)
+	backend := startTCPServer(t, "127.0.0.2", func(c *net.TCPConn) {
+		buf := make([]byte, 4)
+		if _, err := io.ReadFull(c, buf); err == nil {
+			c.Write(buf)
+		}
+		served <- c
+		<-t.Context().Done() // the test vanishes c
+	})
+	rec := &recorder{}
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec, KeepAlive: time.Second}
+	c := dialProxy(t, startTCPProxy(t, p))
+	if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
+		t.Fatalf("round trip: got %q, %v", got, err)
+	}
+	vanish(t, <-served)
+	closed := rec.awaitClosed(t, 1)[0]
+	if !errors.Is(closed.Err, unix.ECONNRESET) {
+		t.Errorf("record of the vanished backend's connection: got err %v, want the reset its probe drew", closed.Err)
+	}
+	if _, err := c.Read(make([]byte, 1)); !isReset(err) {
+		t.Errorf("client once the backend is found gone: got %v, want a reset", err)
 	}
 }
 

@@ -53,6 +53,9 @@ type tcpSession struct {
 	// moved at every transfer.
 	timer     poll.Timer
 	lastMoved int64
+	// keepAliveAt is when (loop.Now) the backend socket is due its keepalive
+	// options (see keepAliveDue); 0 once it has them, or when keepalive is off.
+	keepAliveAt int64
 
 	err error // why the session was aborted
 	rec record.Conn
@@ -211,7 +214,7 @@ func (s *tcpSession) dialNext(lastErr error) {
 		}
 		d.ep, d.start = ep, time.Now()
 		s.started++
-		fd, err := s.l.dial(ep, unix.SOCK_STREAM, p.keepAliveSecs())
+		fd, err := s.l.dial(ep, unix.SOCK_STREAM)
 		if err == nil {
 			if err = s.l.Watch(fd, d, sessionEvents); err == nil {
 				if s.inFlight() > 0 {
@@ -334,22 +337,18 @@ func (s *tcpSession) armDialTimer() {
 }
 
 // dial opens a non-blocking socket of sotype (SOCK_STREAM or SOCK_DGRAM) to ep,
-// with the dial mark, and connects it. A TCP socket also gets TCP_NODELAY and,
-// unless keepAliveSecs is 0, keepalive (see setKeepAlive); a nil error means its
-// connect is in progress (or done): the socket's first output event ends it. A
-// UDP connect only sets the peer.
-func (l *loop) dial(ep netip.AddrPort, sotype, keepAliveSecs int) (int, error) {
+// with the dial mark, and connects it. A TCP socket also gets TCP_NODELAY (its
+// keepalive comes later, if the connection lasts: see keepAliveDue); a nil
+// error means its connect is in progress (or done): the socket's first output
+// event ends it. A UDP connect only sets the peer.
+func (l *loop) dial(ep netip.AddrPort, sotype int) (int, error) {
 	family, sa := l.sockaddr(ep)
 	fd, err := unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
 	}
 	if sotype == unix.SOCK_STREAM {
-		err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
-		if err == nil && keepAliveSecs > 0 {
-			err = setKeepAlive(fd, keepAliveSecs)
-		}
-		if err != nil {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 			unix.Close(fd)
 			return -1, os.NewSyscallError("setsockopt", err)
 		}
@@ -423,10 +422,7 @@ func (s *tcpSession) connectEvent(d *dialAttempt, ev uint32) {
 		s.lose(o)
 	}
 	s.state = open
-	if idle := p.IdleTimeout; idle > 0 {
-		s.lastMoved = s.l.Now()
-		s.l.Schedule(&s.timer, idle)
-	}
+	s.armOpenTimer()
 	// The side takes in the event (writable, and whatever else it said), and
 	// the copy begins.
 	s.backend.Handle(ev)
@@ -491,9 +487,12 @@ func (s *tcpSession) Expire() {
 			s.armDialTimer()
 		}
 	case open:
+		if !s.keepAliveDue() {
+			return
+		}
 		timeout := s.p.IdleTimeout
-		if idle := time.Duration(s.l.Now() - s.lastMoved); idle < timeout {
-			s.l.Schedule(&s.timer, timeout-idle)
+		if idle := time.Duration(s.l.Now() - s.lastMoved); timeout <= 0 || idle < timeout {
+			s.scheduleOpen(timeout - idle)
 			return
 		}
 		// A reset, not a FIN, on both sides: an idle connection may be idle
@@ -503,6 +502,60 @@ func (s *tcpSession) Expire() {
 		// retransmitting its FIN to a peer that vanished.
 		s.abort(fmt.Errorf("no byte either way for %v: %w", timeout, record.ErrIdle))
 	}
+}
+
+// armOpenTimer arms the timer of a connection that has just opened: for its
+// keepalive options, when keepalive is on (see keepAliveDue), and for its idle
+// timeout, when set.
+func (s *tcpSession) armOpenTimer() {
+	if s.p.IdleTimeout <= 0 && s.p.KeepAlive < 0 {
+		return
+	}
+	now := s.l.Now()
+	s.lastMoved = now
+	if secs := s.p.keepAliveSecs(); secs > 0 {
+		s.keepAliveAt = now + int64(secs)*int64(time.Second)
+	}
+	s.scheduleOpen(s.p.IdleTimeout)
+}
+
+// scheduleOpen arms an open connection's timer for whichever comes first: its
+// idle timeout, idleIn from now (when the proxy has one), or its keepalive
+// options; with neither pending it leaves the timer disarmed.
+func (s *tcpSession) scheduleOpen(idleIn time.Duration) {
+	d, armed := idleIn, s.p.IdleTimeout > 0
+	if s.keepAliveAt != 0 {
+		if due := time.Duration(s.keepAliveAt - s.l.Now()); !armed || due < d {
+			d, armed = due, true
+		}
+	}
+	if armed {
+		s.l.Schedule(&s.timer, d)
+	}
+}
+
+// keepAliveDue gives the backend socket its keepalive options (SO_KEEPALIVE,
+// TCP_KEEPIDLE, TCP_KEEPINTVL) once its connection has been open for
+// TCPProxy.KeepAlive, from the session's timer; a connection that ends sooner
+// never makes these three system calls, of the nine that set one up with
+// keepalive at dial. Nothing a peer could notice changes: the kernel measures a
+// socket's idle time from the last segment it received, not from the calls, so
+// a socket given its options then, idle since it connected, is probed at once -
+// just when it would have been with the options from the dial - and one that
+// has heard from its peer since is probed KeepAlive after that, as before. The
+// first probe is late only by however late the loop runs the timer. (The client
+// socket inherits its options from the listener, at no cost per connection.)
+// It reports false when a call failed and the session was aborted.
+func (s *tcpSession) keepAliveDue() bool {
+	if s.keepAliveAt == 0 || s.l.Now() < s.keepAliveAt {
+		return true
+	}
+	s.keepAliveAt = 0
+	if err := setKeepAlive(s.backend.fd, s.p.keepAliveSecs()); err != nil {
+		s.abort(fmt.Errorf("set keepalive on the backend socket: %w", os.NewSyscallError("setsockopt", err)))
+		return false
+	}
+	return true
 }
 
 // attemptFailed records the failure of attempt d (whose socket is closed), takes

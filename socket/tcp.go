@@ -90,7 +90,9 @@ type TCPProxy struct {
 	// answers with a reset; the proxy then resets the other side too. A peer
 	// that vanished without a FIN is found 150s later, by default. Zero means
 	// DefaultKeepAlive, negative turns keepalive off. It is counted in whole
-	// seconds, rounded up, at most 32767s.
+	// seconds, rounded up, at most 32767s. The backend socket gets its options
+	// once the connection has been open for KeepAlive, sparing short connections
+	// the calls; its probes go when they would have (see the package doc).
 	KeepAlive time.Duration
 	// IdleTimeout closes a connection through which no byte has moved, either
 	// way, for that long: both sockets are reset (the record's Err wraps

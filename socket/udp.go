@@ -304,7 +304,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		return nil
 	}
 	start := time.Now()
-	fd, err := l.dial(ep, unix.SOCK_DGRAM, 0)
+	fd, err := l.dial(ep, unix.SOCK_DGRAM)
 	if err == nil {
 		if err = l.Watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
 			unix.Close(fd)
