@@ -29,7 +29,7 @@ const (
 
 type sqOffsets struct {
 	head, tail, ringMask, ringEntries, flags, dropped, array, resv1 uint32
-	userAddr                                                       uint64
+	userAddr                                                        uint64
 }
 type cqOffsets struct {
 	head, tail, ringMask, ringEntries, overflow, cqes, flags, resv1 uint32
@@ -62,15 +62,15 @@ type cqe struct {
 }
 
 type ring struct {
-	fd                       int
-	sqHead, sqTail, sqMask   *uint32
-	sqArray                  []uint32
-	sqes                     []sqe
-	cqHead, cqTail, cqMask   *uint32
-	cqes                     []cqe
-	tail                     uint32 // local SQ tail
-	submitted                uint32
-	enters                   uint64
+	fd                     int
+	sqHead, sqTail, sqMask *uint32
+	sqArray                []uint32
+	sqes                   []sqe
+	cqHead, cqTail, cqMask *uint32
+	cqes                   []cqe
+	tail                   uint32 // local SQ tail
+	submitted              uint32
+	enters                 uint64
 }
 
 func newRing(entries uint32) *ring {
