@@ -399,7 +399,10 @@ func runControlWorkload(ctx context.Context, cfg Config, rep *Report, paths []*p
 			return ctx.Err()
 		}
 		if err != nil {
-			e.Error = err.Error()
+			// A step that did not finish leaves the proxy busy with it: stop
+			// it, so it does not load the machine under the paths after it.
+			e.Error = err.Error() + " (uproxy stopped)"
+			p.ctl.p.stop(5 * time.Second)
 		}
 		e.Result = res
 		rep.Control = append(rep.Control, e)

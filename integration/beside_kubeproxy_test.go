@@ -2,7 +2,10 @@ package integration
 
 import (
 	"context"
+	"fmt"
+	"io"
 	"net/netip"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
@@ -262,4 +265,91 @@ func lineDiff(want, got string) string {
 		}
 	}
 	return b.String()
+}
+
+// TestABBesideKubeProxy runs the README's A/B recipe on one node: the same
+// three echo backends behind a Service kube-proxy serves (its iptables mode)
+// and a labelled copy uproxy serves (userspace mode, nftables portals), and
+// `uproxy ab` from a pod between the two ClusterIPs. Every connection on both
+// sides must succeed, and the report must cover both. With
+// UPROXY_AB_SAMPLE=FILE it also writes the text report of a 5000-connection
+// run to FILE (the README's sample).
+func TestABBesideKubeProxy(t *testing.T) {
+	testbed.RequireIPTables(t)
+	testbed.RequireNFTables(t)
+	kubeapi.RequireBinaries(t, "kube-proxy")
+	w := newKubeWorld(t)
+	c := newCluster(t, w.srv, "ab")
+	createNode(t, c.client, kubeNode, w.tp.NS(testbed.Node).IPv4)
+	var eps []endpoint
+	for i := 1; i <= 3; i++ {
+		addr := netip.MustParseAddrPort(startEcho(t, w.tp, testbed.Pod))
+		eps = append(eps, endpoint{b: &backend{name: fmt.Sprintf("echo-%d", i), ip: addr.Addr().String(), port: int32(addr.Port())}, node: kubeNode})
+	}
+	theirs := clusterAddr(c.service("echo", nil))
+	c.endpoints("echo", eps...)
+	mine := clusterAddr(c.service("echo-uproxy", func(s *v1.Service) {
+		s.Labels = map[string]string{kube.LabelServiceProxyName: "uproxy"}
+	}))
+	c.endpoints("echo-uproxy", eps...)
+	labelSlices(t, c, "echo-uproxy", map[string]string{kube.LabelServiceProxyName: "uproxy"})
+
+	kubeproxy.Start(t, w.tp, kubeproxy.Options{
+		Mode: "iptables", Kubeconfig: w.kubeconfig, NodeName: kubeNode, ClusterCIDR: "10.244.0.0/16",
+	})
+	runUproxy(t, w.tp, "", launch{
+		source: []string{"--kubeconfig", w.kubeconfig, "--hostname-override", kubeNode},
+		flags:  []string{"--service-proxy-name", "uproxy", "--proxy-mode", "userspace", "--rules", "nftables", "--shutdown-grace", "1s"},
+		want:   -1,
+		ready:  func(s []serviceState) bool { return len(withProxyPorts(s)) == 1 },
+	})
+	for _, addr := range []string{theirs, mine} {
+		awaitEcho(t, w.tp, addr)
+	}
+
+	rep := runAB(t, w.tp, testbed.Pod, theirs, mine, "--connections", "500")
+	if rep.A.Failed+rep.B.Failed != 0 || rep.A.Exchanges != 500 || rep.B.Exchanges != 500 {
+		t.Errorf("A (kube-proxy) %d exchanges %v, B (uproxy) %d exchanges %v; want 500 each, no errors",
+			rep.A.Exchanges, rep.A.Errors, rep.B.Exchanges, rep.B.Errors)
+	}
+	if r := abRow(rep, "connection", "p50"); r.Verdict == "row missing" {
+		t.Errorf("no connection p50 row in the report")
+	}
+
+	if file := os.Getenv("UPROXY_AB_SAMPLE"); file != "" {
+		cmd := exec.Command("ip", "netns", "exec", w.tp.NS(testbed.Pod).Name, uproxyBin, "ab", theirs, mine, "--connections", "5000")
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("uproxy ab: %v\n%s", err, out)
+		}
+		if err := os.WriteFile(file, out, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("uproxy ab %s %s:\n%s", theirs, mine, out)
+	}
+}
+
+// awaitEcho waits until a connection from the pod namespace to addr echoes.
+func awaitEcho(t *testing.T, tp *testbed.Topology, addr string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	var last error
+	for time.Now().Before(deadline) {
+		c, err := tp.Dial(testbed.Pod, "tcp", addr)
+		if err == nil {
+			c.SetDeadline(time.Now().Add(time.Second))
+			_, err = c.Write([]byte("ping"))
+			buf := make([]byte, 4)
+			if err == nil {
+				_, err = io.ReadFull(c, buf)
+			}
+			c.Close()
+			if err == nil && string(buf) == "ping" {
+				return
+			}
+		}
+		last = err
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("%s never echoed from the pod: %v", addr, last)
 }

@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strconv"
+	"syscall"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 )
 
@@ -63,10 +66,18 @@ func (p *Proxier) listen(sp *servicePort, r *route, pp int) (*serving, error) {
 		if err != nil {
 			return nil, err
 		}
+		if err := spareDescriptor(ln); err != nil {
+			ln.Close()
+			return nil, err
+		}
 		go p.serve(sp, sv, func() error { return r.tcp.Serve(ln) })
 	} else {
 		pc, err := new(net.ListenConfig).ListenPacket(context.Background(), "udp", addr)
 		if err != nil {
+			return nil, err
+		}
+		if err := spareDescriptor(pc.(*net.UDPConn)); err != nil {
+			pc.Close()
 			return nil, err
 		}
 		go p.serve(sp, sv, func() error { return r.udp.Serve(pc.(*net.UDPConn)) })
@@ -74,19 +85,44 @@ func (p *Proxier) listen(sp *servicePort, r *route, pp int) (*serving, error) {
 	return sv, nil
 }
 
+// spareDescriptor checks that the process can open one more descriptor, as
+// Serve does to take the socket over from Go's poller, so that running out of
+// descriptors fails the open here, where Sync sees it, rather than in Serve a
+// moment later (where each failed socket would cost the next sync a reopen).
+func spareDescriptor(c syscall.Conn) error {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var dupErr error
+	if err := rc.Control(func(fd uintptr) {
+		var dup int
+		if dup, dupErr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0); dupErr == nil {
+			unix.Close(dup)
+		}
+	}); err != nil {
+		return err
+	}
+	if dupErr != nil {
+		return os.NewSyscallError("fcntl", dupErr)
+	}
+	return nil
+}
+
 // listenAnywhere opens the proxy socket of sp's route r on a free port of the
 // range.
 func (p *Proxier) listenAnywhere(sp *servicePort, r *route) (*listenerState, error) {
 	var ls *listenerState
 	var lastErr error
-	ok := p.alloc.each(func(pp int) bool {
+	ok := p.alloc.each(func(pp int) (bool, bool) {
 		sv, err := p.listen(sp, r, pp)
 		if err != nil {
+			// Out of descriptors, every other port would fail alike.
 			lastErr = err
-			return false
+			return false, fdStarved(err)
 		}
 		ls = &listenerState{proxyPort: pp, serving: sv}
-		return true
+		return true, false
 	})
 	if !ok {
 		if lastErr == nil {

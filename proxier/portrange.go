@@ -89,9 +89,9 @@ func ephemeralRange() PortRange {
 	return r
 }
 
-// each calls try with free ports until try returns true (the port is then held)
-// or the range is exhausted.
-func (a *allocator) each(try func(port int) bool) bool {
+// each calls try with free ports until try takes one (the port is then held),
+// asks to stop, or the range is exhausted.
+func (a *allocator) each(try func(port int) (taken, stop bool)) bool {
 	n := a.r.Last - a.r.First + 1
 	start := rand.IntN(n)
 	for i := 0; i < n; i++ {
@@ -99,9 +99,13 @@ func (a *allocator) each(try func(port int) bool) bool {
 		if a.used[p] {
 			continue
 		}
-		if try(p) {
+		taken, stop := try(p)
+		if taken {
 			a.used[p] = true
 			return true
+		}
+		if stop {
+			return false
 		}
 	}
 	return false

@@ -19,11 +19,14 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/hashicorp/go-multierror"
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/affinity"
@@ -273,6 +276,10 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 	p.mu.Unlock()
 	portals := make([]rules.Portal, 0, len(s.Ports))
 	complete := true
+	// starved counts the Service ports left without a working proxy socket
+	// because the process is out of file descriptors, starvedReopens the
+	// reopens of sockets that failed that way.
+	starved, starvedReopens := 0, 0
 	for i, port := range s.Ports {
 		synced[i].port = port
 		if port.Protocol != service.TCP && port.Protocol != service.UDP {
@@ -283,9 +290,19 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 		sp := p.ports[port.Name]
 		p.mu.RUnlock()
 		if sp == nil {
+			if starved > 0 {
+				// Out of descriptors: this open would fail the same way.
+				starved++
+				complete = false
+				continue
+			}
 			var err error
 			if sp, err = p.openPort(port); err != nil {
-				portErrs = multierror.Append(portErrs, err)
+				if fdStarved(err) {
+					starved++
+				} else {
+					portErrs = multierror.Append(portErrs, err)
+				}
 				complete = false
 				continue
 			}
@@ -301,14 +318,33 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 			if zoneChanged || sp.port.Load() != port { // see syncSameListeners
 				p.updatePort(sp, port)
 			}
+			if sp.starvedSocket() {
+				// A socket that failed for want of descriptors: at most
+				// MaxStarvedReopens such reopens a sync, none once an open
+				// failed the same way, so a node that cannot hold every
+				// proxy socket does not spend its syncs retrying them all.
+				if starved > 0 || starvedReopens >= MaxStarvedReopens {
+					starved++
+					complete = false
+					continue
+				}
+				starvedReopens++
+			}
 			if err := p.reopenFailed(sp); err != nil {
-				portErrs = multierror.Append(portErrs, err)
+				if fdStarved(err) {
+					starved++
+				} else {
+					portErrs = multierror.Append(portErrs, err)
+				}
 				complete = false
 				continue
 			}
 		}
 		synced[i].sp = sp
 		portals = append(portals, sp.portal(port))
+	}
+	if starved > 0 {
+		portErrs = multierror.Append(portErrs, starvedError(starved))
 	}
 	p.mu.Lock()
 	if complete && sortedByName(s.Ports) {
@@ -318,6 +354,38 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 	}
 	p.mu.Unlock()
 	return portals, portErrs
+}
+
+// MaxStarvedReopens bounds the proxy sockets that failed for want of file
+// descriptors which one sync reopens (the others wait for later syncs).
+var MaxStarvedReopens = 256
+
+// fdStarved reports whether err is the process (EMFILE) or the system (ENFILE)
+// out of file descriptors.
+func fdStarved(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)
+}
+
+// starvedSocket reports whether a proxy socket of sp failed for want of file
+// descriptors.
+func (sp *servicePort) starvedSocket() bool {
+	for _, r := range sp.routes() {
+		if ls := r.listener.Load(); ls != nil && fdStarved(ls.serving.failed()) {
+			return true
+		}
+	}
+	return false
+}
+
+// starvedError is the one error of a sync that left n Service ports without
+// a proxy socket for want of file descriptors.
+func starvedError(n int) error {
+	limit := "unknown"
+	var rl unix.Rlimit
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) == nil {
+		limit = strconv.FormatUint(rl.Cur, 10)
+	}
+	return fmt.Errorf("%d Service ports have no working proxy socket: out of file descriptors (open files limit %s; each Service port needs one, each open connection two): raise the limit or serve fewer Service ports", n, limit)
 }
 
 // sortedByName reports whether ports are in strictly increasing name order, as
