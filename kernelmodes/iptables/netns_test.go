@@ -1,8 +1,6 @@
 package iptables
 
 import (
-	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"strconv"
@@ -14,70 +12,6 @@ import (
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
 )
-
-func mustExec(t testing.TB, tp *testbed.Topology, role string, args ...string) {
-	t.Helper()
-	if _, err := tp.Exec(role, args...); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// serveIdentity answers every connection with "local|remote\n" and closes it:
-// which endpoint served it, and which client address it saw.
-func serveIdentity(ln net.Listener) {
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		fmt.Fprintf(c, "%s|%s\n", c.LocalAddr(), c.RemoteAddr())
-		c.Close()
-	}
-}
-
-// serveUDPIdentity answers every datagram with "local|payload".
-func serveUDPIdentity(pc net.PacketConn) {
-	buf := make([]byte, 64<<10)
-	local := pc.LocalAddr().String()
-	for {
-		n, from, err := pc.ReadFrom(buf)
-		if err != nil {
-			return
-		}
-		pc.WriteTo([]byte(local+"|"+string(buf[:n])), from)
-	}
-}
-
-// ask connects from role to addr and returns the identity line: endpoint and
-// the client address the endpoint saw.
-func ask(tp *testbed.Topology, role, addr string) (endpoint, client string, err error) {
-	c, err := tp.Dial(role, "tcp", addr)
-	if err != nil {
-		return "", "", err
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(testbed.DialTimeout))
-	line, err := io.ReadAll(c)
-	if err != nil {
-		return "", "", err
-	}
-	endpoint, client, ok := strings.Cut(strings.TrimSpace(string(line)), "|")
-	if !ok {
-		return "", "", fmt.Errorf("reply %q: want local|remote", line)
-	}
-	return endpoint, client, nil
-}
-
-// dialQuick dials with a short timeout, for paths that must not connect.
-func dialQuick(tp *testbed.Topology, role, addr string) error {
-	return tp.Run(role, func() error {
-		c, err := net.DialTimeout("tcp", addr, time.Second)
-		if err == nil {
-			c.Close()
-		}
-		return err
-	})
-}
 
 func ep(s string, local bool) service.Endpoint {
 	return service.Endpoint{Addr: netip.MustParseAddrPort(s), Ready: true, Serving: true, Local: local}
@@ -126,31 +60,31 @@ func newWorld(t *testing.T) *world {
 	// Someone else's rules (kube-proxy's names), which uproxy must leave alone;
 	// they also create the tables, so "before" is not empty.
 	for _, ipt := range []string{"iptables", "ip6tables"} {
-		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-N", "KUBE-SERVICES")
-		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
-		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN")
-		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-N", "KUBE-FIREWALL")
-		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "nat", "-N", "KUBE-SERVICES")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "filter", "-N", "KUBE-FIREWALL")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL")
 	}
 	w.before = [2]string{tp.SavedRules(t, false), tp.SavedRules(t, true)}
 	// REJECT answers with ICMP, which the node rate-limits per destination host;
 	// the redirects hairpinned traffic triggers would use up the pod's budget.
-	mustExec(t, tp, testbed.Node, "sysctl", "-q", "-w", "net.ipv4.icmp_ratelimit=0")
+	tp.MustExec(t, testbed.Node, "sysctl", "-q", "-w", "net.ipv4.icmp_ratelimit=0")
 	for i := 11; i <= 13; i++ {
 		v4 := "192.168.50." + strconv.Itoa(i)
 		v6 := "fd00:50::" + strconv.Itoa(i)
-		mustExec(t, tp, testbed.External, "ip", "addr", "add", v4+"/24", "dev", "eth0")
-		mustExec(t, tp, testbed.External, "ip", "addr", "add", v6+"/64", "dev", "eth0", "nodad")
+		tp.MustExec(t, testbed.External, "ip", "addr", "add", v4+"/24", "dev", "eth0")
+		tp.MustExec(t, testbed.External, "ip", "addr", "add", v6+"/64", "dev", "eth0", "nodad")
 		for _, a := range []string{v4 + ":8080", "[" + v6 + "]:8080"} {
-			go serveIdentity(tp.Listen(testbed.External, "tcp", a))
+			go testbed.ServeIdentity(tp.Listen(testbed.External, "tcp", a))
 		}
 		w.extV4 = append(w.extV4, v4+":8080")
 		w.extV6 = append(w.extV6, "["+v6+"]:8080")
 	}
 	w.podEP = w.podIPv4.String() + ":8080"
-	go serveIdentity(tp.Listen(testbed.Pod, "tcp", w.podEP))
+	go testbed.ServeIdentity(tp.Listen(testbed.Pod, "tcp", w.podEP))
 	udp := tp.ListenPacket(testbed.External, "udp", "192.168.50.11:5353")
-	go serveUDPIdentity(udp)
+	go testbed.ServeUDPIdentity(udp)
 	w.udpEP = "192.168.50.11:5353"
 
 	var webEPs []service.Endpoint
@@ -258,7 +192,7 @@ func TestRealIPTablesMode(t *testing.T) {
 	}
 	check := func(t *testing.T, from, to string, want []string) {
 		t.Helper()
-		got, _, err := ask(tp, from, to)
+		got, _, err := tp.Ask(from, to)
 		if err != nil || !inSet(got, want) {
 			t.Errorf("%s from %s: got endpoint %q (%v), want one of %q", to, from, got, err, want)
 		}
@@ -268,7 +202,7 @@ func TestRealIPTablesMode(t *testing.T) {
 	}
 
 	t.Run("hairpin traffic is masqueraded to the node", func(t *testing.T) {
-		_, client, err := ask(tp, testbed.Pod, "10.96.0.15:80")
+		_, client, err := tp.Ask(testbed.Pod, "10.96.0.15:80")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -298,21 +232,21 @@ func TestRealIPTablesMode(t *testing.T) {
 	})
 
 	t.Run("no endpoints: REJECT", func(t *testing.T) {
-		err := dialQuick(tp, testbed.Pod, "10.96.0.12:80")
+		err := tp.DialQuick(testbed.Pod, "10.96.0.12:80")
 		if err == nil || !strings.Contains(err.Error(), "refused") {
 			t.Errorf("dial Service without endpoints: got %v, want connection refused", err)
 		}
 	})
 
 	t.Run("LoadBalancer IP from a source outside loadBalancerSourceRanges is dropped", func(t *testing.T) {
-		if err := dialQuick(tp, testbed.External, "10.251.0.7:80"); err == nil {
+		if err := tp.DialQuick(testbed.External, "10.251.0.7:80"); err == nil {
 			t.Errorf("dial from external: got a connection, want none")
 		}
 	})
 
 	t.Run("externalTrafficPolicy Local: node's endpoint only, client IP kept", func(t *testing.T) {
 		for range 20 {
-			got, client, err := ask(tp, testbed.External, w.nodeIPv4.String()+":30081")
+			got, client, err := tp.Ask(testbed.External, w.nodeIPv4.String()+":30081")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -326,7 +260,7 @@ func TestRealIPTablesMode(t *testing.T) {
 	t.Run("300 connections spread over 3 endpoints", func(t *testing.T) {
 		counts := map[string]int{}
 		for range 300 {
-			got, _, err := ask(tp, testbed.Pod, "10.96.0.10:80")
+			got, _, err := tp.Ask(testbed.Pod, "10.96.0.10:80")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -358,7 +292,7 @@ func TestRealIPTablesMode(t *testing.T) {
 	t.Run("ClientIP affinity sticks to one endpoint", func(t *testing.T) {
 		seen := map[string]int{}
 		for range 30 {
-			got, _, err := ask(tp, testbed.Pod, "10.96.0.11:80")
+			got, _, err := tp.Ask(testbed.Pod, "10.96.0.11:80")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -391,11 +325,11 @@ func TestRealIPTablesMode(t *testing.T) {
 	})
 
 	t.Run("iptables -t nat -F then Sync restores service", func(t *testing.T) {
-		mustExec(t, tp, testbed.Node, "iptables", "-t", "nat", "-F")
+		tp.MustExec(t, testbed.Node, "iptables", "-t", "nat", "-F")
 		// The other program restores its own rules, as it would.
-		mustExec(t, tp, testbed.Node, "iptables", "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
-		mustExec(t, tp, testbed.Node, "iptables", "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN")
-		if err := dialQuick(tp, testbed.Pod, "10.96.0.10:80"); err == nil {
+		tp.MustExec(t, testbed.Node, "iptables", "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
+		tp.MustExec(t, testbed.Node, "iptables", "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN")
+		if err := tp.DialQuick(testbed.Pod, "10.96.0.10:80"); err == nil {
 			t.Fatalf("dial after flush: got a connection, want none (nothing should serve the ClusterIP)")
 		}
 		w.sync(t, p, w.snapshot())

@@ -1,8 +1,6 @@
 package nftables
 
 import (
-	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"strconv"
@@ -15,70 +13,6 @@ import (
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
 )
-
-func mustExec(t testing.TB, tp *testbed.Topology, role string, args ...string) {
-	t.Helper()
-	if out, err := tp.Exec(role, args...); err != nil {
-		t.Fatalf("%s: %v: %s", strings.Join(args, " "), err, out)
-	}
-}
-
-// serveIdentity answers every connection with "local|remote\n" and closes it:
-// which endpoint served it, and which client address it saw.
-func serveIdentity(ln net.Listener) {
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		fmt.Fprintf(c, "%s|%s\n", c.LocalAddr(), c.RemoteAddr())
-		c.Close()
-	}
-}
-
-// serveUDPIdentity answers every datagram with "local|payload".
-func serveUDPIdentity(pc net.PacketConn) {
-	buf := make([]byte, 64<<10)
-	local := pc.LocalAddr().String()
-	for {
-		n, from, err := pc.ReadFrom(buf)
-		if err != nil {
-			return
-		}
-		pc.WriteTo([]byte(local+"|"+string(buf[:n])), from)
-	}
-}
-
-// ask connects from role to addr and returns the identity line: endpoint and
-// the client address the endpoint saw.
-func ask(tp *testbed.Topology, role, addr string) (endpoint, client string, err error) {
-	c, err := tp.Dial(role, "tcp", addr)
-	if err != nil {
-		return "", "", err
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(testbed.DialTimeout))
-	line, err := io.ReadAll(c)
-	if err != nil {
-		return "", "", err
-	}
-	endpoint, client, ok := strings.Cut(strings.TrimSpace(string(line)), "|")
-	if !ok {
-		return "", "", fmt.Errorf("reply %q: want local|remote", line)
-	}
-	return endpoint, client, nil
-}
-
-// dialQuick dials with a short timeout, for paths that must not connect.
-func dialQuick(tp *testbed.Topology, role, addr string) error {
-	return tp.Run(role, func() error {
-		c, err := net.DialTimeout("tcp", addr, time.Second)
-		if err == nil {
-			c.Close()
-		}
-		return err
-	})
-}
 
 // udpAsk sends payload on c and returns the reply.
 func udpAsk(c net.Conn, payload string) (string, error) {
@@ -135,14 +69,14 @@ type world struct {
 // foreign is what other programs keep in the node's nftables: kube-proxy's
 // table and chains (through iptables-nft), which uproxy must leave alone.
 func foreign(t testing.TB, tp *testbed.Topology) {
-	mustExec(t, tp, testbed.Node, "nft", "add table inet kube-proxy")
-	mustExec(t, tp, testbed.Node, "nft", "add chain inet kube-proxy services { type nat hook prerouting priority dstnat; }")
-	mustExec(t, tp, testbed.Node, "nft", "add rule inet kube-proxy services ip daddr 10.96.0.99 tcp dport 80 dnat ip to 192.168.50.11:8080")
+	tp.MustExec(t, testbed.Node, "nft", "add table inet kube-proxy")
+	tp.MustExec(t, testbed.Node, "nft", "add chain inet kube-proxy services { type nat hook prerouting priority dstnat; }")
+	tp.MustExec(t, testbed.Node, "nft", "add rule inet kube-proxy services ip daddr 10.96.0.99 tcp dport 80 dnat ip to 192.168.50.11:8080")
 	for _, ipt := range []string{"iptables", "ip6tables"} {
-		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-N", "KUBE-SERVICES")
-		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
-		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-N", "KUBE-FIREWALL")
-		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "nat", "-N", "KUBE-SERVICES")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "filter", "-N", "KUBE-FIREWALL")
+		tp.MustExec(t, testbed.Node, ipt, "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL")
 	}
 }
 
@@ -152,22 +86,22 @@ func newWorld(t *testing.T) *world {
 	foreign(t, tp)
 	w.before = tp.NFTRuleset(t)
 	// REJECT answers with ICMP, which the node rate-limits per destination host.
-	mustExec(t, tp, testbed.Node, "sysctl", "-q", "-w", "net.ipv4.icmp_ratelimit=0")
+	tp.MustExec(t, testbed.Node, "sysctl", "-q", "-w", "net.ipv4.icmp_ratelimit=0")
 	for i := 11; i <= 13; i++ {
 		v4 := "192.168.50." + strconv.Itoa(i)
 		v6 := "fd00:50::" + strconv.Itoa(i)
-		mustExec(t, tp, testbed.External, "ip", "addr", "add", v4+"/24", "dev", "eth0")
-		mustExec(t, tp, testbed.External, "ip", "addr", "add", v6+"/64", "dev", "eth0", "nodad")
+		tp.MustExec(t, testbed.External, "ip", "addr", "add", v4+"/24", "dev", "eth0")
+		tp.MustExec(t, testbed.External, "ip", "addr", "add", v6+"/64", "dev", "eth0", "nodad")
 		for _, a := range []string{v4 + ":8080", "[" + v6 + "]:8080"} {
-			go serveIdentity(tp.Listen(testbed.External, "tcp", a))
+			go testbed.ServeIdentity(tp.Listen(testbed.External, "tcp", a))
 		}
 		w.extV4 = append(w.extV4, v4+":8080")
 		w.extV6 = append(w.extV6, "["+v6+"]:8080")
 	}
 	w.podEP = w.podIPv4.String() + ":8080"
-	go serveIdentity(tp.Listen(testbed.Pod, "tcp", w.podEP))
+	go testbed.ServeIdentity(tp.Listen(testbed.Pod, "tcp", w.podEP))
 	for _, a := range []string{"192.168.50.11:5353", "192.168.50.12:5353"} {
-		go serveUDPIdentity(tp.ListenPacket(testbed.External, "udp", a))
+		go testbed.ServeUDPIdentity(tp.ListenPacket(testbed.External, "udp", a))
 		w.udpEPs = append(w.udpEPs, a)
 	}
 
@@ -295,7 +229,7 @@ func TestRealNFTablesMode(t *testing.T) {
 	}
 	check := func(t *testing.T, from, to string, want []string) {
 		t.Helper()
-		got, _, err := ask(tp, from, to)
+		got, _, err := tp.Ask(from, to)
 		if err != nil || !inSet(got, want) {
 			t.Errorf("%s from %s: got endpoint %q (%v), want one of %q", to, from, got, err, want)
 		}
@@ -327,7 +261,7 @@ func TestRealNFTablesMode(t *testing.T) {
 			{testbed.Pod, "10.96.0.10:80", w.podIPv4.String()},
 			{testbed.External, w.nodeIPv4.String() + ":30080", w.nodeIPv4.String()},
 		} {
-			_, client, err := ask(tp, c.from, c.to)
+			_, client, err := tp.Ask(c.from, c.to)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -382,7 +316,7 @@ func TestRealNFTablesMode(t *testing.T) {
 			{testbed.Pod, "[fd00:96::12]:80"},
 			{testbed.External, w.nodeIPv4.String() + ":30083"},
 		} {
-			err := dialQuick(tp, c.from, c.to)
+			err := tp.DialQuick(c.from, c.to)
 			if err == nil || !strings.Contains(err.Error(), "refused") {
 				t.Errorf("dial %s from %s: got %v, want connection refused", c.to, c.from, err)
 			}
@@ -395,7 +329,7 @@ func TestRealNFTablesMode(t *testing.T) {
 			{testbed.Pod, "10.96.0.17:80"},
 			{testbed.External, w.nodeIPv4.String() + ":30082"},
 		} {
-			err := dialQuick(tp, c.from, c.to)
+			err := tp.DialQuick(c.from, c.to)
 			if err == nil || strings.Contains(err.Error(), "refused") {
 				t.Errorf("dial %s from %s: got %v, want a timeout", c.to, c.from, err)
 			}
@@ -404,7 +338,7 @@ func TestRealNFTablesMode(t *testing.T) {
 
 	t.Run("externalTrafficPolicy Local: node's endpoint only, client IP kept", func(t *testing.T) {
 		for range 20 {
-			got, client, err := ask(tp, testbed.External, w.nodeIPv4.String()+":30081")
+			got, client, err := tp.Ask(testbed.External, w.nodeIPv4.String()+":30081")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -418,7 +352,7 @@ func TestRealNFTablesMode(t *testing.T) {
 	t.Run("300 connections spread over 3 endpoints", func(t *testing.T) {
 		counts := map[string]int{}
 		for range 300 {
-			got, _, err := ask(tp, testbed.Pod, "10.96.0.10:80")
+			got, _, err := tp.Ask(testbed.Pod, "10.96.0.10:80")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -442,7 +376,7 @@ func TestRealNFTablesMode(t *testing.T) {
 		} {
 			seen := map[string]int{}
 			for range 30 {
-				got, _, err := ask(tp, c.from, c.to)
+				got, _, err := tp.Ask(c.from, c.to)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -525,12 +459,12 @@ func TestRealNFTablesMode(t *testing.T) {
 		{"nft flush ruleset", []string{"nft", "flush", "ruleset"}},
 	} {
 		t.Run(flush.name+" then Sync restores service", func(t *testing.T) {
-			mustExec(t, tp, testbed.Node, flush.cmd...)
+			tp.MustExec(t, testbed.Node, flush.cmd...)
 			if flush.name == "nft flush ruleset" {
 				// The other programs restore their own.
 				foreign(t, tp)
 			}
-			if err := dialQuick(tp, testbed.Pod, "10.96.0.10:80"); err == nil {
+			if err := tp.DialQuick(testbed.Pod, "10.96.0.10:80"); err == nil {
 				t.Fatalf("dial after the flush: got a connection, want none (nothing should serve the ClusterIP)")
 			}
 			if w.intact(p) {
