@@ -5,7 +5,6 @@ import (
 	"net"
 	"net/netip"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -84,34 +83,7 @@ func benchmarkConnThroughPortals(b *testing.B, be realBackend) {
 			return unix.Close(afd)
 		}
 		for _, from := range []string{testbed.Pod, testbed.Node} {
-			b.Run(fmt.Sprintf("from=%s/portals=%d", from, n), func(b *testing.B) {
-				err := tp.Run(from, func() error {
-					for range 200 { // warm-up: conntrack and routing caches
-						if err := dial(); err != nil {
-							return err
-						}
-					}
-					b.ResetTimer()
-					start := processCPU()
-					for b.Loop() {
-						if err := dial(); err != nil {
-							return err
-						}
-					}
-					b.ReportMetric(float64(processCPU()-start)/float64(b.N)/1e3, "cpu-us/conn")
-					return nil
-				})
-				if err != nil {
-					b.Fatal(err)
-				}
-			})
+			b.Run(fmt.Sprintf("from=%s/portals=%d", from, n), func(b *testing.B) { tp.BenchConns(b, from, dial) })
 		}
 	}
-}
-
-// processCPU is the CPU time the test process has used.
-func processCPU() time.Duration {
-	var ru unix.Rusage
-	unix.Getrusage(unix.RUSAGE_SELF, &ru)
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

@@ -725,35 +725,12 @@ func benchmarkNodeDialThroughPortals(b *testing.B, be realBackend) {
 		}
 		return unix.Close(afd)
 	}
-	cpu := func() time.Duration {
-		var ru unix.Rusage
-		unix.Getrusage(unix.RUSAGE_SELF, &ru)
-		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-	}
 	run := func(name string, portals []Portal, mark int) {
 		b.Run(name, func(b *testing.B) {
-			err := tp.Run(testbed.Node, func() error {
-				if err := p.Sync(portals); err != nil {
-					return err
-				}
-				for range 200 { // warm-up: conntrack and routing caches
-					if err := dial(mark); err != nil {
-						return err
-					}
-				}
-				b.ResetTimer()
-				start := cpu()
-				for b.Loop() {
-					if err := dial(mark); err != nil {
-						return err
-					}
-				}
-				b.ReportMetric(float64(cpu()-start)/float64(b.N)/1e3, "cpu-us/conn")
-				return nil
-			})
-			if err != nil {
+			if err := tp.Run(testbed.Node, func() error { return p.Sync(portals) }); err != nil {
 				b.Fatal(err)
 			}
+			tp.BenchConns(b, testbed.Node, func() error { return dial(mark) })
 		})
 	}
 	many := benchPortals(10000, 20000)

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // MustExec runs args in role's namespace and fails t with their output if
@@ -74,4 +76,39 @@ func (tp *Topology) DialQuick(role, addr string) error {
 		}
 		return err
 	})
+}
+
+// ProcessCPU is the CPU time, user and system, the calling process has used.
+func ProcessCPU() time.Duration {
+	var ru unix.Rusage
+	unix.Getrusage(unix.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchConns measures conn, one new connection (opened, accepted and closed
+// by the caller), in role's namespace: 200 calls to warm conntrack and the
+// routing caches, then b's loop, reported as the process's CPU per call
+// (cpu-us/conn). The kernel's netfilter work for the connection runs in the
+// process's system calls, on either end.
+func (tp *Topology) BenchConns(b *testing.B, role string, conn func() error) {
+	b.Helper()
+	err := tp.Run(role, func() error {
+		for range 200 {
+			if err := conn(); err != nil {
+				return err
+			}
+		}
+		b.ResetTimer()
+		start := ProcessCPU()
+		for b.Loop() {
+			if err := conn(); err != nil {
+				return err
+			}
+		}
+		b.ReportMetric(float64(ProcessCPU()-start)/float64(b.N)/1e3, "cpu-us/conn")
+		return nil
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
 }

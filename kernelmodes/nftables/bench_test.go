@@ -192,11 +192,6 @@ func BenchmarkConnThroughKernelMode(b *testing.B) {
 		}
 		return unix.Close(afd)
 	}
-	cpu := func() time.Duration {
-		var ru unix.Rusage
-		unix.Getrusage(unix.RUSAGE_SELF, &ru)
-		return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-	}
 	var p *Proxier
 	if err := tp.Run(testbed.Node, func() (err error) { p, err = New(Config{}); return err }); err != nil {
 		b.Fatal(err)
@@ -208,27 +203,7 @@ func BenchmarkConnThroughKernelMode(b *testing.B) {
 			b.Fatal(err)
 		}
 		for _, from := range []string{testbed.Pod, testbed.Node} {
-			b.Run(fmt.Sprintf("from=%s/ports=%d", from, n), func(b *testing.B) {
-				err := tp.Run(from, func() error {
-					for range 200 { // warm-up: conntrack and routing caches
-						if err := dial(); err != nil {
-							return err
-						}
-					}
-					b.ResetTimer()
-					start := cpu()
-					for b.Loop() {
-						if err := dial(); err != nil {
-							return err
-						}
-					}
-					b.ReportMetric(float64((cpu()-start).Microseconds())/float64(b.N), "cpu-us/conn")
-					return nil
-				})
-				if err != nil {
-					b.Fatal(err)
-				}
-			})
+			b.Run(fmt.Sprintf("from=%s/ports=%d", from, n), func(b *testing.B) { tp.BenchConns(b, from, dial) })
 		}
 	}
 	tp.Run(testbed.Node, p.Cleanup)
