@@ -147,24 +147,10 @@ type shared struct {
 
 func (r *renderer) family(a netip.Addr) bool { return a.Unmap().Is6() == r.v6 }
 
-func (r *renderer) ofFamily(ips []netip.Addr) []netip.Addr {
-	var out []netip.Addr
-	for _, ip := range ips {
-		if ip.IsValid() && !ip.IsUnspecified() && r.family(ip) {
-			out = append(out, ip.Unmap().WithZone(""))
-		}
-	}
-	return out
-}
+func (r *renderer) ofFamily(ips []netip.Addr) []netip.Addr { return service.AddrsOfFamily(ips, r.v6) }
 
 func (r *renderer) epsOfFamily(eps []service.Endpoint) []netip.AddrPort {
-	var out []netip.AddrPort
-	for _, e := range eps {
-		if e.Addr.IsValid() && r.family(e.Addr.Addr()) {
-			out = append(out, netip.AddrPortFrom(e.Addr.Addr().Unmap(), e.Addr.Port()))
-		}
-	}
-	return out
+	return service.EndpointsOfFamily(eps, r.v6)
 }
 
 func (r *renderer) hostMask() string {

@@ -98,24 +98,10 @@ func belongs(f *family, p *service.Port) bool {
 	return true
 }
 
-func (f *family) ofFamily(ips []netip.Addr) []netip.Addr {
-	var out []netip.Addr
-	for _, ip := range ips {
-		if ip.IsValid() && !ip.IsUnspecified() && f.has(ip) {
-			out = append(out, ip.Unmap().WithZone(""))
-		}
-	}
-	return out
-}
+func (f *family) ofFamily(ips []netip.Addr) []netip.Addr { return service.AddrsOfFamily(ips, f.v6) }
 
 func (f *family) endpoints(eps []service.Endpoint) []netip.AddrPort {
-	var out []netip.AddrPort
-	for _, e := range eps {
-		if e.Addr.IsValid() && f.has(e.Addr.Addr()) {
-			out = append(out, netip.AddrPortFrom(e.Addr.Addr().Unmap(), e.Addr.Port()))
-		}
-	}
-	return out
+	return service.EndpointsOfFamily(eps, f.v6)
 }
 
 // hash is a name-safe digest of s, n base32 characters long.
