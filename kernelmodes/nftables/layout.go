@@ -218,8 +218,11 @@ func (l *tableLayout) write(tx *knftables.Transaction) {
 		for _, c := range []string{chainNATPrerouting, chainNATOutput} {
 			rule(c, "meta nfproto", f.nfproto, "jump", f.name("services"))
 		}
+		// Only a connection's first packet can be refused: the rest of its
+		// packets skip the lookups (a node's own connections pass both the
+		// output and the input hook, every packet).
 		for _, c := range []string{chainFilterInput, chainFilterForward, chainFilterOutput} {
-			rule(c, "meta nfproto", f.nfproto, "jump", f.name("filter"))
+			rule(c, "meta nfproto", f.nfproto, "ct state new jump", f.name("filter"))
 		}
 	}
 	// Clear the bit, so that a packet coming back (tunnels, IPsec) is not
