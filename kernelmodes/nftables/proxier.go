@@ -24,7 +24,8 @@
 //	map affinity4 ...   keys of ClientIP-affinity Service ports -> goto their own chain
 //	chain services4     from nat prerouting and output: firewall, marks, Local policy, affinity,
 //	                    NodePorts, then one dnat rule per count map
-//	chain filter4       from filter input, forward and output: reject and drop
+//	chain filter4       from filter input, forward and output, for a connection's first
+//	                    packet (ct state new): reject and drop
 //
 // Only a Service port with ClientIP affinity gets chains of its own (one per
 // endpoint set, with a dynamic set of clients per endpoint): affinity needs
