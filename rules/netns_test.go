@@ -351,6 +351,17 @@ func testRealPortals(t *testing.T, b realBackend) {
 		}
 	})
 
+	t.Run("an endpoint change writes nothing", func(t *testing.T) {
+		moved := *web
+		moved.Endpoints = []service.Endpoint{{Addr: netip.MustParseAddrPort("10.244.9.9:8080"), Ready: true}}
+		n := *writes
+		sync(t, []Portal{{Port: &moved, ProxyPort: int(tcpProxy.Port())}, portals[1]})
+		if *writes != n {
+			t.Errorf("writes after an endpoint change: got %d, want 0", *writes-n)
+		}
+		sync(t, portals)
+	})
+
 	pod := tp.NS(testbed.Pod)
 	type path struct {
 		name, from, network string
