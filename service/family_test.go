@@ -32,3 +32,21 @@ func TestOfFamily(t *testing.T) {
 		t.Errorf("IPv6 endpoints: got %v, want %v", got, want)
 	}
 }
+
+func TestInFamily(t *testing.T) {
+	v4, v6 := netip.MustParseAddr("10.96.0.1"), netip.MustParseAddr("fd00::1")
+	for _, tc := range []struct {
+		name         string
+		p            Port
+		want4, want6 bool
+	}{
+		{"IPv4 ClusterIP", Port{ClusterIPs: []netip.Addr{v4}, ExternalIPs: []netip.Addr{v6}}, true, false},
+		{"dual-stack", Port{ClusterIPs: []netip.Addr{v4, v6}}, true, true},
+		{"headless with an IPv6 ExternalIP", Port{ExternalIPs: []netip.Addr{v6}}, false, true},
+		{"bare NodePort", Port{NodePort: 30080}, true, true},
+	} {
+		if got4, got6 := tc.p.InFamily(false), tc.p.InFamily(true); got4 != tc.want4 || got6 != tc.want6 {
+			t.Errorf("%s: IPv4 %v IPv6 %v, want %v %v", tc.name, got4, got6, tc.want4, tc.want6)
+		}
+	}
+}

@@ -199,7 +199,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	cur := make(map[portKey]*portRules, len(ports))
 	order := make([]*portRules, 0, len(ports))
 	for _, sp := range ports {
-		if !fam.r.belongs(sp) {
+		if !sp.InFamily(fam.v6) {
 			continue
 		}
 		pr := fam.r.port(sp, &sh)

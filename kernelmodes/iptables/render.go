@@ -175,27 +175,6 @@ func protoName(p service.Protocol) string {
 	return ""
 }
 
-// belongs reports whether p is programmed in this family: the family of its
-// ClusterIPs, else of its other IPs, else (a bare NodePort) every family.
-func (r *renderer) belongs(p *service.Port) bool {
-	for _, ips := range [][]netip.Addr{p.ClusterIPs, slices.Concat(p.ExternalIPs, p.LoadBalancerIPs)} {
-		var any4, any6 bool
-		for _, ip := range ips {
-			if ip.IsValid() && !ip.IsUnspecified() {
-				if ip.Unmap().Is6() {
-					any6 = true
-				} else {
-					any4 = true
-				}
-			}
-		}
-		if any4 || any6 {
-			return (r.v6 && any6) || (!r.v6 && any4)
-		}
-	}
-	return true
-}
-
 // probability is kube-proxy's formatting of 1/n: ten decimals, enough that
 // rounding never starves an endpoint.
 func probability(n int) string { return fmt.Sprintf("%0.10f", 1.0/float64(n)) }

@@ -77,27 +77,6 @@ func protoName(p service.Protocol) string {
 	return ""
 }
 
-// belongs reports whether p is programmed in family f: the family of its
-// ClusterIPs, else of its other IPs, else (a bare NodePort) every family.
-func belongs(f *family, p *service.Port) bool {
-	for _, ips := range [][]netip.Addr{p.ClusterIPs, slices.Concat(p.ExternalIPs, p.LoadBalancerIPs)} {
-		var any4, any6 bool
-		for _, ip := range ips {
-			if ip.IsValid() && !ip.IsUnspecified() {
-				if ip.Unmap().Is6() {
-					any6 = true
-				} else {
-					any4 = true
-				}
-			}
-		}
-		if any4 || any6 {
-			return (f.v6 && any6) || (!f.v6 && any4)
-		}
-	}
-	return true
-}
-
 func (f *family) ofFamily(ips []netip.Addr) []netip.Addr { return service.AddrsOfFamily(ips, f.v6) }
 
 func (f *family) endpoints(eps []service.Endpoint) []netip.AddrPort {
@@ -127,7 +106,7 @@ func (r *renderer) port(p *service.Port) *rendered {
 	out := &rendered{port: p, comment: p.Name.String()}
 	programmed := map[netip.AddrPort]bool{}
 	for i, f := range r.l.fams {
-		if belongs(f, p) {
+		if p.InFamily(f.v6) {
 			r.family(out, f, i, p, programmed)
 		}
 	}
