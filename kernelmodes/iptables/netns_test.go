@@ -10,34 +10,17 @@ import (
 
 	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 	"github.com/uproxy/uproxy/testbed"
 )
 
-func ep(s string, local bool) service.Endpoint {
-	return service.Endpoint{Addr: netip.MustParseAddrPort(s), Ready: true, Serving: true, Local: local}
-}
-
-func svcPort(ns, name, portName string, proto service.Protocol, port int) *service.Port {
-	return &service.Port{Name: service.PortName{Namespace: ns, Name: name, Port: portName}, Protocol: proto, Port: port}
-}
-
-func addrs(ss ...string) []netip.Addr {
-	var out []netip.Addr
-	for _, s := range ss {
-		out = append(out, netip.MustParseAddr(s))
-	}
-	return out
-}
-
-func snapshot(ports ...*service.Port) *service.Snapshot {
-	s := &service.Snapshot{Ports: ports, Built: time.Now()}
-	for i := 1; i < len(ports); i++ {
-		for j := i; j > 0 && ports[j].Name.Less(ports[j-1].Name); j-- {
-			ports[j], ports[j-1] = ports[j-1], ports[j]
-		}
-	}
-	return s
-}
+// Constructors shared with the other kernel modes' tests.
+var (
+	ep       = servicetest.Endpoint
+	svcPort  = servicetest.Port
+	addrs    = servicetest.Addrs
+	snapshot = servicetest.Snapshot
+)
 
 // world is the topology of the end-to-end tests: three endpoints per family in
 // the external namespace (another host), one in the pod namespace (on the node).
