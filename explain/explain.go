@@ -105,7 +105,7 @@ type explanation struct {
 // serviceMatch is one Service port that has the destination.
 type serviceMatch struct {
 	// MatchedAs says how the destination belongs to the Service port: clusterIP,
-	// externalIP, loadBalancerIP, nodePort or proxyPort.
+	// externalIP, loadBalancerIP, nodePort, proxyPort or externalProxyPort.
 	MatchedAs string `json:"matchedAs"`
 	// ServedBy says what carries the connection: the proxy port or the kernel.
 	ServedBy string               `json:"servedBy"`
@@ -195,7 +195,7 @@ func Run(w io.Writer, destination string, o Options) error {
 		if m := matchService(st, dst, proto, local); m != "" {
 			served := "the kernel (" + mode + " mode): the rules below rewrite the destination to an endpoint; no proxy process sees the connection"
 			if st.ProxyPort != 0 {
-				served = servedByProxy(st, mode)
+				served = servedByProxy(st, m, mode)
 			}
 			x.Services = append(x.Services, serviceMatch{MatchedAs: m, ServedBy: served, Service: st})
 		}
@@ -244,9 +244,9 @@ func Run(w io.Writer, destination string, o Options) error {
 	}
 	if (err == nil || len(x.NFTPortals) > 0) && x.Mode == "userspace" && !x.anyRewrite() {
 		for _, sm := range x.Services {
-			if sm.MatchedAs != "proxyPort" {
+			if sm.MatchedAs != "proxyPort" && sm.MatchedAs != "externalProxyPort" {
 				x.Notes = append(x.Notes, fmt.Sprintf("no portal rule sends %s/%s to the proxy (uproxy runs with --rules none, or its rules were removed): connect to %s's proxy port %d on this node instead",
-					dst, proto, sm.Service.Name, sm.Service.ProxyPort))
+					dst, proto, sm.Service.Name, proxyPortOf(sm.Service, sm.MatchedAs)))
 			}
 		}
 	}
@@ -262,13 +262,31 @@ func Run(w io.Writer, destination string, o Options) error {
 	return x.writeText(w)
 }
 
-// servedByProxy says what the userspace mode does with a connection (TCP) or
-// datagrams (UDP) of st.
-func servedByProxy(st observe.ServiceState, mode string) string {
-	if strings.EqualFold(st.Protocol, "UDP") {
-		return fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy gives each client address an endpoint and forwards its datagrams there, and the replies back; a UDP send cannot fail, so nothing is retried (an endpoint that answers with ICMP port unreachable counts as a failed one)", st.ProxyPort, mode)
+// proxyPortOf is the proxy port that serves st's address matched as m: the
+// external traffic's own port (a Service port whose traffic policies differ)
+// for its NodePort, ExternalIPs and LoadBalancer IPs, else its proxy port.
+func proxyPortOf(st observe.ServiceState, m string) int {
+	switch m {
+	case "externalIP", "loadBalancerIP", "nodePort", "externalProxyPort":
+		if st.ExternalProxyPort != 0 {
+			return st.ExternalProxyPort
+		}
 	}
-	return fmt.Sprintf("uproxy's proxy port %d (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", st.ProxyPort, mode)
+	return st.ProxyPort
+}
+
+// servedByProxy says what the userspace mode does with a connection (TCP) or
+// datagrams (UDP) of st's address matched as m.
+func servedByProxy(st observe.ServiceState, m, mode string) string {
+	pp := proxyPortOf(st, m)
+	which := fmt.Sprintf("uproxy's proxy port %d", pp)
+	if pp != st.ProxyPort {
+		which += " for external traffic (it picks from the external endpoints, per externalTrafficPolicy)"
+	}
+	if strings.EqualFold(st.Protocol, "UDP") {
+		return fmt.Sprintf("%s (%s mode): uproxy gives each client address an endpoint and forwards its datagrams there, and the replies back; a UDP send cannot fail, so nothing is retried (an endpoint that answers with ICMP port unreachable counts as a failed one)", which, mode)
+	}
+	return fmt.Sprintf("%s (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", which, mode)
 }
 
 // findNFTPortals looks dst up in the nftables portals, if they are there.
@@ -379,6 +397,8 @@ func matchService(st observe.ServiceState, dst netip.AddrPort, proto string, loc
 		return "nodePort"
 	case st.ProxyPort != 0 && port == st.ProxyPort && onNode(dst, local):
 		return "proxyPort"
+	case st.ExternalProxyPort != 0 && port == st.ExternalProxyPort && onNode(dst, local):
+		return "externalProxyPort"
 	}
 	return ""
 }

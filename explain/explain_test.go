@@ -489,11 +489,39 @@ func TestServedByProxy(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.protocol, func(t *testing.T) {
-			got := servedByProxy(observe.ServiceState{Protocol: tt.protocol, ProxyPort: 40001}, "userspace")
+			got := servedByProxy(observe.ServiceState{Protocol: tt.protocol, ProxyPort: 40001}, "clusterIP", "userspace")
 			if !strings.Contains(got, tt.want) || strings.Contains(got, tt.wantNot) || !strings.Contains(got, "40001") {
 				t.Errorf("got %q, want it to say %q and the proxy port, not %q", got, tt.want, tt.wantNot)
 			}
 		})
+	}
+}
+
+// A Service port whose external traffic has a proxy port of its own: its
+// NodePort, ExternalIPs and LoadBalancer IPs (and that port itself) are served
+// by the external port, its ClusterIPs by the other.
+func TestExternalProxyPort(t *testing.T) {
+	st := observe.ServiceState{Protocol: "TCP", Port: 80, ClusterIPs: []string{"10.96.0.1"}, ExternalIPs: []string{"192.0.2.7"},
+		NodePort: 30080, ProxyPort: 40001, ExternalProxyPort: 40002}
+	local := map[netip.Addr]bool{netip.MustParseAddr("192.0.2.1"): true}
+	for _, tc := range []struct {
+		dst, match string
+		port       string
+	}{
+		{"10.96.0.1:80", "clusterIP", "40001"},
+		{"192.0.2.7:80", "externalIP", "40002"},
+		{"192.0.2.1:30080", "nodePort", "40002"},
+		{"192.0.2.1:40002", "externalProxyPort", "40002"},
+		{"192.0.2.1:40001", "proxyPort", "40001"},
+	} {
+		m := matchService(st, netip.MustParseAddrPort(tc.dst), "TCP", local)
+		if m != tc.match {
+			t.Errorf("%s: matched as %q, want %q", tc.dst, m, tc.match)
+			continue
+		}
+		if got := servedByProxy(st, m, "userspace"); !strings.Contains(got, "proxy port "+tc.port+" ") {
+			t.Errorf("%s: served by %q, want proxy port %s", tc.dst, got, tc.port)
+		}
 	}
 }
 

@@ -31,6 +31,9 @@ func (x *explanation) describe(v verdict) string {
 		if pp := sm.Service.ProxyPort; pp != 0 && strconv.Itoa(pp) == port {
 			d += ", the proxy port of " + sm.Service.Name
 		}
+		if pp := sm.Service.ExternalProxyPort; pp != 0 && strconv.Itoa(pp) == port {
+			d += ", the external traffic's proxy port of " + sm.Service.Name
+		}
 	}
 	return d
 }
