@@ -22,9 +22,27 @@ import (
 // on port pp (the socket layer keeps it outside Go's poller).
 func listeningSocket(t *testing.T, pp int) int {
 	t.Helper()
+	// Serve takes the socket over from Go's poller (a duplicate, then a close
+	// of the original) after Sync returns: a look at /proc/self/fd during the
+	// hand-over can miss both, so look again for a while.
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		if fd := findListeningSocket(pp); fd >= 0 {
+			return fd
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no listening socket on port %d", pp)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// findListeningSocket returns the descriptor of the listening socket on port
+// pp, or -1.
+func findListeningSocket(pp int) int {
 	entries, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
-		t.Fatal(err)
+		return -1
 	}
 	for _, e := range entries {
 		fd, err := strconv.Atoi(e.Name())
@@ -40,7 +58,6 @@ func listeningSocket(t *testing.T, pp int) int {
 			}
 		}
 	}
-	t.Fatalf("no listening socket on port %d", pp)
 	return -1
 }
 
