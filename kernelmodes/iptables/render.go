@@ -162,19 +162,6 @@ func (r *renderer) hostMask() string {
 
 func cidr(ip netip.Addr) string { return ip.String() + "/" + strconv.Itoa(ip.BitLen()) }
 
-// protoName is the protocol as iptables spells it, or "" when unsupported.
-func protoName(p service.Protocol) string {
-	switch p {
-	case service.TCP:
-		return "tcp"
-	case service.UDP:
-		return "udp"
-	case service.SCTP:
-		return "sctp"
-	}
-	return ""
-}
-
 // probability is kube-proxy's formatting of 1/n: ten decimals, enough that
 // rounding never starves an endpoint.
 func probability(n int) string { return fmt.Sprintf("%0.10f", 1.0/float64(n)) }
@@ -185,7 +172,7 @@ func probability(n int) string { return fmt.Sprintf("%0.10f", 1.0/float64(n)) }
 // EXT chain from NodePorts, ExternalIPs and LoadBalancer IPs (through FW when
 // loadBalancerSourceRanges are set), SEP chains doing the DNAT.
 func (r *renderer) port(p *service.Port, sh *shared) portRules {
-	proto := protoName(p.Protocol)
+	proto := p.Protocol.NetfilterName()
 	name := p.Name.String()
 	pr := portRules{key: p.Name, proto: p.Protocol, seps: map[string]netip.AddrPort{}, nodePort: p.NodePort}
 	svcChain := r.n.portChain("SVC", p.Name, p.Protocol, "")

@@ -198,18 +198,7 @@ func New(cfg Config) (*Proxier, error) {
 func (p *Proxier) Sync(s *service.Snapshot) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var errs []error
-	ports := make([]*service.Port, 0, len(s.Ports))
-	for _, sp := range s.Ports {
-		switch {
-		case protoName(sp.Protocol) == "":
-			errs = append(errs, fmt.Errorf("service port %s: protocol %q not supported", sp.Name, sp.Protocol))
-		case sp.Port <= 0 || sp.Port > 65535 || sp.NodePort < 0 || sp.NodePort > 65535:
-			errs = append(errs, fmt.Errorf("service port %s: invalid port %d or NodePort %d", sp.Name, sp.Port, sp.NodePort))
-		default:
-			ports = append(ports, sp)
-		}
-	}
+	ports, errs := service.NetfilterPorts(s.Ports)
 	ctx := context.Background()
 	if p.written != nil && !p.intact(ctx) {
 		klog.InfoS("nftables-mode table was flushed or deleted by someone else; rewriting it", "table", p.table)

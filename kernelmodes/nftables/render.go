@@ -64,19 +64,6 @@ func (a *rendered) equalContent(b *rendered) bool {
 	return true
 }
 
-// protoName is the protocol as nft spells it, or "" when unsupported.
-func protoName(p service.Protocol) string {
-	switch p {
-	case service.TCP:
-		return "tcp"
-	case service.UDP:
-		return "udp"
-	case service.SCTP:
-		return "sctp"
-	}
-	return ""
-}
-
 func (f *family) ofFamily(ips []netip.Addr) []netip.Addr { return service.AddrsOfFamily(ips, f.v6) }
 
 func (f *family) endpoints(eps []service.Endpoint) []netip.AddrPort {
@@ -119,7 +106,7 @@ func (r *renderer) port(p *service.Port) *rendered {
 
 // family renders p in family f (index fi): the layout of the package doc.
 func (r *renderer) family(out *rendered, f *family, fi int, p *service.Port, programmed map[netip.AddrPort]bool) {
-	proto := protoName(p.Protocol)
+	proto := p.Protocol.NetfilterName()
 	port := strconv.Itoa(p.Port)
 	clusterIPs := f.ofFamily(p.ClusterIPs)
 	externalIPs := f.ofFamily(p.ExternalIPs)
@@ -257,7 +244,7 @@ func (r *renderer) family(out *rendered, f *family, fi int, p *service.Port, pro
 // numgen runs anew in every rule, hence the decreasing divisors.
 func (r *renderer) affinityChain(f *family, p *service.Port, name, svcHash string, eps []netip.AddrPort, sets *[]affSet) affChain {
 	timeout := affinityTimeout(p.AffinityTimeout)
-	proto := protoName(p.Protocol)
+	proto := p.Protocol.NetfilterName()
 	setOf := func(ep netip.AddrPort) string {
 		return "aff" + f.n + "-" + svcHash + "-" + hash(ep.String(), 8) + "-" + strconv.Itoa(int(timeout.Seconds()))
 	}
