@@ -32,8 +32,16 @@ func webService(t *testing.T, tp *testbed.Topology) string {
 func TestIPTablesModeEndToEnd(t *testing.T) {
 	tp := testbed.New(t)
 	px := runUproxy(t, tp, webService(t, tp), launch{want: -1, flags: []string{"--proxy-mode", "iptables"}})
-	if mode, err := px.get("/proxyMode"); err != nil || mode != "iptables" {
-		t.Fatalf("/proxyMode: got %q (%v), want iptables", mode, err)
+	kernelServes(t, tp, px, "iptables")
+}
+
+// kernelServes checks that uproxy in kernel mode serves webService: /proxyMode
+// says mode, connections from the pod reach all three backends, the NodePort
+// answers from outside, and connections still do while uproxy is stopped.
+func kernelServes(t *testing.T, tp *testbed.Topology, px *proxy, mode string) {
+	t.Helper()
+	if got, err := px.get("/proxyMode"); err != nil || got != mode {
+		t.Fatalf("/proxyMode: got %q (%v), want %s", got, err, mode)
 	}
 	seen := map[string]int{}
 	for i := 0; i < 60; i++ {
@@ -74,36 +82,10 @@ func TestNFTablesModeEndToEnd(t *testing.T) {
 	}
 	before := tp.NFTRuleset(t)
 	px := runUproxy(t, tp, webService(t, tp), launch{want: -1, flags: []string{"--proxy-mode", "nftables"}})
-	if mode, err := px.get("/proxyMode"); err != nil || mode != "nftables" {
-		t.Fatalf("/proxyMode: got %q (%v), want nftables", mode, err)
-	}
-	seen := map[string]int{}
-	for i := 0; i < 60; i++ {
-		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
-		if err != nil {
-			t.Fatalf("connection %d from pod: %v", i, err)
-		}
-		seen[name]++
-	}
-	if len(seen) != 3 {
-		t.Errorf("backends over 60 connections: got %v, want all three", seen)
-	}
-	node := tp.NS(testbed.Node)
-	if name, err := whoTCP(tp, testbed.External, node.IPv4.String()+":30080"); err != nil || !strings.HasPrefix(name, "web-") {
-		t.Errorf("NodePort from external: got %q (%v), want a web backend", name, err)
-	}
 	if svcs, err := px.get("/debug/services"); err != nil || !strings.Contains(svcs, `"usable": true`) {
 		t.Errorf("/debug/services: got %s (%v), want usable endpoints", svcs, err)
 	}
-
-	px.signal(syscall.SIGSTOP)
-	for i := 0; i < 10; i++ {
-		if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
-			px.signal(syscall.SIGCONT)
-			t.Fatalf("connection %d with uproxy stopped: got %q (%v), want a web backend", i, name, err)
-		}
-	}
-	px.signal(syscall.SIGCONT)
+	kernelServes(t, tp, px, "nftables")
 
 	// Someone flushes the ruleset: the mode notices and writes its table again.
 	if out, err := tp.Exec(testbed.Node, "nft", "delete", "table", "inet", "uproxy-kernel"); err != nil {
