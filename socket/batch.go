@@ -41,7 +41,7 @@ type datagramBatch struct {
 	hdrs  [batchLen]mmsghdr
 	iovs  [batchLen]unix.Iovec
 	names [batchLen]unix.RawSockaddrInet6
-	oob   [batchLen][pktinfoSpace]byte
+	oob   [batchLen][controlSpace]byte
 	// buf holds len(buf)/maxDatagram datagrams, one per maxDatagram bytes.
 	buf []byte
 }
@@ -50,11 +50,12 @@ func newDatagramBatch(n int) *datagramBatch {
 	return &datagramBatch{buf: make([]byte, n*maxDatagram)}
 }
 
-// pktinfoSpace is the control-message room of one datagram, enough for one IPv4
-// or IPv6 pktinfo: the aligned header (16 bytes on 64-bit Linux, 12 on 32-bit)
-// plus struct in6_pktinfo (20), rounded up; 64 covers both. A constant, for
+// controlSpace is the control-message room of one datagram: a pktinfo (IPv4 or
+// IPv6; the larger, with its aligned header, takes 40 bytes on 64-bit Linux) and
+// the segment size of a coalesced run (24, see gso.go). A truncated segment size
+// would merge the run's datagrams, so the room is generous. A constant, for
 // array sizes.
-const pktinfoSpace = 64
+const controlSpace = 128
 
 // Batches for Service sockets and for endpoint sockets.
 var (
@@ -69,8 +70,9 @@ type batchReader struct {
 	pool  *sync.Pool
 	// max is the batch length: batchLen with addresses, else replyBatchLen.
 	max int
-	// withAddrs asks for each datagram's source and control messages (the
-	// Service socket); a connected endpoint socket needs neither.
+	// withAddrs asks for each datagram's source (the Service socket); a
+	// connected endpoint socket needs none. Control messages are asked for on
+	// both: they carry the segment size of a coalesced run (gso.go).
 	withAddrs bool
 	// n datagrams were read, or errno ended the read.
 	n     int
@@ -107,12 +109,11 @@ func (r *batchReader) read(fd int) bool {
 		h := &b.hdrs[i]
 		b.iovs[i].Base = &b.buf[i*maxDatagram]
 		b.iovs[i].SetLen(maxDatagram)
-		h.hdr = unix.Msghdr{Iov: &b.iovs[i], Iovlen: 1}
+		h.hdr = unix.Msghdr{Iov: &b.iovs[i], Iovlen: 1, Control: &b.oob[i][0]}
+		h.hdr.SetControllen(controlSpace)
 		if r.withAddrs {
 			h.hdr.Name = (*byte)(unsafe.Pointer(&b.names[i]))
 			h.hdr.Namelen = unix.SizeofSockaddrInet6
-			h.hdr.Control = &b.oob[i][0]
-			h.hdr.SetControllen(pktinfoSpace)
 		}
 	}
 	for {
@@ -147,10 +148,22 @@ func (r *batchReader) datagram(i int) []byte {
 	return r.batch.buf[off : off+int(r.batch.hdrs[i].n)]
 }
 
+// segmentSize returns the size of the datagrams the i-th read holds when it is a
+// coalesced run, 0 when it is one datagram.
+func (r *batchReader) segmentSize(i int) int {
+	h := &r.batch.hdrs[i].hdr
+	if h.Controllen == 0 {
+		return 0
+	}
+	_, size := parseControl(r.batch.oob[i][:h.Controllen])
+	return size
+}
+
 // source returns the i-th datagram's source address as Go's UDP reads report it
-// (IPv4 clients of a dual-stack socket in their IPv4-mapped form) and the
-// destination it was sent to when the control messages carry it.
-func (r *batchReader) source(i int) (from netip.AddrPort, local netip.Addr) {
+// (IPv4 clients of a dual-stack socket in their IPv4-mapped form), the
+// destination it was sent to when the control messages carry it, and the
+// segment size of a coalesced run (0 for one datagram).
+func (r *batchReader) source(i int) (from netip.AddrPort, local netip.Addr, size int) {
 	b := r.batch
 	h := &b.hdrs[i].hdr
 	sa := &b.names[i]
@@ -170,9 +183,9 @@ func (r *batchReader) source(i int) (from netip.AddrPort, local netip.Addr) {
 		from = netip.AddrPortFrom(addr, port(&sa.Port))
 	}
 	if h.Controllen > 0 {
-		local = datagramDestination(b.oob[i][:h.Controllen])
+		local, size = parseControl(b.oob[i][:h.Controllen])
 	}
-	return from, local
+	return from, local, size
 }
 
 // zoneName names an IPv6 scope as net does: the interface's name, else its index.

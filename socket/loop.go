@@ -34,6 +34,8 @@ type loop struct {
 	buf []byte // shared read buffer of the TCP copy
 	// UDP batch readers: Service sockets (with addresses) and client sockets.
 	serviceReader, replyReader *batchReader
+	// oob is room for the control messages of a UDP send (gso.go).
+	oob [controlSpace]byte
 	// Raw socket address of the last accept, reused to spare an allocation each.
 	rsa    unix.RawSockaddrAny
 	rsaLen uint32

@@ -1,6 +1,7 @@
 package socket
 
 import (
+	"encoding/binary"
 	"net"
 	"net/netip"
 
@@ -39,24 +40,27 @@ func enablePktinfo(conn *net.UDPConn) bool {
 	return enabled
 }
 
-// datagramDestination returns the destination address a datagram was sent to,
-// from its control messages (invalid when they carry none).
-func datagramDestination(oob []byte) netip.Addr {
+// parseControl returns, from a datagram's control messages, the destination
+// address it was sent to (invalid when they carry none) and the segment size of
+// a coalesced run (0 when it is one datagram; see gso.go).
+func parseControl(oob []byte) (dst netip.Addr, size int) {
 	for len(oob) > 0 {
 		hdr, data, rest, err := unix.ParseOneSocketControlMessage(oob)
 		if err != nil {
-			return netip.Addr{}
+			break
 		}
 		switch {
 		case hdr.Level == unix.IPPROTO_IP && hdr.Type == unix.IP_PKTINFO && len(data) >= unix.SizeofInet4Pktinfo:
 			// struct in_pktinfo: ifindex (4), spec_dst (4), addr (4): addr is the header's destination.
-			return netip.AddrFrom4([4]byte(data[8:12]))
+			dst = netip.AddrFrom4([4]byte(data[8:12]))
 		case hdr.Level == unix.IPPROTO_IPV6 && hdr.Type == unix.IPV6_PKTINFO && len(data) >= unix.SizeofInet6Pktinfo:
-			return netip.AddrFrom16([16]byte(data[0:16])).Unmap()
+			dst = netip.AddrFrom16([16]byte(data[0:16])).Unmap()
+		case hdr.Level == unix.SOL_UDP && hdr.Type == unix.UDP_GRO && len(data) >= 4:
+			size = int(int32(binary.NativeEndian.Uint32(data)))
 		}
 		oob = rest
 	}
-	return netip.Addr{}
+	return dst, size
 }
 
 // replySource returns the control message that makes a reply leave from src

@@ -132,6 +132,7 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 	if err != nil {
 		return fmt.Errorf("serve %s: %w", p.Service, err)
 	}
+	enableGRO(fd)
 	s.backoffWatch = newBackoffWatch(fd, unix.EPOLLIN|unix.EPOLLET, s)
 	p.mu.Lock()
 	if p.closed {
@@ -212,8 +213,8 @@ func (s *udpSocket) Handle(uint32) {
 		}
 		s.delay = 0
 		for i := range r.n {
-			from, local := r.source(i)
-			p.forward(l, s, from, local, r.datagram(i))
+			from, local, size := r.source(i)
+			p.forward(l, s, from, local, r.datagram(i), size)
 		}
 	}
 }
@@ -251,9 +252,10 @@ func (s *udpSocket) stop(l *loop, err error) {
 }
 
 // forward sends one datagram from client to its entry's endpoint, creating the entry
-// if needed. local is the address the client wrote to, when the socket is a
-// wildcard one (invalid otherwise).
-func (p *UDPProxy) forward(l *loop, svc *udpSocket, client netip.AddrPort, local netip.Addr, b []byte) {
+// if needed: or a run of datagrams of size bytes each that the kernel coalesced
+// (size 0 for one datagram; gso.go). local is the address the client wrote to,
+// when the socket is a wildcard one (invalid otherwise).
+func (p *UDPProxy) forward(l *loop, svc *udpSocket, client netip.AddrPort, local netip.Addr, b []byte, size int) {
 	c := p.clients[client]
 	if c == nil {
 		if c = p.open(l, svc, client, local); c == nil {
@@ -261,22 +263,16 @@ func (p *UDPProxy) forward(l *loop, svc *udpSocket, client netip.AddrPort, local
 		}
 	}
 	c.last = l.Now()
-	for {
-		_, err := unix.Write(c.fd, b)
-		switch err {
-		case nil:
-			c.bytesIn += int64(len(b))
-		case unix.EINTR:
-			continue
-		case unix.EAGAIN:
-			// The socket's send buffer is full: the datagram is lost, as the
-			// network may lose it.
-		default:
-			// Typically ECONNREFUSED: an earlier datagram drew an ICMP port
-			// unreachable, the endpoint is gone. The client's next datagram picks again.
-			c.end(l, fmt.Errorf("write to endpoint %s: %w", c.ep, os.NewSyscallError("write", err)), true)
-		}
-		return
+	switch err := sendRun(c.fd, b, size, nil, nil, l.oob[:], &c.noSegmentsUp); err {
+	case nil:
+		c.bytesIn += int64(len(b))
+	case unix.EAGAIN:
+		// The socket's send buffer is full: the datagram is lost, as the
+		// network may lose it.
+	default:
+		// Typically ECONNREFUSED: an earlier datagram drew an ICMP port
+		// unreachable, the endpoint is gone. The client's next datagram picks again.
+		c.end(l, fmt.Errorf("write to endpoint %s: %w", c.ep, os.NewSyscallError("write", err)), true)
 	}
 }
 
@@ -306,6 +302,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	start := time.Now()
 	fd, err := l.dial(ep, unix.SOCK_DGRAM)
 	if err == nil {
+		enableGRO(fd)
 		if err = l.Watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
 			unix.Close(fd)
 		}
@@ -446,8 +443,12 @@ type udpClient struct {
 	t                 poll.Timer
 	bytesIn, bytesOut int64
 	ended             bool
-	rec               record.Conn
-	attempt           [1]record.Attempt
+	// noSegmentsUp and noSegmentsDown are set once the kernel refused to cut a
+	// coalesced run into datagrams on the way to the endpoint or to the client
+	// (see sendRun).
+	noSegmentsUp, noSegmentsDown bool
+	rec                          record.Conn
+	attempt                      [1]record.Attempt
 }
 
 // Expire ends the entry once it has been idle for the timeout, or looks again when
@@ -478,9 +479,9 @@ func (c *udpClient) Handle(uint32) {
 		for i := range r.n {
 			b := r.datagram(i)
 			c.bytesOut += int64(len(b))
-			// A failed send to the client (buffer full, client gone) loses one
-			// datagram, as the network may; the entry lives on until it idles out.
-			unix.SendmsgN(c.svc.fd, b, c.replyFrom, c.to, 0)
+			// A failed send to the client (buffer full, client gone) loses the
+			// datagrams, as the network may; the entry lives on until it idles out.
+			sendRun(c.svc.fd, b, r.segmentSize(i), c.to, c.replyFrom, l.oob[:], &c.noSegmentsDown)
 		}
 	}
 }

@@ -14,8 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/uproxy/uproxy/record"
 )
 
@@ -422,15 +420,6 @@ func TestUDPProxyOutOfFilesSparesTheEndpoint(t *testing.T) {
 	}
 	rec.awaitClosed(t, 3)
 	nothingCounted(t, rec, picker, 2)
-}
-
-// Each datagram's control-message room holds the larger of the two pktinfos.
-func TestPktinfoSpaceHoldsEitherPktinfo(t *testing.T) {
-	for _, size := range []int{unix.SizeofInet4Pktinfo, unix.SizeofInet6Pktinfo} {
-		if need := unix.CmsgSpace(size); need > pktinfoSpace {
-			t.Errorf("control message of a %d-byte pktinfo: needs %d bytes, pktinfoSpace is %d", size, need, pktinfoSpace)
-		}
-	}
 }
 
 // A client that keeps sending stays on its endpoint only while the endpoint is in
