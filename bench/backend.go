@@ -3,6 +3,7 @@ package bench
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -10,6 +11,9 @@ import (
 	"net/netip"
 	"os"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // backendEnv marks a child process as the backend servers. The benchmark starts
@@ -148,6 +152,8 @@ func serveTag(tag byte) func(net.Conn) {
 
 func serveUDPEcho(pc *net.UDPConn) {
 	buf := make([]byte, 64<<10)
+	run := make([]byte, runCount*runSize)
+	seg := segmentMessage(runSize)
 	for {
 		n, from, err := pc.ReadFromUDPAddrPort(buf)
 		if err != nil {
@@ -156,8 +162,36 @@ func serveUDPEcho(pc *net.UDPConn) {
 			}
 			continue
 		}
+		if n == msgSize && buf[0] == runRequest {
+			// Every datagram of the run starts with the request's sequence number.
+			for i := range runCount {
+				copy(run[i*runSize:], buf[8:16])
+			}
+			pc.WriteMsgUDPAddrPort(run, seg, from)
+			continue
+		}
 		pc.WriteToUDPAddrPort(buf[:n], from)
 	}
+}
+
+// The UDP run workload: a request whose first byte is runRequest (the
+// request/response workload's start with a sequence number's high byte, 0) draws
+// runCount datagrams of runSize bytes, sent with one segmented send.
+const (
+	runRequest = 'R'
+	runCount   = 32
+	runSize    = 1200
+)
+
+// segmentMessage is the control message of a send that the kernel cuts into
+// datagrams of size bytes (UDP_SEGMENT).
+func segmentMessage(size int) []byte {
+	oob := make([]byte, unix.CmsgSpace(2))
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
+	h.Level, h.Type = unix.SOL_UDP, unix.UDP_SEGMENT
+	h.SetLen(unix.CmsgLen(2))
+	binary.NativeEndian.PutUint16(oob[unix.CmsgLen(0):], uint16(size))
+	return oob
 }
 
 // startBackend runs the backend servers in the backend namespace and learns

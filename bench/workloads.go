@@ -19,12 +19,13 @@ const (
 	Connections = "connections" // short connections: connect, 64-byte request and reply, close
 	Latency     = "latency"     // 64-byte request/response on one persistent TCP connection
 	UDP         = "udp"         // 64-byte UDP request/response from several clients
+	UDPRun      = "udp-run"     // a 64-byte UDP request draws a run of 32 datagrams, sent segmented
 	Idle        = "idle"        // memory per idle proxied connection
 	Control     = "control"     // sync time at many Service ports, endpoint change to traffic
 )
 
 // Workloads lists every workload in the order they run and are reported.
-var Workloads = []string{Bulk, Connections, Latency, UDP, Idle, Control}
+var Workloads = []string{Bulk, Connections, Latency, UDP, UDPRun, Idle, Control}
 
 // msgSize is the request and reply size of the small-message workloads.
 const msgSize = 64
@@ -81,13 +82,23 @@ var trafficWorkloads = map[string]*workload{
 		workers: 4, loop: udpLoop, latency: true,
 		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
 		units: func(g *generator) float64 { return 2 * float64(g.ops) },
-		skip: func(p *path) string {
-			if !p.udp.IsValid() {
-				return p.noUDP
-			}
-			return ""
-		},
+		skip:  skipWithoutUDP,
 	},
+	UDPRun: {
+		name: UDPRun, title: fmt.Sprintf("UDP runs (a 64 B request draws %d datagrams of %d B, sent segmented as QUIC servers do; 4 clients; CPU per datagram)", runCount, runSize),
+		unit: "MB/s", higherBetter: true, cpuUnit: "CPU-µs/dgram", cpuScale: 1e6,
+		workers: 4, loop: udpRunLoop,
+		value: func(g *generator, s float64) float64 { return float64(g.bytes) / 1e6 / s },
+		units: func(g *generator) float64 { return (1 + runCount) * float64(g.ops) },
+		skip:  skipWithoutUDP,
+	},
+}
+
+func skipWithoutUDP(p *path) string {
+	if !p.udp.IsValid() {
+		return p.noUDP
+	}
+	return ""
 }
 
 // meter tells the generators when to count (the measurement window, after a
@@ -249,6 +260,53 @@ func udpLoop(p *path, m *meter, g *generator) error {
 				}
 				break
 			}
+		}
+	}
+	return nil
+}
+
+// udpRunLoop asks for runs (see serveUDPEcho) one at a time and checks that every
+// datagram of each arrives whole: a run with a datagram missing after
+// udpTimeout counts as lost.
+func udpRunLoop(p *path, m *meter, g *generator) error {
+	c, err := dialer.Dial("udp", p.udp.String())
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	var req [msgSize]byte
+	req[0] = runRequest
+	resp := make([]byte, 2048)
+	for seq := uint64(1); !m.stop.Load(); seq++ {
+		binary.BigEndian.PutUint64(req[8:], seq)
+		if _, err := c.Write(req[:]); err != nil {
+			if ferr := g.failed(err); ferr != nil {
+				return ferr
+			}
+			continue
+		}
+		c.SetReadDeadline(time.Now().Add(udpTimeout))
+		got := 0
+		for got < runCount {
+			n, err := c.Read(resp)
+			if err != nil {
+				if !errors.Is(err, os.ErrDeadlineExceeded) {
+					if ferr := g.failed(err); ferr != nil {
+						return ferr
+					}
+				} else if m.on.Load() {
+					g.lost++
+				}
+				break
+			}
+			// Datagrams of an earlier run counted lost are read and dropped.
+			if n == runSize && binary.BigEndian.Uint64(resp) == seq {
+				got++
+			}
+		}
+		if got == runCount && m.on.Load() {
+			g.ops++
+			g.bytes += runCount * runSize
 		}
 	}
 	return nil
