@@ -195,6 +195,7 @@ func TestUDPProxyKeepsDatagramsOfCoalescedRuns(t *testing.T) {
 			}
 			// The client's entry has a socket that asks for coalesced runs, and
 			// neither direction had to fall back to one send per datagram.
+			p.init() // for the race detector: Serve made p.l under the same Once
 			err = p.l.PostWait(func() {
 				for _, c := range p.clients {
 					if v, err := unix.GetsockoptInt(c.fd, unix.SOL_UDP, unix.UDP_GRO); err != nil || v != 1 {

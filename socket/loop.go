@@ -1,6 +1,7 @@
 package socket
 
 import (
+	"net/netip"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -42,6 +43,8 @@ type loop struct {
 	// Socket addresses of dials, reused for the same reason.
 	sa4 unix.SockaddrInet4
 	sa6 unix.SockaddrInet6
+	// tried holds the endpoints a dial excludes, for one Pick at a time.
+	tried []netip.AddrPort
 }
 
 // loopOf returns socket's state for pl, made on first use. It is looked up when a

@@ -60,9 +60,11 @@ type tcpSession struct {
 	err error // why the session was aborted
 	rec record.Conn
 
-	// Inline storage for the common case of at most four attempts.
-	tried    [4]netip.AddrPort
-	attempts [4]record.Attempt
+	// Inline storage for the common case of one attempt; a connection that
+	// retries or hedges appends beyond it. An open connection keeps this for its
+	// whole life, so it is kept small: 80 bytes (idle memory per connection is
+	// part of the contract, see the package doc).
+	attempts [1]record.Attempt
 }
 
 // dialAttempt is one dial in flight: the first event of its socket ends it,
@@ -285,9 +287,10 @@ func (s *tcpSession) dials() []*dialAttempt {
 }
 
 // triedEndpoints returns the endpoints of the attempts begun so far, ended or in
-// flight, in loop-owned storage.
+// flight, in loop-owned storage (valid until the next call on the loop: Pick
+// keeps none of it).
 func (s *tcpSession) triedEndpoints() []netip.AddrPort {
-	tried := s.tried[:0]
+	tried := s.l.tried[:0]
 	for _, a := range s.rec.Attempts {
 		tried = append(tried, a.Endpoint)
 	}
@@ -297,6 +300,7 @@ func (s *tcpSession) triedEndpoints() []netip.AddrPort {
 	for _, d := range s.hedges {
 		tried = append(tried, d.ep)
 	}
+	s.l.tried = tried // keeps what append grew
 	return tried
 }
 
