@@ -136,7 +136,7 @@ func TestUDPProxyKeepsDatagramsOfCoalescedRuns(t *testing.T) {
 		{"dual-stack wildcard, IPv4 client", "udp", "::", "127.0.0.3"},
 		{"dual-stack wildcard, IPv6 client", "udp", "::", "::1"},
 	}
-	up := run(30, 1000, 17)    // client to endpoint
+	up := run(30, 1000, 17)   // client to endpoint
 	down := run(100, 600, 99) // endpoint to client: more than one segmented send may carry
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
