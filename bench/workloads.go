@@ -244,12 +244,8 @@ func udpLoop(p *path, m *meter, g *generator) error {
 		for {
 			n, err := c.Read(resp[:])
 			if err != nil {
-				if !errors.Is(err, os.ErrDeadlineExceeded) {
-					if ferr := g.failed(err); ferr != nil {
-						return ferr
-					}
-				} else if m.on.Load() {
-					g.lost++
+				if ferr := udpReadFailed(err, m, g); ferr != nil {
+					return ferr
 				}
 				break
 			}
@@ -263,6 +259,19 @@ func udpLoop(p *path, m *meter, g *generator) error {
 		}
 	}
 	return nil
+}
+
+// udpReadFailed counts a failed read of a UDP reply: past its deadline the
+// exchange is lost (counted inside the window), any other error is an error. It
+// returns the error that ends the generator, if any.
+func udpReadFailed(err error, m *meter, g *generator) error {
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		if m.on.Load() {
+			g.lost++
+		}
+		return nil
+	}
+	return g.failed(err)
 }
 
 // udpRunLoop asks for runs (see serveUDPEcho) one at a time and checks that every
@@ -290,12 +299,8 @@ func udpRunLoop(p *path, m *meter, g *generator) error {
 		for got < runCount {
 			n, err := c.Read(resp)
 			if err != nil {
-				if !errors.Is(err, os.ErrDeadlineExceeded) {
-					if ferr := g.failed(err); ferr != nil {
-						return ferr
-					}
-				} else if m.on.Load() {
-					g.lost++
+				if ferr := udpReadFailed(err, m, g); ferr != nil {
+					return ferr
 				}
 				break
 			}

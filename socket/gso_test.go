@@ -161,23 +161,7 @@ func TestUDPProxyKeepsDatagramsOfCoalescedRuns(t *testing.T) {
 			t.Cleanup(func() { backend.Close(); wg.Wait() })
 
 			p := &UDPProxy{Service: "ns/quic:udp", Picker: newCyclePicker(udpAddr(backend)), Timeout: time.Hour}
-			p.Loops = newLoops(t, 1, nil)
-			conn, err := net.ListenUDP(tt.network, &net.UDPAddr{IP: net.ParseIP(tt.bind)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			served := make(chan error, 1)
-			go func() { served <- p.Serve(conn) }()
-			t.Cleanup(func() {
-				p.Close()
-				<-served
-			})
-			svc := netip.AddrPortFrom(netip.MustParseAddr(tt.dst), uint16(conn.LocalAddr().(*net.UDPAddr).Port))
-			client, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(svc))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer client.Close()
+			client, _ := dialUDPProxyAt(t, p, tt.network, tt.bind, tt.dst)
 
 			// Once a datagram has made the round trip, the proxy is serving.
 			if _, err := client.Write([]byte("ping")); err != nil {
@@ -196,7 +180,7 @@ func TestUDPProxyKeepsDatagramsOfCoalescedRuns(t *testing.T) {
 			// The client's entry has a socket that asks for coalesced runs, and
 			// neither direction had to fall back to one send per datagram.
 			p.init() // for the race detector: Serve made p.l under the same Once
-			err = p.l.PostWait(func() {
+			err := p.l.PostWait(func() {
 				for _, c := range p.clients {
 					if v, err := unix.GetsockoptInt(c.fd, unix.SOL_UDP, unix.UDP_GRO); err != nil || v != 1 {
 						t.Errorf("endpoint socket's UDP_GRO: got %d, %v; want 1", v, err)

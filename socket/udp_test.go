@@ -84,6 +84,31 @@ func startUDPProxy(t testing.TB, p *UDPProxy) netip.AddrPort {
 	return udpAddr(conn)
 }
 
+// dialUDPProxyAt serves p, on a loop of its own, on a socket of network bound to
+// bind, and returns a client connected to it at dst (an address of the node the
+// bind covers) and that address. All is closed at the end of the test.
+func dialUDPProxyAt(t testing.TB, p *UDPProxy, network, bind, dst string) (*net.UDPConn, netip.AddrPort) {
+	t.Helper()
+	p.Loops = newLoops(t, 1, nil)
+	conn, err := net.ListenUDP(network, &net.UDPAddr{IP: net.ParseIP(bind)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- p.Serve(conn) }()
+	t.Cleanup(func() {
+		p.Close()
+		<-served
+	})
+	svc := netip.AddrPortFrom(netip.MustParseAddr(dst), uint16(conn.LocalAddr().(*net.UDPAddr).Port))
+	client, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(svc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	return client, svc
+}
+
 // exchange sends msg from c to addr and returns the first reply and its source.
 func exchange(c *net.UDPConn, addr netip.AddrPort, msg []byte, wait time.Duration) ([]byte, netip.AddrPort, error) {
 	if _, err := c.WriteToUDPAddrPort(msg, addr); err != nil {
@@ -356,24 +381,8 @@ func TestUDPProxyWildcardRepliesFromDestination(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			backend := startUDPEcho(t, "127.0.0.2")
 			p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Timeout: time.Hour}
-			p.Loops = newLoops(t, 1, nil)
-			conn, err := net.ListenUDP(tt.network, &net.UDPAddr{IP: net.ParseIP(tt.bind)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			served := make(chan error, 1)
-			go func() { served <- p.Serve(conn) }()
-			t.Cleanup(func() {
-				p.Close()
-				<-served
-			})
-			svc := netip.AddrPortFrom(netip.MustParseAddr(tt.dst), uint16(conn.LocalAddr().(*net.UDPAddr).Port))
 			// A connected client, as a resolver's: it only accepts replies from svc.
-			client, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(svc))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer client.Close()
+			client, svc := dialUDPProxyAt(t, p, tt.network, tt.bind, tt.dst)
 			for i := range 2 {
 				if _, err := client.Write([]byte("ping")); err != nil {
 					t.Fatal(err)
