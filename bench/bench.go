@@ -35,7 +35,7 @@ type Config struct {
 	// Quick shortens every default below so a run ends within two minutes.
 	Quick bool
 	// Duration is the measurement window of one round of one workload over one
-	// path; a warm-up of a fifth of it (at most 1s) precedes it. 0: 5s (quick 1s).
+	// path; a warm-up of a fifth of it (at most 1s) precedes it. 0: 5s (quick 500ms).
 	Duration time.Duration
 	// Rounds per workload and path, interleaved across paths. 0: 3 (quick 2).
 	Rounds int
@@ -43,7 +43,7 @@ type Config struct {
 	// (quick 1000).
 	IdleConns int
 	// SyncSizes are the Service-port counts of the control-plane syncs. Empty:
-	// 1000, 10000 and 50000 (quick 1000 and 10000).
+	// 1000, 10000 and 50000 (quick 1000).
 	SyncSizes []int
 	// EndpointChanges is how many endpoint changes the control plane times.
 	// 0: 5 (quick 3).
@@ -103,7 +103,7 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Duration <= 0 {
 		c.Duration = 5 * time.Second
 		if c.Quick {
-			c.Duration = time.Second
+			c.Duration = 500 * time.Millisecond
 		}
 	}
 	c.Rounds = pick(c.Rounds, 3, 2)
@@ -119,7 +119,7 @@ func (c Config) withDefaults() (Config, error) {
 	if len(c.SyncSizes) == 0 {
 		c.SyncSizes = []int{1000, 10000, 50000}
 		if c.Quick {
-			c.SyncSizes = []int{1000, 10000}
+			c.SyncSizes = []int{1000}
 		}
 	}
 	if c.Uproxy == "" {
