@@ -58,31 +58,26 @@ func appendSegment(oob []byte, size int) []byte {
 // runs on the same socket do so at once.
 func sendRun(fd int, b []byte, size int, to unix.Sockaddr, prefix, scratch []byte, noSegments *bool) error {
 	if size <= 0 || len(b) <= size {
-		return sendDatagram(fd, b, to, prefix)
+		return send(fd, b, to, prefix)
 	}
 	if !*noSegments {
 		oob := appendSegment(append(scratch[:0], prefix...), size)
 		for len(b) > 0 {
 			n := min(len(b), maxSegments*size)
-			_, err := unix.SendmsgN(fd, b[:n], oob, to, 0)
-			for err == unix.EINTR {
-				_, err = unix.SendmsgN(fd, b[:n], oob, to, 0)
-			}
-			switch err {
-			case nil:
-				b = b[n:]
-				continue
-			case unix.EIO, unix.EINVAL, unix.EOPNOTSUPP:
+			err := send(fd, b[:n], to, oob)
+			if err == unix.EIO || err == unix.EINVAL || err == unix.EOPNOTSUPP {
 				*noSegments = true
-			default:
+				break
+			}
+			if err != nil {
 				return err
 			}
-			break
+			b = b[n:]
 		}
 	}
 	for len(b) > 0 {
 		n := min(len(b), size)
-		if err := sendDatagram(fd, b[:n], to, prefix); err != nil {
+		if err := send(fd, b[:n], to, prefix); err != nil {
 			return err
 		}
 		b = b[n:]
@@ -90,9 +85,9 @@ func sendRun(fd int, b []byte, size int, to unix.Sockaddr, prefix, scratch []byt
 	return nil
 }
 
-// sendDatagram sends one datagram: a plain write on a connected socket without
-// control messages, sendmsg otherwise.
-func sendDatagram(fd int, b []byte, to unix.Sockaddr, oob []byte) error {
+// send makes one send of b: a plain write on a connected socket without control
+// messages, sendmsg otherwise.
+func send(fd int, b []byte, to unix.Sockaddr, oob []byte) error {
 	for {
 		var err error
 		if to == nil && oob == nil {
