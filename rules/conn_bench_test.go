@@ -68,19 +68,7 @@ func benchmarkConnThroughPortals(b *testing.B, be realBackend) {
 		dial := func() error {
 			t := i % len(targets)
 			i++
-			fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-			if err != nil {
-				return err
-			}
-			defer unix.Close(fd)
-			if err := unix.Connect(fd, targets[t].sa); err != nil {
-				return fmt.Errorf("connect %v: %w", netip.AddrFrom4(targets[t].sa.Addr), err)
-			}
-			afd, _, err := unix.Accept(lfds[t])
-			if err != nil {
-				return err
-			}
-			return unix.Close(afd)
+			return testbed.ConnectAccept(targets[t].sa, lfds[t], 0)
 		}
 		for _, from := range []string{testbed.Pod, testbed.Node} {
 			b.Run(fmt.Sprintf("from=%s/portals=%d", from, n), func(b *testing.B) { tp.BenchConns(b, from, dial) })

@@ -716,32 +716,12 @@ func benchmarkNodeDialThroughPortals(b *testing.B, be realBackend) {
 	}
 	defer lfd.Close()
 	unix.SetNonblock(int(lfd.Fd()), false)
-	dial := func(mark int) error {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		defer unix.Close(fd)
-		if mark != 0 {
-			if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, mark); err != nil {
-				return err
-			}
-		}
-		if err := unix.Connect(fd, sa); err != nil {
-			return err
-		}
-		afd, _, err := unix.Accept(int(lfd.Fd()))
-		if err != nil {
-			return err
-		}
-		return unix.Close(afd)
-	}
 	run := func(name string, portals []Portal, mark int) {
 		b.Run(name, func(b *testing.B) {
 			if err := tp.Run(testbed.Node, func() error { return p.Sync(portals) }); err != nil {
 				b.Fatal(err)
 			}
-			tp.BenchConns(b, testbed.Node, func() error { return dial(mark) })
+			tp.BenchConns(b, testbed.Node, func() error { return testbed.ConnectAccept(sa, int(lfd.Fd()), mark) })
 		})
 	}
 	many := benchPortals(10000, 20000)

@@ -85,6 +85,31 @@ func ProcessCPU() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// ConnectAccept is one new TCP connection as the connection benchmarks make it,
+// with raw system calls and nothing else: a socket (with SO_MARK when mark is not
+// 0) connects to sa, the blocking listener lfd that sa leads to accepts it, and
+// both ends close. Connect errors name sa's address.
+func ConnectAccept(sa *unix.SockaddrInet4, lfd, mark int) error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if mark != 0 {
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, mark); err != nil {
+			return err
+		}
+	}
+	if err := unix.Connect(fd, sa); err != nil {
+		return fmt.Errorf("connect %d.%d.%d.%d:%d: %w", sa.Addr[0], sa.Addr[1], sa.Addr[2], sa.Addr[3], sa.Port, err)
+	}
+	afd, _, err := unix.Accept(lfd)
+	if err != nil {
+		return err
+	}
+	return unix.Close(afd)
+}
+
 // BenchConns measures conn, one new connection (opened, accepted and closed
 // by the caller), in role's namespace: 200 calls to warm conntrack and the
 // routing caches, then b's loop, reported as the process's CPU per call

@@ -177,21 +177,7 @@ func BenchmarkConnThroughKernelMode(b *testing.B) {
 	target.ClusterIPs = []netip.Addr{netip.MustParseAddr("10.95.0.10")}
 	target.Endpoints = []service.Endpoint{{Addr: to, Ready: true}}
 	sa := &unix.SockaddrInet4{Addr: [4]byte{10, 95, 0, 10}, Port: 80}
-	dial := func() error {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		defer unix.Close(fd)
-		if err := unix.Connect(fd, sa); err != nil {
-			return err
-		}
-		afd, _, err := unix.Accept(int(lfd.Fd()))
-		if err != nil {
-			return err
-		}
-		return unix.Close(afd)
-	}
+	dial := func() error { return testbed.ConnectAccept(sa, int(lfd.Fd()), 0) }
 	var p *Proxier
 	if err := tp.Run(testbed.Node, func() (err error) { p, err = New(Config{}); return err }); err != nil {
 		b.Fatal(err)
