@@ -146,6 +146,47 @@ kubeproxy_sync_proxy_rules_last_timestamp_seconds 1.7e+09
 	}
 }
 
+// TestSummarizeBusyCPUs checks the busy figures: CPU seconds over the windows'
+// seconds, all rounds together, and no proxy figure for a path without a proxy.
+func TestSummarizeBusyCPUs(t *testing.T) {
+	wl := &workload{name: Connections, higherBetter: true, cpuScale: 1e6}
+	paths := []*path{{name: Direct}, {name: Userspace}}
+	results := map[string]*PathResult{
+		Direct: {Path: Direct, Rounds: []Round{
+			{Value: 10, Seconds: 2, MachineCPU: 3, units: 20},
+			{Value: 12, Seconds: 2, MachineCPU: 3.4, units: 24},
+		}},
+		Userspace: {Path: Userspace, Rounds: []Round{
+			{Value: 8, Seconds: 2, MachineCPU: 3.2, ProxyCPU: ptr(1.0), units: 16},
+			{Value: 9, Seconds: 1, MachineCPU: 1.6, ProxyCPU: ptr(0.2), units: 9},
+		}},
+	}
+	wr := summarize(wl, paths, results)
+	direct, userspace := wr.Results[0], wr.Results[1]
+	if direct.ProxyBusy != nil {
+		t.Errorf("direct: proxy busy %v, want none (no proxy process)", *direct.ProxyBusy)
+	}
+	for _, c := range []struct {
+		name string
+		got  *float64
+		want float64
+	}{
+		{"direct machine", direct.MachineBusy, 1.6},
+		{"userspace machine", userspace.MachineBusy, 1.6},
+		{"userspace proxy", userspace.ProxyBusy, 0.4},
+	} {
+		if c.got == nil || math.Abs(*c.got-c.want) > 1e-9 {
+			t.Errorf("%s busy CPUs: got %v, want %v", c.name, c.got, c.want)
+		}
+	}
+	if got, want := busy(userspace), "0.40/1.60"; got != want {
+		t.Errorf("busy column: got %q, want %q", got, want)
+	}
+	if got, want := busy(direct), "-/1.60"; got != want {
+		t.Errorf("busy column of direct: got %q, want %q", got, want)
+	}
+}
+
 func TestRatios(t *testing.T) {
 	wr := WorkloadResult{HigherIsBetter: true, Results: []PathResult{
 		{Path: Direct, Value: ptr(1000), Latency: &Quantiles{P50: 20}},

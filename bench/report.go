@@ -80,11 +80,18 @@ type PathResult struct {
 	BackendCPU         *float64 `json:"backendCPU,omitempty"`
 	MachineCPU         *float64 `json:"machineCPU,omitempty"`
 	// ClientCPUShare is the load generators' share of the machine's CPU time.
-	ClientCPUShare *float64    `json:"clientCPUShare,omitempty"`
-	Errors         uint64      `json:"errors,omitempty"`
-	Lost           uint64      `json:"lost,omitempty"`
-	Rounds         []Round     `json:"rounds,omitempty"`
-	Idle           *IdleResult `json:"idle,omitempty"`
+	ClientCPUShare *float64 `json:"clientCPUShare,omitempty"`
+	// CPUs kept busy on average over the measurement windows, by the proxy
+	// process tree and by the whole machine. Beside Machine.CPUs they tell what
+	// bounded a rate: the machine (every CPU busy), the proxy (a proxy with one
+	// thread near 1), or neither - then time went to waiting, as when a proxy
+	// serializes work that several workers would overlap.
+	ProxyBusy   *float64    `json:"proxyBusyCPUs,omitempty"`
+	MachineBusy *float64    `json:"machineBusyCPUs,omitempty"`
+	Errors      uint64      `json:"errors,omitempty"`
+	Lost        uint64      `json:"lost,omitempty"`
+	Rounds      []Round     `json:"rounds,omitempty"`
+	Idle        *IdleResult `json:"idle,omitempty"`
 	// CDF is the latency distribution, for charts.
 	CDF []CDFPoint `json:"cdf,omitempty"`
 }
@@ -140,7 +147,7 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 		r := results[p.name]
 		if len(r.Rounds) > 0 && r.Error == "" {
 			var vals []float64
-			var units, proxy, client, backend, machine float64
+			var units, proxy, client, backend, machine, secs float64
 			hasProxy := false
 			var h Histogram
 			for _, rd := range r.Rounds {
@@ -149,6 +156,7 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 				client += rd.ClientCPU
 				backend += rd.BackendCPU
 				machine += rd.MachineCPU
+				secs += rd.Seconds
 				if rd.ProxyCPU != nil {
 					hasProxy = true
 					proxy += *rd.ProxyCPU
@@ -170,6 +178,12 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 			}
 			if machine > 0 {
 				r.ClientCPUShare = ptr(client / machine)
+			}
+			if secs > 0 {
+				r.MachineBusy = ptr(machine / secs)
+				if hasProxy {
+					r.ProxyBusy = ptr(proxy / secs)
+				}
 			}
 			if h.Count() > 0 {
 				us := func(q float64) float64 { return float64(h.Quantile(q)) / 1e3 }
@@ -276,7 +290,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 			head = append(head, "p50 µs", "+p50", "p90", "p99", "p99.9")
 		}
 		if wr.CPUUnit != "" {
-			head = append(head, "proxy "+wr.CPUUnit, "×best peer", "client", "backend", "machine", "client share")
+			head = append(head, "proxy "+wr.CPUUnit, "×best peer", "client", "backend", "machine", "client share", "busy CPUs")
 		}
 		if wr.Name == Idle {
 			head = append(head, "RSS before MiB", "RSS after MiB")
@@ -307,7 +321,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 				}
 			}
 			if wr.CPUUnit != "" {
-				row = append(row, num(pr.ProxyCPU), ratio(pr.ProxyCPUVsBestPeer), num(pr.ClientCPU), num(pr.BackendCPU), num(pr.MachineCPU), pct(pr.ClientCPUShare))
+				row = append(row, num(pr.ProxyCPU), ratio(pr.ProxyCPUVsBestPeer), num(pr.ClientCPU), num(pr.BackendCPU), num(pr.MachineCPU), pct(pr.ClientCPUShare), busy(pr))
 			}
 			if wr.Name == Idle && pr.Idle != nil {
 				row = append(row, fmt.Sprintf("%.1f", float64(pr.Idle.RSSBefore)/(1<<20)), fmt.Sprintf("%.1f", float64(pr.Idle.RSSAfter)/(1<<20)))
@@ -364,10 +378,12 @@ func (r *Report) WriteTable(w io.Writer) error {
 		"of the same topology: the lo- paths run on 127.0.0.1 in one namespace, each proxy dialed on its own port.\n" +
 		"CPU columns are CPU time per unit of work: the proxy's process tree, the load generators (client),\n" +
 		"the backend servers, and the whole machine (which alone sees kernel-mode proxying); client share is\n" +
-		"the load generators' part of the machine's CPU. +p50 is p50 minus direct's. Control-plane times through\n" +
-		"manifests include the file source's 100 ms debounce. kube-proxy-layout is kube-proxy's nftables layout\n" +
-		"(a chain per Service port and per endpoint) rendered by this benchmark and loaded by nft -f in a\n" +
-		"namespace of its own: the rule layer's time alone.\n")
+		"the load generators' part of the machine's CPU. Busy CPUs are proxy/machine, averaged over the windows:\n" +
+		"a rate measured with CPUs to spare and a proxy short of 1 (one thread) was bounded by waiting, not by CPU.\n" +
+		"+p50 is p50 minus direct's. Control-plane times through manifests include the file source's 100 ms\n" +
+		"debounce. kube-proxy-layout is kube-proxy's nftables layout (a chain per Service port and per\n" +
+		"endpoint) rendered by this benchmark and loaded by nft -f in a namespace of its own: the rule layer's\n" +
+		"time alone.\n")
 	_, err := io.WriteString(w, b.String())
 	return err
 }
@@ -397,6 +413,19 @@ func num(v *float64) string {
 }
 
 func f1(v float64) string { return fmt.Sprintf("%.1f", v) }
+
+// busy renders the proxy's and the machine's busy CPUs as "proxy/machine", with a
+// dash for a path without a proxy process.
+func busy(pr PathResult) string {
+	if pr.MachineBusy == nil {
+		return "-"
+	}
+	proxy := "-"
+	if pr.ProxyBusy != nil {
+		proxy = fmt.Sprintf("%.2f", *pr.ProxyBusy)
+	}
+	return fmt.Sprintf("%s/%.2f", proxy, *pr.MachineBusy)
+}
 
 func signed(v *float64) string {
 	if v == nil {
