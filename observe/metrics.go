@@ -73,7 +73,7 @@ var (
 	}, []string{"service", "protocol", "result"})
 	DialAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_attempts_total",
-		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other; hedge_lost: abandoned when another attempt of the connection, hedged, connected first).",
+		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other; hedge_lost: abandoned when another attempt of the connection, hedged, connected first; no_local_port: every local port toward the endpoint was taken, the node's shortage).",
 	}, []string{"service", "endpoint", "result"})
 	DialDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    "uproxy_dial_duration_seconds",
@@ -156,13 +156,16 @@ const (
 	resultOther
 	// resultHedgeLost is an attempt abandoned because a hedge connected first.
 	resultHedgeLost
+	// resultNoLocalPort is a connect that found every local port toward the
+	// endpoint taken: the node's shortage, not the endpoint's failure.
+	resultNoLocalPort
 	numResults
 )
 
-var resultNames = [numResults]string{"success", "refused", "timeout", "unreachable", "reset", "other", "hedge_lost"}
+var resultNames = [numResults]string{"success", "refused", "timeout", "unreachable", "reset", "other", "hedge_lost", "no_local_port"}
 
 // DialResult classifies a dial error for the result label: success, refused,
-// timeout, unreachable, reset, other or hedge_lost (no-endpoints for a connection that had no
+// timeout, unreachable, reset, other, hedge_lost or no_local_port (no-endpoints for a connection that had no
 // endpoint to dial).
 func DialResult(err error) string {
 	if isNoEndpoints(err) {
@@ -192,6 +195,8 @@ func dialResult(err error) int {
 		return resultUnreachable
 	case errors.Is(err, syscall.ECONNRESET):
 		return resultReset
+	case errors.Is(err, syscall.EADDRNOTAVAIL):
+		return resultNoLocalPort
 	}
 	return resultOther
 }

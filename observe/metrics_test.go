@@ -4,13 +4,17 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/testbed/logs"
 )
 
 // DialResult names what the data path and the balancer return, as wrapped on
@@ -29,6 +33,7 @@ func TestDialResult(t *testing.T) {
 		{"host unreachable", syscall.EHOSTUNREACH, "unreachable"},
 		{"network unreachable", syscall.ENETUNREACH, "unreachable"},
 		{"reset", fmt.Errorf("read: %w", syscall.ECONNRESET), "reset"},
+		{"no local port", &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.EADDRNOTAVAIL)}, "no_local_port"},
 		{"anything else", errors.New("no usable endpoints"), "other"},
 	}
 	for _, tt := range tests {
@@ -37,6 +42,30 @@ func TestDialResult(t *testing.T) {
 				t.Errorf("DialResult(%v): got %q, want %q", tt.err, got, tt.want)
 			}
 		})
+	}
+}
+
+// A dial that found no local port is counted under result no_local_port every
+// time, and logged once a while per port, with what to change on the node.
+func TestNoLocalPortCountedAndWarnedOnce(t *testing.T) {
+	log := logs.Capture(t)
+	o := observe.NewPortObserver("ns/noport:tcp", "TCP", nil)
+	labels := map[string]string{"service": "ns/noport:tcp", "endpoint": "10.9.0.1:8080", "result": "no_local_port"}
+	err := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.EADDRNOTAVAIL)}
+	for range 3 {
+		o.AttemptDone("ns/noport:tcp", record.Attempt{Endpoint: netip.MustParseAddrPort("10.9.0.1:8080"), Err: err})
+	}
+	if got := metricOr0(t, "uproxy_dial_attempts_total", labels); got != 3 {
+		t.Errorf("no_local_port attempts: got %v, want 3", got)
+	}
+	var warned []string
+	for _, l := range log.Since() {
+		if strings.Contains(l, "No local port left") {
+			warned = append(warned, l)
+		}
+	}
+	if len(warned) != 1 || !strings.Contains(warned[0], "tcp_tw_reuse") || !strings.Contains(warned[0], `endpoint="10.9.0.1:8080"`) {
+		t.Errorf("warnings: got %q, want one naming the endpoint and net.ipv4.tcp_tw_reuse", warned)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -44,6 +45,9 @@ type PortObserver struct {
 	// without a lock afterwards.
 	stats      func() BalancerStats
 	udpClients func() int
+
+	// noPortWarned is when warnNoLocalPort last logged (Unix nanoseconds).
+	noPortWarned atomic.Int64
 
 	// mu guards endpoints and the attempts arrays in them; an endpointMetrics'
 	// name and dial never change, so a reader may use them after unlocking.
@@ -115,9 +119,31 @@ func (o *PortObserver) BackedOff(service string, err error, delay time.Duration)
 }
 
 func (o *PortObserver) AttemptDone(service string, a record.Attempt) {
-	em, attempts := o.children(a.Endpoint, dialResult(a.Err))
+	r := dialResult(a.Err)
+	em, attempts := o.children(a.Endpoint, r)
 	attempts.Inc()
 	em.dial.Observe(a.Duration.Seconds())
+	if r == resultNoLocalPort {
+		o.warnNoLocalPort(em.name, a.Err)
+	}
+}
+
+// noLocalPortEvery is how often, at most, a port warns that dials ran out of local
+// ports: a node that does keeps doing so for as long as its TIME_WAIT lasts.
+const noLocalPortEvery = 10 * time.Second
+
+// warnNoLocalPort logs that a dial to endpoint found no local port, with what
+// to change on the node, at most once per noLocalPortEvery; the metric counts
+// every such attempt.
+func (o *PortObserver) warnNoLocalPort(endpoint string, err error) {
+	now := time.Now().UnixNano()
+	last := o.noPortWarned.Load()
+	if last != 0 && now-last < int64(noLocalPortEvery) || !o.noPortWarned.CompareAndSwap(last, now) {
+		return
+	}
+	klog.ErrorS(err, "No local port left for connections to an endpoint: dials to it fail on this node until ports free up; it is not ejected for that, and a retry goes to another endpoint",
+		"service", o.service, "endpoint", endpoint,
+		"hint", "this node's ports toward the endpoint are held by connections, most in TIME_WAIT: set net.ipv4.tcp_tw_reuse=1 or widen net.ipv4.ip_local_port_range")
 }
 
 // children returns the metric children of ep and its attempts counter for

@@ -64,6 +64,17 @@ func actionAfter(err error) errAction {
 	return giveUp
 }
 
+// isLocalPortShortage reports whether a connect failed for want of a local port:
+// EADDRNOTAVAIL from a TCP connect, EAGAIN from a UDP one. Every ephemeral port
+// (net.ipv4.ip_local_port_range) already carries a connection to that endpoint,
+// most often in TIME_WAIT: the proxy sends the first FIN toward the backend
+// whenever the client closes first, so the TIME_WAIT of every client's
+// connection gathers on the node. The node is short, not the endpoint, and only
+// toward that endpoint: another has ports of its own.
+func isLocalPortShortage(err error) bool {
+	return errors.Is(err, syscall.EADDRNOTAVAIL) || errors.Is(err, syscall.EAGAIN)
+}
+
 // isShortage reports whether err says the process or the kernel ran short of file
 // descriptors (process or system), buffers or memory. Nobody else is at fault: a
 // dial that fails so says nothing about the endpoint.

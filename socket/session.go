@@ -183,7 +183,10 @@ func (s *tcpSession) dialNext(lastErr error) {
 	timeouts := pol.timeouts()
 	clientIP := s.rec.Client.Addr().Unmap()
 	for int(s.started) < len(timeouts) && s.err == nil && !s.rec.RetryRefused {
-		budgeted := s.started > 0 && pol.RetryBudget > 0
+		// A retry after the node ran out of local ports toward the last endpoint
+		// loads no backend (that connect sent nothing), so the budget, which
+		// guards the backends against retry storms, is not asked.
+		budgeted := s.started > 0 && pol.RetryBudget > 0 && !isLocalPortShortage(lastErr)
 		if budgeted && !p.budget.withdraw() {
 			s.rec.RetryRefused = true
 			s.nextHedge = 0
@@ -569,7 +572,11 @@ func (s *tcpSession) attemptFailed(d *dialAttempt, err error) error {
 	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Err: err}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	p.observer().AttemptDone(p.Service, a)
-	p.Picker.DialFailed(d.ep, err)
+	if !isLocalPortShortage(err) {
+		// Out of local ports toward the endpoint says nothing about it: it is
+		// not ejected for that, but the next attempt goes elsewhere all the same.
+		p.Picker.DialFailed(d.ep, err)
+	}
 	// The client's sticky endpoint just failed it: let the next pick move on.
 	p.Picker.ResetAffinity(s.rec.Client.Addr().Unmap())
 	p.Picker.Release(d.ep)

@@ -307,11 +307,16 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 			unix.Close(fd)
 		}
 	}
-	if isShortage(err) {
-		// The node is short of sockets, not the endpoint at fault: no attempt
-		// is counted against it, and the client keeps its affinity.
+	if isShortage(err) || isLocalPortShortage(err) {
+		// The node is short of sockets or of local ports, not the endpoint at
+		// fault: no attempt is counted against it, and the client keeps its
+		// affinity.
 		p.Picker.Release(ep)
-		p.reject(client, fmt.Errorf("no socket for endpoint %s: %w", ep, err))
+		what := "socket"
+		if isLocalPortShortage(err) {
+			what = "local port"
+		}
+		p.reject(client, fmt.Errorf("no %s for endpoint %s: %w", what, ep, err))
 		return nil
 	}
 	a := record.Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
