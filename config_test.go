@@ -66,6 +66,8 @@ func TestConfigFileFromKubeadm(t *testing.T) {
 		{"kubeconfig", o.kubeconfig, "/var/lib/kube-proxy/kubeconfig.conf"},
 		{"node", o.hostnameOverride, "node-a"},
 		{"UDP timeout", o.udpTimeout, 250 * time.Millisecond},
+		{"cluster CIDR", o.clusterCIDR, "10.244.0.0/16"},
+		{"masquerade all", o.masqueradeAll, false},
 	} {
 		if c.got != c.want {
 			t.Errorf("%s: got %v, want %v", c.what, c.got, c.want)
@@ -111,6 +113,30 @@ func TestConfigFilePrecedence(t *testing.T) {
 	}
 }
 
+// The file's clusterCIDR and its mode's masqueradeAll reach the kernel modes'
+// configuration; kube-proxy's IPVS mode reads masqueradeAll from the iptables
+// section, and so does uproxy's.
+func TestConfigFileMasquerading(t *testing.T) {
+	tests := []struct {
+		fields string
+		want   bool
+	}{
+		{"mode: iptables\niptables: {masqueradeAll: true}\n", true},
+		{"mode: ipvs\niptables: {masqueradeAll: true}\n", true},
+		{"mode: nftables\nnftables: {masqueradeAll: true}\n", true},
+		{"mode: nftables\niptables: {masqueradeAll: true}\n", false},
+	}
+	for _, tt := range tests {
+		_, c, err := loadArgs(t, "--config", writeConfig(t, tt.fields+"clusterCIDR: 10.244.0.0/16,fd00:10:244::/56\n"), "--hostname-override", "n", "--masquerade-all=false")
+		if err != nil {
+			t.Fatalf("%q: %v", tt.fields, err)
+		}
+		if c.masqueradeAll != tt.want || len(c.clusterCIDRs) != 2 || c.clusterCIDRs[1].String() != "fd00:10:244::/56" {
+			t.Errorf("%q: got masquerade all %v, cluster CIDRs %v; want %v and both of the file's", tt.fields, c.masqueradeAll, c.clusterCIDRs, tt.want)
+		}
+	}
+}
+
 // A bad value in the file is refused with an error naming the file's field,
 // not the flag it maps to.
 func TestConfigFileErrorNamesTheField(t *testing.T) {
@@ -130,6 +156,8 @@ func TestConfigFileErrorNamesTheField(t *testing.T) {
 		{"configSyncPeriod: -1m\n", "configSyncPeriod"},
 		{"udpIdleTimeout: -1s\n", "udpIdleTimeout"},
 		{"portRange: 3-2\n", "portRange"},
+		{"clusterCIDR: 10.244.0.0/16,10.245.0.0/16\n", "clusterCIDR"},
+		{"clusterCIDR: pods\n", "clusterCIDR"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.wantField, func(t *testing.T) {

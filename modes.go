@@ -99,6 +99,8 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 			ChainPrefix:       o.chainPrefix,
 			IPv6:              hasIPv6(ips),
 			NodePortAddresses: cfg.prefixes,
+			ClusterCIDRs:      cfg.clusterCIDRs,
+			MasqueradeAll:     cfg.masqueradeAll,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode iptables: %w", err)
@@ -109,6 +111,8 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 			ChainPrefix:       o.chainPrefix,
 			IPv6:              hasIPv6(ips),
 			NodePortAddresses: cfg.prefixes,
+			ClusterCIDRs:      cfg.clusterCIDRs,
+			MasqueradeAll:     cfg.masqueradeAll,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode nftables: %w", err)
@@ -121,6 +125,8 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 			IPv6:              hasIPv6(ips),
 			NodeIPs:           ips,
 			NodePortAddresses: cfg.prefixes,
+			ClusterCIDRs:      cfg.clusterCIDRs,
+			MasqueradeAll:     cfg.masqueradeAll,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode ipvs: %w", err)

@@ -45,6 +45,8 @@ type options struct {
 	minSyncPeriod      time.Duration
 	chainPrefix        string
 	nodePortAddresses  []string
+	clusterCIDR        string
+	masqueradeAll      bool
 	hostnameOverride   string
 	nodeLabels         map[string]string
 	shutdownGrace      time.Duration
@@ -121,6 +123,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.minSyncPeriod, "min-sync-period", o.minSyncPeriod, "least time between two syncs")
 	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, chainPrefixHelp)
 	f.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", o.nodePortAddresses, "CIDRs of the node addresses NodePorts answer on (empty: all)")
+	f.StringVar(&o.clusterCIDR, "cluster-cidr", o.clusterCIDR, "the pods' network, one CIDR per address family (comma-separated for dual stack). The kernel modes masquerade traffic to cluster IPs from outside it, and send pods' traffic to a Service's external addresses to all its endpoints whatever its externalTrafficPolicy, as kube-proxy (the userspace mode's connections to endpoints come from the node anyway)")
+	f.BoolVar(&o.masqueradeAll, "masquerade-all", o.masqueradeAll, "kernel modes: masquerade all traffic to cluster IPs, whatever its source")
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
 	f.StringToStringVar(&o.nodeLabels, "node-labels", o.nodeLabels, "this node's labels, KEY=VALUE,... (with --services only; the API server's Node has its own): topology.kubernetes.io/zone sets the zone for topology hints")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
@@ -145,15 +149,19 @@ func (o *options) addFlags(cmd *cobra.Command) {
 
 // config is the validated form of options.
 type config struct {
-	proxier     proxier.Config
-	rules       string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
-	prefixes    []netip.Prefix
-	nodeName    string
-	zone        string // from --node-labels
-	metricsAddr string
-	healthzAddr string
-	eventLoops  int
-	dialMark    uint32 // from --dial-mark-bit; 0: none
+	proxier  proxier.Config
+	rules    string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
+	prefixes []netip.Prefix
+	// clusterCIDRs (--cluster-cidr, at most one per family) and masqueradeAll
+	// (--masquerade-all) are the kernel modes' masquerading of cluster IP traffic.
+	clusterCIDRs  []netip.Prefix
+	masqueradeAll bool
+	nodeName      string
+	zone          string // from --node-labels
+	metricsAddr   string
+	healthzAddr   string
+	eventLoops    int
+	dialMark      uint32 // from --dial-mark-bit; 0: none
 }
 
 // maxEventLoops bounds --event-loops: more threads than this only contend.
@@ -249,6 +257,10 @@ func (o *options) validate() (*config, error) {
 		}
 		c.prefixes = append(c.prefixes, p.Masked())
 	}
+	if c.clusterCIDRs, err = parseClusterCIDRs(o.clusterCIDR); err != nil {
+		return nil, err
+	}
+	c.masqueradeAll = o.masqueradeAll
 	if o.ejectAfter < 0 {
 		return nil, fmt.Errorf("--eject-after %d: must not be negative", o.ejectAfter)
 	}
@@ -383,3 +395,34 @@ type renamedError struct {
 
 func (e *renamedError) Error() string { return e.msg }
 func (e *renamedError) Unwrap() error { return e.err }
+
+// parseClusterCIDRs reads --cluster-cidr: empty, or one CIDR, or an IPv4 and an
+// IPv6 one separated by a comma, as kube-proxy takes it. An address with host bits
+// set stands for its network.
+func parseClusterCIDRs(s string) ([]netip.Prefix, error) {
+	if strings.TrimSpace(s) == "" {
+		return nil, nil
+	}
+	var out []netip.Prefix
+	for _, part := range strings.Split(s, ",") {
+		p, err := netip.ParsePrefix(strings.TrimSpace(part))
+		if err != nil {
+			return nil, fmt.Errorf("--cluster-cidr %q: %q is not a CIDR", s, strings.TrimSpace(part))
+		}
+		p = p.Masked()
+		for _, q := range out {
+			if q.Addr().Is4() == p.Addr().Is4() {
+				return nil, fmt.Errorf("--cluster-cidr %q: %s and %s are both %s; want at most one CIDR per address family", s, q, p, family(p))
+			}
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
+
+func family(p netip.Prefix) string {
+	if p.Addr().Is4() {
+		return "IPv4"
+	}
+	return "IPv6"
+}

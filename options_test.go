@@ -62,6 +62,10 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--dial-hedge=-1ms"}, "--dial-hedge"},
 		{[]string{"--retry-budget=120"}, "--retry-budget"},
 		{[]string{"--retry-budget=some"}, "--retry-budget"},
+		{[]string{"--cluster-cidr=10.244.0.0"}, "--cluster-cidr"},
+		{[]string{"--cluster-cidr=10.244.0.0/16,"}, "--cluster-cidr"},
+		{[]string{"--cluster-cidr=10.244.0.0/16,10.245.0.0/16"}, "--cluster-cidr"},
+		{[]string{"--cluster-cidr=fd00::/64,fd01::/64"}, "--cluster-cidr"},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
@@ -74,7 +78,12 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 	if c, err := validateArgs(t, "--services=x", "--node-labels=topology.kubernetes.io/zone=z1,rack=r7"); err != nil || c.zone != "z1" {
 		t.Errorf("validate with --node-labels: got %+v, %v; want zone z1", c, err)
 	}
-	c, err := validateArgs(t, "--event-loops=3")
+	c, err := validateArgs(t, "--cluster-cidr= 10.244.1.7/16 , fd00:10:244::/56", "--masquerade-all")
+	if want := []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:10:244::/56")}; err != nil ||
+		fmt.Sprint(c.clusterCIDRs) != fmt.Sprint(want) || !c.masqueradeAll {
+		t.Errorf("validate with a dual-stack --cluster-cidr and --masquerade-all: got %+v, %v; want %v and masquerade all", c, err, want)
+	}
+	c, err = validateArgs(t, "--event-loops=3")
 	if err != nil || c.eventLoops != 3 {
 		t.Errorf("validate with --event-loops=3: got %v, %v; want 3 event loops", c, err)
 	}

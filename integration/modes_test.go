@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bufio"
 	"fmt"
 	"net"
 	"os/exec"
@@ -64,6 +65,58 @@ func kernelServes(t *testing.T, tp *testbed.Topology, px *proxy, mode string) {
 	for i := 0; i < 10; i++ {
 		if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
 			t.Fatalf("connection %d with uproxy stopped: got %q (%v), want a web backend", i, name, err)
+		}
+	}
+}
+
+// TestKernelModesMasquerade runs the iptables and nftables modes with
+// --cluster-cidr and --masquerade-all, as kube-proxy takes them: a connection from
+// outside the pods' network to a cluster IP reaches the endpoint from the node
+// (masqueraded) with --cluster-cidr, every connection does with
+// --masquerade-all, and without either the endpoint sees the client.
+func TestKernelModesMasquerade(t *testing.T) {
+	for _, mode := range []string{"iptables", "nftables"} {
+		for _, tc := range []struct {
+			name  string
+			flags []string
+			masq  bool
+		}{
+			{"neither", nil, false},
+			{"cluster-cidr of the pods", []string{"--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56"}, true},
+			{"cluster-cidr holding the client", []string{"--cluster-cidr", "192.168.50.0/24"}, false},
+			{"masquerade-all", []string{"--masquerade-all"}, true},
+		} {
+			t.Run(mode+"/"+tc.name, func(t *testing.T) {
+				if mode == "nftables" {
+					testbed.RequireNFTables(t)
+				}
+				tp := testbed.New(t)
+				pod, ext := tp.NS(testbed.Pod), tp.NS(testbed.External)
+				ln := tp.Listen(testbed.Pod, "tcp", pod.IPv4.String()+":0")
+				go testbed.ServeIdentity(ln)
+				manifest := svc{name: "who", proto: "TCP", clusterIPs: []string{"10.96.0.20"}, port: 80,
+					endpoints: []string{pod.IPv4.String()}, endpointPorts: []int{ln.Addr().(*net.TCPAddr).Port}}.yaml()
+				runUproxy(t, tp, manifest, launch{want: -1, flags: append([]string{"--proxy-mode", mode}, tc.flags...)})
+				c, err := tp.Dial(testbed.External, "tcp", "10.96.0.20:80")
+				if err != nil {
+					t.Fatalf("dial the cluster IP from outside the pods' network: %v", err)
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				line, err := bufio.NewReader(c).ReadString('\n')
+				if err != nil {
+					t.Fatalf("read the endpoint's identity: %v", err)
+				}
+				_, remote, _ := strings.Cut(strings.TrimSpace(line), "|")
+				host, _, _ := net.SplitHostPort(remote)
+				want := ext.IPv4.String()
+				if tc.masq {
+					want = pod.GatewayIPv4.String() // the node's address toward the pod
+				}
+				if host != want {
+					t.Errorf("%s %v: the endpoint saw the connection from %s, want %s", mode, tc.flags, host, want)
+				}
+			})
 		}
 	}
 }

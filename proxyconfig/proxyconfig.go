@@ -69,14 +69,18 @@ const (
 	duration             // a Go duration string ("30s"), as metav1.Duration
 	number               // a JSON number
 	strList              // a list of strings, joined with commas
+	boolean              // true or false
 )
 
 type field struct {
 	kind kind
 	flag string
-	// section, for the per-mode sync periods, is the mode whose section the field
-	// belongs to; it applies only when that mode is the file's mode.
+	// section, for the per-mode settings, is the mode whose section the field
+	// belongs to; it applies only when that mode, or alsoFor, is the file's mode.
 	section string
+	// alsoFor is another mode the field applies to: kube-proxy's IPVS mode takes
+	// masqueradeAll from the iptables section.
+	alsoFor string
 	// zero is the value, in the flag's syntax, that kube-proxy v1.36 gives the
 	// field when it is absent or zero (its defaulting of v1alpha1); empty: the
 	// zero value stands (keepZero) or means the program's default (Setting.Default).
@@ -120,7 +124,7 @@ var schema = map[string]any{
 		"syncPeriod":         field{kind: duration, flag: "sync-period", section: "iptables", zero: "30s"},
 		"minSyncPeriod":      field{kind: duration, flag: "min-sync-period", section: "iptables", zero: "1s"},
 		"masqueradeBit":      field{kind: ignored},
-		"masqueradeAll":      field{kind: ignored},
+		"masqueradeAll":      field{kind: boolean, flag: "masquerade-all", section: "iptables", alsoFor: "ipvs", zero: "false"},
 		"localhostNodePorts": field{kind: ignored},
 	},
 	"ipvs": map[string]any{
@@ -138,7 +142,7 @@ var schema = map[string]any{
 		"syncPeriod":    field{kind: duration, flag: "sync-period", section: "nftables", zero: "30s"},
 		"minSyncPeriod": field{kind: duration, flag: "min-sync-period", section: "nftables", zero: "1s"},
 		"masqueradeBit": field{kind: ignored},
-		"masqueradeAll": field{kind: ignored},
+		"masqueradeAll": field{kind: boolean, flag: "masquerade-all", section: "nftables", zero: "false"},
 	},
 	"conntrack": map[string]any{
 		"maxPerCore":            field{kind: ignored},
@@ -160,9 +164,10 @@ var schema = map[string]any{
 	"showHiddenMetricsForVersion": field{kind: ignored},
 	"winkernel":                   field{kind: ignored},
 	"detectLocalMode":             field{kind: ignored},
-	"clusterCIDR":                 field{kind: ignored},
-	"oomScoreAdj":                 field{kind: ignored},
-	"windowsRunAsService":         field{kind: ignored},
+	// "" is no cluster CIDR; one per family, comma-separated, as the flag.
+	"clusterCIDR":         field{kind: str, flag: "cluster-cidr", keepZero: true},
+	"oomScoreAdj":         field{kind: ignored},
+	"windowsRunAsService": field{kind: ignored},
 }
 
 // Load reads the configuration file at path; see Parse.
@@ -220,6 +225,12 @@ func Parse(data []byte) (settings []Setting, ignoredFields []string, err error) 
 	return settings, w.ignored, nil
 }
 
+// appliesTo reports whether the field counts when the file's mode section is
+// section.
+func (f field) appliesTo(section string) bool {
+	return f.section == "" || f.section == section || f.alsoFor == section
+}
+
 type walker struct {
 	section string
 	// values holds the mapped fields the file sets, by path, in the flag's
@@ -261,7 +272,7 @@ func (w *walker) object(prefix string, obj map[string]any, fields map[string]any
 }
 
 func (w *walker) leaf(path string, v any, f field) error {
-	if f.kind == ignored || (f.section != "" && f.section != w.section) {
+	if f.kind == ignored || !f.appliesTo(w.section) {
 		if !isZero(v) {
 			w.ignored = append(w.ignored, path)
 		}
@@ -312,6 +323,14 @@ func (w *walker) leaf(path string, v any, f field) error {
 			items = append(items, s)
 		}
 		value = strings.Join(items, ",")
+	case boolean:
+		b, ok := v.(bool)
+		if !ok {
+			return fmt.Errorf("field %q: want true or false, got %s", path, jsonType(v))
+		}
+		if b {
+			value = "true"
+		}
 	}
 	w.values[path] = value
 	return nil
@@ -331,7 +350,7 @@ func (w *walker) resolve() ([]Setting, error) {
 					return err
 				}
 			case field:
-				if f.flag == "" || f.kind == ignored || (f.section != "" && f.section != w.section) {
+				if f.flag == "" || f.kind == ignored || !f.appliesTo(w.section) {
 					continue
 				}
 				st, err := w.setting(path, f)

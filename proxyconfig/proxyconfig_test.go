@@ -19,9 +19,11 @@ var defaults = map[string]string{
 	"clientConnection.contentType": "--kube-api-content-type=application/vnd.kubernetes.protobuf",
 	"clientConnection.kubeconfig":  "--kubeconfig=",
 	"clientConnection.qps":         "--kube-api-qps=5",
+	"clusterCIDR":                  "--cluster-cidr=",
 	"configSyncPeriod":             "--config-sync-period=15m0s",
 	"healthzBindAddress":           "--healthz-bind-address=0.0.0.0:10256",
 	"hostnameOverride":             "--hostname-override=",
+	"iptables.masqueradeAll":       "--masquerade-all=false",
 	"iptables.minSyncPeriod":       "--min-sync-period=1s",
 	"iptables.syncPeriod":          "--sync-period=30s",
 	"ipvs.scheduler":               "--scheduler (default)",
@@ -70,11 +72,12 @@ clientConnection: {kubeconfig: /var/lib/kube-proxy/kubeconfig.conf, qps: 50, bur
 hostnameOverride: node-1
 mode: iptables
 nodePortAddresses: [10.0.0.0/8, 192.168.0.0/16]
-iptables: {syncPeriod: 20s, minSyncPeriod: 2s}
+iptables: {syncPeriod: 20s, minSyncPeriod: 2s, masqueradeAll: true}
 ipvs: {scheduler: lc}
 udpIdleTimeout: 300ms
 portRange: 30000-31000
 configSyncPeriod: 10m
+clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
 `,
 		want: []string{
 			"bindAddress -> --bind-address=127.0.0.1",
@@ -82,9 +85,11 @@ configSyncPeriod: 10m
 			"clientConnection.contentType -> --kube-api-content-type=application/json",
 			"clientConnection.kubeconfig -> --kubeconfig=/var/lib/kube-proxy/kubeconfig.conf",
 			"clientConnection.qps -> --kube-api-qps=50",
+			"clusterCIDR -> --cluster-cidr=10.244.0.0/16,fd00:10:244::/56",
 			"configSyncPeriod -> --config-sync-period=10m0s",
 			"healthzBindAddress -> --healthz-bind-address=0.0.0.0:10256",
 			"hostnameOverride -> --hostname-override=node-1",
+			"iptables.masqueradeAll -> --masquerade-all=true",
 			"iptables.minSyncPeriod -> --min-sync-period=2s",
 			"iptables.syncPeriod -> --sync-period=20s",
 			"ipvs.scheduler -> --scheduler=lc",
@@ -101,14 +106,18 @@ configSyncPeriod: 10m
 	}, {
 		// kubeadm writes every field, zero unless it knows better; kube-proxy
 		// reads each zero as its default.
-		name:        "kubeadm's file",
-		doc:         string(kubeadm),
-		want:        settings(map[string]string{"clientConnection.kubeconfig": "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf"}),
-		wantIgnored: []string{"clusterCIDR"},
-	}, {
-		name: "sync periods come from the mode's section",
-		doc:  header + "mode: ipvs\niptables: {syncPeriod: 30s}\nipvs: {syncPeriod: 10s, minSyncPeriod: 0s}\n",
+		name: "kubeadm's file",
+		doc:  string(kubeadm),
 		want: settings(map[string]string{
+			"clientConnection.kubeconfig": "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf",
+			"clusterCIDR":                 "--cluster-cidr=10.244.0.0/16",
+		}),
+	}, {
+		// kube-proxy's IPVS mode takes masqueradeAll from the iptables section.
+		name: "sync periods come from the mode's section",
+		doc:  header + "mode: ipvs\niptables: {syncPeriod: 30s, masqueradeAll: true}\nipvs: {syncPeriod: 10s, minSyncPeriod: 0s}\n",
+		want: settings(map[string]string{
+			"iptables.masqueradeAll": "--masquerade-all=true",
 			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "",
 			"ipvs.minSyncPeriod": "--min-sync-period=0s",
 			"ipvs.syncPeriod":    "--sync-period=10s",
@@ -126,14 +135,17 @@ configSyncPeriod: 10m
 			"mode":               "--proxy-mode=ipvs",
 		}),
 	}, {
+		// and the iptables section's masqueradeAll is not the nftables mode's.
 		name: "zero sync periods of the nftables section",
-		doc:  header + "mode: nftables\nnftables: {syncPeriod: 0s, minSyncPeriod: 0s}\n",
+		doc:  header + "mode: nftables\niptables: {masqueradeAll: true}\nnftables: {syncPeriod: 0s, minSyncPeriod: 0s, masqueradeAll: true}\n",
 		want: settings(map[string]string{
-			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "",
+			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "", "iptables.masqueradeAll": "",
+			"nftables.masqueradeAll": "--masquerade-all=true",
 			"nftables.minSyncPeriod": "--min-sync-period=1s",
 			"nftables.syncPeriod":    "--sync-period=30s",
 			"mode":                   "--proxy-mode=nftables",
 		}),
+		wantIgnored: []string{"iptables.masqueradeAll"},
 	}, {
 		name: "an IPv6 bindAddress makes the servers' default addresses IPv6",
 		doc:  header + "bindAddress: '::'\n",
@@ -192,6 +204,7 @@ func TestParseErrors(t *testing.T) {
 		{"unparsable duration", header + "iptables: {syncPeriod: soon}\n", `field "iptables.syncPeriod"`},
 		{"number as string", header + "clientConnection: {qps: fast}\n", `field "clientConnection.qps": want a number`},
 		{"list of numbers", header + "nodePortAddresses: [1]\n", `field "nodePortAddresses"[0]: want a string`},
+		{"boolean as string", header + "nftables: {masqueradeAll: \"yes\"}\nmode: nftables\n", `field "nftables.masqueradeAll": want true or false`},
 		{"object expected", header + "ipvs: rr\n", `field "ipvs": want an object`},
 		{"bind address neither IP nor IP:PORT", header + "metricsBindAddress: localhost\n", `field "metricsBindAddress": "localhost" is neither IP:PORT nor an IP address`},
 		{"not YAML", "{", "parse"},
