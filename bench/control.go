@@ -44,7 +44,20 @@ type ControlResult struct {
 	EndpointChangeMs     []float64 `json:"endpointChangeMs"`
 	EndpointChangeMedian float64   `json:"endpointChangeMedianMs"`
 	EndpointChangeMax    float64   `json:"endpointChangeMaxMs"`
+	// NotRun are the sizes the path could not take on this machine, with why.
+	NotRun []NotRunSync `json:"notRun,omitempty"`
 }
+
+// NotRunSync is a sync size left out, and why.
+type NotRunSync struct {
+	Ports  int    `json:"ports"`
+	Reason string `json:"reason"`
+}
+
+// socketHeadroom is what a userspace path's proxy needs in open files beside its
+// proxy sockets: the benchmark's own Services' connections, the API and metrics
+// servers, pipes.
+const socketHeadroom = 1000
 
 // runControl times changes endpoint changes of one Service, then syncs of
 // sizes Service ports (two endpoints each), each added, then changed by one
@@ -67,7 +80,16 @@ func runControl(ctx context.Context, p *path, sizes []int, changes int, limit ti
 		res.EndpointChangeMedian = s[len(s)/2]
 		res.EndpointChangeMax = s[len(s)-1]
 	}
-	for _, n := range sizes {
+	for i, n := range sizes {
+		if p.proxy != nil && n+socketHeadroom > p.w.fileLimit {
+			// The userspace mode opens a proxy socket per Service port: this
+			// many cannot be had, and the step would only time out.
+			for _, m := range sizes[i:] {
+				res.NotRun = append(res.NotRun, NotRunSync{Ports: m, Reason: fmt.Sprintf(
+					"the userspace mode needs a proxy socket per Service port, and the open-file limit is %d (raising it needs CAP_SYS_RESOURCE)", p.w.fileLimit)})
+			}
+			break
+		}
 		sr, err := c.scaleSync(ctx, n, limit+time.Duration(n)*time.Millisecond)
 		if sr != nil {
 			res.Syncs = append(res.Syncs, *sr)

@@ -225,3 +225,26 @@ func fmtPtr(v *float64) any {
 	}
 	return *v
 }
+
+// A userspace path is not sent syncs bigger than its open-file limit allows (a
+// proxy socket per Service port): they are reported as not run, with why, instead
+// of timing out.
+func TestControlSkipsSizesBeyondTheFileLimit(t *testing.T) {
+	p := &path{name: Userspace, proxy: &process{}, w: &world{fileLimit: 5000}, ctl: &uproxyCtl{}}
+	res, err := runControl(t.Context(), p, []int{10000, 50000}, 0, time.Second)
+	if err != nil {
+		t.Fatalf("runControl: %v", err)
+	}
+	if len(res.Syncs) != 0 || len(res.NotRun) != 2 || res.NotRun[0].Ports != 10000 || res.NotRun[1].Ports != 50000 ||
+		!strings.Contains(res.NotRun[0].Reason, "open-file limit is 5000") {
+		t.Errorf("got syncs %+v, not run %+v; want both sizes not run, naming the limit of 5000", res.Syncs, res.NotRun)
+	}
+	rep := Report{Control: []ControlEntry{{Path: Userspace, Result: res}}}
+	var b strings.Builder
+	if err := rep.WriteTable(&b); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "userspace: 50000 Service ports: not run: the userspace mode needs a proxy socket per Service port") {
+		t.Errorf("table does not say why 50000 Service ports were not run:\n%s", b.String())
+	}
+}

@@ -356,6 +356,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 				fmt.Fprintf(tw, "%s\t%d\t%.1f\t%d\t%s\t%s\t%s\t%s\t\n", c.Path, s.Ports, s.SyncSeconds*1e3, s.Syncs, toTraffic,
 					msOrNotDone(s.AddOneSyncSeconds), msOrNotDone(s.EndpointSyncSeconds), removal)
 			}
+			for _, nr := range c.Result.NotRun {
+				changes = append(changes, fmt.Sprintf("  %s: %d Service ports: not run: %s", c.Path, nr.Ports, nr.Reason))
+			}
 			if len(c.Result.EndpointChangeMs) > 0 {
 				changes = append(changes, fmt.Sprintf("  %s: endpoint change to traffic: median %.1f ms, max %.1f ms over %d changes",
 					c.Path, c.Result.EndpointChangeMedian, c.Result.EndpointChangeMax, len(c.Result.EndpointChangeMs)))
