@@ -128,9 +128,10 @@ func TestTinyRun(t *testing.T) {
 					t.Errorf("%s: proxy CPU present %v, proxy busy CPUs present %v, want both %v", pr.Path, pr.ProxyCPU != nil, pr.ProxyBusy != nil, hasProxy)
 				}
 				// The load generators alone keep part of a CPU busy; a machine
-				// cannot be busier than its CPUs (with some slack for the clock).
-				if b := pr.MachineBusy; b == nil || *b <= 0 || *b > float64(rep.Machine.CPUs)*1.1 {
-					t.Errorf("%s: machine busy CPUs %v, want in (0, %d]", pr.Path, b, rep.Machine.CPUs)
+				// cannot be busier than its CPUs (with slack for /proc/stat's
+				// 10ms ticks over these short rounds).
+				if b := pr.MachineBusy; b == nil || *b <= 0 || *b > float64(rep.Machine.CPUs)*1.25 {
+					t.Errorf("%s: machine busy CPUs %s, want in (0, %d]", pr.Path, busy(pr), rep.Machine.CPUs)
 				}
 				if trafficWorkloads[wr.Name].latency && (pr.Latency == nil || len(pr.CDF) == 0) {
 					t.Errorf("%s: no latency distribution", pr.Path)

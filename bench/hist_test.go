@@ -146,19 +146,20 @@ kubeproxy_sync_proxy_rules_last_timestamp_seconds 1.7e+09
 	}
 }
 
-// TestSummarizeBusyCPUs checks the busy figures: CPU seconds over the windows'
-// seconds, all rounds together, and no proxy figure for a path without a proxy.
+// TestSummarizeBusyCPUs checks the busy figures: CPU seconds over the time
+// between the rounds' samples, all rounds together, and no proxy figure for a
+// path without a proxy.
 func TestSummarizeBusyCPUs(t *testing.T) {
 	wl := &workload{name: Connections, higherBetter: true, cpuScale: 1e6}
 	paths := []*path{{name: Direct}, {name: Userspace}}
 	results := map[string]*PathResult{
 		Direct: {Path: Direct, Rounds: []Round{
-			{Value: 10, Seconds: 2, MachineCPU: 3, units: 20},
-			{Value: 12, Seconds: 2, MachineCPU: 3.4, units: 24},
+			{Value: 10, Seconds: 1.9, sampled: 2, MachineCPU: 3, units: 20},
+			{Value: 12, Seconds: 1.9, sampled: 2, MachineCPU: 3.4, units: 24},
 		}},
 		Userspace: {Path: Userspace, Rounds: []Round{
-			{Value: 8, Seconds: 2, MachineCPU: 3.2, ProxyCPU: ptr(1.0), units: 16},
-			{Value: 9, Seconds: 1, MachineCPU: 1.6, ProxyCPU: ptr(0.2), units: 9},
+			{Value: 8, Seconds: 1.9, sampled: 2, MachineCPU: 3.2, ProxyCPU: ptr(1.0), units: 16},
+			{Value: 9, Seconds: 0.9, sampled: 1, MachineCPU: 1.6, ProxyCPU: ptr(0.2), units: 9},
 		}},
 	}
 	wr := summarize(wl, paths, results)

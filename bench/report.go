@@ -156,7 +156,7 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 				client += rd.ClientCPU
 				backend += rd.BackendCPU
 				machine += rd.MachineCPU
-				secs += rd.Seconds
+				secs += rd.sampled
 				if rd.ProxyCPU != nil {
 					hasProxy = true
 					proxy += *rd.ProxyCPU

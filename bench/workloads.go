@@ -322,6 +322,10 @@ type sample struct {
 	proxy, backend  usage
 	client, machine time.Duration
 	hasProxy        bool
+	// at is when the machine's counters were read: the busy CPUs divide by the
+	// time between two samples' readings, not by the measurement window, which
+	// the reading of the second sample outlasts.
+	at time.Time
 }
 
 func takeSample(p *path) (sample, error) {
@@ -344,6 +348,7 @@ func takeSample(p *path) (sample, error) {
 	if s.machine, err = machineBusy(); err != nil {
 		return s, err
 	}
+	s.at = time.Now()
 	return s, nil
 }
 
@@ -365,6 +370,8 @@ type Round struct {
 
 	units float64
 	hist  *Histogram
+	// sampled is the time between the round's two samples (see sample.at).
+	sampled float64
 }
 
 // runTrial runs wl's generators over p for warmup+d and measures the window d.
@@ -439,6 +446,7 @@ func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duratio
 		Errors:     total.errs,
 		Lost:       total.lost,
 		units:      wl.units(total),
+		sampled:    s1.at.Sub(s0.at).Seconds(),
 	}
 	if s0.hasProxy {
 		v := (s1.proxy.cpu - s0.proxy.cpu).Seconds()
