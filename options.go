@@ -17,6 +17,7 @@ import (
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/kernelmodes"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
+	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
@@ -405,24 +406,18 @@ func parseClusterCIDRs(s string) ([]netip.Prefix, error) {
 	}
 	var out []netip.Prefix
 	for _, part := range strings.Split(s, ",") {
-		p, err := netip.ParsePrefix(strings.TrimSpace(part))
+		part = strings.TrimSpace(part)
+		p, err := netip.ParsePrefix(part)
 		if err != nil {
-			return nil, fmt.Errorf("--cluster-cidr %q: %q is not a CIDR", s, strings.TrimSpace(part))
+			return nil, fmt.Errorf("--cluster-cidr %q: %q is not a CIDR", s, part)
 		}
 		p = p.Masked()
 		for _, q := range out {
-			if q.Addr().Is4() == p.Addr().Is4() {
-				return nil, fmt.Errorf("--cluster-cidr %q: %s and %s are both %s; want at most one CIDR per address family", s, q, p, family(p))
+			if q.Addr().Is6() == p.Addr().Is6() {
+				return nil, fmt.Errorf("--cluster-cidr %q: %s and %s are both %s; want at most one CIDR per address family", s, q, p, iptables.FamilyName(p.Addr().Is6()))
 			}
 		}
 		out = append(out, p)
 	}
 	return out, nil
-}
-
-func family(p netip.Prefix) string {
-	if p.Addr().Is4() {
-		return "IPv4"
-	}
-	return "IPv6"
 }

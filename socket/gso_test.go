@@ -128,14 +128,7 @@ func TestBatchReaderReportsCoalescedRuns(t *testing.T) {
 // other side through the proxy as the same datagrams, each whole and in order,
 // whatever the Service socket's bind; the proxy's sockets ask for coalesced runs.
 func TestUDPProxyKeepsDatagramsOfCoalescedRuns(t *testing.T) {
-	tests := []struct {
-		name, network, bind, dst string
-	}{
-		{"IPv4 address", "udp4", "127.0.0.1", "127.0.0.1"},
-		{"IPv4 wildcard", "udp4", "0.0.0.0", "127.0.0.3"},
-		{"dual-stack wildcard, IPv4 client", "udp", "::", "127.0.0.3"},
-		{"dual-stack wildcard, IPv6 client", "udp", "::", "::1"},
-	}
+	tests := append([]udpBind{{"IPv4 address", "udp4", "127.0.0.1", "127.0.0.1"}}, wildcardBinds...)
 	up := run(30, 1000, 17)   // client to endpoint
 	down := run(100, 600, 99) // endpoint to client: more than one segmented send may carry
 	for _, tt := range tests {

@@ -307,16 +307,18 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 			unix.Close(fd)
 		}
 	}
-	if isShortage(err) || isLocalPortShortage(err) {
-		// The node is short of sockets or of local ports, not the endpoint at
-		// fault: no attempt is counted against it, and the client keeps its
-		// affinity.
+	// The node short of sockets or of local ports is not the endpoint at fault:
+	// no attempt is counted against it, and the client keeps its affinity.
+	short := ""
+	switch {
+	case isShortage(err):
+		short = "socket"
+	case isLocalPortShortage(err):
+		short = "local port"
+	}
+	if short != "" {
 		p.Picker.Release(ep)
-		what := "socket"
-		if isLocalPortShortage(err) {
-			what = "local port"
-		}
-		p.reject(client, fmt.Errorf("no %s for endpoint %s: %w", what, ep, err))
+		p.reject(client, fmt.Errorf("no %s for endpoint %s: %w", short, ep, err))
 		return nil
 	}
 	a := record.Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}

@@ -365,19 +365,26 @@ func TestUDPProxyManyClients(t *testing.T) {
 	await(t, "the proxy's goroutines to end", func() bool { return runtime.NumGoroutine() <= baseline+2 })
 }
 
+// udpBind is a Service socket's network and bind, and the address a client
+// writes to (see dialUDPProxyAt).
+type udpBind struct {
+	name, network, bind, dst string
+}
+
+// wildcardBinds bind the Service socket to a wildcard address, each with a
+// destination that is not the address the kernel would answer from.
+var wildcardBinds = []udpBind{
+	{"IPv4 wildcard", "udp4", "0.0.0.0", "127.0.0.3"},
+	{"dual-stack wildcard, IPv4 client", "udp", "::", "127.0.0.3"},
+	{"dual-stack wildcard, IPv6 client", "udp", "::", "::1"},
+}
+
 // TestUDPProxyWildcardRepliesFromDestination binds the Service socket to a
 // wildcard address and writes to a loopback address that is not the one the
 // kernel would answer from: the reply must still come from the address written
 // to, as conntrack and connected clients require.
 func TestUDPProxyWildcardRepliesFromDestination(t *testing.T) {
-	tests := []struct {
-		name, network, bind, dst string
-	}{
-		{"IPv4 socket", "udp4", "0.0.0.0", "127.0.0.3"},
-		{"dual-stack socket, IPv4 client", "udp", "::", "127.0.0.3"},
-		{"dual-stack socket, IPv6 client", "udp", "::", "::1"},
-	}
-	for _, tt := range tests {
+	for _, tt := range wildcardBinds {
 		t.Run(tt.name, func(t *testing.T) {
 			backend := startUDPEcho(t, "127.0.0.2")
 			p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Timeout: time.Hour}
