@@ -423,13 +423,18 @@ func (r *renderer) sharedNATDecl(b []byte) []byte {
 	return b
 }
 
+// markMasqRule is the masquerade-mark chain's one rule.
+func (r *renderer) markMasqRule(b []byte) []byte {
+	return append(b, "-A "+r.n.markMasq+" -j MARK --or-mark "+r.mark+"\n"...)
+}
+
 func (r *renderer) sharedNATRules(b []byte, sh *shared) []byte {
 	b = append(b, r.n.canary.Rule()+"\n"...)
 	b = append(b, "-A "+r.n.postrouting+" -m mark ! --mark "+r.mark+"/"+r.mark+" -j RETURN\n"...)
 	// Clear the bit so a packet re-entering (IPsec, tunnels) is not masqueraded twice.
 	b = append(b, "-A "+r.n.postrouting+" -j MARK --xor-mark "+r.mark+"\n"...)
 	b = append(b, "-A "+r.n.postrouting+` -m comment --comment "uproxy service traffic requiring SNAT" -j MASQUERADE --random-fully`+"\n"...)
-	b = append(b, "-A "+r.n.markMasq+" -j MARK --or-mark "+r.mark+"\n"...)
+	b = r.markMasqRule(b)
 	b = append(b, sh.natServices...)
 	b = append(b, sh.natNodePorts...)
 	// NodePorts last: they match by port on any local address.

@@ -1,0 +1,219 @@
+package iptables
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+
+	ipt "github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// failingKernel fails its restore number failAt (counted from 1, both families).
+type failingKernel struct {
+	*fakeKernel
+	n, failAt int
+}
+
+func (k *failingKernel) Restore(v6 bool, input []byte) error {
+	if k.n++; k.n == k.failAt {
+		return errors.New("restore failed on purpose")
+	}
+	return k.fakeKernel.Restore(v6, input)
+}
+
+// manyPorts returns n Service ports, each with a ClusterIP and the endpoints
+// given, every third with a NodePort (so an EXT chain); tag varies the
+// endpoints' port so a second call with another tag changes every port.
+func manyPorts(n int, tag uint16, endpoints ...string) *service.Snapshot {
+	ports := make([]*service.Port, n)
+	for i := range ports {
+		sp := svcPort("many", fmt.Sprintf("svc-%04d", i), "", service.TCP, 80)
+		sp.ClusterIPs = []netip.Addr{netip.AddrFrom4([4]byte{10, 97, byte(i >> 8), byte(i)})}
+		for _, e := range endpoints {
+			a := netip.MustParseAddrPort(e)
+			sp.Endpoints = append(sp.Endpoints, ep(netip.AddrPortFrom(a.Addr(), a.Port()+tag).String(), false))
+		}
+		if i%3 == 0 {
+			sp.NodePort = 30000 + i
+		}
+		ports[i] = sp
+	}
+	return &service.Snapshot{Ports: ports}
+}
+
+func TestManyPortsWrittenInChunks(t *testing.T) {
+	newPair := func(t *testing.T, k ipt.Kernel, ref *fakeKernel) (*Proxier, *Proxier) {
+		p, err := New(Config{IPTables: k, Conntrack: &ref.ct})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.portsPerRestore = 2
+		q, err := New(Config{IPTables: ref.Fake, Conntrack: &ref.ct})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p, q
+	}
+	saved := func(t *testing.T, k *fakeKernel) string {
+		t.Helper()
+		b, err := k.Save(false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+	// declaringRestore returns, for each chain, the index of the last restore of
+	// rs that declares it; a port chain declared twice fails the test.
+	declaringRestore := func(t *testing.T, p *Proxier, rs []string) map[string]int {
+		t.Helper()
+		at := map[string]int{}
+		for i, in := range rs {
+			for _, line := range strings.Split(in, "\n") {
+				name, ok := strings.CutPrefix(line, ":")
+				if !ok {
+					continue
+				}
+				name, _, _ = strings.Cut(name, " ")
+				if prev, dup := at[name]; dup && p.n.isPortChain(name) {
+					t.Errorf("chain %s declared in restores %d and %d", name, prev, i)
+				}
+				at[name] = i
+			}
+		}
+		return at
+	}
+	eps := []string{"10.244.1.2:8080", "10.244.2.3:8080"}
+
+	t.Run("a full sync of five ports: three chunks of whole ports, then the shared chains; the same rules as one restore", func(t *testing.T) {
+		k, ref := newFakeKernel(), newFakeKernel()
+		p, q := newPair(t, k.Fake, ref)
+		s := manyPorts(5, 0, eps...)
+		for _, px := range []*Proxier{p, q} {
+			if err := px.Sync(s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		rs := k.restores(0)
+		if len(rs) != 4 || len(ref.restores(0)) != 1 {
+			t.Fatalf("restores: got %d chunked and %d whole, want 4 and 1", len(rs), len(ref.restores(0)))
+		}
+		at := declaringRestore(t, p, rs)
+		for i, sp := range s.Ports {
+			for _, c := range p.fams[0].written[portKey{sp.Name, sp.Protocol}].chains {
+				if got, want := at[c], i/2; got != want {
+					t.Errorf("port %d's chain %s: declared in restore %d, want %d", i, c, got, want)
+				}
+			}
+		}
+		if got, want := saved(t, k), saved(t, ref); got != want {
+			t.Errorf("rules after the chunked sync differ from one restore's:\n%s\nwant:\n%s", got, want)
+		}
+	})
+
+	t.Run("partial syncs: many changed ports in chunks, a few in one restore; many stale chains flushed, then deleted, after", func(t *testing.T) {
+		k, ref := newFakeKernel(), newFakeKernel()
+		p, q := newPair(t, k.Fake, ref)
+		steps := []struct {
+			name     string
+			s        *service.Snapshot
+			restores int
+		}{
+			{"first", manyPorts(5, 0, eps...), 4},
+			// Three chunks of ports, the shared chains, then ten stale SEP
+			// chains (six a restore) flushed in two restores and deleted in two.
+			{"every port's endpoints move", manyPorts(5, 1, eps...), 8},
+			// Two chunks, the shared chains; ten stale chains (two ports' SVC,
+			// EXT and SEPs, three ports' second SEP) in four restores.
+			{"one endpoint fewer, two ports gone", manyPorts(3, 1, eps[0]), 7},
+			{"a port back", manyPorts(4, 1, eps[0]), 1},
+			{"a port gone: its two chains deleted inline", manyPorts(3, 1, eps[0]), 1},
+		}
+		for _, st := range steps {
+			n := len(k.restores(0))
+			for _, px := range []*Proxier{p, q} {
+				if err := px.Sync(st.s); err != nil {
+					t.Fatalf("%s: %v", st.name, err)
+				}
+			}
+			if got := len(k.restores(0)) - n; got != st.restores {
+				t.Errorf("%s: got %d restores, want %d", st.name, got, st.restores)
+			}
+			if got, want := saved(t, k), saved(t, ref); got != want {
+				t.Errorf("%s: rules differ from one restore's:\n%s\nwant:\n%s", st.name, got, want)
+			}
+		}
+	})
+
+	t.Run("a failed chunk: an error, and the next sync rewrites everything", func(t *testing.T) {
+		// Restores 1-4 write the first snapshot; of the second sync's eight,
+		// 5-7 are chunks of ports, 8 the shared chains, 9-12 the stale chains.
+		for _, failAt := range []int{1, 2, 4, 6, 8, 9, 12} {
+			k, ref := newFakeKernel(), newFakeKernel()
+			fk := &failingKernel{fakeKernel: k, failAt: failAt}
+			p, q := newPair(t, fk, ref)
+			s := manyPorts(5, 1, eps...)
+			if err := p.Sync(manyPorts(5, 0, eps...)); (err != nil) != (failAt <= 4) {
+				t.Errorf("restore %d failing: first sync's error: %v", failAt, err)
+			}
+			if failAt > 4 {
+				if err := p.Sync(s); err == nil {
+					t.Errorf("restore %d failing: got no error", failAt)
+				}
+			}
+			for _, px := range []*Proxier{p, q} {
+				if err := px.Sync(s); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !p.fams[0].lastWasFull {
+				t.Errorf("restore %d failing: the next sync was partial, want full", failAt)
+			}
+			if got, want := saved(t, k), saved(t, ref); got != want {
+				t.Errorf("restore %d failing, then a sync: rules differ from one restore's:\n%s\nwant:\n%s", failAt, got, want)
+			}
+		}
+	})
+}
+
+// TestRealIPTablesManyPorts writes 1100 Service ports into real iptables, in
+// three chunks, reaches the first and the last port through them, and deletes
+// all but one.
+func TestRealIPTablesManyPorts(t *testing.T) {
+	testbed.RequireIPTables(t)
+	w := newWorld(t)
+	var p *Proxier
+	if err := w.tp.Run(testbed.Node, func() (err error) {
+		p, err = New(Config{})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	s := manyPorts(1100, 0, w.extV4...)
+	w.sync(t, p, s)
+	saved := w.tp.SavedRules(t, false)
+	for _, sp := range s.Ports {
+		if c := p.n.portChain("SVC", sp.Name, sp.Protocol, ""); !strings.Contains(saved, "-A "+c+" ") {
+			t.Fatalf("%s: no rule in its chain %s", sp.Name, c)
+		}
+	}
+	for _, i := range []int{0, 1099} {
+		to := netip.AddrPortFrom(s.Ports[i].ClusterIPs[0], 80).String()
+		got, _, err := w.tp.Ask(testbed.Pod, to)
+		if err != nil || !strings.HasPrefix(got, "192.168.50.") {
+			t.Errorf("port %d (%s) from the pod: got endpoint %q (%v), want one of %q", i, to, got, err, w.extV4)
+		}
+	}
+	// All but one go: their 4800 chains are flushed, then deleted, in chunks.
+	w.sync(t, p, manyPorts(1, 0, w.extV4...))
+	saved = w.tp.SavedRules(t, false)
+	if got := strings.Count(saved, "\n:"+p.n.prefix+"-SEP-"); got != len(w.extV4) {
+		t.Errorf("SEP chains after all ports but one went: got %d, want %d:\n%s", got, len(w.extV4), saved)
+	}
+	if err := w.tp.Run(testbed.Node, p.Cleanup); err != nil {
+		t.Fatal(err)
+	}
+}
