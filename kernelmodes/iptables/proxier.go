@@ -109,8 +109,10 @@ type family struct {
 	udp map[portKey]conntrack.UDPPort
 	// lastFull, lastPartial describe the most recent write, for tests and logs.
 	lastWasFull bool
-	// shared is the shared chains' text as last written (valid with written).
-	shared []byte
+	// sharedFilter and sharedNAT are the shared chains' text of each table as
+	// last written (valid with written); a sync rewrites a table's shared
+	// chains only when their text changed.
+	sharedFilter, sharedNAT []byte
 }
 
 type portKey struct {
@@ -248,11 +250,22 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 
 	sharedFilter := fam.r.sharedFilter(nil, &sh)
 	sharedNAT := fam.r.sharedNATRules(nil, &sh)
+	// A table's shared chains are rewritten only when their text changed: the
+	// nat table's hold a rule per Service port, and rewriting them takes
+	// iptables-restore seconds at tens of thousands of ports.
+	writeFilter := full || !bytes.Equal(sharedFilter, fam.sharedFilter)
+	writeNAT := full || !bytes.Equal(sharedNAT, fam.sharedNAT)
 	b := make([]byte, 0, 4096+len(order)*600)
-	b = append(b, "*filter\n"...)
-	b = append(b, sharedFilter...)
-	b = append(b, "COMMIT\n*nat\n"...)
-	b = fam.r.sharedNATDecl(b)
+	if writeFilter {
+		b = append(b, "*filter\n"...)
+		b = append(b, sharedFilter...)
+		b = append(b, "COMMIT\n"...)
+	}
+	natStart := len(b)
+	b = append(b, "*nat\n"...)
+	if writeNAT {
+		b = fam.r.sharedNATDecl(b)
+	}
 	var changed []*portRules
 	for _, pr := range order {
 		if full {
@@ -280,16 +293,21 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	for _, pr := range inline {
 		b = append(b, pr.body[:pr.declLen]...)
 	}
-	b = append(b, sharedNAT...)
+	if writeNAT {
+		b = append(b, sharedNAT...)
+	}
 	for _, pr := range inline {
 		b = append(b, pr.body[pr.declLen:]...)
 	}
 	for _, c := range inlineStale {
 		b = append(b, "-X "+c+"\n"...)
 	}
-	b = append(b, "COMMIT\n"...)
-	shared := slices.Concat(sharedFilter, sharedNAT)
-	if !full && len(changed) == 0 && len(stale) == 0 && bytes.Equal(shared, fam.shared) {
+	if writeNAT || len(inline) > 0 || len(inlineStale) > 0 {
+		b = append(b, "COMMIT\n"...)
+	} else {
+		b = b[:natStart]
+	}
+	if !full && len(changed) == 0 && len(stale) == 0 && !writeFilter && !writeNAT {
 		// Nothing to write: the canary says the kernel still has it all.
 		fam.lastWasFull = false
 		fam.written = cur
@@ -304,8 +322,10 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 			return err
 		}
 	}
-	if err := p.cfg.IPTables.Restore(fam.v6, b); err != nil {
-		return fmt.Errorf("write %s iptables-mode rules: %w", ipt.FamilyName(fam.v6), err)
+	if len(b) > 0 {
+		if err := p.cfg.IPTables.Restore(fam.v6, b); err != nil {
+			return fmt.Errorf("write %s iptables-mode rules: %w", ipt.FamilyName(fam.v6), err)
+		}
 	}
 	if inlineStale == nil {
 		// Nothing but other stale chains jumps to them now.
@@ -320,7 +340,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 			return err
 		}
 	}
-	fam.written, fam.shared = cur, shared
+	fam.written, fam.sharedFilter, fam.sharedNAT = cur, sharedFilter, sharedNAT
 	klog.V(3).InfoS("Wrote iptables-mode rules", "family", ipt.FamilyName(fam.v6), "full", full, "ports", len(order), "changedPorts", len(changed), "deletedChains", len(stale), "bytes", len(b))
 
 	return p.syncConntrack(fam, order)

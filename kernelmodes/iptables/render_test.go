@@ -431,6 +431,20 @@ func TestPartialSync(t *testing.T) {
 		t.Errorf("kernel chains after the partial sync: got %v, want web's SVC and not gone's", chains)
 	}
 
+	// Only web's endpoint moves: web's chains are written, and neither table's
+	// shared chains, whose text is the same.
+	web3 := web2
+	web3.Endpoints = eps("10.244.1.4:8080")
+	if err := p.Sync(snapshot(&web3, api)); err != nil {
+		t.Fatal(err)
+	}
+	if in := k.last(0); !strings.Contains(in, ":"+chain("SVC", web, "")) || strings.Contains(in, "*filter") || strings.Contains(in, ":"+p.n.services+" ") {
+		t.Errorf("sync after web's endpoint moved: want web's chains and no shared chain, got:\n%s", in)
+	}
+	if err := p.Sync(snapshot(&web2, api)); err != nil {
+		t.Fatal(err)
+	}
+
 	// Nothing changed: nothing is written.
 	n := len(k.restores(0))
 	if err := p.Sync(snapshot(&web2, api)); err != nil {
