@@ -165,3 +165,54 @@ func TestRemoveChains(t *testing.T) {
 		})
 	}
 }
+
+func TestRemovalSteps(t *testing.T) {
+	ours := iptables.ChainSet{"nat": {"UPX-SERVICES", "UPX-SVC-A", "UPX-SVC-B", "UPX-SEP-A", "UPX-SEP-B"}, "filter": {"UPX-FILTER", "UPX-FW"}}
+	others := "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j RETURN\nCOMMIT\n"
+	// Our chains jump to one another, and built-in chains jump to them.
+	mine := "*nat\n:UPX-SERVICES - [0:0]\n:UPX-SVC-A - [0:0]\n:UPX-SVC-B - [0:0]\n:UPX-SEP-A - [0:0]\n:UPX-SEP-B - [0:0]\n" +
+		"-A UPX-SERVICES -d 10.96.0.1/32 -j UPX-SVC-A\n-A UPX-SERVICES -d 10.96.0.2/32 -j UPX-SVC-B\n" +
+		"-A UPX-SVC-A -j UPX-SEP-A\n-A UPX-SVC-B -j UPX-SEP-B\n-A UPX-SEP-A -j RETURN\n-A UPX-SEP-B -j UPX-SVC-A\n" +
+		"-A PREROUTING -j UPX-SERVICES\n-A OUTPUT -j UPX-SERVICES\nCOMMIT\n" +
+		"*filter\n:UPX-FILTER - [0:0]\n:UPX-FW - [0:0]\n-A UPX-FILTER -j UPX-FW\n-A INPUT -j UPX-FILTER\nCOMMIT\n"
+	for _, tc := range []struct {
+		per, steps int
+	}{
+		// Seven chains, two a restore: nat's five flushed in three, filter's
+		// two in one, then deleted in as many.
+		{per: 2, steps: 8},
+		{per: 5, steps: 4},
+		{per: 7, steps: 1},
+	} {
+		t.Run(fmt.Sprintf("%d chains a restore", tc.per), func(t *testing.T) {
+			k := iptablestest.New()
+			mustApply(t, k, false, others)
+			before := dump(k, false)
+			mustApply(t, k, false, mine)
+			saved, err := k.Save(false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rs := iptables.Parse(saved)
+			steps := rs.RemovalSteps(ours.Has, tc.per)
+			if len(steps) != tc.steps {
+				t.Errorf("got %d restores, want %d", len(steps), tc.steps)
+			}
+			if tc.steps == 1 && len(steps) == 1 && string(steps[0]) != string(rs.Removal(ours.Has)) {
+				t.Errorf("one restore: got\n%s\nwant Removal's\n%s", steps[0], rs.Removal(ours.Has))
+			}
+			for i, in := range steps {
+				if n := strings.Count(string(in), "\n:") + strings.Count(string(in), "\n-X "); tc.steps > 1 && n > tc.per {
+					t.Errorf("restore %d names %d chains, want at most %d:\n%s", i, n, tc.per, in)
+				}
+				mustApply(t, k, false, string(in))
+			}
+			if got := dump(k, false); got != before {
+				t.Errorf("after the restores:\n%s\nwant:\n%s", got, before)
+			}
+			if again := iptables.Parse([]byte(dump(k, false))).RemovalSteps(ours.Has, tc.per); len(again) != 0 {
+				t.Errorf("nothing left: got restores %q, want none", again)
+			}
+		})
+	}
+}
