@@ -208,6 +208,33 @@ func TestRealIPTablesManyPorts(t *testing.T) {
 			t.Errorf("port %d (%s) from the pod: got endpoint %q (%v), want one of %q", i, to, got, err, w.extV4)
 		}
 	}
+	// Two ports more, then two fewer: their jumps are inserted into the shared
+	// chains, then deleted, in place; the NodePorts rule stays last.
+	more := manyPorts(1102, 0, w.extV4...)
+	w.sync(t, p, more)
+	last := more.Ports[1101]
+	for _, to := range []struct{ from, addr string }{
+		{testbed.Pod, netip.AddrPortFrom(last.ClusterIPs[0], 80).String()},
+		{testbed.External, netip.AddrPortFrom(w.nodeIPv4, uint16(last.NodePort)).String()},
+	} {
+		if got, _, err := w.tp.Ask(to.from, to.addr); err != nil || !strings.HasPrefix(got, "192.168.50.") {
+			t.Errorf("added port %s from %s: got endpoint %q (%v), want one of %q", to.addr, to.from, got, err, w.extV4)
+		}
+	}
+	saved = w.tp.SavedRules(t, false)
+	services := "\n-A " + p.n.services + " "
+	if i := strings.LastIndex(saved, services); i < 0 || !strings.Contains(strings.SplitN(saved[i+1:], "\n", 2)[0], "-j "+p.n.nodePorts) {
+		t.Errorf("the last rule of %s is not the NodePorts jump:\n%s", p.n.services, saved)
+	}
+	w.sync(t, p, s)
+	saved = w.tp.SavedRules(t, false)
+	if c := p.n.portChain("SVC", last.Name, last.Protocol, ""); strings.Contains(saved, c) {
+		t.Errorf("removed port %s: its chain %s is still there", last.Name, c)
+	}
+	if got, want := strings.Count(saved, services), 1100+1; got != want {
+		t.Errorf("rules in %s after the two went: got %d, want %d", p.n.services, got, want)
+	}
+
 	// All but one go: their 4800 chains are flushed, then deleted, in chunks.
 	w.sync(t, p, manyPorts(1, 0, w.extV4...))
 	saved = w.tp.SavedRules(t, false)
@@ -216,5 +243,83 @@ func TestRealIPTablesManyPorts(t *testing.T) {
 	}
 	if err := w.tp.Run(testbed.Node, p.Cleanup); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func TestSharedNATEdit(t *testing.T) {
+	k := newFakeKernel()
+	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eps := []string{"10.244.1.2:8080"}
+	// rules returns the nat table's rules of chain as a set, and its last rule.
+	rules := func(chain string) (map[string]bool, string) {
+		set, last := map[string]bool{}, ""
+		for _, c := range k.State(false).Chains("nat") {
+			if c.Name != chain {
+				continue
+			}
+			for _, r := range c.Rules {
+				set[r.Text] = true
+				last = r.Text
+			}
+		}
+		return set, last
+	}
+	for _, st := range []struct {
+		name string
+		s    *service.Snapshot
+		edit bool // the shared chains edited in place, not rewritten
+	}{
+		{"first", manyPorts(6, 0, eps...), false},
+		// Port 6 has a NodePort: a jump in SERVICES and one in NODEPORTS.
+		{"two ports more", manyPorts(8, 0, eps...), true},
+		{"one port fewer", manyPorts(7, 0, eps...), true},
+		{"unchanged", manyPorts(7, 0, eps...), false},
+		// 70 ports more, 24 of them with a NodePort: 94 rules.
+		{"many more: a rewrite", manyPorts(77, 0, eps...), false},
+	} {
+		n := len(k.restores(0))
+		if err := p.Sync(st.s); err != nil {
+			t.Fatalf("%s: %v", st.name, err)
+		}
+		in := strings.Join(k.restores(0)[n:], "")
+		if got := strings.Contains(in, "-I "+p.n.services+" 1 ") || strings.Contains(in, "-D "+p.n.services+" "); got != st.edit {
+			t.Errorf("%s: shared chains edited in place: got %v, want %v:\n%s", st.name, got, st.edit, in)
+		}
+		if rewritten := strings.Contains(in, ":"+p.n.services+" "); rewritten == st.edit && st.name != "unchanged" {
+			t.Errorf("%s: shared chains rewritten: got %v, want %v", st.name, rewritten, !st.edit)
+		}
+		// The kernel holds what a rewrite would write, in some order, and the
+		// NodePorts rule last.
+		var sh shared
+		for _, sp := range st.s.Ports {
+			p.fams[0].r.port(sp, &sh)
+		}
+		for _, c := range []struct {
+			chain string
+			want  []byte
+		}{{p.n.services, sh.natServices}, {p.n.nodePorts, sh.natNodePorts}} {
+			got, last := rules(c.chain)
+			want := map[string]bool{}
+			for line := range strings.Lines(string(c.want)) {
+				want[strings.TrimSuffix(line, "\n")] = true
+			}
+			if c.chain == p.n.services {
+				if !strings.HasSuffix(last, "-j "+p.n.nodePorts) {
+					t.Errorf("%s: last rule of %s: got %q, want the NodePorts jump", st.name, c.chain, last)
+				}
+				delete(got, last)
+			}
+			if len(got) != len(want) {
+				t.Errorf("%s: %s holds %d port rules, want %d", st.name, c.chain, len(got), len(want))
+			}
+			for r := range want {
+				if !got[r] {
+					t.Errorf("%s: %s lacks %q", st.name, c.chain, r)
+				}
+			}
+		}
 	}
 }

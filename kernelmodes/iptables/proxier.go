@@ -24,8 +24,10 @@
 // Per-port chain names hash the port name, protocol and endpoint (sha256,
 // base32), so they fit iptables' 28 characters. The first sync, and any sync
 // after a failure or a flush, writes everything with iptables-restore
-// --noflush and deletes leftover per-port chains; later syncs write the shared
-// chains plus only the per-port chains whose text changed. A sync writes in one
+// --noflush and deletes leftover per-port chains; later syncs write only the
+// per-port chains whose text changed, and a table's shared chains when their
+// text changed: for up to 64 Service-port jumps more or fewer, by inserting or
+// deleting those jumps in place (see sharedNATEdit). A sync writes in one
 // restore per family unless it changes more than 500 ports or deletes more than
 // 1500 chains: such chains are written before the shared chains that lead to
 // them, 500 ports a restore, and deleted after, 1500 chains a restore.
@@ -255,6 +257,14 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	// iptables-restore seconds at tens of thousands of ports.
 	writeFilter := full || !bytes.Equal(sharedFilter, fam.sharedFilter)
 	writeNAT := full || !bytes.Equal(sharedNAT, fam.sharedNAT)
+	// A few Service ports more or fewer: their rules are added to or deleted
+	// from the shared chains in place.
+	var natEdit []byte
+	if writeNAT && !full {
+		if edit, ok := fam.r.sharedNATEdit(fam.sharedNAT, sharedNAT); ok {
+			natEdit, writeNAT = edit, false
+		}
+	}
 	b := make([]byte, 0, 4096+len(order)*600)
 	if writeFilter {
 		b = append(b, "*filter\n"...)
@@ -296,18 +306,19 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	if writeNAT {
 		b = append(b, sharedNAT...)
 	}
+	b = append(b, natEdit...)
 	for _, pr := range inline {
 		b = append(b, pr.body[pr.declLen:]...)
 	}
 	for _, c := range inlineStale {
 		b = append(b, "-X "+c+"\n"...)
 	}
-	if writeNAT || len(inline) > 0 || len(inlineStale) > 0 {
+	if writeNAT || len(natEdit) > 0 || len(inline) > 0 || len(inlineStale) > 0 {
 		b = append(b, "COMMIT\n"...)
 	} else {
 		b = b[:natStart]
 	}
-	if !full && len(changed) == 0 && len(stale) == 0 && !writeFilter && !writeNAT {
+	if !full && len(changed) == 0 && len(stale) == 0 && !writeFilter && !writeNAT && len(natEdit) == 0 {
 		// Nothing to write: the canary says the kernel still has it all.
 		fam.lastWasFull = false
 		fam.written = cur

@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/base32"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -426,6 +427,58 @@ func (r *renderer) sharedNATDecl(b []byte) []byte {
 // markMasqRule is the masquerade-mark chain's one rule.
 func (r *renderer) markMasqRule(b []byte) []byte {
 	return append(b, "-A "+r.n.markMasq+" -j MARK --or-mark "+r.mark+"\n"...)
+}
+
+// maxNATEdit bounds the rules an edit of the nat table's shared chains adds
+// or deletes; beyond it they are rewritten whole.
+const maxNATEdit = 64
+
+// sharedNATEdit returns the restore lines that turn the shared nat chains
+// written as old into new, when only rules of Service ports changed (a jump from
+// P-SERVICES or P-NODEPORTS, whose order does not matter) and at most
+// maxNATEdit of them: -D for each rule gone, -I at the top of P-SERVICES (the
+// NodePorts rule stays last) or -A to P-NODEPORTS for each rule new. ok is
+// false when the chains must be rewritten. Adding a rule to 50000 costs
+// iptables-restore 0.05 s where a rewrite costs 10 s or more; a deletion costs
+// it a reading of the chain (about 4 s at 50000).
+func (r *renderer) sharedNATEdit(old, new []byte) (edit []byte, ok bool) {
+	was := map[string]bool{}
+	for line := range strings.SplitSeq(string(old), "\n") {
+		was[line] = true
+	}
+	var added []string
+	for line := range strings.SplitSeq(string(new), "\n") {
+		if !was[line] {
+			added = append(added, line)
+		}
+		delete(was, line)
+	}
+	if len(added)+len(was) > maxNATEdit {
+		return nil, false
+	}
+	servicesRule, nodePortsRule := "-A "+r.n.services+" ", "-A "+r.n.nodePorts+" "
+	portRule := func(line string) bool {
+		return strings.HasPrefix(line, nodePortsRule) ||
+			strings.HasPrefix(line, servicesRule) && !strings.HasSuffix(line, " -j "+r.n.nodePorts)
+	}
+	gone := slices.Sorted(maps.Keys(was))
+	for _, line := range gone {
+		if !portRule(line) {
+			return nil, false
+		}
+		edit = append(edit, "-D "+line[len("-A "):]+"\n"...)
+	}
+	for _, line := range added {
+		switch {
+		case !portRule(line):
+			return nil, false
+		case strings.HasPrefix(line, servicesRule):
+			edit = append(edit, "-I "+r.n.services+" 1 "+line[len(servicesRule):]+"\n"...)
+		default:
+			edit = append(edit, line+"\n"...)
+		}
+	}
+	return edit, true
 }
 
 func (r *renderer) sharedNATRules(b []byte, sh *shared) []byte {
