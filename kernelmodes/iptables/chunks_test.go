@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 
@@ -58,13 +59,35 @@ func TestManyPortsWrittenInChunks(t *testing.T) {
 		}
 		return p, q
 	}
+	// saved returns k's IPv4 rules with those of the chains whose order does
+	// not matter sorted (the Service ports' jumps in P-SERVICES and
+	// P-NODEPORTS, in any table), after checking that P-SERVICES ends with the
+	// NodePorts rule.
 	saved := func(t *testing.T, k *fakeKernel) string {
 		t.Helper()
 		b, err := k.Save(false)
 		if err != nil {
 			t.Fatal(err)
 		}
-		return string(b)
+		services, nodePorts := "-A "+ipt.DefaultChainPrefix+"-SERVICES ", "-A "+ipt.DefaultChainPrefix+"-NODEPORTS "
+		var kept, free []string
+		last := ""
+		for line := range strings.Lines(string(b)) {
+			switch {
+			case strings.HasPrefix(line, services) && strings.HasSuffix(line, "-j "+ipt.DefaultChainPrefix+"-NODEPORTS\n"):
+				last = line
+				kept = append(kept, line)
+			case strings.HasPrefix(line, services) || strings.HasPrefix(line, nodePorts):
+				if last != "" && strings.HasPrefix(line, services) {
+					t.Errorf("%q after the NodePorts rule %q", line, last)
+				}
+				free = append(free, line)
+			default:
+				kept = append(kept, line)
+			}
+		}
+		slices.Sort(free)
+		return strings.Join(kept, "") + strings.Join(free, "")
 	}
 	// declaringRestore returns, for each chain, the index of the last restore of
 	// rs that declares it; a port chain declared twice fails the test.
@@ -88,29 +111,50 @@ func TestManyPortsWrittenInChunks(t *testing.T) {
 	}
 	eps := []string{"10.244.1.2:8080", "10.244.2.3:8080"}
 
-	t.Run("a full sync of five ports: three chunks of whole ports, then the shared chains; the same rules as one restore", func(t *testing.T) {
+	t.Run("whole syncs of five ports in three chunks of whole ports; the same rules as one restore", func(t *testing.T) {
 		k, ref := newFakeKernel(), newFakeKernel()
 		p, q := newPair(t, k.Fake, ref)
 		s := manyPorts(5, 0, eps...)
-		for _, px := range []*Proxier{p, q} {
-			if err := px.Sync(s); err != nil {
-				t.Fatal(err)
-			}
-		}
-		rs := k.restores(0)
-		if len(rs) != 4 || len(ref.restores(0)) != 1 {
-			t.Fatalf("restores: got %d chunked and %d whole, want 4 and 1", len(rs), len(ref.restores(0)))
-		}
-		at := declaringRestore(t, p, rs)
-		for i, sp := range s.Ports {
-			for _, c := range p.fams[0].written[portKey{sp.Name, sp.Protocol}].chains {
-				if got, want := at[c], i/2; got != want {
-					t.Errorf("port %d's chain %s: declared in restore %d, want %d", i, c, got, want)
+		for _, st := range []struct {
+			name string
+			// first is the restore holding the first chunk; shared the one
+			// writing the shared chains.
+			first, shared int
+		}{
+			// Nothing of ours in the kernel: the shared chains first, without
+			// jumps to port chains, then the chunks with their ports' jumps.
+			{"first sync", 1, 0},
+			// Our chains in the kernel, as after a restart: the chunks first,
+			// then the shared chains that lead to them.
+			{"whole sync over our own chains", 0, 3},
+		} {
+			n := len(k.restores(0))
+			for _, px := range []*Proxier{p, q} {
+				for _, fam := range px.fams {
+					fam.written = nil
+				}
+				if err := px.Sync(s); err != nil {
+					t.Fatal(err)
 				}
 			}
-		}
-		if got, want := saved(t, k), saved(t, ref); got != want {
-			t.Errorf("rules after the chunked sync differ from one restore's:\n%s\nwant:\n%s", got, want)
+			rs := k.restores(0)[n:]
+			if len(rs) != 4 {
+				t.Fatalf("%s: got %d restores, want 4", st.name, len(rs))
+			}
+			at := declaringRestore(t, p, rs)
+			for i, sp := range s.Ports {
+				for _, c := range p.fams[0].written[portKey{sp.Name, sp.Protocol}].chains {
+					if got, want := at[c], st.first+i/2; got != want {
+						t.Errorf("%s: port %d's chain %s: declared in restore %d, want %d", st.name, i, c, got, want)
+					}
+				}
+			}
+			if got := rs[st.shared]; !strings.Contains(got, ":"+p.n.services+" ") || st.first == 1 && strings.Contains(got, "-SVC-") {
+				t.Errorf("%s: restore %d: want the shared chains (and, first, no jump to a port chain):\n%s", st.name, st.shared, got)
+			}
+			if got, want := saved(t, k), saved(t, ref); got != want {
+				t.Errorf("%s: rules after the chunked sync differ from one restore's:\n%s\nwant:\n%s", st.name, got, want)
+			}
 		}
 	})
 
@@ -150,8 +194,9 @@ func TestManyPortsWrittenInChunks(t *testing.T) {
 	})
 
 	t.Run("a failed chunk: an error, and the next sync rewrites everything", func(t *testing.T) {
-		// Restores 1-4 write the first snapshot; of the second sync's seven,
-		// 5-7 are chunks of ports, 8-11 delete the stale chains.
+		// Restores 1-4 write the first snapshot (the shared chains, then three
+		// chunks); of the second sync's seven, 5-7 are chunks of ports, 8-11
+		// delete the stale chains.
 		for _, failAt := range []int{1, 2, 4, 6, 8, 11} {
 			k, ref := newFakeKernel(), newFakeKernel()
 			fk := &failingKernel{fakeKernel: k, failAt: failAt}

@@ -30,7 +30,9 @@
 // deleting those jumps in place (see sharedNATEdit). A sync writes in one
 // restore per family unless it changes more than 500 ports or deletes more than
 // 1500 chains: such chains are written before the shared chains that lead to
-// them, 500 ports a restore, and deleted after, 1500 chains a restore.
+// them, 500 ports a restore, and deleted after, 1500 chains a restore. When the
+// kernel holds no port chain of ours yet (the first sync on a node), the shared
+// chains go first and each restore of 500 ports also inserts their jumps.
 package iptables
 
 import (
@@ -197,11 +199,16 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	var sh shared
 	cur := make(map[portKey]*portRules, len(ports))
 	order := make([]*portRules, 0, len(ports))
+	// spans[i] is where order[i]'s jumps are in sh's nat rules.
+	spans := make([]jumpSpan, 0, len(ports))
 	for _, sp := range ports {
 		if !sp.InFamily(fam.v6) {
 			continue
 		}
+		span := jumpSpan{services: len(sh.natServices), nodePorts: len(sh.natNodePorts)}
 		pr := fam.r.port(sp, &sh)
+		span.servicesEnd, span.nodePortsEnd = len(sh.natServices), len(sh.natNodePorts)
+		spans = append(spans, span)
 		k := portKey{sp.Name, sp.Protocol}
 		cur[k] = &pr
 		order = append(order, &pr)
@@ -229,11 +236,14 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 		}
 	}
 	var stale []string
+	// fresh says the kernel holds no port chain of ours, so no rule leads to one.
+	fresh := false
 	if full {
 		existing, err := p.existingPortChains(fam.v6)
 		if err != nil {
 			return err
 		}
+		fresh = len(existing) == 0
 		for _, c := range existing {
 			if !wanted[c] {
 				stale = append(stale, c)
@@ -295,6 +305,17 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	if len(stale) > p.chainsPerRestore() {
 		inlineStale = nil
 	}
+	// Many ports and nothing of ours in the kernel yet: the shared chains go
+	// first without the ports' jumps, and each chunk inserts its ports' jumps
+	// beside their chains. No restore then jumps to many existing chains, which
+	// would make iptables-restore read the whole table (see
+	// defaultPortsPerRestore), and each chunk's Services work once it is in.
+	var chunkJumps [][]byte
+	natText := sharedNAT
+	if fresh && inline == nil {
+		chunkJumps = fam.r.portJumps(&sh, spans)
+		natText = fam.r.sharedNATRules(nil, &shared{})
+	}
 	// Declaring a stale chain flushes it, so its jumps to other stale chains are
 	// gone by the time -X runs.
 	for _, c := range inlineStale {
@@ -304,7 +325,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 		b = append(b, pr.body[:pr.declLen]...)
 	}
 	if writeNAT {
-		b = append(b, sharedNAT...)
+		b = append(b, natText...)
 	}
 	b = append(b, natEdit...)
 	for _, pr := range inline {
@@ -326,16 +347,21 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	}
 
 	fam.written = nil
-	if inline == nil {
-		// Many ports' chains go in first; the shared chains that lead to them
-		// after.
-		if err := p.writePortChunks(fam, changed); err != nil {
+	if inline != nil || chunkJumps != nil {
+		if err := p.restoreMain(fam, b); err != nil {
 			return err
 		}
 	}
-	if len(b) > 0 {
-		if err := p.cfg.IPTables.Restore(fam.v6, b); err != nil {
-			return fmt.Errorf("write %s iptables-mode rules: %w", ipt.FamilyName(fam.v6), err)
+	if inline == nil {
+		// Many ports' chains go in first and the shared chains that lead to
+		// them after, or, fresh, with their jumps after the shared chains.
+		if err := p.writePortChunks(fam, changed, chunkJumps); err != nil {
+			return err
+		}
+		if chunkJumps == nil {
+			if err := p.restoreMain(fam, b); err != nil {
+				return err
+			}
 		}
 	}
 	if inlineStale == nil {
@@ -395,22 +421,38 @@ func (p *Proxier) deleteChainChunks(fam *family, chains []string) error {
 // writePortChunks writes the chains of ports in restores of p.portsPerRestore
 // ports. Each restore holds whole ports, so a port's chains change at once,
 // and also rewrites the masquerade-mark chain they jump to (its one rule never
-// changes), which the first sync has not created yet.
-func (p *Proxier) writePortChunks(fam *family, ports []*portRules) error {
-	for chunk := range slices.Chunk(ports, p.portsPerRestore) {
-		b := make([]byte, 0, 256+len(chunk)*600)
+// changes), which the first sync has not created yet. With jumps (one entry
+// per port), each restore also adds its ports' jumps to the shared chains.
+func (p *Proxier) writePortChunks(fam *family, ports []*portRules, jumps [][]byte) error {
+	for i := 0; i < len(ports); i += p.portsPerRestore {
+		chunk := ports[i:min(i+p.portsPerRestore, len(ports))]
+		b := make([]byte, 0, 256+len(chunk)*800)
 		b = append(b, "*nat\n:"+p.n.markMasq+" - [0:0]\n"...)
 		for _, pr := range chunk {
 			b = append(b, pr.body[:pr.declLen]...)
 		}
 		b = fam.r.markMasqRule(b)
-		for _, pr := range chunk {
+		for j, pr := range chunk {
 			b = append(b, pr.body[pr.declLen:]...)
+			if jumps != nil {
+				b = append(b, jumps[i+j]...)
+			}
 		}
 		b = append(b, "COMMIT\n"...)
 		if err := p.cfg.IPTables.Restore(fam.v6, b); err != nil {
 			return fmt.Errorf("write %s iptables-mode rules of %d Service ports: %w", ipt.FamilyName(fam.v6), len(chunk), err)
 		}
+	}
+	return nil
+}
+
+// restoreMain writes a sync's restore of shared chains and inline ports.
+func (p *Proxier) restoreMain(fam *family, b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	if err := p.cfg.IPTables.Restore(fam.v6, b); err != nil {
+		return fmt.Errorf("write %s iptables-mode rules: %w", ipt.FamilyName(fam.v6), err)
 	}
 	return nil
 }

@@ -429,6 +429,29 @@ func (r *renderer) markMasqRule(b []byte) []byte {
 	return append(b, "-A "+r.n.markMasq+" -j MARK --or-mark "+r.mark+"\n"...)
 }
 
+// jumpSpan is where one port's rules are in a shared's natServices and
+// natNodePorts: [services, servicesEnd) and [nodePorts, nodePortsEnd).
+type jumpSpan struct {
+	services, servicesEnd, nodePorts, nodePortsEnd int
+}
+
+// portJumps returns each port's rules in the shared nat chains (spans into sh)
+// as restore lines that add them to chains already holding others: inserted
+// at the top of P-SERVICES, so the NodePorts rule stays last, and appended to
+// P-NODEPORTS.
+func (r *renderer) portJumps(sh *shared, spans []jumpSpan) [][]byte {
+	servicesRule := "-A " + r.n.services + " "
+	out := make([][]byte, len(spans))
+	for i, sp := range spans {
+		var b []byte
+		for line := range strings.Lines(string(sh.natServices[sp.services:sp.servicesEnd])) {
+			b = append(b, "-I "+r.n.services+" 1 "+strings.TrimPrefix(line, servicesRule)...)
+		}
+		out[i] = append(b, sh.natNodePorts[sp.nodePorts:sp.nodePortsEnd]...)
+	}
+	return out
+}
+
 // maxNATEdit bounds the rules an edit of the nat table's shared chains adds
 // or deletes; beyond it they are rewritten whole.
 const maxNATEdit = 64
