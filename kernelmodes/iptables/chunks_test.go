@@ -291,7 +291,7 @@ func TestRealIPTablesManyPorts(t *testing.T) {
 	}
 }
 
-func TestSharedNATEdit(t *testing.T) {
+func TestSharedNATEditedInPlace(t *testing.T) {
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -322,12 +322,31 @@ func TestSharedNATEdit(t *testing.T) {
 		{"two ports more", manyPorts(8, 0, eps...), true},
 		{"one port fewer", manyPorts(7, 0, eps...), true},
 		{"unchanged", manyPorts(7, 0, eps...), false},
-		// 70 ports more, 24 of them with a NodePort: 94 rules.
-		{"many more: a rewrite", manyPorts(77, 0, eps...), false},
+		// 70 ports more, 24 of them with a NodePort: 94 rules inserted.
+		{"many more", manyPorts(77, 0, eps...), true},
+		// 66 ports fewer, 22 with a NodePort: 88 rules to delete, over 64.
+		{"many fewer: a rewrite", manyPorts(11, 0, eps...), false},
+		// The chunks (two ports each) insert their ports' jumps.
+		{"many more with small chunks", manyPorts(40, 0, eps...), true},
 	} {
+		if st.name == "many more with small chunks" {
+			p.portsPerRestore = 2
+		}
 		n := len(k.restores(0))
 		if err := p.Sync(st.s); err != nil {
 			t.Fatalf("%s: %v", st.name, err)
+		}
+		if st.name == "many more with small chunks" {
+			// 29 new ports, two a chunk: every chunk inserts its own jumps.
+			with := 0
+			for _, in := range k.restores(0)[n:] {
+				if strings.Contains(in, "-I "+p.n.services+" 1 ") {
+					with++
+				}
+			}
+			if with != 15 {
+				t.Errorf("%s: %d restores insert jumps, want 15 (one per chunk)", st.name, with)
+			}
 		}
 		in := strings.Join(k.restores(0)[n:], "")
 		if got := strings.Contains(in, "-I "+p.n.services+" 1 ") || strings.Contains(in, "-D "+p.n.services+" "); got != st.edit {

@@ -262,17 +262,51 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 
 	sharedFilter := fam.r.sharedFilter(nil, &sh)
 	sharedNAT := fam.r.sharedNATRules(nil, &sh)
+	var changed []*portRules
+	var changedAt []int // changed[i] is order[changedAt[i]]
+	for i, pr := range order {
+		if old, ok := fam.written[portKey{pr.key, pr.proto}]; full || !ok || !bytes.Equal(old.body, pr.body) {
+			changed = append(changed, pr)
+			changedAt = append(changedAt, i)
+		}
+	}
+	// Many ports' chains, or many chains to delete, go in restores of their
+	// own (chunks, see defaultPortsPerRestore), the others inline.
+	inline, inlineStale := changed, stale
+	if len(changed) > p.portsPerRestore {
+		inline = nil
+	}
+	if len(stale) > p.chainsPerRestore() {
+		inlineStale = nil
+	}
+
 	// A table's shared chains are rewritten only when their text changed: the
 	// nat table's hold a rule per Service port, and rewriting them takes
-	// iptables-restore seconds at tens of thousands of ports.
+	// iptables-restore seconds at tens of thousands of ports. When only Service
+	// ports' jumps come and go, they are inserted and deleted in place instead,
+	// a new port's jumps beside its chains, in its chunk. So are the first
+	// sync's, when no port chain of ours is in the kernel yet (fresh): the
+	// shared chains are then written first, without them (sharedFirst). No
+	// restore then jumps to many existing chains, which would make
+	// iptables-restore read the whole table (see defaultPortsPerRestore).
 	writeFilter := full || !bytes.Equal(sharedFilter, fam.sharedFilter)
 	writeNAT := full || !bytes.Equal(sharedNAT, fam.sharedNAT)
-	// A few Service ports more or fewer: their rules are added to or deleted
-	// from the shared chains in place.
+	natText := sharedNAT
 	var natEdit []byte
-	if writeNAT && !full {
-		if edit, ok := fam.r.sharedNATEdit(fam.sharedNAT, sharedNAT); ok {
-			natEdit, writeNAT = edit, false
+	var chunkJumps [][]byte
+	sharedFirst := false
+	if writeNAT && (!full || fresh && inline == nil) {
+		old := fam.sharedNAT
+		if full {
+			old = fam.r.sharedNATRules(nil, &shared{})
+		}
+		if gone, added, ok := fam.r.sharedNATDiff(old, sharedNAT); ok {
+			if full {
+				natText, sharedFirst = old, true
+			} else {
+				writeNAT = false
+			}
+			natEdit, chunkJumps = fam.r.placeJumps(gone, added, &sh, spans, changedAt, inline == nil)
 		}
 	}
 	b := make([]byte, 0, 4096+len(order)*600)
@@ -285,36 +319,6 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	b = append(b, "*nat\n"...)
 	if writeNAT {
 		b = fam.r.sharedNATDecl(b)
-	}
-	var changed []*portRules
-	for _, pr := range order {
-		if full {
-			changed = append(changed, pr)
-			continue
-		}
-		if old, ok := fam.written[portKey{pr.key, pr.proto}]; !ok || !bytes.Equal(old.body, pr.body) {
-			changed = append(changed, pr)
-		}
-	}
-	// Many ports' chains, or many chains to delete, go in restores of their
-	// own (chunks, see defaultPortsPerRestore), the others inline.
-	inline, inlineStale := changed, stale
-	if len(changed) > p.portsPerRestore {
-		inline = nil
-	}
-	if len(stale) > p.chainsPerRestore() {
-		inlineStale = nil
-	}
-	// Many ports and nothing of ours in the kernel yet: the shared chains go
-	// first without the ports' jumps, and each chunk inserts its ports' jumps
-	// beside their chains. No restore then jumps to many existing chains, which
-	// would make iptables-restore read the whole table (see
-	// defaultPortsPerRestore), and each chunk's Services work once it is in.
-	var chunkJumps [][]byte
-	natText := sharedNAT
-	if fresh && inline == nil {
-		chunkJumps = fam.r.portJumps(&sh, spans)
-		natText = fam.r.sharedNATRules(nil, &shared{})
 	}
 	// Declaring a stale chain flushes it, so its jumps to other stale chains are
 	// gone by the time -X runs.
@@ -347,18 +351,18 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	}
 
 	fam.written = nil
-	if inline != nil || chunkJumps != nil {
+	if inline != nil || sharedFirst {
 		if err := p.restoreMain(fam, b); err != nil {
 			return err
 		}
 	}
 	if inline == nil {
-		// Many ports' chains go in first and the shared chains that lead to
-		// them after, or, fresh, with their jumps after the shared chains.
+		// Many ports' chains go in first and the shared chains that may lead
+		// to them after; or after the shared chains, with their jumps.
 		if err := p.writePortChunks(fam, changed, chunkJumps); err != nil {
 			return err
 		}
-		if chunkJumps == nil {
+		if !sharedFirst {
 			if err := p.restoreMain(fam, b); err != nil {
 				return err
 			}

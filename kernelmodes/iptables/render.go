@@ -435,73 +435,82 @@ type jumpSpan struct {
 	services, servicesEnd, nodePorts, nodePortsEnd int
 }
 
-// portJumps returns each port's rules in the shared nat chains (spans into sh)
-// as restore lines that add them to chains already holding others: inserted
-// at the top of P-SERVICES, so the NodePorts rule stays last, and appended to
-// P-NODEPORTS.
-func (r *renderer) portJumps(sh *shared, spans []jumpSpan) [][]byte {
-	servicesRule := "-A " + r.n.services + " "
-	out := make([][]byte, len(spans))
-	for i, sp := range spans {
-		var b []byte
-		for line := range strings.Lines(string(sh.natServices[sp.services:sp.servicesEnd])) {
-			b = append(b, "-I "+r.n.services+" 1 "+strings.TrimPrefix(line, servicesRule)...)
-		}
-		out[i] = append(b, sh.natNodePorts[sp.nodePorts:sp.nodePortsEnd]...)
-	}
-	return out
-}
-
-// maxNATEdit bounds the rules an edit of the nat table's shared chains adds
-// or deletes; beyond it they are rewritten whole.
-const maxNATEdit = 64
-
-// sharedNATEdit returns the restore lines that turn the shared nat chains
-// written as old into new, when only rules of Service ports changed (a jump from
-// P-SERVICES or P-NODEPORTS, whose order does not matter) and at most
-// maxNATEdit of them: -D for each rule gone, -I at the top of P-SERVICES (the
-// NodePorts rule stays last) or -A to P-NODEPORTS for each rule new. ok is
-// false when the chains must be rewritten. Inserting a rule into a chain of
+// maxNATDeletes bounds the rules an edit of the nat table's shared chains
+// deletes; beyond it they are rewritten whole. Inserting a rule into a chain of
 // 50000 took iptables-restore 0.05 s where rewriting the chain took 10 s; a
-// deletion makes it read every chain of the table (about 4 s with 50000).
-func (r *renderer) sharedNATEdit(old, new []byte) (edit []byte, ok bool) {
+// deletion makes it read every chain of the table (about 4 s with 50000), and
+// each further one costs more.
+const maxNATDeletes = 64
+
+// sharedNATDiff compares the shared nat chains written as old with new. ok says
+// that only rules of Service ports differ (jumps from P-SERVICES or
+// P-NODEPORTS, whose order does not matter), at most maxNATDeletes of them
+// gone: gone and added are those rules, and the chains can be edited in place.
+func (r *renderer) sharedNATDiff(old, new []byte) (gone []string, added map[string]bool, ok bool) {
 	was := map[string]bool{}
 	for line := range strings.SplitSeq(string(old), "\n") {
 		was[line] = true
 	}
-	var added []string
+	added = map[string]bool{}
 	for line := range strings.SplitSeq(string(new), "\n") {
 		if !was[line] {
-			added = append(added, line)
+			if !r.portRule(line) {
+				return nil, nil, false
+			}
+			added[line] = true
 		}
 		delete(was, line)
 	}
-	if len(added)+len(was) > maxNATEdit {
-		return nil, false
+	if len(was) > maxNATDeletes {
+		return nil, nil, false
 	}
-	servicesRule, nodePortsRule := "-A "+r.n.services+" ", "-A "+r.n.nodePorts+" "
-	portRule := func(line string) bool {
-		return strings.HasPrefix(line, nodePortsRule) ||
-			strings.HasPrefix(line, servicesRule) && !strings.HasSuffix(line, " -j "+r.n.nodePorts)
-	}
-	gone := slices.Sorted(maps.Keys(was))
-	for _, line := range gone {
-		if !portRule(line) {
-			return nil, false
+	for line := range was {
+		if !r.portRule(line) {
+			return nil, nil, false
 		}
+	}
+	return slices.Sorted(maps.Keys(was)), added, true
+}
+
+// portRule says whether line is a Service port's rule in a shared nat chain.
+func (r *renderer) portRule(line string) bool {
+	return strings.HasPrefix(line, "-A "+r.n.nodePorts+" ") ||
+		strings.HasPrefix(line, "-A "+r.n.services+" ") && !strings.HasSuffix(line, " -j "+r.n.nodePorts)
+}
+
+// placeJumps turns a diff of the shared nat chains into restore lines: edit
+// deletes the gone rules and adds the added ones that no chunk does; with
+// chunked, jumps[i] adds those of the port whose rules are in sh at
+// spans[at[i]], for the chunk holding its chains. A rule is added at the top of
+// P-SERVICES, so the NodePorts rule stays last, or at the end of P-NODEPORTS.
+func (r *renderer) placeJumps(gone []string, added map[string]bool, sh *shared, spans []jumpSpan, at []int, chunked bool) (edit []byte, jumps [][]byte) {
+	for _, line := range gone {
 		edit = append(edit, "-D "+line[len("-A "):]+"\n"...)
 	}
-	for _, line := range added {
-		switch {
-		case !portRule(line):
-			return nil, false
-		case strings.HasPrefix(line, servicesRule):
-			edit = append(edit, "-I "+r.n.services+" 1 "+line[len(servicesRule):]+"\n"...)
-		default:
-			edit = append(edit, line+"\n"...)
+	add := func(b []byte, line string) []byte {
+		if rest, ok := strings.CutPrefix(line, "-A "+r.n.services+" "); ok {
+			return append(b, "-I "+r.n.services+" 1 "+rest+"\n"...)
+		}
+		return append(b, line+"\n"...)
+	}
+	if chunked {
+		jumps = make([][]byte, len(at))
+		for i, o := range at {
+			sp := spans[o]
+			for _, text := range []string{string(sh.natServices[sp.services:sp.servicesEnd]), string(sh.natNodePorts[sp.nodePorts:sp.nodePortsEnd])} {
+				for line := range strings.SplitSeq(strings.TrimSuffix(text, "\n"), "\n") {
+					if added[line] {
+						jumps[i] = add(jumps[i], line)
+						delete(added, line)
+					}
+				}
+			}
 		}
 	}
-	return edit, true
+	for _, line := range slices.Sorted(maps.Keys(added)) {
+		edit = add(edit, line)
+	}
+	return edit, jumps
 }
 
 func (r *renderer) sharedNATRules(b []byte, sh *shared) []byte {
