@@ -26,13 +26,15 @@
 // after a failure or a flush, writes everything with iptables-restore
 // --noflush and deletes leftover per-port chains; later syncs write only the
 // per-port chains whose text changed, and a table's shared chains when their
-// text changed: for up to 64 Service-port jumps more or fewer, by inserting or
-// deleting those jumps in place (see sharedNATEdit). A sync writes in one
+// text changed: when only Service ports' jumps come and go (at most 64 of them
+// going), by inserting and deleting those jumps in place (sharedNATDiff). A
+// sync writes in one
 // restore per family unless it changes more than 500 ports or deletes more than
 // 1500 chains: such chains are written before the shared chains that lead to
-// them, 500 ports a restore, and deleted after, 1500 chains a restore. When the
-// kernel holds no port chain of ours yet (the first sync on a node), the shared
-// chains go first and each restore of 500 ports also inserts their jumps.
+// them, 500 ports a restore, and deleted after, 1500 chains a restore; each
+// restore of 500 ports also inserts its new ports' jumps. When the kernel holds
+// no port chain of ours yet (the first sync on a node), the shared chains go
+// first, and every jump with its port's chains.
 package iptables
 
 import (
