@@ -1,6 +1,7 @@
 package rules
 
 import (
+	"slices"
 	"strings"
 
 	"github.com/uproxy/uproxy/netfilter/conntrack"
@@ -59,4 +60,24 @@ func (k *fakeKernel) rules(f int, table, chain string) []string {
 		}
 	}
 	return out
+}
+
+// state returns family f's tables as "table chain rule" lines, each chain's
+// rules sorted: the portals' rules match distinct addresses and ports, so
+// their order within a chain means nothing, and a chain edited in place holds
+// them in another order than a chain written whole.
+func (k *fakeKernel) state(f int) string {
+	var out []string
+	for _, t := range k.State(f == v6).Tables {
+		for _, c := range t.Chains {
+			var rules []string
+			for _, r := range c.Rules {
+				rules = append(rules, t.Name+" "+c.Name+" "+r.Text)
+			}
+			slices.Sort(rules)
+			out = append(out, t.Name+" "+c.Name)
+			out = append(out, rules...)
+		}
+	}
+	return strings.Join(out, "\n")
 }

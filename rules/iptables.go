@@ -37,6 +37,8 @@ type family struct {
 	// nil means the kernel's state is unknown and the next Sync rewrites everything
 	// and re-checks the jumps.
 	written []byte
+	// spans are where written's entries' rules are.
+	spans []textSpan
 	// entries are the portals (after validation and NodePort holding) that
 	// written and udp were made from; nil when unknown. While the canary holds,
 	// equal entries would render the same text and find no stale flows, so a
@@ -105,11 +107,20 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 		return nil
 	}
 	fam.entries = nil
-	text := fam.renderer.render(entries)
+	text, spans := fam.renderer.render(entries)
 	if !bytes.Equal(text, fam.written) {
 		newJumps := fam.written == nil
+		// Portals that come and go are appended and deleted in place: a
+		// rewrite of the chains takes iptables-restore time growing with
+		// every portal.
+		input := text
+		if !newJumps {
+			if edit, ok := portalEdit(fam.written, fam.spans, text, spans); ok {
+				input = edit
+			}
+		}
 		fam.written = nil
-		if err := p.cfg.IPTables.Restore(fam.f == v6, text); err != nil {
+		if err := p.cfg.IPTables.Restore(fam.f == v6, input); err != nil {
 			return fmt.Errorf("write %s portals: %w", familyName(fam.f), err)
 		}
 		// Jumps go in after the restore: a jump to a chain that does not exist
@@ -119,7 +130,7 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 				return err
 			}
 		}
-		fam.written = text
+		fam.written, fam.spans = text, spans
 	}
 
 	if err := fam.udp.sync(p.cfg.Conntrack, entries, fam.f); err != nil {

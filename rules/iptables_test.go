@@ -3,6 +3,7 @@ package rules
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os/exec"
@@ -310,8 +311,8 @@ func TestSyncAfterQuietSyncSeesEveryChange(t *testing.T) {
 			if got := len(k.restores(v4)); got != 2 {
 				t.Fatalf("restores: got %d, want 2", got)
 			}
-			if got, want := k.restores(v4)[1], fresh.restores(v4)[0]; got != want {
-				t.Errorf("write after change:\ngot:\n%s\nwant:\n%s", got, want)
+			if got, want := k.state(v4), fresh.state(v4); got != want {
+				t.Errorf("rules after the change:\ngot:\n%s\nwant, as a fresh write:\n%s\nwritten:\n%s", got, want, k.restores(v4)[1])
 			}
 		})
 	}
@@ -411,13 +412,21 @@ func TestRemovedServiceVanishes(t *testing.T) {
 	if !strings.Contains(k.restores(v4)[0], `"ns/b"`) {
 		t.Fatalf("first write lacks ns/b:\n%s", k.restores(v4)[0])
 	}
-	want := filterEmpty + natHead +
-		`-A UPROXY-PORTALS-CONTAINER -d 10.96.0.1/32 -p tcp -m comment --comment "ns/a" -m tcp --dport 80 -j REDIRECT --to-ports 40001
--A UPROXY-PORTALS-HOST -d 10.96.0.1/32 -p tcp -m comment --comment "ns/a" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40001
+	// ns/b's rules are deleted in place, ns/a's stay.
+	want := `*nat
+-D UPROXY-PORTALS-CONTAINER -d 10.250.0.2/32 -p tcp -m comment --comment "ns/b" -m tcp --dport 80 -m addrtype ! --src-type LOCAL -j REDIRECT --to-ports 40002
+-D UPROXY-PORTALS-CONTAINER -d 10.96.0.2/32 -p tcp -m comment --comment "ns/b" -m tcp --dport 80 -j REDIRECT --to-ports 40002
+-D UPROXY-PORTALS-HOST -d 10.250.0.2/32 -p tcp -m comment --comment "ns/b" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.1:40002
+-D UPROXY-PORTALS-HOST -d 10.96.0.2/32 -p tcp -m comment --comment "ns/b" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40002
 COMMIT
 `
 	if got := k.restores(v4)[1]; got != want {
 		t.Errorf("second write:\ngot:\n%s\nwant:\n%s", got, want)
+	}
+	for _, chain := range []string{"UPROXY-PORTALS-CONTAINER", "UPROXY-PORTALS-HOST"} {
+		if got := k.rules(v4, "nat", chain); len(got) != 1 || !strings.Contains(got[0], `"ns/a"`) {
+			t.Errorf("%s after ns/b went: got %q, want ns/a's rule alone", chain, got)
+		}
 	}
 }
 
@@ -760,5 +769,64 @@ func TestNoneDoesNothing(t *testing.T) {
 	}
 	if err := p.Cleanup(); err != nil {
 		t.Errorf("Cleanup: got %v, want nil", err)
+	}
+}
+
+// TestPortalsEditedInPlace: portals that come and go are deleted and appended
+// in place, after each chain's fixed rules; what else changes, or more than
+// maxPortalDeletes rules going, rewrites the chains. Either way the kernel
+// holds what a fresh write holds.
+func TestPortalsEditedInPlace(t *testing.T) {
+	k := newFakeKernel()
+	// The NodePort is held by a stand-in, so the fresh writes below can hold it too.
+	cfg := Config{DialMark: testDialMark, Listen: func(string, string) (io.Closer, error) { return io.NopCloser(nil), nil }}
+	p := newTestIPTables(t, k, cfg)
+	portals := func(n int, nodePort int) []Portal {
+		var out []Portal
+		for i := range n {
+			sp := port("ns", "svc-"+strconv.Itoa(i), "", service.TCP, 80)
+			sp.ClusterIPs = ips(fmt.Sprintf("10.96.%d.%d", i>>8, i&0xff))
+			if i == 0 {
+				sp.NodePort = nodePort
+			}
+			out = append(out, Portal{Port: sp, ProxyPort: 40000 + i})
+		}
+		return out
+	}
+	np := 30080
+	for _, st := range []struct {
+		name    string
+		portals []Portal
+		inPlace bool
+	}{
+		{"first", portals(70, 0), false},
+		{"one more", portals(71, 0), true},
+		{"one fewer", portals(70, 0), true},
+		// 65 portals of two rules each go: 130 deletions.
+		{"many fewer", portals(5, 0), false},
+		{"many more", portals(70, 0), true},
+		// A NodePort moves the NON-LOCAL chain's guards, which are fixed rules.
+		{"a NodePort", portals(70, np), false},
+	} {
+		n := len(k.restores(v4))
+		if err := p.Sync(st.portals); err != nil {
+			t.Fatalf("%s: %v", st.name, err)
+		}
+		in := k.restores(v4)[n]
+		if inPlace := !strings.Contains(in, "\n:"); inPlace != st.inPlace {
+			t.Errorf("%s: written in place: got %v, want %v:\n%s", st.name, inPlace, st.inPlace, in)
+		}
+		for _, chain := range []string{"UPROXY-PORTALS-HOST", "UPROXY-NODEPORT-HOST"} {
+			if rules := k.rules(v4, "nat", chain); len(rules) == 0 || !strings.Contains(rules[0], "-j RETURN") {
+				t.Errorf("%s: %s does not start with the own-dial RETURN: %q", st.name, chain, rules)
+			}
+		}
+		fresh := newFakeKernel()
+		if err := newTestIPTables(t, fresh, cfg).Sync(st.portals); err != nil {
+			t.Fatalf("%s: fresh Sync: %v", st.name, err)
+		}
+		if got, want := k.state(v4), fresh.state(v4); got != want {
+			t.Errorf("%s: rules:\n%s\nwant, as a fresh write:\n%s", st.name, got, want)
+		}
 	}
 }

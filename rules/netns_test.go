@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -406,6 +407,34 @@ func testRealPortals(t *testing.T, b realBackend) {
 		t.Run(pt.name, func(t *testing.T) { check(t, pt) })
 	}
 
+	t.Run("a Service added, then removed: its portals come and go", func(t *testing.T) {
+		extra := port("shop", "extra", "", service.TCP, 80)
+		extra.ClusterIPs = ips("10.96.0.77")
+		extra.ExternalIPs = ips("10.250.0.77")
+		sync(t, append(slices.Clone(portals), Portal{Port: extra, ProxyPort: int(tcpProxy.Port())}))
+		for _, pt := range []path{
+			{"added ClusterIP from pod", testbed.Pod, "tcp", at(extra.ClusterIPs[0], 80), ""},
+			{"added ClusterIP from node", testbed.Node, "tcp", at(extra.ClusterIPs[0], 80), ""},
+			{"added ExternalIP from external", testbed.External, "tcp", at(extra.ExternalIPs[0], 80), ""},
+		} {
+			check(t, pt)
+		}
+		sync(t, portals)
+		rules := tp.SavedRules(t, false)
+		if b.name == "nftables" {
+			out, err := tp.Exec(testbed.Node, "nft", "list", "ruleset")
+			if err != nil {
+				t.Fatal(err)
+			}
+			rules = string(out)
+		}
+		if strings.Contains(rules, "10.96.0.77") || strings.Contains(rules, "10.250.0.77") {
+			t.Errorf("the removed Service's addresses are still in the rules:\n%s", rules)
+		}
+		check(t, paths[0])
+		check(t, paths[8])
+	})
+
 	// Only the nftables backend orders its chains before kube-proxy's: iptables'
 	// nat table and kube-proxy's nat chains share priority -100, so their order
 	// is the kernel's registration order.
@@ -662,7 +691,8 @@ func BenchmarkRender(b *testing.B) {
 			r := newRenderer(chainNames("UPROXY"), v4, nodeIPv4, nil)
 			var size int
 			for b.Loop() {
-				size = len(r.render(entries))
+				text, _ := r.render(entries)
+				size = len(text)
 			}
 			b.ReportMetric(float64(size), "bytes/op-text")
 		})

@@ -24,8 +24,10 @@
 // redirected from a NodePort to its proxy port.
 //
 // IPTables writes everything except the jump rules with one iptables-restore
-// --noflush per family, each chain declared (and so flushed) and rewritten
-// whole, and only when the text differs from the last successful write.
+// --noflush per family, and only when the text differs from the last
+// successful write: portals that come and go are deleted and appended in place
+// (at most 64 rules deleted); any other change, and the first write, declares
+// each chain (and so flushes it) and rewrites it whole.
 // NFTables writes only the map elements that changed, in one nft transaction.
 // This package renders the rules and decides when to write them;
 // netfilter/iptables and netfilter/nftables write them, read them back and

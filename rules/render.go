@@ -2,7 +2,9 @@ package rules
 
 import (
 	"net/netip"
+	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
@@ -78,10 +80,18 @@ func newRenderer(c chains, family int, nodeIP netip.Addr, nodePortAddresses []ne
 	return r
 }
 
-// render returns the restore input for entries (sorted). Every chain is declared,
-// which flushes it, so the text is the chain's entire content. It makes one pass
-// per chain appending to a single buffer: with 10k portals it runs on every sync.
-func (r *renderer) render(entries []entry) []byte {
+// textSpan is a part of a restore input that entries' rules fill: [start, end),
+// in table.
+type textSpan struct {
+	start, end int
+	table      string
+}
+
+// render returns the restore input for entries (sorted), and where in it the
+// entries' rules are. Every chain is declared, which flushes it, so the text is
+// the chain's entire content. It makes one pass per chain appending to a single
+// buffer: with 10k portals it runs on every sync.
+func (r *renderer) render(entries []entry) ([]byte, []textSpan) {
 	parts := make([]ruleParts, len(entries))
 	for i := range entries {
 		if entries[i].families[r.family] {
@@ -94,20 +104,97 @@ func (r *renderer) render(entries []entry) []byte {
 	for _, c := range r.chains.filter() {
 		out = append(out, ":"+c+" - [0:0]\n"...)
 	}
+	var spans []textSpan
+	each := func(table string, write func([]byte, *entry, *ruleParts) []byte) {
+		start := len(out)
+		out = r.each(out, entries, parts, write)
+		spans = append(spans, textSpan{start, len(out), table})
+	}
 	out = r.nonLocalGuards(out, entries)
-	out = r.each(out, entries, parts, r.nonLocal)
+	each("filter", r.nonLocal)
 	out = append(out, "COMMIT\n*nat\n"...)
 	for _, c := range r.chains.nat() {
 		out = append(out, ":"+c+" - [0:0]\n"...)
 	}
 	out = append(out, r.chains.canary.Rule()+"\n"...)
-	out = r.each(out, entries, parts, r.portalsContainer)
+	each("nat", r.portalsContainer)
 	out = r.ownDials(out, r.chains.portalsHost)
-	out = r.each(out, entries, parts, r.portalsHost)
-	out = r.each(out, entries, parts, r.nodePortContainer)
+	each("nat", r.portalsHost)
+	each("nat", r.nodePortContainer)
 	out = r.ownDials(out, r.chains.nodePortHost)
-	out = r.each(out, entries, parts, r.nodePortHost)
-	return append(out, "COMMIT\n"...)
+	each("nat", r.nodePortHost)
+	return append(out, "COMMIT\n"...), spans
+}
+
+// maxPortalDeletes bounds the rules a sync deletes in place; beyond it the
+// chains are rewritten. With 10k portals, iptables-restore took 0.01 s to
+// append two rules, 0.14 s to delete one and 0.16 s to delete eight, and 0.63 s
+// to rewrite the chains.
+const maxPortalDeletes = 64
+
+// portalEdit returns the restore input that turns the portals written as old
+// (its entries' rules at oldSpans) into new: a deletion of each rule gone and
+// an appending of each rule new. ok is false when anything else differs (the
+// chains' fixed rules: the canary, the own-dial RETURNs, the NodePort guards)
+// or more than maxPortalDeletes rules go; the chains must then be rewritten.
+// A portal's rules match its own addresses and ports, so their order within a
+// chain does not matter, and appending keeps each chain's fixed rules first.
+func portalEdit(old []byte, oldSpans []textSpan, new []byte, newSpans []textSpan) ([]byte, bool) {
+	oldFixed, oldRules := splitPortalText(old, oldSpans)
+	newFixed, newRules := splitPortalText(new, newSpans)
+	if oldFixed != newFixed {
+		return nil, false
+	}
+	gone, added := map[string][]string{}, map[string][]string{}
+	deletes := 0
+	for k, n := range oldRules {
+		for range n - newRules[k] {
+			gone[k.table] = append(gone[k.table], "-D "+k.rule[len("-A "):])
+			deletes++
+		}
+	}
+	for k, n := range newRules {
+		for range n - oldRules[k] {
+			added[k.table] = append(added[k.table], k.rule)
+		}
+	}
+	if deletes > maxPortalDeletes {
+		return nil, false
+	}
+	var b []byte
+	for _, table := range []string{"filter", "nat"} {
+		if len(gone[table])+len(added[table]) == 0 {
+			continue
+		}
+		slices.Sort(gone[table])
+		slices.Sort(added[table])
+		b = append(b, "*"+table+"\n"...)
+		for _, line := range slices.Concat(gone[table], added[table]) {
+			b = append(b, line+"\n"...)
+		}
+		b = append(b, "COMMIT\n"...)
+	}
+	return b, true
+}
+
+// portalRule is one entry's rule and its table.
+type portalRule struct{ table, rule string }
+
+// splitPortalText returns text without its entries' rules, and those rules
+// counted.
+func splitPortalText(text []byte, spans []textSpan) (string, map[portalRule]int) {
+	var fixed strings.Builder
+	rules := map[portalRule]int{}
+	at := 0
+	for _, sp := range spans {
+		fixed.Write(text[at:sp.start])
+		for line := range strings.Lines(string(text[sp.start:sp.end])) {
+			rules[portalRule{sp.table, strings.TrimSuffix(line, "\n")}]++
+		}
+		at = sp.end
+	}
+	fixed.Write(text[at:])
+	return fixed.String(), rules
 }
 
 // ownDials appends chain's first rule: the proxy's own connections to endpoints
