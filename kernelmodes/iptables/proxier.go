@@ -34,7 +34,9 @@
 // them, 500 ports a restore, and deleted after, 1500 chains a restore; each
 // restore of 500 ports also inserts its new ports' jumps. When the kernel holds
 // no port chain of ours yet (the first sync on a node), the shared chains go
-// first, and every jump with its port's chains.
+// first, and every jump with its port's chains. A whole sync over our own rules
+// (a restart) edits P-SERVICES and P-NODEPORTS against the jumps the kernel
+// holds, as a partial sync does against those it wrote.
 package iptables
 
 import (
@@ -238,14 +240,16 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 		}
 	}
 	var stale []string
-	// fresh says the kernel holds no port chain of ours, so no rule leads to one.
+	// fresh says the kernel holds no port chain of ours, so no rule leads to one;
+	// kernelJumps are the rules of P-SERVICES and P-NODEPORTS in the kernel.
 	fresh := false
+	var kernelJumps []byte
 	if full {
-		existing, err := p.existingPortChains(fam.v6)
+		existing, jumps, err := p.existingPortChains(fam.v6)
 		if err != nil {
 			return err
 		}
-		fresh = len(existing) == 0
+		fresh, kernelJumps = len(existing) == 0, jumps
 		for _, c := range existing {
 			if !wanted[c] {
 				stale = append(stale, c)
@@ -288,27 +292,39 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	// ports' jumps come and go, they are inserted and deleted in place instead,
 	// a new port's jumps beside its chains, in its chunk. So are the first
 	// sync's, when no port chain of ours is in the kernel yet (fresh): the
-	// shared chains are then written first, without them (sharedFirst). No
-	// restore then jumps to many existing chains, which would make
-	// iptables-restore read the whole table (see defaultPortsPerRestore).
+	// shared chains are then written first, without them (sharedFirst); and a
+	// whole sync's over our own rules (after a restart), against the jumps the
+	// kernel holds: the other shared chains are then rewritten alone
+	// (fixedOnly). No restore then jumps to many existing chains, which would
+	// make iptables-restore read the whole table (see defaultPortsPerRestore).
 	writeFilter := full || !bytes.Equal(sharedFilter, fam.sharedFilter)
 	writeNAT := full || !bytes.Equal(sharedNAT, fam.sharedNAT)
 	natText := sharedNAT
 	var natEdit []byte
 	var chunkJumps [][]byte
-	sharedFirst := false
-	if writeNAT && (!full || fresh && inline == nil) {
-		old := fam.sharedNAT
-		if full {
+	sharedFirst, fixedOnly := false, false
+	if writeNAT {
+		var old []byte
+		switch {
+		case !full:
+			old = fam.sharedNAT
+		case fresh && inline == nil:
 			old = fam.r.sharedNATRules(nil, &shared{})
+		case !fresh && kernelJumps != nil:
+			old = append(fam.r.sharedNATFixed(nil), kernelJumps...)
 		}
-		if gone, added, ok := fam.r.sharedNATDiff(old, sharedNAT); ok {
-			if full {
-				natText, sharedFirst = old, true
-			} else {
-				writeNAT = false
+		if old != nil {
+			if gone, added, ok := fam.r.sharedNATDiff(old, sharedNAT); ok {
+				switch {
+				case !full:
+					writeNAT = false
+				case fresh:
+					natText, sharedFirst = old, true
+				default:
+					natText, fixedOnly = fam.r.sharedNATFixed(nil), true
+				}
+				natEdit, chunkJumps = fam.r.placeJumps(gone, added, &sh, spans, changedAt, inline == nil)
 			}
-			natEdit, chunkJumps = fam.r.placeJumps(gone, added, &sh, spans, changedAt, inline == nil)
 		}
 	}
 	b := make([]byte, 0, 4096+len(order)*600)
@@ -319,7 +335,12 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	}
 	natStart := len(b)
 	b = append(b, "*nat\n"...)
-	if writeNAT {
+	switch {
+	case fixedOnly:
+		for _, c := range p.n.fixedNATChains() {
+			b = append(b, ":"+c+" - [0:0]\n"...)
+		}
+	case writeNAT:
 		b = fam.r.sharedNATDecl(b)
 	}
 	// Declaring a stale chain flushes it, so its jumps to other stale chains are
@@ -489,19 +510,35 @@ func (p *Proxier) Intact() bool {
 	return true
 }
 
-// existingPortChains returns the per-port chains of our prefix in the nat table.
-func (p *Proxier) existingPortChains(v6 bool) ([]string, error) {
+// existingPortChains returns the per-port chains of our prefix in the nat
+// table, and the rules of P-SERVICES and P-NODEPORTS as iptables-save prints
+// them (nil when P-SERVICES is missing).
+func (p *Proxier) existingPortChains(v6 bool) ([]string, []byte, error) {
 	saved, err := p.cfg.IPTables.Save(v6)
 	if err != nil {
-		return nil, fmt.Errorf("read %s rules: %w", ipt.FamilyName(v6), err)
+		return nil, nil, fmt.Errorf("read %s rules: %w", ipt.FamilyName(v6), err)
 	}
+	nat := ipt.Parse(saved).Table("nat")
 	var out []string
-	for _, c := range ipt.Parse(saved).Chains("nat") {
-		if p.n.isPortChain(c.Name) {
-			out = append(out, c.Name)
+	if nat != nil {
+		for _, c := range nat.Chains {
+			if p.n.isPortChain(c.Name) {
+				out = append(out, c.Name)
+			}
 		}
 	}
-	return out, nil
+	var jumps []byte
+	if services := nat.Chain(p.n.services); services != nil && services.Policy != "" {
+		jumps = []byte{}
+		for _, name := range []string{p.n.services, p.n.nodePorts} {
+			if c := nat.Chain(name); c != nil {
+				for _, r := range c.Rules {
+					jumps = append(jumps, r.Text+"\n"...)
+				}
+			}
+		}
+	}
+	return out, jumps, nil
 }
 
 // Cleanup removes every chain and jump rule of this prefix in both families,

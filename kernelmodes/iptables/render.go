@@ -514,12 +514,27 @@ func (r *renderer) placeJumps(gone []string, added map[string]bool, sh *shared, 
 }
 
 func (r *renderer) sharedNATRules(b []byte, sh *shared) []byte {
+	return r.sharedNATJumps(r.sharedNATFixed(b), sh)
+}
+
+// fixedNATChains are the shared nat chains that hold no Service port's rule.
+func (n names) fixedNATChains() []string {
+	return []string{n.postrouting, n.markMasq, n.canary.Chain}
+}
+
+// sharedNATFixed writes the rules of fixedNATChains.
+func (r *renderer) sharedNATFixed(b []byte) []byte {
 	b = append(b, r.n.canary.Rule()+"\n"...)
 	b = append(b, "-A "+r.n.postrouting+" -m mark ! --mark "+r.mark+"/"+r.mark+" -j RETURN\n"...)
 	// Clear the bit so a packet re-entering (IPsec, tunnels) is not masqueraded twice.
 	b = append(b, "-A "+r.n.postrouting+" -j MARK --xor-mark "+r.mark+"\n"...)
 	b = append(b, "-A "+r.n.postrouting+` -m comment --comment "uproxy service traffic requiring SNAT" -j MASQUERADE --random-fully`+"\n"...)
-	b = r.markMasqRule(b)
+	return r.markMasqRule(b)
+}
+
+// sharedNATJumps writes the rules of P-SERVICES and P-NODEPORTS: the Service
+// ports' jumps, and last the NodePorts rule.
+func (r *renderer) sharedNATJumps(b []byte, sh *shared) []byte {
 	b = append(b, sh.natServices...)
 	b = append(b, sh.natNodePorts...)
 	// NodePorts last: they match by port on any local address.
