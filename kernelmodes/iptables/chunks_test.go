@@ -424,3 +424,64 @@ func (k *recordingKernel) Restore(v6 bool, input []byte) error {
 	k.inputs = append(k.inputs, string(input))
 	return k.Kernel.Restore(v6, input)
 }
+
+// editFailingKernel fails the first restore that deletes a rule.
+type editFailingKernel struct {
+	*fakeKernel
+	failed bool
+}
+
+func (k *editFailingKernel) Restore(v6 bool, input []byte) error {
+	if !k.failed && strings.Contains(string(input), "\n-D ") {
+		k.failed = true
+		return errors.New("restore failed on purpose")
+	}
+	return k.fakeKernel.Restore(v6, input)
+}
+
+func TestFailedEditRewritesNext(t *testing.T) {
+	k, ref := newFakeKernel(), newFakeKernel()
+	p, err := New(Config{IPTables: &editFailingKernel{fakeKernel: k}, Conntrack: &k.ct})
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, err := New(Config{IPTables: ref.Fake, Conntrack: &ref.ct})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eps := []string{"10.244.1.2:8080"}
+	if err := p.Sync(manyPorts(3, 0, eps...)); err != nil {
+		t.Fatal(err)
+	}
+	// A port goes: its jump's deletion in place fails.
+	if err := p.Sync(manyPorts(2, 0, eps...)); err == nil {
+		t.Fatal("sync whose edit fails: got no error")
+	}
+	// The next sync, a whole one (the kernel is unknown), does not edit again:
+	// it rewrites the shared chains.
+	n := len(k.restores(0))
+	for _, px := range []*Proxier{p, q} {
+		if err := px.Sync(manyPorts(2, 0, eps...)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	in := strings.Join(k.restores(0)[n:], "")
+	if _, nat, _ := strings.Cut(in, "*nat\n"); !strings.Contains(nat, ":"+p.n.services+" ") || strings.Contains(in, "\n-D ") {
+		t.Errorf("sync after a failed edit: want %s rewritten, no deletion in place:\n%s", p.n.services, in)
+	}
+	got, err := k.Save(false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := ref.Save(false)
+	if string(got) != string(want) {
+		t.Errorf("rules after the rewrite:\n%s\nwant:\n%s", got, want)
+	}
+	// Then edits resume.
+	if err := p.Sync(manyPorts(1, 0, eps...)); err != nil {
+		t.Fatal(err)
+	}
+	if last := k.last(0); !strings.Contains(last, "-D "+p.n.services+" ") {
+		t.Errorf("the sync after: want the jump deleted in place:\n%s", last)
+	}
+}

@@ -121,6 +121,9 @@ type family struct {
 	// last written (valid with written); a sync rewrites a table's shared
 	// chains only when their text changed.
 	sharedFilter, sharedNAT []byte
+	// noEdit says the last write failed while editing the shared chains in
+	// place: the next sync rewrites them whole.
+	noEdit bool
 }
 
 type portKey struct {
@@ -303,7 +306,7 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	var natEdit []byte
 	var chunkJumps [][]byte
 	sharedFirst, fixedOnly := false, false
-	if writeNAT {
+	if writeNAT && !fam.noEdit {
 		var old []byte
 		switch {
 		case !full:
@@ -374,29 +377,37 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	}
 
 	fam.written = nil
-	if inline != nil || sharedFirst {
-		if err := p.restoreMain(fam, b); err != nil {
-			return err
-		}
-	}
-	if inline == nil {
-		// Many ports' chains go in first and the shared chains that may lead
-		// to them after; or after the shared chains, with their jumps.
-		if err := p.writePortChunks(fam, changed, chunkJumps); err != nil {
-			return err
-		}
-		if !sharedFirst {
+	err := func() error {
+		if inline != nil || sharedFirst {
 			if err := p.restoreMain(fam, b); err != nil {
 				return err
 			}
 		}
-	}
-	if inlineStale == nil {
-		// Nothing but other stale chains jumps to them now.
-		if err := p.deleteChainChunks(fam, stale); err != nil {
-			return err
+		if inline == nil {
+			// Many ports' chains go in first and the shared chains that may
+			// lead to them after; or after the shared chains, with their jumps.
+			if err := p.writePortChunks(fam, changed, chunkJumps); err != nil {
+				return err
+			}
+			if !sharedFirst {
+				if err := p.restoreMain(fam, b); err != nil {
+					return err
+				}
+			}
 		}
+		if inlineStale == nil {
+			// Nothing but other stale chains jumps to them now.
+			return p.deleteChainChunks(fam, stale)
+		}
+		return nil
+	}()
+	if err != nil {
+		// After a failed write that edited the shared chains in place, the
+		// next sync rewrites them whole, in case the edit was what failed.
+		fam.noEdit = fam.noEdit || len(natEdit) > 0 || chunkJumps != nil || sharedFirst || fixedOnly
+		return err
 	}
+	fam.noEdit = false
 	fam.lastWasFull = full
 	if full {
 		// Jumps go in after the chains exist: a jump to a missing chain is refused.
