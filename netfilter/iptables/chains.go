@@ -136,33 +136,43 @@ func (rs *Ruleset) RemovalSteps(ours func(table, chain string) bool, per int) []
 		}
 		return nil
 	}
-	var steps [][]byte
-	step := func(table string, jumps []*Rule, format string, chains []string) {
+	var flushes, deletes [][]byte
+	for _, r := range removals {
+		var jumps []string
+		for _, j := range r.jumps {
+			jumps = append(jumps, "-D "+j.Chain+" "+j.Spec)
+		}
+		f, d := ChainDeletion(r.table, r.present, per, jumps)
+		flushes, deletes = append(flushes, f...), append(deletes, d...)
+	}
+	return append(flushes, deletes...)
+}
+
+// ChainDeletion returns the restore inputs that delete chains from table, per
+// chains a restore: the flushes (declaring a chain flushes it), to run first,
+// then the deletions, which so find none of them still jumped to by another.
+// The first flush also carries the lines of first (the deletions of jumps to
+// them from elsewhere), alone when there is no chain.
+func ChainDeletion(table string, chains []string, per int, first []string) (flushes, deletes [][]byte) {
+	step := func(lines []string, format string, chunk []string) []byte {
 		var b strings.Builder
 		b.WriteString("*" + table + "\n")
-		for _, j := range jumps {
-			b.WriteString("-D " + j.Chain + " " + j.Spec + "\n")
+		for _, l := range lines {
+			b.WriteString(l + "\n")
 		}
-		writeLines(&b, format, chains)
+		writeLines(&b, format, chunk)
 		b.WriteString("COMMIT\n")
-		steps = append(steps, []byte(b.String()))
+		return []byte(b.String())
 	}
-	for _, r := range removals {
-		jumps := r.jumps
-		if len(r.present) == 0 {
-			step(r.table, jumps, "", nil)
-		}
-		for chunk := range slices.Chunk(r.present, per) {
-			step(r.table, jumps, ":%s - [0:0]\n", chunk)
-			jumps = nil
-		}
+	if len(chains) == 0 && len(first) > 0 {
+		flushes = append(flushes, step(first, "", nil))
 	}
-	for _, r := range removals {
-		for chunk := range slices.Chunk(r.present, per) {
-			step(r.table, nil, "-X %s\n", chunk)
-		}
+	for chunk := range slices.Chunk(chains, per) {
+		flushes = append(flushes, step(first, ":%s - [0:0]\n", chunk))
+		first = nil
+		deletes = append(deletes, step(nil, "-X %s\n", chunk))
 	}
-	return steps
+	return flushes, deletes
 }
 
 func writeLines(b *strings.Builder, format string, chains []string) {
