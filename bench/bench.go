@@ -269,6 +269,9 @@ func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, laun
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
+		if err == nil {
+			err = p.w.halfCloseTrip(p.echo, "half-closed?")
+		}
 		if err != nil {
 			st.Error = err.Error()
 		} else {

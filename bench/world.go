@@ -295,6 +295,39 @@ func (w *world) roundTrip(network string, to netip.AddrPort, msg string) error {
 	return nil
 }
 
+// halfCloseTrip sends msg on a fresh connection, half-closes it and reads until
+// EOF: the echo must come back whole. Every path must pass a client's FIN on
+// and still carry the reply, so that each one is measured doing the same work.
+func (w *world) halfCloseTrip(to netip.AddrPort, msg string) error {
+	var c *net.TCPConn
+	err := w.inClient(func() error {
+		nc, err := probeDialer.Dial("tcp", to.String())
+		if err == nil {
+			c = nc.(*net.TCPConn)
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("half-close check: %w", err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := io.WriteString(c, msg); err != nil {
+		return fmt.Errorf("half-close check: %w", err)
+	}
+	if err := c.CloseWrite(); err != nil {
+		return fmt.Errorf("half-close check: %w", err)
+	}
+	got, err := io.ReadAll(c)
+	if err != nil {
+		return fmt.Errorf("half-close check: read after the client's FIN: %w", err)
+	}
+	if string(got) != msg {
+		return fmt.Errorf("half-close check: the reply to a client that half-closed after its request: got %q, want %q", got, msg)
+	}
+	return nil
+}
+
 // waitTraffic waits until every target carries a round trip, or p (if not nil)
 // exits, or timeout passes.
 func (w *world) waitTraffic(ctx context.Context, p *process, timeout time.Duration, targets ...target) error {
