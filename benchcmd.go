@@ -19,6 +19,7 @@ func newBenchCommand() *cobra.Command {
 		chart     string
 		paths     string
 		workloads string
+		proxyCPUs string
 	)
 	cmd := &cobra.Command{
 		Use:   "bench",
@@ -40,6 +41,13 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if output != "table" && output != "json" {
 				return fmt.Errorf("-o %q: want table or json", output)
+			}
+			if proxyCPUs != "" {
+				cpus, err := bench.ParseCPUList(proxyCPUs)
+				if err != nil {
+					return fmt.Errorf("--proxy-cpus: %w", err)
+				}
+				cfg.ProxyCPUs = cpus
 			}
 			cfg.Paths = splitList(paths)
 			cfg.Workloads = splitList(workloads)
@@ -74,6 +82,7 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 	f.StringVar(&paths, "paths", "", "comma-separated paths to run (default all)")
 	f.StringVar(&workloads, "workloads", "", "comma-separated workloads to run (default all)")
 	f.IntVar(&cfg.UDPClients, "udp-clients", 0, "clients of the UDP workload, each with one request outstanding (default 4)")
+	f.StringVar(&proxyCPUs, "proxy-cpus", "", "run every proxy on these CPUs (a list such as 1 or 2-3) and the load generators and backends on the others; the peers run one worker per CPU in it (default: every process on every CPU)")
 	f.StringVar(&cfg.Uproxy, "uproxy", "", "uproxy binary for the uproxy paths (default this executable)")
 	return cmd
 }

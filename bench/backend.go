@@ -205,7 +205,7 @@ func (w *world) startBackend(exe string) error {
 	if err != nil {
 		return err
 	}
-	p, err := w.start("backend", backendRole, []string{backendEnv + "=1"}, stdinR, stdoutW, exe)
+	p, err := w.start("backend", backendRole, false, []string{backendEnv + "=1"}, stdinR, stdoutW, exe)
 	stdinR.Close()
 	stdoutW.Close()
 	if err != nil {

@@ -53,6 +53,10 @@ type Config struct {
 	StepLimit time.Duration
 	// UDPClients is how many clients the UDP workload runs at once. 0: 4.
 	UDPClients int
+	// ProxyCPUs, if not empty, are the CPUs every proxy process runs on; this
+	// process's load generators and the backends run on the others (see
+	// cpus.go). Empty: every process shares every CPU.
+	ProxyCPUs []int
 	// Uproxy is the uproxy binary for the uproxy paths; "": this executable.
 	Uproxy string
 	// Progress, if not nil, receives a progress line rewritten in place.
@@ -160,8 +164,21 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err != nil {
 		return nil, fmt.Errorf("find this executable: %w", err)
 	}
+	var place *placement
+	if len(cfg.ProxyCPUs) > 0 {
+		if place, err = newPlacement(cfg.ProxyCPUs); err != nil {
+			return nil, err
+		}
+		// Before the launcher starts, so that its thread, and every child it
+		// starts but the proxies, inherits the rest.
+		if err := pinProcess(&place.rest); err != nil {
+			pinProcess(&place.orig)
+			return nil, fmt.Errorf("--proxy-cpus: %w", err)
+		}
+		defer pinProcess(&place.orig)
+	}
 	td := &teardown{log: cfg.Log}
-	launch := newLauncher()
+	launch := newLauncher(place)
 	defer func() {
 		td.run()
 		launch.close()
@@ -171,6 +188,13 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		Started:  time.Now(),
 		Machine:  machineInfo(),
 		Settings: Settings{Quick: cfg.Quick, DurationSeconds: cfg.Duration.Seconds(), Rounds: cfg.Rounds, IdleConns: cfg.IdleConns, SyncSizes: cfg.SyncSizes, EndpointChanges: cfg.EndpointChanges, UDPClients: cfg.UDPClients},
+	}
+	if place != nil {
+		rep.Settings.ProxyCPUs = formatCPUList(&place.proxy)
+		// What the kernel says this process now runs on, not what was asked.
+		if rep.Settings.LoadCPUs, err = allowedCPUs(os.Getpid()); err != nil {
+			return nil, err
+		}
 	}
 	prog := newProgress(cfg.Progress, rep.Started)
 	defer prog.done()
@@ -271,6 +295,9 @@ func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, laun
 		}
 		if err == nil {
 			err = p.w.halfCloseTrip(p.echo, "half-closed?")
+		}
+		if err == nil && p.proxy != nil && len(cfg.ProxyCPUs) > 0 {
+			st.ProxyCPUs, err = allowedCPUs(p.proxy.pid)
 		}
 		if err != nil {
 			st.Error = err.Error()

@@ -256,7 +256,7 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 	} else {
 		args = append(args, "--proxy-mode", mode)
 	}
-	p, err := w.start("uproxy-"+name, nodeRole, nil, nil, nil, args...)
+	p, err := w.start("uproxy-"+name, nodeRole, true, nil, nil, nil, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -294,7 +294,8 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 }
 
 // setupHAProxy runs HAProxy in the node namespace: tcp mode, splice forced both
-// ways, its default of one thread per CPU. HAProxy does not proxy UDP.
+// ways, one thread per CPU (its default, or per proxy CPU of a placement).
+// HAProxy does not proxy UDP.
 func setupHAProxy(ctx context.Context, w *world, name string) (*path, error) {
 	listen := func(i int) netip.AddrPort { return netip.AddrPortFrom(w.ip.nodeClientSide, uint16(haproxyBase+i)) }
 	// HAProxy sizes its file limit from maxconn (two sockets per connection) and
@@ -307,7 +308,7 @@ func setupHAProxy(ctx context.Context, w *world, name string) (*path, error) {
 	fmt.Fprintf(&cfg, `global
 	maxconn %[1]d
 	maxpipes %[2]d
-defaults
+%[3]sdefaults
 	mode tcp
 	maxconn %[1]d
 	timeout connect 5s
@@ -315,7 +316,7 @@ defaults
 	timeout server 1h
 	option splice-request
 	option splice-response
-`, maxconn, maxpipes)
+`, maxconn, maxpipes, w.threads("\tnbthread %d\n", ""))
 	for i, be := range []uint16{w.ports.Echo, w.ports.Bulk} {
 		fmt.Fprintf(&cfg, "listen l%d\n\tbind %s\n\tserver b %s\n", i, listen(i), w.backendAddr(be))
 	}
@@ -323,7 +324,7 @@ defaults
 	if err := os.WriteFile(file, []byte(cfg.String()), 0o644); err != nil {
 		return nil, err
 	}
-	p, err := w.start(name, nodeRole, nil, nil, nil, "haproxy", "-db", "-f", file)
+	p, err := w.start(name, nodeRole, true, nil, nil, nil, "haproxy", "-db", "-f", file)
 	if err != nil {
 		return nil, err
 	}
@@ -338,7 +339,7 @@ defaults
 }
 
 // setupNginx runs nginx's stream proxy in the node namespace with one worker per
-// CPU. UDP listens with reuseport so every datagram of a client reaches the
+// CPU (or per proxy CPU of a placement). UDP listens with reuseport so every datagram of a client reaches the
 // worker holding its session. The TCP servers pass a half-close on, as uproxy
 // and HAProxy do: by default nginx closes both sides at the first FIN, which
 // loses the reply of a client that half-closes after its request (setupPaths
@@ -357,7 +358,7 @@ func setupNginx(ctx context.Context, w *world, name string) (*path, error) {
 	var cfg strings.Builder
 	fmt.Fprintf(&cfg, `%s
 daemon off;
-worker_processes auto;
+worker_processes %s;
 worker_rlimit_nofile %d;
 pid %s/nginx.pid;
 error_log %s/logs/error.log warn;
@@ -367,7 +368,7 @@ stream {
 	server { listen %s; proxy_pass %s; proxy_timeout 1h; proxy_half_close on; }
 	server { listen %s udp reuseport; proxy_pass %s; proxy_timeout 10s; }
 }
-`, module, w.fileLimit, prefix, prefix, w.fileLimit-200,
+`, module, w.threads("%d", "auto"), w.fileLimit, prefix, prefix, w.fileLimit-200,
 		listen(0), w.backendAddr(w.ports.Echo),
 		listen(1), w.backendAddr(w.ports.Bulk),
 		listen(2), w.backendAddr(w.ports.UDP))
@@ -375,7 +376,7 @@ stream {
 	if err := os.WriteFile(file, []byte(cfg.String()), 0o644); err != nil {
 		return nil, err
 	}
-	p, err := w.start(name, nodeRole, nil, nil, nil, "nginx", "-p", prefix, "-e", filepath.Join(prefix, "logs", "error.log"), "-c", file)
+	p, err := w.start(name, nodeRole, true, nil, nil, nil, "nginx", "-p", prefix, "-e", filepath.Join(prefix, "logs", "error.log"), "-c", file)
 	if err != nil {
 		return nil, err
 	}

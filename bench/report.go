@@ -38,6 +38,11 @@ type Settings struct {
 	SyncSizes       []int   `json:"syncSizes"`
 	EndpointChanges int     `json:"endpointChanges"`
 	UDPClients      int     `json:"udpClients"`
+	// ProxyCPUs are the CPUs the proxies were given (--proxy-cpus) and
+	// LoadCPUs those the load generators and backends ran on; empty when every
+	// process shared every CPU.
+	ProxyCPUs string `json:"proxyCPUs,omitempty"`
+	LoadCPUs  string `json:"loadCPUs,omitempty"`
 }
 
 // PathStatus says whether a path ran. Unavailable paths carry the Reason (a
@@ -48,6 +53,9 @@ type PathStatus struct {
 	Reason    string `json:"reason,omitempty"`
 	Error     string `json:"error,omitempty"`
 	Version   string `json:"version,omitempty"`
+	// ProxyCPUs is the CPU list the kernel let the path's proxy process run on,
+	// read from /proc once it ran; set only with Settings.ProxyCPUs.
+	ProxyCPUs string `json:"proxyCPUs,omitempty"`
 }
 
 // WorkloadResult is one workload over every path that ran.
@@ -263,6 +271,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 	s := r.Settings
 	fmt.Fprintf(&b, "uproxy bench: %d CPUs, kernel %s, %s; %d rounds of %gs per workload and path (interleaved), took %.0fs\n\n",
 		r.Machine.CPUs, r.Machine.Kernel, r.Machine.GoVersion, s.Rounds, s.DurationSeconds, r.Seconds)
+	if s.ProxyCPUs != "" {
+		fmt.Fprintf(&b, "proxies on CPUs %s (one worker per CPU for the peers); load generators and backends on CPUs %s\n\n", s.ProxyCPUs, s.LoadCPUs)
+	}
 	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "path\tversion\tstatus")
 	for _, p := range r.Paths {

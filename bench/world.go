@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/uproxy/uproxy/topology"
 )
 
@@ -60,12 +62,16 @@ func (t *teardown) run() {
 // (PR_SET_PDEATHSIG), so a benchmark killed outright still takes its proxies and
 // backends with it, while a thread Go retires mid-run (the namespace-locked
 // load generators end theirs) never does.
+// With a placement, the thread moves onto the proxy CPUs for the fork of a
+// proxy and back onto the rest after it: a child keeps the CPUs of the thread
+// that forked it, through exec.
 type launcher struct {
-	reqs chan func()
+	reqs  chan func()
+	place *placement // nil: no placement
 }
 
-func newLauncher() *launcher {
-	l := &launcher{reqs: make(chan func())}
+func newLauncher(place *placement) *launcher {
+	l := &launcher{reqs: make(chan func()), place: place}
 	go l.loop()
 	return l
 }
@@ -79,9 +85,20 @@ func (l *launcher) loop() {
 	}
 }
 
-func (l *launcher) start(cmd *exec.Cmd) error {
+// start starts cmd, on the proxy CPUs when proxy is set and there is a
+// placement.
+func (l *launcher) start(cmd *exec.Cmd, proxy bool) error {
 	done := make(chan error, 1)
-	l.reqs <- func() { done <- cmd.Start() }
+	l.reqs <- func() {
+		if proxy && l.place != nil {
+			if err := unix.SchedSetaffinity(0, &l.place.proxy); err != nil {
+				done <- fmt.Errorf("move onto the proxy CPUs: %w", err)
+				return
+			}
+			defer unix.SchedSetaffinity(0, &l.place.rest)
+		}
+		done <- cmd.Start()
+	}
 	return <-done
 }
 
@@ -216,8 +233,9 @@ func (w *world) tuneConntrack() {
 // start runs args in role's namespace, in its own process group (a Ctrl-C at
 // the terminal reaches only the benchmark, which stops its children in order),
 // with output in a log file. stdout, if not nil, receives the child's stdout
-// instead, and stdin, if not nil, feeds it. The process is stopped at teardown.
-func (w *world) start(name, role string, env []string, stdin io.Reader, stdout io.Writer, args ...string) (*process, error) {
+// instead, and stdin, if not nil, feeds it. A proxy runs on the proxy CPUs of
+// the run's placement, if any. The process is stopped at teardown.
+func (w *world) start(name, role string, proxy bool, env []string, stdin io.Reader, stdout io.Writer, args ...string) (*process, error) {
 	logPath := filepath.Join(w.dir, w.name+"-"+name+".log")
 	logf, err := os.Create(logPath)
 	if err != nil {
@@ -230,7 +248,7 @@ func (w *world) start(name, role string, env []string, stdin io.Reader, stdout i
 		cmd.Stdout = stdout
 	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := w.launch.start(cmd); err != nil {
+	if err := w.launch.start(cmd, proxy); err != nil {
 		logf.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
@@ -243,6 +261,15 @@ func (w *world) start(name, role string, env []string, stdin io.Reader, stdout i
 	}()
 	w.t.Cleanup(func() { p.stop(5 * time.Second) })
 	return p, nil
+}
+
+// threads is a peer's setting of its worker count: format with one worker per
+// proxy CPU under a placement, or byDefault without one.
+func (w *world) threads(format, byDefault string) string {
+	if w.launch.place == nil {
+		return byDefault
+	}
+	return fmt.Sprintf(format, w.launch.place.workers())
 }
 
 // dialer is the load generators' dialer: keepalive off, as in the proxies, so
