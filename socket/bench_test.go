@@ -308,3 +308,34 @@ func BenchmarkKeepAliveOptions(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkEmptyAccept is what listenHandle.Handle spares by not looking for
+// one more connection after its budget: an accept4 on a non-blocking listener
+// whose queue is empty, against getppid, a system call that does nothing.
+// The kernel allocates the new socket's inode and file before it looks at the
+// queue, and frees them again when it finds it empty.
+func BenchmarkEmptyAccept(b *testing.B) {
+	b.Run("accept4-empty", func(b *testing.B) {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer unix.Close(fd)
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+			b.Fatal(err)
+		}
+		if err := unix.Listen(fd, 16); err != nil {
+			b.Fatal(err)
+		}
+		for b.Loop() {
+			if _, _, err := unix.Accept4(fd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC); err != unix.EAGAIN {
+				b.Fatalf("accept4 on an empty queue: got %v, want EAGAIN", err)
+			}
+		}
+	})
+	b.Run("getppid", func(b *testing.B) {
+		for b.Loop() {
+			unix.Getppid()
+		}
+	})
+}

@@ -37,10 +37,14 @@
 //
 // The system calls of a TCP connection, beyond those that move its bytes:
 //
-//   - client socket: accept4, epoll_ctl (add), and the accept4 that finds the
-//     queue empty, shared by the connections one wake-up accepts. It inherits
-//     TCP_NODELAY and the keepalive settings from the listener, which Listen
-//     gives them once.
+//   - client socket: accept4 and epoll_ctl (add). An event of the
+//     (level-triggered) listener accepts up to a budget of connections and
+//     does not look for one more: an accept4 that finds the queue empty costs
+//     the kernel a socket and a file made and freed, about 4 µs. A connection
+//     that arrives alone costs none; a burst, one, as its rounds double the
+//     budget (tcp.go, listenHandle.Handle). The socket inherits TCP_NODELAY
+//     and the keepalive settings from the listener, which Listen gives them
+//     once.
 //   - backend socket: socket, setsockopt TCP_NODELAY, setsockopt SO_MARK when a
 //     dial mark is set (mark.go), connect, epoll_ctl (add); each failed attempt
 //     adds a getsockopt SO_ERROR (or nothing, when the dial timer ends it) and a
@@ -55,10 +59,11 @@
 //   - end: shutdown SHUT_WR to pass on a half-close, a close per socket, and a
 //     setsockopt SO_LINGER before the close of each socket that is reset.
 //
-// That is 6 calls (7 with the empty accept) to set a connection up with no dial
-// mark, keepalive on (the default) or off; one that lives KeepAlive with it on
-// makes 3 more, once. Before the keepalive options waited for the timer, a
-// connection made those 3 at dial: 9 (10). strace (perf trace -s) of
+// That is 6 calls to set a connection up with no dial mark, keepalive on (the
+// default) or off; one that lives KeepAlive with it on makes 3 more, once.
+// Before the keepalive options waited for the timer, a connection made those 3
+// at dial: 9 (10 with the empty accept4 that every wake-up of the listener
+// made until its budget). strace (perf trace -s) of
 // BenchmarkTCPConnect's proxy counts 1 setsockopt per short connection either
 // way, 4 before. A connection open with keepalive on has its timer armed (no
 // system call: a place in the loop's heap); BenchmarkKeepAliveOptions compares

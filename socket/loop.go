@@ -45,6 +45,9 @@ type loop struct {
 	sa6 unix.SockaddrInet6
 	// tried holds the endpoints a dial excludes, for one Pick at a time.
 	tried []netip.AddrPort
+	// emptyAccepts counts the accept4 calls that found the queue empty (see
+	// listenHandle.Handle); tests read it.
+	emptyAccepts uint64
 }
 
 // loopOf returns socket's state for pl, made on first use. It is looked up when a

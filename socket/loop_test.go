@@ -1,7 +1,9 @@
 package socket
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -209,5 +211,75 @@ func TestAcceptBackoffResumesOnTheLoopClock(t *testing.T) {
 	defer mu.Unlock()
 	if !slices.Equal(delays, []time.Duration{minBackoff}) {
 		t.Errorf("backoffs: got %v, want one of %v", delays, minBackoff)
+	}
+}
+
+// listenHandleOf waits for p's only listener to be watched on its only loop,
+// and returns its handle.
+func listenHandleOf(t *testing.T, p *TCPProxy) *listenHandle {
+	t.Helper()
+	var h *listenHandle
+	await(t, "the listener's handle", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		for tl := range p.listeners {
+			tl.mu.Lock()
+			if len(tl.handles) == 1 {
+				h = tl.handles[0]
+			}
+			tl.mu.Unlock()
+		}
+		return h != nil
+	})
+	return h
+}
+
+// A connection that arrives alone is accepted with one accept4, none finding
+// the queue empty; a burst queued while the loop was busy is served whole, the
+// budget doubling round after round until one accept finds the queue empty.
+func TestAcceptBudget(t *testing.T) {
+	loops := newLoops(t, 1, nil)
+	lp := loops.Next()
+	backend := startTCPServer(t, "127.0.0.2", echo)
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Loops: loops}
+	addr := startTCPProxy(t, p)
+	h := listenHandleOf(t, p)
+	read := func() (empty uint64, budget int) {
+		lp.PostWait(func() { empty, budget = h.l.emptyAccepts, h.budget })
+		return
+	}
+
+	for i := range 20 {
+		c := dialProxy(t, addr)
+		msg := []byte(fmt.Sprintf("alone %d", i))
+		if got, err := roundTrip(c, msg); err != nil || !bytes.Equal(got, msg) {
+			t.Fatalf("connection %d: got %q, %v, want %q", i, got, err, msg)
+		}
+		c.Close()
+	}
+	if empty, budget := read(); empty != 0 || budget != 1 {
+		t.Errorf("after 20 connections one at a time: %d accepts found the queue empty with a budget of %d, want 0 and 1", empty, budget)
+	}
+
+	// The loop sleeps while the connections queue up in the kernel, which
+	// completes their handshakes without it.
+	const burst = 40
+	release := make(chan struct{})
+	lp.Post(func() { <-release })
+	conns := make([]*net.TCPConn, burst)
+	for i := range conns {
+		conns[i] = dialProxy(t, addr)
+	}
+	close(release)
+	for i, c := range conns {
+		msg := []byte(fmt.Sprintf("burst %d", i))
+		if got, err := roundTrip(c, msg); err != nil || !bytes.Equal(got, msg) {
+			t.Fatalf("burst connection %d: got %q, %v, want %q", i, got, err, msg)
+		}
+	}
+	// Rounds of 1, 2, 4, 8 and 16 take 31, the sixth takes the last 9 of its 32
+	// and finds the queue empty.
+	if empty, budget := read(); empty != 1 || budget != acceptBatch {
+		t.Errorf("after a burst of %d: %d accepts found the queue empty with a budget of %d, want 1 and %d", burst, empty, budget, acceptBatch)
 	}
 }

@@ -91,6 +91,8 @@ type Loop struct {
 	// event would otherwise pass, say, for a new socket's completed connect.)
 	gen    uint32
 	timers timerHeap
+	// round counts the returns from epoll_wait (see Round).
+	round uint64
 }
 
 type localValue struct{ v any }
@@ -225,6 +227,13 @@ func (l *Loop) Unwatch(fd int) {
 	l.Forget(fd)
 }
 
+// Round numbers the batch of events (and the timers after it) that the loop is
+// handling: it grows by one each time epoll_wait returns, from 1. A handler
+// that sees the round after the one it last ran in knows its descriptor was
+// reported again at once: level-triggered, that means it is still ready.
+// Called on the loop's goroutine.
+func (l *Loop) Round() uint64 { return l.round }
+
 // Forget drops fd's handler without a system call, for a descriptor the caller
 // closes next: closing it removes it from the epoll set. A stale event for the same
 // number later in the batch finds no handler, or one of another generation.
@@ -258,6 +267,7 @@ func (l *Loop) run() {
 			// Only a broken epoll descriptor fails here; nothing could be served.
 			panic(fmt.Sprintf("epoll_wait: %v", err))
 		}
+		l.round++
 		if !l.dispatch(events[:n]) {
 			return
 		}

@@ -342,3 +342,51 @@ func TestRehandleMovesEvents(t *testing.T) {
 	}
 	l.PostWait(func() { l.Unwatch(a) })
 }
+
+// Round grows by one per return from epoll_wait: a level-triggered descriptor
+// left readable is reported in every round, each one after the last; one that
+// becomes readable again later is reported in a later round.
+func TestRoundNumbersEachWakeUp(t *testing.T) {
+	l := newGroup(t, Config{Loops: 1}).Next()
+	a, peer := socketPair(t)
+	defer unix.Close(a)
+	defer unix.Close(peer)
+	rounds := make(chan uint64, 16)
+	calls := 0 // on the loop's goroutine
+	h := handlerFunc(func(uint32) {
+		rounds <- l.Round()
+		if calls++; calls%3 == 0 {
+			// Read what is queued: no longer readable.
+			unix.Read(a, make([]byte, 16))
+		}
+	})
+	var err error
+	if perr := l.PostWait(func() { err = l.Watch(a, h, unix.EPOLLIN) }); perr != nil || err != nil {
+		t.Fatalf("Watch: got %v, %v; want nil", perr, err)
+	}
+	unix.Write(peer, []byte("x"))
+	var got []uint64
+	for range 3 {
+		select {
+		case r := <-rounds:
+			got = append(got, r)
+		case <-time.After(awaitTimeout):
+			t.Fatalf("rounds so far %v: no more after %s", got, awaitTimeout)
+		}
+	}
+	if got[0] == 0 || got[1] != got[0]+1 || got[2] != got[1]+1 {
+		t.Fatalf("rounds of a descriptor left readable: got %v, want three in a row from 1 or more", got)
+	}
+	// The loop sleeps now; a posted function wakes it for a round of its own.
+	var posted uint64
+	l.PostWait(func() { posted = l.Round() })
+	unix.Write(peer, []byte("y"))
+	select {
+	case r := <-rounds:
+		if r <= posted || r <= got[2]+1 {
+			t.Errorf("round of the next write: got %d, want after the posted function's %d", r, posted)
+		}
+	case <-time.After(awaitTimeout):
+		t.Fatalf("no event for the second write after %s", awaitTimeout)
+	}
+}
