@@ -272,11 +272,7 @@ func BenchmarkUDPRun(b *testing.B) {
 // and cancelling the session's timer on its loop ("timer").
 func BenchmarkKeepAliveOptions(b *testing.B) {
 	b.Run("at-dial", func(b *testing.B) {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer unix.Close(fd)
+		fd := benchSocket(b)
 		for b.Loop() {
 			if err := setKeepAlive(fd, 15); err != nil {
 				b.Fatal(err)
@@ -316,11 +312,7 @@ func BenchmarkKeepAliveOptions(b *testing.B) {
 // queue, and frees them again when it finds it empty.
 func BenchmarkEmptyAccept(b *testing.B) {
 	b.Run("accept4-empty", func(b *testing.B) {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer unix.Close(fd)
+		fd := benchSocket(b)
 		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
 			b.Fatal(err)
 		}
@@ -338,4 +330,15 @@ func BenchmarkEmptyAccept(b *testing.B) {
 			unix.Getppid()
 		}
 	})
+}
+
+// benchSocket opens a non-blocking TCP socket, closed when b ends.
+func benchSocket(b *testing.B) int {
+	b.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { unix.Close(fd) })
+	return fd
 }
