@@ -218,6 +218,7 @@ func TestAcceptBackoffResumesOnTheLoopClock(t *testing.T) {
 // and returns its handle.
 func listenHandleOf(t *testing.T, p *TCPProxy) *listenHandle {
 	t.Helper()
+	p.init() // Serve may not have made p.listeners yet
 	var h *listenHandle
 	await(t, "the listener's handle", func() bool {
 		p.mu.Lock()
