@@ -295,14 +295,20 @@ func (w *world) role(role string) string {
 // moment the path starts working; a new attempt has a new source port.
 var probeDialer = net.Dialer{KeepAlive: -1, Timeout: 250 * time.Millisecond}
 
-// roundTrip sends msg on a fresh connection and checks the echo: the probe that
-// a path carries traffic.
-func (w *world) roundTrip(network string, to netip.AddrPort, msg string) error {
-	var c net.Conn
-	err := w.inClient(func() (err error) {
+// probeDial opens a fresh connection from the client namespace with
+// probeDialer.
+func (w *world) probeDial(network string, to netip.AddrPort) (c net.Conn, err error) {
+	err = w.inClient(func() error {
 		c, err = probeDialer.Dial(network, to.String())
 		return err
 	})
+	return c, err
+}
+
+// roundTrip sends msg on a fresh connection and checks the echo: the probe that
+// a path carries traffic.
+func (w *world) roundTrip(network string, to netip.AddrPort, msg string) error {
+	c, err := w.probeDial(network, to)
 	if err != nil {
 		return err
 	}
@@ -326,18 +332,12 @@ func (w *world) roundTrip(network string, to netip.AddrPort, msg string) error {
 // EOF: the echo must come back whole. Every path must pass a client's FIN on
 // and still carry the reply, so that each one is measured doing the same work.
 func (w *world) halfCloseTrip(to netip.AddrPort, msg string) error {
-	var c *net.TCPConn
-	err := w.inClient(func() error {
-		nc, err := probeDialer.Dial("tcp", to.String())
-		if err == nil {
-			c = nc.(*net.TCPConn)
-		}
-		return err
-	})
+	nc, err := w.probeDial("tcp", to)
 	if err != nil {
 		return fmt.Errorf("half-close check: %w", err)
 	}
-	defer c.Close()
+	defer nc.Close()
+	c := nc.(*net.TCPConn)
 	c.SetDeadline(time.Now().Add(2 * time.Second))
 	if _, err := io.WriteString(c, msg); err != nil {
 		return fmt.Errorf("half-close check: %w", err)

@@ -150,24 +150,13 @@ func TestAcceptBackoffResumesOnTheLoopClock(t *testing.T) {
 		delays = append(delays, d)
 	}
 	addr := startTCPProxy(t, p)
-	// watching reports whether the loop watches the listener. The handle is
-	// looked up here: the loop must not wait for the locks, which Serve holds
-	// while it waits for the loop.
+	// The handle is looked up here, not on the loop: the loop must not wait for
+	// the locks, which Serve holds while it waits for the loop.
+	h := listenHandleOf(t, p)
+	// watching reports whether the loop watches the listener.
 	watching := func() bool {
-		var h *listenHandle
-		p.mu.Lock()
-		for tl := range p.listeners {
-			tl.mu.Lock()
-			if len(tl.handles) == 1 {
-				h = tl.handles[0]
-			}
-			tl.mu.Unlock()
-		}
-		p.mu.Unlock()
 		var w bool
-		if h != nil {
-			loops.Next().PostWait(func() { w = h.watched })
-		}
+		loops.Next().PostWait(func() { w = h.watched })
 		return w
 	}
 	warm := dialProxy(t, addr)
