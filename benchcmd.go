@@ -42,6 +42,14 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 			if output != "table" && output != "json" {
 				return fmt.Errorf("-o %q: want table or json", output)
 			}
+			for _, c := range []struct {
+				flag string
+				n    int
+			}{{"--udp-clients", cfg.UDPClients}, {"--connection-clients", cfg.ConnClients}} {
+				if c.n < 0 {
+					return fmt.Errorf("%s %d: want a positive number of clients", c.flag, c.n)
+				}
+			}
 			if proxyCPUs != "" {
 				cpus, err := bench.ParseCPUList(proxyCPUs)
 				if err != nil {
@@ -82,6 +90,7 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 	f.StringVar(&paths, "paths", "", "comma-separated paths to run (default all)")
 	f.StringVar(&workloads, "workloads", "", "comma-separated workloads to run (default all)")
 	f.IntVar(&cfg.UDPClients, "udp-clients", 0, "clients of the UDP workload, each with one request outstanding (default 4)")
+	f.IntVar(&cfg.ConnClients, "connection-clients", 0, "clients of the short-connection workload, each with one connection open (default 4)")
 	f.StringVar(&proxyCPUs, "proxy-cpus", "", "run every proxy on these CPUs (a list such as 1 or 2-3) and the load generators and backends on the others; the peers run one worker per CPU in it (default: every process on every CPU)")
 	f.StringVar(&cfg.Uproxy, "uproxy", "", "uproxy binary for the uproxy paths (default this executable)")
 	return cmd

@@ -53,6 +53,9 @@ type Config struct {
 	StepLimit time.Duration
 	// UDPClients is how many clients the UDP workload runs at once. 0: 4.
 	UDPClients int
+	// ConnClients is how many clients the short-connection workload runs at
+	// once, each with one connection open. 0: 4.
+	ConnClients int
 	// ProxyCPUs, if not empty, are the CPUs every proxy process runs on; this
 	// process's load generators and the backends run on the others (see
 	// cpus.go). Empty: every process shares every CPU.
@@ -66,13 +69,19 @@ type Config struct {
 }
 
 // workload returns the traffic workload name as c sets it up: the UDP one with
-// c.UDPClients clients.
+// c.UDPClients clients, the short-connection one with c.ConnClients.
 func (c Config) workload(name string) *workload {
 	wl := trafficWorkloads[name]
 	if name == UDP && c.UDPClients != wl.workers {
 		w := *wl
 		w.workers = c.UDPClients
 		w.title = fmt.Sprintf("UDP request/response (64 B, %d clients; CPU per datagram, 2 per exchange)", w.workers)
+		return &w
+	}
+	if name == Connections && c.ConnClients != wl.workers {
+		w := *wl
+		w.workers = c.ConnClients
+		w.title = connectionsTitle(w.workers)
 		return &w
 	}
 	return wl
@@ -112,6 +121,7 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	c.Rounds = pick(c.Rounds, 3, 2)
 	c.UDPClients = pick(c.UDPClients, 4, 4)
+	c.ConnClients = pick(c.ConnClients, 4, 4)
 	c.IdleConns = pick(c.IdleConns, 10000, 1000)
 	c.EndpointChanges = pick(c.EndpointChanges, 5, 3)
 	if c.StepLimit <= 0 {
@@ -187,7 +197,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	rep := &Report{
 		Started:  time.Now(),
 		Machine:  machineInfo(),
-		Settings: Settings{Quick: cfg.Quick, DurationSeconds: cfg.Duration.Seconds(), Rounds: cfg.Rounds, IdleConns: cfg.IdleConns, SyncSizes: cfg.SyncSizes, EndpointChanges: cfg.EndpointChanges, UDPClients: cfg.UDPClients},
+		Settings: Settings{Quick: cfg.Quick, DurationSeconds: cfg.Duration.Seconds(), Rounds: cfg.Rounds, IdleConns: cfg.IdleConns, SyncSizes: cfg.SyncSizes, EndpointChanges: cfg.EndpointChanges, UDPClients: cfg.UDPClients, ConnClients: cfg.ConnClients},
 	}
 	if place != nil {
 		rep.Settings.ProxyCPUs = formatCPUList(&place.proxy)

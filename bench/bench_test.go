@@ -48,6 +48,7 @@ func TestTinyRun(t *testing.T) {
 		SyncSizes:       []int{10},
 		EndpointChanges: 1,
 		UDPClients:      3,
+		ConnClients:     2,
 		Uproxy:          bin,
 		Progress:        &progress,
 		Log:             testWriter{t},
@@ -84,13 +85,13 @@ func TestTinyRun(t *testing.T) {
 		}
 	})
 
-	if rep.Settings.UDPClients != 3 {
-		t.Errorf("settings: got %d UDP clients, want 3", rep.Settings.UDPClients)
+	if rep.Settings.UDPClients != 3 || rep.Settings.ConnClients != 2 {
+		t.Errorf("settings: got %d UDP and %d short-connection clients, want 3 and 2", rep.Settings.UDPClients, rep.Settings.ConnClients)
 	}
 	for _, wr := range rep.Workloads {
 		t.Run(wr.Name, func(t *testing.T) {
-			if wr.Name == UDP && !strings.Contains(wr.Title, "3 clients") {
-				t.Errorf("title %q, want it to say 3 clients", wr.Title)
+			if want := map[string]string{UDP: "3 clients", Connections: "2 clients"}[wr.Name]; !strings.Contains(wr.Title, want) {
+				t.Errorf("title %q, want it to say %s", wr.Title, want)
 			}
 			seen := map[string]bool{}
 			for _, pr := range wr.Results {
@@ -251,6 +252,30 @@ func TestRunRejectsUnknownNames(t *testing.T) {
 // every Service port's verdict-map element, its chain and its two endpoint
 // chains, the changed endpoint's chain in place of the old one; and the
 // measurement itself runs at two sizes and removes its table.
+// The client counts set the generators a workload runs; the other workloads
+// keep theirs.
+func TestWorkloadClients(t *testing.T) {
+	c, err := Config{UDPClients: 7, ConnClients: 9}.withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]int{UDP: 7, Connections: 9, UDPRun: 4, Latency: 1, Bulk: 1} {
+		if got := c.workload(name).workers; got != want {
+			t.Errorf("%s: %d generators, want %d", name, got, want)
+		}
+	}
+	if got := trafficWorkloads[Connections].workers; got != 4 {
+		t.Errorf("the short-connection workload's default changed to %d generators, want 4", got)
+	}
+	c, err = Config{}.withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.workload(Connections); got != trafficWorkloads[Connections] || c.ConnClients != 4 {
+		t.Errorf("default: %d clients and workload %+v, want the shared one with 4", c.ConnClients, got)
+	}
+}
+
 func TestKubeProxyLayout(t *testing.T) {
 	testbed.RequireNFTables(t)
 	tp := testbed.New(t)

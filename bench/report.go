@@ -38,6 +38,7 @@ type Settings struct {
 	SyncSizes       []int   `json:"syncSizes"`
 	EndpointChanges int     `json:"endpointChanges"`
 	UDPClients      int     `json:"udpClients"`
+	ConnClients     int     `json:"connectionClients"`
 	// ProxyCPUs are the CPUs the proxies were given (--proxy-cpus) and
 	// LoadCPUs those the load generators and backends ran on; empty when every
 	// process shared every CPU.

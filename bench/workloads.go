@@ -63,7 +63,7 @@ var trafficWorkloads = map[string]*workload{
 		units: func(g *generator) float64 { return float64(g.bytes) / 1e9 },
 	},
 	Connections: {
-		name: Connections, title: "Short connections (connect, 64 B request, 64 B reply, close; 4 clients)",
+		name: Connections, title: connectionsTitle(4),
 		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
 		workers: 4, loop: connectionsLoop, latency: true,
 		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
@@ -92,6 +92,10 @@ var trafficWorkloads = map[string]*workload{
 		units: func(g *generator) float64 { return (1 + runCount) * float64(g.ops) },
 		skip:  skipWithoutUDP,
 	},
+}
+
+func connectionsTitle(clients int) string {
+	return fmt.Sprintf("Short connections (connect, 64 B request, 64 B reply, close; %d clients)", clients)
 }
 
 func skipWithoutUDP(p *path) string {
