@@ -247,11 +247,6 @@ func TestRunRejectsUnknownNames(t *testing.T) {
 	}
 }
 
-// TestKubeProxyLayout checks the reference layout's scripts with real nft: the
-// whole table, one Service added and one endpoint changed leave the kernel with
-// every Service port's verdict-map element, its chain and its two endpoint
-// chains, the changed endpoint's chain in place of the old one; and the
-// measurement itself runs at two sizes and removes its table.
 // The client counts set the generators a workload runs; the other workloads
 // keep theirs.
 func TestWorkloadClients(t *testing.T) {
@@ -276,6 +271,11 @@ func TestWorkloadClients(t *testing.T) {
 	}
 }
 
+// TestKubeProxyLayout checks the reference layout's scripts with real nft: the
+// whole table, one Service added and one endpoint changed leave the kernel with
+// every Service port's verdict-map element, its chain and its two endpoint
+// chains, the changed endpoint's chain in place of the old one; and the
+// measurement itself runs at two sizes and removes its table.
 func TestKubeProxyLayout(t *testing.T) {
 	testbed.RequireNFTables(t)
 	tp := testbed.New(t)
