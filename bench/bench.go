@@ -72,19 +72,14 @@ type Config struct {
 // c.UDPClients clients, the short-connection one with c.ConnClients.
 func (c Config) workload(name string) *workload {
 	wl := trafficWorkloads[name]
-	if name == UDP && c.UDPClients != wl.workers {
-		w := *wl
-		w.workers = c.UDPClients
-		w.title = fmt.Sprintf("UDP request/response (64 B, %d clients; CPU per datagram, 2 per exchange)", w.workers)
-		return &w
+	clients, set := map[string]int{UDP: c.UDPClients, Connections: c.ConnClients}[name]
+	if !set || clients == wl.workers {
+		return wl
 	}
-	if name == Connections && c.ConnClients != wl.workers {
-		w := *wl
-		w.workers = c.ConnClients
-		w.title = connectionsTitle(w.workers)
-		return &w
-	}
-	return wl
+	w := *wl
+	w.workers = clients
+	w.title = clientTitles[name](clients)
+	return &w
 }
 
 func (c Config) withDefaults() (Config, error) {

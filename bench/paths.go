@@ -338,13 +338,14 @@ func setupHAProxy(ctx context.Context, w *world, name string) (*path, error) {
 	return pt, nil
 }
 
-// setupNginx runs nginx's stream proxy in the node namespace with one worker per
-// CPU (or per proxy CPU of a placement). UDP listens with reuseport so every datagram of a client reaches the
-// worker holding its session. The TCP servers pass a half-close on, as uproxy
-// and HAProxy do: by default nginx closes both sides at the first FIN, which
-// loses the reply of a client that half-closes after its request (setupPaths
-// checks every path for that) and spares nginx a read, a shutdown and a
-// wake-up per connection that the others make.
+// setupNginx runs nginx's stream proxy in the node namespace with one worker
+// per CPU (or per proxy CPU of a placement). UDP listens with reuseport so
+// every datagram of a client reaches the worker holding its session. The TCP
+// servers pass a half-close on, as uproxy and HAProxy do: by default nginx
+// closes both sides at the first FIN, which loses the reply of a client that
+// half-closes after its request (setupPaths checks every path for that) and
+// spares nginx a read, a shutdown and a wake-up per connection that the others
+// make.
 func setupNginx(ctx context.Context, w *world, name string) (*path, error) {
 	module, err := nginxStreamModule()
 	if err != nil {

@@ -63,7 +63,7 @@ var trafficWorkloads = map[string]*workload{
 		units: func(g *generator) float64 { return float64(g.bytes) / 1e9 },
 	},
 	Connections: {
-		name: Connections, title: connectionsTitle(4),
+		name: Connections, title: clientTitles[Connections](4),
 		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
 		workers: 4, loop: connectionsLoop, latency: true,
 		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
@@ -77,7 +77,7 @@ var trafficWorkloads = map[string]*workload{
 		units: func(g *generator) float64 { return float64(g.ops) },
 	},
 	UDP: {
-		name: UDP, title: "UDP request/response (64 B, 4 clients; CPU per datagram, 2 per exchange)",
+		name: UDP, title: clientTitles[UDP](4),
 		unit: "req/s", higherBetter: true, cpuUnit: "CPU-µs/dgram", cpuScale: 1e6,
 		workers: 4, loop: udpLoop, latency: true,
 		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
@@ -94,8 +94,14 @@ var trafficWorkloads = map[string]*workload{
 	},
 }
 
-func connectionsTitle(clients int) string {
-	return fmt.Sprintf("Short connections (connect, 64 B request, 64 B reply, close; %d clients)", clients)
+// clientTitles title the workloads whose number of clients Config sets.
+var clientTitles = map[string]func(clients int) string{
+	Connections: func(n int) string {
+		return fmt.Sprintf("Short connections (connect, 64 B request, 64 B reply, close; %d clients)", n)
+	},
+	UDP: func(n int) string {
+		return fmt.Sprintf("UDP request/response (64 B, %d clients; CPU per datagram, 2 per exchange)", n)
+	},
 }
 
 func skipWithoutUDP(p *path) string {

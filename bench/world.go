@@ -332,25 +332,31 @@ func (w *world) roundTrip(network string, to netip.AddrPort, msg string) error {
 // EOF: the echo must come back whole. Every path must pass a client's FIN on
 // and still carry the reply, so that each one is measured doing the same work.
 func (w *world) halfCloseTrip(to netip.AddrPort, msg string) error {
-	nc, err := w.probeDial("tcp", to)
+	err := func() error {
+		nc, err := w.probeDial("tcp", to)
+		if err != nil {
+			return err
+		}
+		defer nc.Close()
+		c := nc.(*net.TCPConn)
+		c.SetDeadline(time.Now().Add(2 * time.Second))
+		if _, err := io.WriteString(c, msg); err != nil {
+			return err
+		}
+		if err := c.CloseWrite(); err != nil {
+			return err
+		}
+		got, err := io.ReadAll(c)
+		if err != nil {
+			return fmt.Errorf("read after the client's FIN: %w", err)
+		}
+		if string(got) != msg {
+			return fmt.Errorf("the reply to a client that half-closed after its request: got %q, want %q", got, msg)
+		}
+		return nil
+	}()
 	if err != nil {
 		return fmt.Errorf("half-close check: %w", err)
-	}
-	defer nc.Close()
-	c := nc.(*net.TCPConn)
-	c.SetDeadline(time.Now().Add(2 * time.Second))
-	if _, err := io.WriteString(c, msg); err != nil {
-		return fmt.Errorf("half-close check: %w", err)
-	}
-	if err := c.CloseWrite(); err != nil {
-		return fmt.Errorf("half-close check: %w", err)
-	}
-	got, err := io.ReadAll(c)
-	if err != nil {
-		return fmt.Errorf("half-close check: read after the client's FIN: %w", err)
-	}
-	if string(got) != msg {
-		return fmt.Errorf("half-close check: the reply to a client that half-closed after its request: got %q, want %q", got, msg)
 	}
 	return nil
 }

@@ -411,13 +411,13 @@ const acceptBatch = 32
 // Handle accepts up to the handle's budget of connections, and does not look
 // for one more once it has taken them: an accept4 that finds the queue empty is
 // far from free, because the kernel makes the new socket and its file before it
-// looks and frees them again (BenchmarkEmptyAccept: about 4 µs here, twenty times
-// a system call that does nothing). The listener is level-triggered, so connections left
-// queued make epoll report it again in the next round; each event that comes
-// right after a whole budget doubles it, up to acceptBatch, and any other starts
-// from one. A connection arriving alone thus costs one accept4, and a burst is
-// drained in rounds of 1, 2, 4 ... connections, the last finding the queue
-// empty.
+// looks and frees them again (BenchmarkEmptyAccept: about 4 µs here, twenty
+// times a system call that does nothing). The listener is level-triggered, so
+// connections left queued make epoll report it again in the next round; each
+// event that comes right after a whole budget doubles it, up to acceptBatch,
+// and any other starts from one. A connection arriving alone thus costs one
+// accept4, and a burst is drained in rounds of 1, 2, 4 ... connections, the
+// last finding the queue empty.
 func (h *listenHandle) Handle(uint32) {
 	tl, l := h.ln, h.l
 	round := l.Round()
