@@ -4,7 +4,7 @@ BIN      := bin
 UPROXY   := $(BIN)/uproxy
 PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
-TESTFLAGS ?= -race -count=1 -timeout 30m
+TESTFLAGS ?= -race -count=1 -timeout 10m
 
 .PHONY: all build run demo demo-retry test unit lint deps kube-bins bench bench-deps microbench soak clean
 
