@@ -23,9 +23,17 @@ import (
 // and the number of descriptors.
 func processSockets(t testing.TB) (inodes map[string]bool, fds int) {
 	t.Helper()
-	entries, err := os.ReadDir("/proc/self/fd")
+	inodes, fds, err := readProcessSockets()
 	if err != nil {
 		t.Fatal(err)
+	}
+	return inodes, fds
+}
+
+func readProcessSockets() (inodes map[string]bool, fds int, err error) {
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return nil, 0, err
 	}
 	inodes = make(map[string]bool)
 	for _, e := range entries {
@@ -37,19 +45,30 @@ func processSockets(t testing.TB) (inodes map[string]bool, fds int) {
 			inodes[strings.TrimSuffix(ino, "]")] = true
 		}
 	}
-	return inodes, len(entries)
+	return inodes, len(entries), nil
 }
 
 // closeWaitSockets lists the process's TCP sockets in CLOSE_WAIT (state 08 in
 // /proc/net/tcp and tcp6), as "local remote" address pairs in the kernel's hex.
 func closeWaitSockets(t testing.TB) []string {
 	t.Helper()
-	ours, _ := processSockets(t)
+	out, err := readCloseWaitSockets()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func readCloseWaitSockets() ([]string, error) {
+	ours, _, err := readProcessSockets()
+	if err != nil {
+		return nil, err
+	}
 	var out []string
 	for _, file := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
 		f, err := os.Open(file)
 		if err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
 		sc := bufio.NewScanner(f)
 		sc.Scan() // header
@@ -62,7 +81,21 @@ func closeWaitSockets(t testing.TB) []string {
 		}
 		f.Close()
 	}
-	return out
+	return out, nil
+}
+
+// closeWaitAfterTests waits up to awaitTimeout for the process to hold no socket
+// in CLOSE_WAIT, once every test has run and cleaned up; what is left is a
+// connection some test or proxy never closed.
+func closeWaitAfterTests() ([]string, error) {
+	deadline := time.Now().Add(awaitTimeout)
+	for {
+		cw, err := readCloseWaitSockets()
+		if err != nil || len(cw) == 0 || time.Now().After(deadline) {
+			return cw, err
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // awaitBaseline waits until the descriptor and goroutine counts are back to what

@@ -89,7 +89,16 @@ func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
 			// The client's connection waits in the accept queue before Serve.
 			c := dialProxy(t, ln.Addr().(*net.TCPAddr).AddrPort())
 			go p.Serve(ln)
-			defer p.Close()
+			defer func() {
+				// The session ends on the client's FIN; Shutdown waits for it, so its
+				// sockets are closed before the loops are.
+				c.Close()
+				ctx, cancel := context.WithTimeout(context.Background(), awaitTimeout)
+				defer cancel()
+				if err := p.Shutdown(ctx); err != nil {
+					t.Errorf("Shutdown: got %v, want nil", err)
+				}
+			}()
 			if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
 				t.Fatalf("round trip: got %q, %v", got, err)
 			}

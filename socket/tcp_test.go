@@ -40,7 +40,16 @@ func TestMain(m *testing.M) {
 		runProxyProcess(to, keepAlive)
 		return
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if code == 0 {
+		// A test that ends with a session still open on closed loops leaks its
+		// sockets; the peer's FIN leaves them in CLOSE_WAIT.
+		if cw, err := closeWaitAfterTests(); err != nil || len(cw) != 0 {
+			fmt.Fprintf(os.Stderr, "after the tests: sockets of the process in CLOSE_WAIT (local remote, hex): %v, %v; want none\n", cw, err)
+			code = 1
+		}
+	}
+	os.Exit(code)
 }
 
 type endpointKind int
