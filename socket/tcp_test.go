@@ -44,8 +44,12 @@ func TestMain(m *testing.M) {
 	if code == 0 {
 		// A test that ends with a session still open on closed loops leaks its
 		// sockets; the peer's FIN leaves them in CLOSE_WAIT.
-		if cw, err := closeWaitAfterTests(); err != nil || len(cw) != 0 {
-			fmt.Fprintf(os.Stderr, "after the tests: sockets of the process in CLOSE_WAIT (local remote, hex): %v, %v; want none\n", cw, err)
+		switch cw, err := closeWaitAfterTests(); {
+		case err != nil:
+			fmt.Fprintf(os.Stderr, "after the tests: sockets in CLOSE_WAIT: %v\n", err)
+			code = 1
+		case len(cw) != 0:
+			fmt.Fprintf(os.Stderr, "after the tests: %d sockets of the process in CLOSE_WAIT (local remote, hex): %v, want none\n", len(cw), cw)
 			code = 1
 		}
 	}
