@@ -85,45 +85,13 @@ type proc struct {
 	client *http.Client
 }
 
-// counts returns the process's descriptors, sockets among them, and the socket inodes.
-func (p proc) counts() (fds, sockets int, inodes map[string]bool) {
-	dir := fmt.Sprintf("/proc/%d/fd", p.pid)
-	entries, err := os.ReadDir(dir)
+// counts returns the process's descriptors and the sockets among them.
+func (p proc) counts() (fds, sockets int) {
+	inodes, fds, err := testbed.ProcessSockets(p.pid)
 	if err != nil {
-		p.t.Fatalf("read %s: %v", dir, err)
+		p.t.Fatalf("descriptors of uproxy: %v", err)
 	}
-	inodes = map[string]bool{}
-	for _, e := range entries {
-		link, err := os.Readlink(filepath.Join(dir, e.Name()))
-		if err != nil {
-			continue
-		}
-		if ino, ok := strings.CutPrefix(link, "socket:["); ok {
-			inodes[strings.TrimSuffix(ino, "]")] = true
-		}
-	}
-	return len(entries), len(inodes), inodes
-}
-
-// closeWait lists the process's TCP sockets in CLOSE_WAIT (state 08), read from
-// the process's own view of /proc/net (its network namespace), as "local remote"
-// address pairs in the kernel's hex.
-func (p proc) closeWait() []string {
-	_, _, ours := p.counts()
-	var out []string
-	for _, f := range []string{"tcp", "tcp6"} {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", p.pid, f))
-		if err != nil {
-			p.t.Fatal(err)
-		}
-		for _, line := range strings.Split(string(b), "\n")[1:] {
-			fields := strings.Fields(line)
-			if len(fields) >= 10 && fields[3] == "08" && ours[fields[9]] {
-				out = append(out, fields[1]+" "+fields[2])
-			}
-		}
-	}
-	return out
+	return fds, len(inodes)
 }
 
 // metric returns the value of an unlabelled series from /metrics.
@@ -272,10 +240,10 @@ func TestSoak(t *testing.T) {
 	var fd0, sock0, g0 int
 	await(t, 20*time.Second, "a stable baseline", func() bool {
 		time.Sleep(1500 * time.Millisecond)
-		f1, s1, _ := p.counts()
+		f1, s1 := p.counts()
 		g1 := p.goroutines()
 		time.Sleep(500 * time.Millisecond)
-		fd0, sock0, _ = p.counts()
+		fd0, sock0 = p.counts()
 		g0 = p.goroutines()
 		return f1 == fd0 && s1 == sock0 && g1 == g0
 	})
@@ -413,7 +381,7 @@ func TestSoak(t *testing.T) {
 	// the last connections have closed. Descriptors also count pooled splice
 	// pipes, which only the proxy's garbage collector releases.
 	await(t, settleAfterTraffic, "uproxy's sockets and goroutines back to the baseline", func() bool {
-		fig.FDs[1], fig.Sockets[1], _ = p.counts()
+		fig.FDs[1], fig.Sockets[1] = p.counts()
 		fig.Goroutines[1] = p.goroutines()
 		return fig.Sockets[1] <= sock0 && fig.Goroutines[1] <= g0
 	})
@@ -421,9 +389,9 @@ func TestSoak(t *testing.T) {
 	// A socket may be in CLOSE_WAIT for a moment without leaking, such as the
 	// metrics server's end of the request just made, from the client's close until
 	// the server's own. One still there seconds later was never closed.
-	closeWait := p.closeWait()
-	for deadline := time.Now().Add(5 * time.Second); len(closeWait) != 0 && time.Now().Before(deadline); closeWait = p.closeWait() {
-		time.Sleep(50 * time.Millisecond)
+	closeWait, err := testbed.AwaitNoCloseWait(p.pid, 5*time.Second)
+	if err != nil {
+		t.Fatalf("CLOSE_WAIT sockets of uproxy: %v", err)
 	}
 	fig.CloseWait = len(closeWait)
 	fmt.Print(fig.String())

@@ -1,7 +1,6 @@
 package socket
 
 import (
-	"bufio"
 	"bytes"
 	"fmt"
 	"io"
@@ -9,93 +8,36 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // Leak tests: after many connections ended every way a connection can end, the
 // process holds exactly the descriptors and goroutines it held before, and no
 // socket of it waits in CLOSE_WAIT (a peer's FIN that was never answered by a close).
 
-// processSockets returns the inodes of the sockets among the process's descriptors
-// and the number of descriptors.
-func processSockets(t testing.TB) (inodes map[string]bool, fds int) {
+// processDescriptors returns the number of the process's open descriptors.
+func processDescriptors(t testing.TB) int {
 	t.Helper()
-	inodes, fds, err := readProcessSockets()
+	_, fds, err := testbed.ProcessSockets(os.Getpid())
 	if err != nil {
 		t.Fatal(err)
 	}
-	return inodes, fds
+	return fds
 }
 
-func readProcessSockets() (inodes map[string]bool, fds int, err error) {
-	entries, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		return nil, 0, err
-	}
-	inodes = make(map[string]bool)
-	for _, e := range entries {
-		link, err := os.Readlink("/proc/self/fd/" + e.Name())
-		if err != nil {
-			continue // the directory's own descriptor, closed by now
-		}
-		if ino, ok := strings.CutPrefix(link, "socket:["); ok {
-			inodes[strings.TrimSuffix(ino, "]")] = true
-		}
-	}
-	return inodes, len(entries), nil
-}
-
-// closeWaitSockets lists the process's TCP sockets in CLOSE_WAIT (state 08 in
-// /proc/net/tcp and tcp6), as "local remote" address pairs in the kernel's hex.
+// closeWaitSockets lists the process's TCP sockets in CLOSE_WAIT, as "local
+// remote" address pairs in the kernel's hex.
 func closeWaitSockets(t testing.TB) []string {
 	t.Helper()
-	out, err := readCloseWaitSockets()
+	out, err := testbed.CloseWaitSockets(os.Getpid())
 	if err != nil {
 		t.Fatal(err)
 	}
 	return out
-}
-
-func readCloseWaitSockets() ([]string, error) {
-	ours, _, err := readProcessSockets()
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, file := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
-		f, err := os.Open(file)
-		if err != nil {
-			return nil, err
-		}
-		sc := bufio.NewScanner(f)
-		sc.Scan() // header
-		for sc.Scan() {
-			// sl local rem st tx:rx tr:when retrnsmt uid timeout inode ...
-			fields := strings.Fields(sc.Text())
-			if len(fields) >= 10 && fields[3] == "08" && ours[fields[9]] {
-				out = append(out, fields[1]+" "+fields[2])
-			}
-		}
-		f.Close()
-	}
-	return out, nil
-}
-
-// closeWaitAfterTests waits up to awaitTimeout for the process to hold no socket
-// in CLOSE_WAIT, once every test has run and cleaned up; what is left is a
-// connection some test or proxy never closed.
-func closeWaitAfterTests() ([]string, error) {
-	deadline := time.Now().Add(awaitTimeout)
-	for {
-		cw, err := readCloseWaitSockets()
-		if err != nil || len(cw) == 0 || time.Now().After(deadline) {
-			return cw, err
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // awaitBaseline waits until the descriptor and goroutine counts are back to what
@@ -107,7 +49,7 @@ func awaitBaseline(t *testing.T, fds, goroutines int) {
 	deadline := time.Now().Add(awaitTimeout)
 	for {
 		runtime.GC()
-		_, gotFDs = processSockets(t)
+		gotFDs = processDescriptors(t)
 		gotG = runtime.NumGoroutine()
 		if gotFDs <= fds && gotG <= goroutines {
 			return
@@ -341,9 +283,9 @@ func TestTCPProxyNoLeaksOverCloses(t *testing.T) {
 	}
 	c.Close()
 	worlds[0].rec.awaitClosed(t, 1)
-	_, fdBaseline := processSockets(t)
+	fdBaseline := processDescriptors(t)
 	awaitBaseline(t, fdBaseline, runtime.NumGoroutine())
-	_, fdBaseline = processSockets(t)
+	fdBaseline = processDescriptors(t)
 	goroutineBaseline := runtime.NumGoroutine()
 
 	for i, pt := range patterns {
@@ -427,7 +369,7 @@ func TestUDPProxyNoLeaksOverClientChurn(t *testing.T) {
 	p := &UDPProxy{Service: "ns/churn:udp", Picker: picker, Observer: rec, Timeout: 20 * time.Millisecond, MaxClients: 64}
 	svc := startUDPProxy(t, p)
 
-	_, fdBaseline := processSockets(t)
+	fdBaseline := processDescriptors(t)
 	goroutineBaseline := runtime.NumGoroutine()
 
 	jobs := make(chan int)
@@ -493,13 +435,13 @@ func TestUDPProxyNoLeaksOverClientChurn(t *testing.T) {
 // TestAwaitBaselineSeesALeak makes sure the leak check can fail: a descriptor
 // kept open past the baseline is seen.
 func TestAwaitBaselineSeesALeak(t *testing.T) {
-	_, before := processSockets(t)
+	before := processDescriptors(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	if _, after := processSockets(t); after != before+1 {
+	if after := processDescriptors(t); after != before+1 {
 		t.Errorf("descriptors with one more listener: got %d, want %d", after, before+1)
 	}
 	c, err := net.Dial("tcp", ln.Addr().String())

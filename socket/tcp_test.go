@@ -27,6 +27,7 @@ import (
 
 	"github.com/uproxy/uproxy/record"
 	"github.com/uproxy/uproxy/socket/poll"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 func TestMain(m *testing.M) {
@@ -44,7 +45,7 @@ func TestMain(m *testing.M) {
 	if code == 0 {
 		// A test that ends with a session still open on closed loops leaks its
 		// sockets; the peer's FIN leaves them in CLOSE_WAIT.
-		switch cw, err := closeWaitAfterTests(); {
+		switch cw, err := testbed.AwaitNoCloseWait(os.Getpid(), awaitTimeout); {
 		case err != nil:
 			fmt.Fprintf(os.Stderr, "after the tests: sockets in CLOSE_WAIT: %v\n", err)
 			code = 1
