@@ -72,8 +72,16 @@ type Config struct {
 // c.UDPClients clients, the short-connection one with c.ConnClients.
 func (c Config) workload(name string) *workload {
 	wl := trafficWorkloads[name]
-	clients, set := map[string]int{UDP: c.UDPClients, Connections: c.ConnClients}[name]
-	if !set || clients == wl.workers {
+	var clients int
+	switch name {
+	case UDP:
+		clients = c.UDPClients
+	case Connections:
+		clients = c.ConnClients
+	default:
+		return wl
+	}
+	if clients == wl.workers {
 		return wl
 	}
 	w := *wl

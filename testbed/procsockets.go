@@ -53,7 +53,11 @@ func CloseWaitSockets(pid int) ([]string, error) {
 				out = append(out, fields[1]+" "+fields[2])
 			}
 		}
+		err = sc.Err()
 		f.Close()
+		if err != nil {
+			return nil, fmt.Errorf("read /proc/%d/net/%s: %w", pid, table, err)
+		}
 	}
 	return out, nil
 }
