@@ -6,6 +6,9 @@
 //
 // A broken edit never takes Services away: a file that cannot be decoded keeps its
 // previous content, and an object that fails validation keeps its previous version.
+// Nor does a file or directory being replaced: while the file that Path names, or
+// the directory, is gone, its last content is served, and it is read again once
+// it is back (a directory replaced by another of the same name is followed).
 // Every problem is still reported in Snapshot.Errors and logged once, when it
 // appears; its fix is logged too, and so is a summary of every reload.
 package file
@@ -16,10 +19,12 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -39,6 +44,12 @@ const DefaultDebounce = 100 * time.Millisecond
 // file being replaced is briefly absent, and taking every Service away then
 // would be worse than serving them a little longer.
 var ErrDeleted = errors.New("deleted; its last content is used until it is back")
+
+// ErrGone is the error of the manifest directory that Path names while it is
+// gone (removed, renamed away, or not a directory any more): the last content of
+// its files is used, as for a deleted file (ErrDeleted), and the directory is
+// read again, and watched, as soon as it is back under that name.
+var ErrGone = errors.New("gone; the last content of its files is used until it is back")
 
 // Source follows the manifests at Path.
 type Source struct {
@@ -80,7 +91,10 @@ func Load(path string, opts service.BuildOptions) (*service.Snapshot, error) {
 //
 // The directory is watched rather than the file, so that replacing a file (writing a
 // temporary file and renaming it over, as editors, kubectl-style tools and ConfigMap
-// volumes do) is seen like writing it in place.
+// volumes do) is seen like writing it in place. The directory is followed by name
+// (see dirWatch): replaced by another (removed and made again, or renamed away
+// and back), it is the new one that is read and watched; while it is gone, its
+// files' last content is served.
 func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error {
 	info, err := os.Stat(s.Path)
 	if err != nil {
@@ -95,8 +109,9 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 		return fmt.Errorf("file source %s: %w", s.Path, err)
 	}
 	defer w.Close()
-	if err := w.Add(dir); err != nil {
-		return fmt.Errorf("file source %s: watch %s: %w", s.Path, dir, err)
+	dw, err := watchDir(w, dir)
+	if err != nil {
+		return fmt.Errorf("file source %s: %w", s.Path, err)
 	}
 
 	l := newLoader(s.Path, info.IsDir(), s.Options)
@@ -118,7 +133,10 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			klog.V(5).InfoS("Manifest event", "path", ev.Name, "op", ev.Op.String())
 			// Any event in the directory may matter (a ConfigMap volume swaps a
 			// symlinked directory, not the file); an unneeded reload changes nothing.
-			reload.Reset(s.debounce())
+			// Of the parent's events, only those about the directory itself do.
+			if dw.concerns(ev.Name) {
+				reload.Reset(s.debounce())
+			}
 		case err, ok := <-w.Errors:
 			if !ok {
 				return fmt.Errorf("file source %s: watcher closed", s.Path)
@@ -127,6 +145,11 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			klog.ErrorS(err, "Watching manifests", "dir", dir)
 			reload.Reset(s.debounce())
 		case <-reload.C:
+			// Before the load, so that whatever changes in a directory that
+			// came back after its listing is announced by the new watch.
+			if err := dw.follow(); err != nil {
+				klog.ErrorS(err, "Watching manifests", "dir", dir)
+			}
 			snap := l.load()
 			if last.Equal(snap) {
 				continue
@@ -136,6 +159,74 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			update(snap)
 		}
 	}
+}
+
+// dirWatch keeps a directory watched by name, across its replacement. inotify
+// watches an inode, not a name: a directory removed and made again (rm -rf d;
+// mkdir d) leaves the watch with the removed one, and one renamed away and back
+// loses it (fsnotify drops the watch of a directory that moves). So the parent
+// is watched too, for the directory's own removal, renaming and return, and
+// every reload first makes sure the watch is on the directory the name now
+// stands for (follow).
+type dirWatch struct {
+	w           *fsnotify.Watcher
+	dir, parent string // parent is "" when dir has none to watch (the root)
+	// watched is the directory under the watch; nil while dir is gone.
+	watched os.FileInfo
+}
+
+// watchDir starts watching dir and its parent; dir must exist.
+func watchDir(w *fsnotify.Watcher, dir string) (*dirWatch, error) {
+	dir = filepath.Clean(dir)
+	d := &dirWatch{w: w, dir: dir}
+	if parent := filepath.Dir(dir); parent != dir {
+		d.parent = parent
+	}
+	if err := d.follow(); err != nil {
+		return nil, err
+	}
+	if d.watched == nil {
+		return nil, fmt.Errorf("watch %s: gone", dir)
+	}
+	if d.parent != "" {
+		if err := w.Add(d.parent); err != nil {
+			// The directory itself is watched: only its replacement goes unseen.
+			klog.ErrorS(err, "Watching the manifest directory's parent: a replaced directory will not be followed", "dir", dir, "parent", d.parent)
+		}
+	}
+	return d, nil
+}
+
+// concerns reports whether an event on name may change the manifests: an
+// event inside the directory, or about the directory itself (from the parent).
+func (d *dirWatch) concerns(name string) bool {
+	name = filepath.Clean(name)
+	return name == d.dir || filepath.Dir(name) == d.dir
+}
+
+// follow puts the watch on the directory that dir names now, or takes it off
+// while there is none. Adding a watch that exists only updates it, so the watch
+// is renewed each time: a directory made again may have the inode of the one
+// removed, whose watch is gone all the same.
+func (d *dirWatch) follow() error {
+	info, err := os.Stat(d.dir)
+	if err != nil || !info.IsDir() {
+		if d.watched != nil {
+			d.w.Remove(d.dir) // already gone with it, most often
+			d.watched = nil
+		}
+		return nil
+	}
+	if d.watched != nil && !os.SameFile(d.watched, info) {
+		// The watch may still be on the old directory, renamed elsewhere.
+		d.w.Remove(d.dir)
+	}
+	if err := d.w.Add(d.dir); err != nil {
+		d.watched = nil
+		return fmt.Errorf("watch %s: %w", d.dir, err)
+	}
+	d.watched = info
+	return nil
 }
 
 // objectKey names an object across files.
@@ -189,22 +280,22 @@ func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
 func (l *loader) load() *service.Snapshot {
 	var errs []error
 	names, err := l.list()
-	if err != nil {
-		// The directory is unreadable (removed, permissions): keep serving what is
-		// known rather than dropping every Service.
+	listed := err == nil
+	if !listed {
+		// The directory is gone (removed, renamed away, being replaced) or
+		// unreadable: keep serving every file's last content, unread, rather
+		// than dropping every Service; its files are read again once it can be
+		// listed.
 		errs = append(errs, err)
-		names = slices.Sorted(func(yield func(string) bool) {
-			for name := range l.files {
-				if !yield(name) {
-					return
-				}
-			}
-		})
+		names = slices.Sorted(maps.Keys(l.files))
 	}
 
 	present := make(map[string]bool, len(names))
 	for _, name := range names {
 		present[name] = true
+		if !listed {
+			continue
+		}
 		st := l.files[name]
 		if st == nil {
 			st = &fileState{}
@@ -269,6 +360,9 @@ func (l *loader) list() ([]string, error) {
 		return []string{l.path}, nil
 	}
 	entries, err := os.ReadDir(l.path)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
+		return nil, &DocumentError{File: l.path, Err: ErrGone}
+	}
 	if err != nil {
 		return nil, &DocumentError{File: l.path, Err: fmt.Errorf("list: %w", err)}
 	}
@@ -405,6 +499,10 @@ func (l *loader) log(errs []error) {
 		var de *DocumentError
 		if errors.Is(err, ErrDeleted) && errors.As(err, &de) {
 			klog.InfoS("Manifest file deleted; its last content is used until it is back", "file", de.File)
+			continue
+		}
+		if errors.Is(err, ErrGone) {
+			klog.InfoS("Manifest directory gone; its files' last content is used until it is back", "dir", l.path)
 			continue
 		}
 		klog.ErrorS(err, "Manifest problem", "path", l.path)

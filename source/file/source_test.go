@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed/logs"
 )
 
 // svcYAML is a Service manifest with one port per entry of ports.
@@ -509,4 +511,130 @@ spec:
 	if errs := errorStrings(snap); len(errs) != 1 || !strings.HasPrefix(errs[0], want) {
 		t.Errorf("errors: got %q, want one starting %q", errs, want)
 	}
+}
+
+// TestRunFollowsAReplacedDirectory: the manifest directory replaced by another
+// of the same name, as deploy scripts and people do it, is followed. While it
+// is gone its Services stay and the Snapshot says why; once it is back its
+// manifests are read, and later edits in it are seen. Each case is run in one
+// burst (the shell's `a; b; c`) and step by step, awaiting each state.
+func TestRunFollowsAReplacedDirectory(t *testing.T) {
+	web := func(port int) string { return svcYAML("web", "10.96.0.10", port) }
+	run := func(t *testing.T, name string, args ...string) {
+		t.Helper()
+		if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+			t.Fatalf("%s %q: %v: %s", name, args, err, out)
+		}
+	}
+	type step struct {
+		do func(t *testing.T, dir, away string)
+		// want is the state awaited after do (nil: none, in a burst).
+		want func(*service.Snapshot) bool
+		// logged are lines the step must log, each matched by its substrings.
+		logged [][]string
+	}
+	gone := func(dir string) step {
+		return step{want: hasPortsAndError(dir+": gone; the last content of its files is used until it is back", "default/web:p80=80/TCP[]"),
+			logged: [][]string{{"I", `"Manifest directory gone; its files' last content is used until it is back"`, `dir="` + dir + `"`}}}
+	}
+	back := func(dir string, ports ...string) step {
+		return step{want: func(s *service.Snapshot) bool { return hasPorts(ports...)(s) && len(s.Errors) == 0 },
+			logged: [][]string{{"I", `"Manifest problem fixed"`, `was="` + dir + `: gone`}}}
+	}
+	tests := []struct {
+		name  string
+		steps func(dir, away string) []step
+	}{
+		{
+			name: "rm -rf d; mkdir d; cp web.yaml d/",
+			steps: func(dir, away string) []step {
+				rm, mkdir := gone(dir), step{want: hasPorts()}
+				rm.do = func(t *testing.T, dir, _ string) { run(t, "rm", "-rf", dir) }
+				mkdir.do = func(t *testing.T, dir, _ string) { run(t, "mkdir", dir) }
+				cp := back(dir, "default/web:p81=81/TCP[]")
+				cp.logged = nil // the empty directory fixed it
+				cp.do = func(t *testing.T, dir, away string) {
+					writeFile(t, filepath.Join(away, "web.yaml"), web(81))
+					run(t, "cp", filepath.Join(away, "web.yaml"), dir+"/")
+				}
+				return []step{rm, mkdir, cp}
+			},
+		},
+		{
+			name: "mv d away; mv away d",
+			steps: func(dir, away string) []step {
+				mvAway := gone(dir)
+				mvAway.do = func(t *testing.T, dir, away string) {
+					run(t, "mv", dir, away)
+					// Edited while away: only the directory's return brings it in.
+					writeFile(t, filepath.Join(away, "web.yaml"), web(81))
+				}
+				mvBack := back(dir, "default/web:p81=81/TCP[]")
+				mvBack.do = func(t *testing.T, dir, away string) { run(t, "mv", away, dir) }
+				return []step{mvAway, mvBack}
+			},
+		},
+	}
+	for _, tt := range tests {
+		for _, burst := range []bool{true, false} {
+			name := tt.name + ", step by step"
+			if burst {
+				name = tt.name + ", in one burst"
+			}
+			t.Run(name, func(t *testing.T) {
+				base := t.TempDir()
+				dir, away := filepath.Join(base, "d"), filepath.Join(base, "away")
+				if err := os.Mkdir(dir, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if strings.HasPrefix(tt.name, "rm") {
+					// cp's source.
+					if err := os.Mkdir(away, 0o755); err != nil {
+						t.Fatal(err)
+					}
+				}
+				writeFile(t, filepath.Join(dir, "web.yaml"), web(80))
+				log := logs.Capture(t)
+				w := startWatch(t, dir)
+				w.await("the first load", hasPorts("default/web:p80=80/TCP[]"))
+				log.Since()
+
+				steps := tt.steps(dir, away)
+				for i, st := range steps {
+					st.do(t, dir, away)
+					if burst && i < len(steps)-1 {
+						continue
+					}
+					w.await(fmt.Sprintf("the state after step %d", i+1), st.want)
+					if !burst {
+						lines := log.Since()
+						for _, want := range st.logged {
+							if !slices.ContainsFunc(lines, func(l string) bool { return logLineHas(l, want) }) {
+								t.Errorf("step %d: no log line with %q among:\n%s", i+1, want, strings.Join(lines, "\n"))
+							}
+						}
+					}
+				}
+				// The directory now under the name is the one watched.
+				writeFile(t, filepath.Join(dir, "web.yaml"), web(82))
+				w.await("an edit in the directory that came back", hasPorts("default/web:p82=82/TCP[]"))
+				writeFile(t, filepath.Join(dir, "db.yaml"), svcYAML("db", "10.96.0.11", 5432))
+				w.await("a file added to it", hasPorts("default/db:p5432=5432/TCP[]", "default/web:p82=82/TCP[]"))
+			})
+		}
+	}
+}
+
+// logLineHas reports whether line has severity want[0] and every substring of
+// want[1:].
+func logLineHas(line string, want []string) bool {
+	if !strings.HasPrefix(line, want[0]) {
+		return false
+	}
+	for _, p := range want[1:] {
+		if !strings.Contains(line, p) {
+			return false
+		}
+	}
+	return true
 }
