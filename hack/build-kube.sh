@@ -2,16 +2,16 @@
 # Builds the kube-apiserver and etcd binaries that testbed/kubeapi starts for tests, and
 # the kube-proxy that integration tests run beside uproxy.
 #
-# Usage: hack/build-kube.sh [BINDIR]    (BINDIR defaults to bin/ at the repository root)
+# Usage: hack/build-kube.sh [BINDIR [cluster]]   (BINDIR defaults to bin/ at the repository root;
+# "cluster" also builds what the conformance cluster runs)
 #
-# Versions are pinned by the modules tools/kube-apiserver (k8s.io/kubernetes, for both
-# kube-apiserver and kube-proxy: its go.mod lists both as tools) and tools/etcd (go.mod
-# and go.sum are committed), so every machine builds the same sources. A binary that
-# already exists in BINDIR is kept and its version printed when it is up to date: etcd
-# whenever it exists, kube-apiserver and kube-proxy when their --version names the pinned
-# Kubernetes version (otherwise they are rebuilt). Delete a binary to force a rebuild. Each binary is written
-# to a temporary name and renamed when complete, so an interrupted build never leaves a
-# truncated binary that a later run would take for a finished one.
+# Versions are pinned by the modules tools/kube-apiserver (k8s.io/kubernetes: every
+# Kubernetes binary and the e2e suite are its tools), tools/etcd and tools/coredns (go.mod
+# and go.sum are committed), so every machine builds the same sources. A binary is kept
+# while the stamp file beside it (.NAME.stamp) names the same go.mod, go.sum, package and
+# flags; delete it to force a rebuild. Each binary is written to a temporary name and
+# renamed when complete, so an interrupted build never leaves a truncated binary that a
+# later run would take for a finished one.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,25 +24,28 @@ export GOWORK=off
 
 log() { printf 'build-kube: %s\n' "$*"; }
 
-# build NAME MODULE_DIR PACKAGE [EXTRA_LDFLAGS [WANT_VERSION]]
-# An existing binary is kept when WANT_VERSION is empty or its --version output names it.
+# build NAME MODULE_DIR PACKAGE [EXTRA_LDFLAGS]
+# An existing binary is kept when the stamp beside it names the same module file, package
+# and flags, that is when a rebuild would compile the same sources the same way.
+# PACKAGE may be "test:PKG", which compiles PKG's tests into one binary (go test -c).
 build() {
-	local name="$1" moddir="$2" pkg="$3" extra="${4:-}" want="${5:-}"
-	local out="$bindir/$name"
-	if [[ -x "$out" ]]; then
-		local have
-		have="$("$out" --version 2>&1 | head -n 1 || true)"
-		if [[ -z "$want" || " $have " == *" $want "* ]]; then
-			log "$name exists at $out, up to date, skipping: $have"
-			return 0
-		fi
-		log "$name at $out reports '$have', not $want: rebuilding"
+	local name="$1" moddir="$2" pkg="$3" extra="${4:-}"
+	local out="$bindir/$name" stamp="$bindir/.$name.stamp" want
+	want="$(cat "$root/$moddir/go.mod" "$root/$moddir/go.sum" | sha256sum | cut -c1-16) $pkg $extra"
+	if [[ -x "$out" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+		log "$name is up to date at $out"
+		return 0
 	fi
 	log "building $name from $pkg (module $moddir) into $out"
 	local start=$SECONDS
-	go -C "$root/$moddir" build -trimpath -ldflags="-s -w $extra" -o "$out.tmp" "$pkg"
+	if [[ "$pkg" == test:* ]]; then
+		go -C "$root/$moddir" test -c -trimpath -ldflags="-s -w $extra" -o "$out.tmp" "${pkg#test:}"
+	else
+		go -C "$root/$moddir" build -trimpath -ldflags="-s -w $extra" -o "$out.tmp" "$pkg"
+	fi
 	mv -f "$out.tmp" "$out"
-	log "built $name in $((SECONDS - start))s, $(du -h "$out" | cut -f1): $("$out" --version 2>&1 | head -n 1)"
+	printf '%s\n' "$want" >"$stamp"
+	log "built $name in $((SECONDS - start))s, $(du -h "$out" | cut -f1)"
 }
 
 # kube-apiserver reports its version from variables that Kubernetes release builds set
@@ -58,6 +61,18 @@ kube_ldflags="-X $vpkg.gitVersion=$kube_version -X $vpkg.gitMajor=${BASH_REMATCH
 kube_ldflags+=" -X $vpkg.gitMinor=${BASH_REMATCH[2]} -X $vpkg.gitTreeState=clean"
 
 build etcd tools/etcd go.etcd.io/etcd/server/v3
-build kube-apiserver tools/kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$kube_ldflags" "$kube_version"
-build kube-proxy tools/kube-apiserver k8s.io/kubernetes/cmd/kube-proxy "$kube_ldflags" "$kube_version"
+build kube-apiserver tools/kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$kube_ldflags"
+build kube-proxy tools/kube-apiserver k8s.io/kubernetes/cmd/kube-proxy "$kube_ldflags"
+if [[ "${2:-}" == cluster ]]; then
+	# The conformance cluster's nodes and control plane, its DNS, the image its test pods
+	# run, and the suite that judges it (conformance/ and `make conformance`).
+	for cmd in kubelet kube-controller-manager kube-scheduler kubectl; do
+		build "$cmd" tools/kube-apiserver "k8s.io/kubernetes/cmd/$cmd" "$kube_ldflags"
+	done
+	build agnhost tools/kube-apiserver k8s.io/kubernetes/test/images/agnhost
+	build regression-issue-74839 tools/kube-apiserver k8s.io/kubernetes/test/images/regression-issue-74839
+	build ginkgo tools/kube-apiserver github.com/onsi/ginkgo/v2/ginkgo
+	build e2e-network.test tools/kube-apiserver test:./e2enetwork "$kube_ldflags"
+	build coredns tools/coredns .
+fi
 log "done: binaries in $bindir"

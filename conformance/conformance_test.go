@@ -1,0 +1,227 @@
+package conformance
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/testbed/kubeapi"
+)
+
+var (
+	nodesFlag   = flag.Int("conformance.nodes", 1, "nodes of the cluster")
+	proxiesFlag = flag.String("conformance.proxies", "uproxy-userspace-nftables", "comma-separated proxies to judge: "+strings.Join(proxyNames(), ", "))
+	suitesFlag  = flag.String("conformance.suites", `\[sig-network\] Services`, "regular expressions of the suites to run, |-separated; \"all\" for every suite of Suites")
+	procsFlag   = flag.Int("conformance.procs", 2, "ginkgo processes")
+	reportFlag  = flag.String("conformance.report", "", "write the markdown table here too")
+	keepFlag    = flag.Bool("conformance.keep", false, "leave the last cluster running (remove it with `make conformance-down`)")
+)
+
+// proxy is one way of running the nodes' service proxy.
+type proxy struct {
+	kubeProxy string    // kube-proxy's mode, when kube-proxy runs
+	uproxy    ProxyMode // otherwise
+}
+
+var proxies = map[string]proxy{
+	"kube-proxy-iptables":       {kubeProxy: "iptables"},
+	"kube-proxy-nftables":       {kubeProxy: "nftables"},
+	"uproxy-userspace-nftables": {uproxy: ProxyMode{Mode: "userspace", Rules: "nftables"}},
+	"uproxy-userspace-iptables": {uproxy: ProxyMode{Mode: "userspace", Rules: "iptables"}},
+	"uproxy-nftables":           {uproxy: ProxyMode{Mode: "nftables"}},
+	"uproxy-iptables":           {uproxy: ProxyMode{Mode: "iptables"}},
+}
+
+// proxyOrder is the order of the table: the baselines first.
+var proxyOrder = []string{"kube-proxy-iptables", "kube-proxy-nftables", "uproxy-userspace-nftables",
+	"uproxy-userspace-iptables", "uproxy-nftables", "uproxy-iptables"}
+
+func proxyNames() []string { return proxyOrder }
+
+// expectedFailures are the tests a uproxy mode may fail where kube-proxy passes,
+// each for a documented reason (docs/conformance.md).
+var expectedFailures = map[string]map[string]string{}
+
+// TestConformance builds a cluster per proxy, runs upstream's suite against it and
+// fails when a uproxy mode fails a test that kube-proxy passes in the same run, or,
+// when no kube-proxy ran, any test at all but the expected failures.
+func TestConformance(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the conformance cluster is not a -short test")
+	}
+	testbed.Require(t)
+	binDir := kubeapi.RequireBinaries(t, "etcd", "kube-apiserver", "kube-proxy", "kubelet",
+		"kube-controller-manager", "kube-scheduler", "agnhost", "regression-issue-74839", "coredns", "ginkgo", "e2e-network.test")
+	for _, tool := range []string{"containerd", "ctr", "runc", "nsenter", "unshare", "debootstrap"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			testbed.Skip(t, tool+" is needed for the conformance cluster (make deps installs it):", err)
+		}
+	}
+	if _, err := os.Stat("/usr/lib/cni/ptp"); err != nil {
+		testbed.Skip(t, "the CNI plugins are needed for the conformance cluster (make deps installs containernetworking-plugins):", err)
+	}
+	var chosen []string
+	for _, name := range strings.Split(*proxiesFlag, ",") {
+		if _, ok := proxies[name]; !ok {
+			t.Fatalf("-conformance.proxies: unknown proxy %q (known: %s)", name, strings.Join(proxyNames(), ", "))
+		}
+		chosen = append(chosen, name)
+	}
+	focus := strings.Split(*suitesFlag, "|")
+	if *suitesFlag == "all" {
+		focus = Suites
+	}
+
+	root, err := filepath.Abs("..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	work := t.TempDir()
+	logf := func(format string, args ...any) {
+		t.Logf("%s "+format, append([]any{time.Now().Format("15:04:05")}, args...)...)
+	}
+	start := time.Now()
+	images := ImageSet{
+		BinDir: binDir, UProxyTag: DefaultUProxyTag,
+		Pause:      goBuild(t, root, work, "pause", "./conformance/pause"),
+		UProxy:     goBuild(t, root, work, "uproxy", "."),
+		Dockerfile: filepath.Join(root, "deploy", "Dockerfile"), RepoRoot: root,
+		CacheDir: cacheDir(t), WorkDir: work, Logf: logf,
+	}
+	archive, err := images.BuildImages()
+	if err != nil {
+		t.Fatalf("images: %v", err)
+	}
+	logf("images built in %s", time.Since(start).Round(time.Second))
+
+	ctx := t.Context()
+	var results []Result
+	for _, name := range chosen {
+		res, err := judge(ctx, t, name, binDir, archive, focus, filepath.Join(work, name), logf)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		results = append(results, res)
+		logf("%s: %d passed, %d failed, %d skipped in %s", name, res.Count("passed"), res.Count("failed"), res.Count("skipped"), res.Wall.Round(time.Second))
+	}
+	table := Table(results)
+	t.Logf("nodes: %d, suites: %s\n%s", *nodesFlag, strings.Join(focus, " | "), table)
+	if *reportFlag != "" {
+		header := fmt.Sprintf("Nodes: %d. Suites: `%s`, skipping `%s`.\n\n", *nodesFlag, strings.Join(focus, "|"), Skip)
+		if err := os.WriteFile(*reportFlag, []byte(header+table), 0o644); err != nil {
+			t.Error(err)
+		}
+	}
+	for _, problem := range verdict(results) {
+		t.Error(problem)
+	}
+}
+
+// verdict lists what fails the run: a uproxy mode failing a test some kube-proxy
+// of the run passed, or, without kube-proxy in the run, any unexpected failure.
+func verdict(results []Result) []string {
+	baseline := map[string]bool{}
+	haveBaseline := false
+	for _, r := range results {
+		if proxies[r.Proxy].kubeProxy != "" {
+			haveBaseline = true
+			for name := range r.Passed() {
+				baseline[name] = true
+			}
+		}
+	}
+	var problems []string
+	for _, r := range results {
+		for _, s := range r.Specs {
+			if s.State != "failed" {
+				continue
+			}
+			if why, ok := expectedFailures[r.Proxy][s.Name]; ok {
+				_ = why
+				continue
+			}
+			if proxies[r.Proxy].kubeProxy == "" && (!haveBaseline || baseline[s.Name]) {
+				problems = append(problems, fmt.Sprintf("%s failed %q: %s", r.Proxy, s.Name, s.Reason))
+			}
+		}
+	}
+	return problems
+}
+
+func judge(ctx context.Context, t *testing.T, name, binDir, archive string, focus []string, reportDir string, logf func(string, ...any)) (Result, error) {
+	p := proxies[name]
+	start := time.Now()
+	c, err := Up(ctx, Config{Nodes: *nodesFlag, BinDir: binDir, Images: archive, KubeProxyMode: p.kubeProxy, Logf: logf})
+	defer func() {
+		if c != nil {
+			c.Close()
+		}
+		if !*keepFlag {
+			if err := Teardown(logf); err != nil {
+				t.Errorf("teardown after %s: %v", name, err)
+			}
+		}
+	}()
+	if err != nil {
+		return Result{}, fmt.Errorf("cluster: %w\n%s", err, clusterLogs())
+	}
+	if p.kubeProxy == "" {
+		if err := c.DeployUProxy(ctx, filepath.Join("..", "deploy", "uproxy.yaml"), DefaultUProxyTag, p.uproxy); err != nil {
+			return Result{}, fmt.Errorf("deploy uproxy: %w", err)
+		}
+	}
+	if err := c.AwaitDNS(ctx, 3*time.Minute); err != nil {
+		return Result{}, err
+	}
+	logf("%s: cluster of %d nodes up in %s", name, *nodesFlag, time.Since(start).Round(time.Second))
+	return RunSuite(ctx, Run{BinDir: binDir, Kubeconfig: c.Kubeconfig, Focus: focus, Procs: *procsFlag,
+		ReportDir: reportDir, Timeout: 90 * time.Minute}, name, logf)
+}
+
+// clusterLogs is the tail of every cluster process's log, for a failure message.
+func clusterLogs() string {
+	entries, _ := os.ReadDir(filepath.Join(StateDir, "logs"))
+	var b strings.Builder
+	for _, e := range entries {
+		name := strings.TrimSuffix(e.Name(), ".log")
+		fmt.Fprintf(&b, "--- %s\n%s\n", e.Name(), LogTail(name, 15))
+	}
+	return b.String()
+}
+
+// goBuild builds a static binary of this module, as the Dockerfile's build stage does.
+func goBuild(t *testing.T, root, work, name, pkg string) string {
+	t.Helper()
+	out := filepath.Join(work, name)
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w -X main.version=conformance", "-o", out, pkg)
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build %s: %v\n%s", pkg, err, b)
+	}
+	return out
+}
+
+// cacheDir keeps the Debian root filesystems between runs (UPROXY_CACHE, or the
+// user's cache directory).
+func cacheDir(t *testing.T) string {
+	dir := os.Getenv("UPROXY_CACHE")
+	if dir == "" {
+		base, err := os.UserCacheDir()
+		if err != nil {
+			t.Fatal(err)
+		}
+		dir = filepath.Join(base, "uproxy-conformance")
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
