@@ -6,7 +6,7 @@ PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
 TESTFLAGS ?= -race -count=1 -timeout 10m
 
-.PHONY: all build run demo demo-retry test unit lint deps kube-bins bench bench-deps microbench soak clean
+.PHONY: all build run demo demo-retry test unit lint deps kube-bins cluster-bins conformance conformance-down bench bench-deps microbench soak clean
 
 all: build
 
@@ -19,9 +19,29 @@ run: build
 
 demo: run
 
-# Everything, integration included. Installs what the tests need first.
-test: deps kube-bins lint
-	$(GO) test $(TESTFLAGS) $(PKGS)
+# Everything, integration included. Installs what the tests need first. The
+# conformance cluster runs here in its short form (one node, the userspace mode,
+# `[sig-network] Services`); `make conformance` is the whole matrix.
+test: deps cluster-bins lint
+	$(GO) test $(TESTFLAGS) $$($(GO) list $(PKGS) | grep -v /conformance$$)
+	@echo "conformance (short form): log in conformance-ci.log"; rc=0; \
+	$(GO) test -count=1 -timeout 45m -v ./conformance -run '^TestConformance$$' > conformance-ci.log 2>&1 || rc=$$?; \
+	grep -E '(^(---|ok|FAIL|PASS)|passed, .* failed|up in|images built|^\| )' conformance-ci.log; \
+	if [ $$rc != 0 ]; then tail -n 150 conformance-ci.log; fi; exit $$rc
+
+# The conformance cluster: three nodes, upstream's network suites, kube-proxy in both
+# kernel modes and uproxy in all four; the table goes to docs/conformance-table.md.
+CONFORMANCE_NODES   ?= 3
+CONFORMANCE_PROXIES ?= kube-proxy-iptables,kube-proxy-nftables,uproxy-userspace-nftables,uproxy-userspace-iptables,uproxy-nftables,uproxy-iptables
+CONFORMANCE_SUITES  ?= all
+conformance: deps cluster-bins
+	$(GO) test -count=1 -timeout 0 -v ./conformance -run '^TestConformance$$' \
+		-conformance.nodes=$(CONFORMANCE_NODES) -conformance.proxies=$(CONFORMANCE_PROXIES) \
+		-conformance.suites='$(CONFORMANCE_SUITES)' -conformance.report=$(CURDIR)/docs/conformance-table.md
+
+# Removes a cluster left by -conformance.keep or an interrupted run.
+conformance-down:
+	$(GO) test -count=1 -v ./conformance -run '^TestTeardown$$' -conformance.down
 
 unit:
 	$(GO) test -count=1 -short $(PKGS)
@@ -31,10 +51,12 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-# iptables, nftables, iproute2 and conntrack for the integration tests (idempotent; root only).
+# iptables, nftables, iproute2 and conntrack for the integration tests, containerd, runc, the
+# CNI plugins and debootstrap for the conformance cluster (idempotent; root only).
 deps:
 	@missing=""; \
-	for c in iptables:iptables nft:nftables ip:iproute2 conntrack:conntrack chromium:chromium; do \
+	for c in iptables:iptables nft:nftables ip:iproute2 conntrack:conntrack chromium:chromium \
+		containerd:containerd runc:runc /usr/lib/cni/ptp:containernetworking-plugins debootstrap:debootstrap; do \
 		command -v $${c%%:*} >/dev/null 2>&1 || missing="$$missing $${c#*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -47,6 +69,11 @@ deps:
 # built from pinned modules (cached in bin/).
 kube-bins:
 	bash hack/build-kube.sh $(BIN)
+
+# kube-bins and what the conformance cluster runs: kubelet, the controller manager and
+# scheduler, kubectl, CoreDNS, the test images' binaries, ginkgo and the network suite.
+cluster-bins:
+	bash hack/build-kube.sh $(BIN) cluster
 
 # Retry semantics side by side: userspace vs iptables mode while backends fail (root).
 demo-retry: build

@@ -225,3 +225,16 @@ func cacheDir(t *testing.T) string {
 	}
 	return dir
 }
+
+var downFlag = flag.Bool("conformance.down", false, "TestTeardown removes a cluster left running")
+
+// TestTeardown removes a cluster left by -conformance.keep or an interrupted run
+// (`make conformance-down`); without -conformance.down it does nothing.
+func TestTeardown(t *testing.T) {
+	if !*downFlag {
+		t.Skip("pass -conformance.down to remove a cluster")
+	}
+	if err := Teardown(t.Logf); err != nil {
+		t.Fatal(err)
+	}
+}
