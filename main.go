@@ -36,7 +36,7 @@ and retries another when a dial fails.`,
 		Args:          cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if opts.cleanup {
-				return runCleanup(opts)
+				return runCleanup(opts, false)
 			}
 			return runProxy(cmd.Context(), opts, nil)
 		},
@@ -84,17 +84,23 @@ and retries another when a dial fails.`,
 }
 
 // newCleanupCommand is `uproxy cleanup`: all it needs to know is whose rules to
-// remove.
+// remove, and whether to remove them from under a running uproxy.
 func newCleanupCommand() *cobra.Command {
 	opts := defaultOptions()
+	force := false
 	cmd := &cobra.Command{
 		Use:   "cleanup",
 		Short: "Remove every rule and chain uproxy installs, then exit",
-		Args:  cobra.NoArgs,
+		Long: `Remove every rule, chain, table, link and virtual server that uproxy installs
+with --chain-prefix, in every mode, then exit. Nothing of kube-proxy's is touched:
+a KUBE prefix is refused. While a uproxy with the same prefix runs on this node,
+cleanup is refused (naming its pid) unless --force.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runCleanup(opts)
+			return runCleanup(opts, force)
 		},
 	}
 	cmd.Flags().StringVar(&opts.chainPrefix, "chain-prefix", opts.chainPrefix, chainPrefixHelp)
+	cmd.Flags().BoolVar(&force, "force", force, "remove the rules even while a uproxy with this --chain-prefix runs (it writes them back at its next sync)")
 	return cmd
 }

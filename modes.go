@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"runtime"
@@ -153,8 +154,28 @@ func reserveEventLoopProcs(loops int) int {
 	return loops
 }
 
-// runCleanup removes every mode's rules, links and virtual servers.
-func runCleanup(o *options) error {
+// runCleanup removes every mode's rules, links and virtual servers of
+// --chain-prefix. Before it touches anything it checks the prefix as the run
+// command does (kube-proxy's KUBE is refused) and takes the lock a running
+// uproxy of that prefix holds: while one runs, cleanup is refused, naming it,
+// unless force (its rules are then removed all the same, and it writes them
+// back at its next sync or flush check).
+func runCleanup(o *options, force bool) error {
+	if err := checkChainPrefix(o.chainPrefix); err != nil {
+		return err
+	}
+	lock, err := lockRules(o.chainPrefix)
+	var held *rulesHeldError
+	switch {
+	case errors.As(err, &held) && force:
+		klog.InfoS("Removing the rules of a running uproxy (--force): it writes them back at its next sync", "holder", held.holder, "prefix", o.chainPrefix)
+	case errors.As(err, &held):
+		held.remedy = "stop it first, or run `uproxy cleanup --force` to remove its rules all the same (it writes them back at its next sync)"
+		return held
+	case err != nil:
+		return err
+	}
+	defer lock.Close()
 	if err := kernelmodes.CleanupAll(o.chainPrefix); err != nil {
 		return fmt.Errorf("cleanup: %w", err)
 	}

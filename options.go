@@ -129,7 +129,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
 	f.StringToStringVar(&o.nodeLabels, "node-labels", o.nodeLabels, "this node's labels, KEY=VALUE,... (with --services only; the API server's Node has its own): topology.kubernetes.io/zone sets the zone for topology hints")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
-	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit")
+	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit (as uproxy cleanup, which has --force for the rules of a running uproxy)")
 	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")
 	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve the /debug/ page, /debug/services and /debug/events on the metrics address")
 	f.StringVar(&o.kubeconfig, "kubeconfig", o.kubeconfig, "kubeconfig file of the API server to follow Services and EndpointSlices from (without --services; neither this nor --master: in-cluster config)")
@@ -245,11 +245,8 @@ func (o *options) validate() (*config, error) {
 	if o.minSyncPeriod < 0 || o.minSyncPeriod > o.syncPeriod {
 		return nil, fmt.Errorf("--min-sync-period %v: must be between 0 and --sync-period (%v)", o.minSyncPeriod, o.syncPeriod)
 	}
-	if o.chainPrefix == "" || len(o.chainPrefix) > 9 || strings.ContainsAny(o.chainPrefix, " \t\"'") {
-		return nil, fmt.Errorf("--chain-prefix %q: want 1-9 characters without spaces or quotes (the longest chain, PREFIX-NODEPORT-NON-LOCAL, must fit iptables' 28)", o.chainPrefix)
-	}
-	if strings.HasPrefix(o.chainPrefix, "KUBE") {
-		return nil, fmt.Errorf("--chain-prefix %q: KUBE* chains belong to kube-proxy", o.chainPrefix)
+	if err := checkChainPrefix(o.chainPrefix); err != nil {
+		return nil, err
 	}
 	for _, s := range o.nodePortAddresses {
 		p, err := netip.ParsePrefix(strings.TrimSpace(s))
@@ -327,6 +324,21 @@ func (o *options) validate() (*config, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// checkChainPrefix checks --chain-prefix, for every command that touches rules
+// (run, cleanup) before it touches any. A prefix beginning with KUBE, in any
+// case, is kube-proxy's: its chains are KUBE-*, its nftables table kube-proxy
+// (the table of a prefix is its lower case), and the IPVS mode's link
+// kube-ipvs0; uproxy must never program, nor remove, any of them.
+func checkChainPrefix(prefix string) error {
+	if prefix == "" || len(prefix) > 9 || strings.ContainsAny(prefix, " \t\"'") {
+		return fmt.Errorf("--chain-prefix %q: want 1-9 characters without spaces or quotes (the longest chain, PREFIX-NODEPORT-NON-LOCAL, must fit iptables' 28)", prefix)
+	}
+	if strings.HasPrefix(strings.ToUpper(prefix), "KUBE") {
+		return fmt.Errorf("--chain-prefix %q: KUBE* chains (in any case) belong to kube-proxy", prefix)
+	}
+	return nil
 }
 
 // applyConfigFile applies --config as kube-proxy v1.36 does: every flag that

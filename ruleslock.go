@@ -25,11 +25,24 @@ func lockRules(prefix string) (*rulesLock, error) {
 	if !errors.Is(err, syscall.EADDRINUSE) {
 		return nil, fmt.Errorf("lock the rules of --chain-prefix %s: %w", prefix, err)
 	}
-	holder := "another process"
+	held := &rulesHeldError{prefix: prefix, holder: "another process",
+		remedy: "stop it first, or give this one another --chain-prefix (or --rules none, which touches no rule)"}
 	if pid := lockHolder(name); pid > 0 {
-		holder = fmt.Sprintf("process %d", pid)
+		held.holder = fmt.Sprintf("process %d", pid)
 	}
-	return nil, fmt.Errorf("another uproxy (%s) programs this node's rules with --chain-prefix %s: stop it first, or give this one another --chain-prefix (or --rules none, which touches no rule)", holder, prefix)
+	return nil, held
+}
+
+// rulesHeldError is lockRules' refusal: another process holds the lock. Its
+// remedy is the run command's; another command says its own.
+type rulesHeldError struct {
+	prefix string
+	holder string // "process PID", or "another process" when the pid is unknown
+	remedy string
+}
+
+func (e *rulesHeldError) Error() string {
+	return fmt.Sprintf("another uproxy (%s) programs this node's rules with --chain-prefix %s: %s", e.holder, e.prefix, e.remedy)
 }
 
 // lockHolder returns the pid of the process listening on the abstract socket

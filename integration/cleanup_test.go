@@ -1,0 +1,184 @@
+package integration
+
+import (
+	"errors"
+	"fmt"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// kubeProxyState gives the node kube-proxy-like state: the chains its iptables
+// mode makes (both families, with its jumps from the built-in chains) and the
+// tables of its nftables mode.
+func kubeProxyState(t *testing.T, tp *testbed.Topology) {
+	t.Helper()
+	for _, cmd := range []string{"iptables", "ip6tables"} {
+		vip, ep := "10.96.0.1/32", "10.0.0.1:6443"
+		if cmd == "ip6tables" {
+			vip, ep = "fd00:96::1/128", "[fd00::1]:6443"
+		}
+		for _, args := range [][]string{
+			{"-t", "nat", "-N", "KUBE-SERVICES"},
+			{"-t", "nat", "-N", "KUBE-NODEPORTS"},
+			{"-t", "nat", "-N", "KUBE-POSTROUTING"},
+			{"-t", "nat", "-N", "KUBE-MARK-MASQ"},
+			{"-t", "nat", "-N", "KUBE-SVC-NPX46M4PTMTKRN6Y"},
+			{"-t", "nat", "-N", "KUBE-SEP-IT2ZTR26TO4XFPTO"},
+			{"-t", "nat", "-A", "KUBE-MARK-MASQ", "-j", "MARK", "--or-mark", "0x4000"},
+			{"-t", "nat", "-A", "KUBE-POSTROUTING", "-m", "mark", "--mark", "0x4000/0x4000", "-j", "MASQUERADE"},
+			{"-t", "nat", "-A", "KUBE-SERVICES", "-d", vip, "-p", "tcp", "--dport", "443", "-j", "KUBE-SVC-NPX46M4PTMTKRN6Y"},
+			{"-t", "nat", "-A", "KUBE-SERVICES", "-m", "addrtype", "--dst-type", "LOCAL", "-j", "KUBE-NODEPORTS"},
+			{"-t", "nat", "-A", "KUBE-SVC-NPX46M4PTMTKRN6Y", "-j", "KUBE-SEP-IT2ZTR26TO4XFPTO"},
+			{"-t", "nat", "-A", "KUBE-SEP-IT2ZTR26TO4XFPTO", "-p", "tcp", "-j", "DNAT", "--to-destination", ep},
+			{"-t", "nat", "-I", "PREROUTING", "-j", "KUBE-SERVICES"},
+			{"-t", "nat", "-I", "OUTPUT", "-j", "KUBE-SERVICES"},
+			{"-t", "nat", "-I", "POSTROUTING", "-j", "KUBE-POSTROUTING"},
+			{"-t", "filter", "-N", "KUBE-FIREWALL"},
+			{"-t", "filter", "-N", "KUBE-FORWARD"},
+			{"-t", "filter", "-N", "KUBE-SERVICES"},
+			{"-t", "filter", "-N", "KUBE-PROXY-FIREWALL"},
+			{"-t", "filter", "-I", "INPUT", "-j", "KUBE-FIREWALL"},
+			{"-t", "filter", "-I", "FORWARD", "-j", "KUBE-FORWARD"},
+			{"-t", "filter", "-I", "OUTPUT", "-j", "KUBE-SERVICES"},
+		} {
+			if out, err := tp.Exec(testbed.Node, append([]string{cmd}, args...)...); err != nil {
+				t.Fatalf("%s %v: %v: %s", cmd, args, err, out)
+			}
+		}
+	}
+	for _, family := range []string{"ip", "ip6"} {
+		for _, args := range [][]string{
+			{"add", "table", family, "kube-proxy"},
+			{"add", "chain", family, "kube-proxy", "nat-prerouting", "{ type nat hook prerouting priority -100 ; }"},
+			{"add", "chain", family, "kube-proxy", "services"},
+			{"add", "rule", family, "kube-proxy", "nat-prerouting", "jump", "services"},
+		} {
+			if out, err := tp.Exec(testbed.Node, append([]string{"nft"}, args...)...); err != nil {
+				t.Fatalf("nft %v: %v: %s", args, err, out)
+			}
+		}
+	}
+}
+
+// exitCode is the exit code of a command run by tp.Exec (0 without error, -1
+// when it did not run to an exit).
+func exitCode(err error) int {
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &ee):
+		return ee.ExitCode()
+	}
+	return -1
+}
+
+// TestCleanupRefusesKubeProxysPrefix: `uproxy cleanup --chain-prefix KUBE`
+// (in any case) and `uproxy --cleanup --chain-prefix KUBE` are refused, with a
+// non-zero exit and an error naming the flag, before they touch anything:
+// kube-proxy's chains and jumps, in both families, and its nftables tables stay
+// exactly as they were.
+func TestCleanupRefusesKubeProxysPrefix(t *testing.T) {
+	tp := testbed.New(t, testbed.WithIPv6())
+	testbed.RequireIPTables(t)
+	testbed.RequireNFTables(t)
+	kubeProxyState(t, tp)
+	before4, before6, beforeNFT := tp.SavedRules(t, false), tp.SavedRules(t, true), tp.NFTRuleset(t)
+	for _, want := range []string{"KUBE-SERVICES", "KUBE-MARK-MASQ", "-A PREROUTING -j KUBE-SERVICES"} {
+		if !strings.Contains(before4, want) {
+			t.Fatalf("iptables-save lacks %q before the test:\n%s", want, before4)
+		}
+	}
+	if !strings.Contains(beforeNFT, "table ip kube-proxy") {
+		t.Fatalf("nft list ruleset lacks table ip kube-proxy before the test:\n%s", beforeNFT)
+	}
+
+	for _, args := range [][]string{
+		{"cleanup", "--chain-prefix", "KUBE"},
+		{"cleanup", "--chain-prefix", "kube"},
+		{"cleanup", "--chain-prefix", "Kube-prox"},
+		{"--cleanup", "--chain-prefix", "KUBE"},
+	} {
+		out, err := tp.Exec(testbed.Node, append([]string{uproxyBin}, args...)...)
+		if code := exitCode(err); code == 0 || code == -1 {
+			t.Errorf("uproxy %s: exit %d (%v), want a refusal with a non-zero exit; output:\n%s", strings.Join(args, " "), code, err, out)
+		}
+		for _, want := range []string{"--chain-prefix", "kube-proxy"} {
+			if !strings.Contains(string(out), want) {
+				t.Errorf("uproxy %s: output lacks %q:\n%s", strings.Join(args, " "), want, out)
+			}
+		}
+		if got := tp.SavedRules(t, false); got != before4 {
+			t.Errorf("iptables-save after uproxy %s:\n%s\nwant as before:\n%s", strings.Join(args, " "), got, before4)
+		}
+		if got := tp.SavedRules(t, true); got != before6 {
+			t.Errorf("ip6tables-save after uproxy %s:\n%s\nwant as before:\n%s", strings.Join(args, " "), got, before6)
+		}
+		if got := tp.NFTRuleset(t); got != beforeNFT {
+			t.Errorf("nft list ruleset after uproxy %s:\n%s\nwant as before:\n%s", strings.Join(args, " "), got, beforeNFT)
+		}
+	}
+}
+
+// TestCleanupRefusedWhileUproxyRuns: `uproxy cleanup` (and `uproxy --cleanup`)
+// of the prefix a running uproxy programs is refused, naming its pid, and
+// touches no rule; `uproxy cleanup --force` removes the rules all the same (the
+// running uproxy writes them back); once it has stopped, cleanup needs no force.
+func TestCleanupRefusedWhileUproxyRuns(t *testing.T) {
+	tp := testbed.New(t)
+	testbed.RequireIPTables(t)
+	px := startProxy(t, tp, webService(t, tp), 1)
+	if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+		t.Fatalf("through the proxy: got %q (%v), want a web backend", name, err)
+	}
+	before := tp.SavedRules(t, false)
+	if !strings.Contains(before, ":UPROXY-") {
+		t.Fatalf("iptables-save lacks the running uproxy's chains:\n%s", before)
+	}
+
+	pid := fmt.Sprintf("process %d", px.cmd.Process.Pid)
+	for _, args := range [][]string{{"cleanup"}, {"--cleanup"}, {"cleanup", "--chain-prefix", "UPROXY"}} {
+		out, err := tp.Exec(testbed.Node, append([]string{uproxyBin}, args...)...)
+		if code := exitCode(err); code == 0 || code == -1 {
+			t.Errorf("uproxy %s beside a running uproxy: exit %d (%v), want a refusal; output:\n%s", strings.Join(args, " "), code, err, out)
+		}
+		for _, want := range []string{pid, "--chain-prefix UPROXY", "--force"} {
+			if !strings.Contains(string(out), want) {
+				t.Errorf("uproxy %s: output lacks %q:\n%s", strings.Join(args, " "), want, out)
+			}
+		}
+		if got := tp.SavedRules(t, false); got != before {
+			t.Errorf("iptables-save after the refused uproxy %s:\n%s\nwant as before:\n%s", strings.Join(args, " "), got, before)
+		}
+	}
+	if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+		t.Errorf("the Service after the refused cleanups: got %q (%v), want a web backend", name, err)
+	}
+
+	out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup", "--force")
+	if err != nil {
+		t.Fatalf("uproxy cleanup --force: %v", err)
+	}
+	for _, want := range []string{"Removing the rules of a running uproxy (--force)", pid, "Removed uproxy's rules of every mode"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("uproxy cleanup --force: output lacks %q:\n%s", want, out)
+		}
+	}
+	// The running uproxy notices and writes its rules back.
+	await(t, 20*time.Second, "the Service through the rules written back", func() bool {
+		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
+		return err == nil && strings.HasPrefix(name, "web-")
+	})
+
+	px.stop()
+	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {
+		t.Fatalf("uproxy cleanup once uproxy has stopped: %v: %s", err, out)
+	}
+	if got := ruleChains(t, tp, "iptables-save", "UPROXY-"); len(got) != 0 {
+		t.Errorf("chains after cleanup: got %v, want none", got)
+	}
+}
