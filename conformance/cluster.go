@@ -238,6 +238,11 @@ func (c *Cluster) makeNetwork(context.Context) error {
 			[]string{"ip", "-n", node, "addr", "add", NodeIP(i) + "/24", "dev", "eth0"},
 			[]string{"ip", "-n", node, "link", "set", "eth0", "up"},
 			[]string{"ip", "netns", "exec", node, "sysctl", "-qw", "net.ipv4.ip_forward=1"},
+			// A node has a default route, as real ones do: a Service's virtual IP is
+			// routed somewhere before the proxy's rules rewrite it (a connect to an
+			// unroutable address fails before netfilter sees it). The bridge's side
+			// does not forward, so nothing leaves the nodes' network this way.
+			[]string{"ip", "-n", node, "route", "add", "default", "via", lan.Addr().Next().String()},
 			// Outside reaches every pod network through its node, as a routed pod network allows.
 			[]string{"ip", "-n", ExtNS, "route", "add", PodCIDR(i), "via", NodeIP(i)},
 		)
@@ -557,6 +562,10 @@ func (c *Cluster) containerdSocket(i int) string {
 	return filepath.Join(RunDir, NodeName(i), "containerd.sock")
 }
 
+// nodeMountPoints are the host paths each node mounts a tmpfs of its own on:
+// what containerd and kubelet keep there is the node's, not the host's.
+var nodeMountPoints = []string{"/run/containerd", "/var/log/containers", "/var/log/pods"}
+
 func (c *Cluster) startContainerd(ctx context.Context, i int, restrictOOM bool) error {
 	dir, rundir := nodeDir(i), filepath.Join(RunDir, NodeName(i))
 	for _, d := range []string{dir + "/cni", dir + "/logs", rundir} {
@@ -604,9 +613,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 	// The node's own mount namespace: containerd, its shims and kubelet share it, and
 	// what they mount (overlays, volumes, the pods' network namespaces) goes away with
 	// it. /run/containerd and the container log directories are the node's own too.
-	setup := "mkdir -p /run/containerd /var/log/containers /var/log/pods && " +
-		"mount -t tmpfs tmpfs /run/containerd && mount -t tmpfs tmpfs /var/log/containers && " +
-		"mount -t tmpfs tmpfs /var/log/pods && exec containerd --config " + filepath.Join(dir, "containerd.toml")
+	setup := ""
+	for _, d := range nodeMountPoints {
+		setup += "mkdir -p " + d + " && mount -t tmpfs tmpfs " + d + " && "
+	}
+	setup += "exec containerd --config " + filepath.Join(dir, "containerd.toml")
 	p, err := c.start(NodeName(i)+"-containerd", cgroupRoot+"/agents/"+NodeName(i), NodeName(i), 0,
 		"unshare", "--mount", "--propagation", "private", "sh", "-c", setup)
 	if err != nil {
@@ -664,49 +675,20 @@ protectKernelDefaults: false
 		return err
 	}
 	return p.await(ctx, 60*time.Second, func() error {
-		return c.inNode(i, "kubelet healthz", func() error {
-			resp, err := http.Get("http://127.0.0.1:10248/healthz")
-			if err != nil {
-				return err
-			}
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusOK {
-				return fmt.Errorf("healthz: %s", resp.Status)
-			}
-			return nil
-		})
+		return nodeHealthy(i, "http://127.0.0.1:10248/healthz")
 	})
 }
 
-// inNode runs fn with its sockets made in node i's network namespace.
-func (c *Cluster) inNode(i int, what string, fn func() error) error {
-	ch := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			ch <- err
-			return
-		}
-		defer orig.Close()
-		target, err := netns.GetFromName(NodeName(i))
-		if err != nil {
-			ch <- err
-			return
-		}
-		defer target.Close()
-		if err := netns.Set(target); err != nil {
-			ch <- err
-			return
-		}
-		err = fn()
-		if netns.Set(orig) == nil {
-			runtime.UnlockOSThread()
-		}
-		ch <- err
-	}()
-	if err := <-ch; err != nil {
-		return fmt.Errorf("%s on %s: %w", what, NodeName(i), err)
+// nodeHealthy asks a health endpoint on node i's loopback for a 200.
+func nodeHealthy(i int, url string) error {
+	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DialContext: DialIn(NodeName(i))}}
+	resp, err := client.Get(url)
+	if err != nil {
+		return err
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s: %s", url, resp.Status)
 	}
 	return nil
 }
@@ -732,14 +714,12 @@ conntrack: {maxPerCore: 0}
 		return err
 	}
 	return p.await(ctx, 60*time.Second, func() error {
-		return c.inNode(i, "kube-proxy healthz", func() error {
-			resp, err := http.Get("http://127.0.0.1:10256/healthz")
-			if err != nil {
-				return err
-			}
-			resp.Body.Close()
-			return nil
-		})
+		// 503 until the first sync, which needs the nodes Ready: any answer will do.
+		err := nodeHealthy(i, "http://127.0.0.1:10256/healthz")
+		if err != nil && strings.Contains(err.Error(), "connection refused") {
+			return err
+		}
+		return nil
 	})
 }
 
@@ -798,6 +778,11 @@ func Teardown(logf func(string, ...any)) error {
 		if err := os.RemoveAll(d); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	// The nodes' mount points for their own /run/containerd and log directories,
+	// made on the host's file system; removed only while empty.
+	for _, d := range nodeMountPoints {
+		os.Remove(d)
 	}
 	return errors.Join(errs...)
 }
