@@ -5,6 +5,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/socket"
 )
 
 // raiseFileLimit lifts the soft RLIMIT_NOFILE to the hard limit. Every proxied TCP
@@ -14,7 +16,10 @@ import (
 // privilege. Go's runtime does the same at start on current versions; doing it
 // here keeps the guarantee independent of that and states it in the log. Failing to raise it is not fatal: the accept loops back off when
 // descriptors run out. The result is logged either way, so an operator who sees
-// accept backoffs can tell which limit was in force.
+// accept backoffs can tell which limit was in force. Of the soft limit, the
+// userspace mode's data path leaves socket.Reserve to the control plane (the
+// source's watch, the metrics and health servers, the syncs), so no flood of
+// connections can take it all.
 func raiseFileLimit() {
 	var lim unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
@@ -30,7 +35,8 @@ func raiseFileLimit() {
 		}
 		lim = want
 	}
-	klog.InfoS("Open file limit (RLIMIT_NOFILE)", "soft", limitString(lim.Cur), "hard", limitString(lim.Max))
+	klog.InfoS("Open file limit (RLIMIT_NOFILE)", "soft", limitString(lim.Cur), "hard", limitString(lim.Max),
+		"reservedForControlPlane", socket.Reserve(lim.Cur))
 }
 
 func limitString(v uint64) string {

@@ -29,11 +29,13 @@ import (
 // a backend socket that could not be made, and captures the delay.
 var backoffLine = regexp.MustCompile(`"(?:Accept failed, backing off|No socket for a backend, backing off accepts)".*delay="([^"]+)"`)
 
-// Two limits of different parity: each proxied connection takes two descriptors,
-// so one limit runs out at accept and the other at the backend socket of a
-// connection just accepted. Both must back off.
+// Two limits whose data path shares (the limit less the control plane's
+// reserve, a quarter of a limit this small: 24 and 25) differ in parity: each
+// proxied connection takes two descriptors, so one share runs out at accept and
+// the other at the backend socket of a connection just accepted. Both must back
+// off.
 func TestOverloadUnderTinyFileLimit(t *testing.T) {
-	for _, limit := range []int{24, 25} {
+	for _, limit := range []int{32, 33} {
 		t.Run(fmt.Sprintf("limit %d", limit), func(t *testing.T) { overloadUnderFileLimit(t, limit) })
 	}
 }
@@ -46,8 +48,9 @@ func overloadUnderFileLimit(t *testing.T, limit int) {
 	manifests := svc{name: "web", proto: "TCP", clusterIPs: []string{"10.96.0.10"}, port: 80,
 		endpoints:     []string{pod.IPv4.String(), pod.IPv4.String()},
 		endpointPorts: []int{ln.Addr().(*net.TCPAddr).Port, ln2.Addr().(*net.TCPAddr).Port}}.yaml()
-	// An idle uproxy holds about a dozen descriptors: 24 leaves room for a few
-	// proxied connections (two sockets each, plus splice pipes) and no more.
+	// An idle uproxy holds about a dozen descriptors: a share of 24 leaves room
+	// for a few proxied connections (two sockets each, plus splice pipes) and no
+	// more.
 	px := runUproxy(t, tp, manifests, launch{want: 1,
 		wrapper: []string{"prlimit", fmt.Sprintf("--nofile=%d:%d", limit, limit), "--"},
 		flags:   []string{"--rules", "iptables", "--eject-after", "1"}})

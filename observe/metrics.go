@@ -73,7 +73,7 @@ var (
 	}, []string{"service", "protocol", "result"})
 	DialAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_attempts_total",
-		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other; hedge_lost: abandoned when another attempt of the connection, hedged, connected first; no_local_port: every local port toward the endpoint was taken, the node's shortage).",
+		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other; hedge_lost: abandoned when another attempt of the connection, hedged, connected first; no_local_port: every local port toward the endpoint was taken, the node's shortage; own_socket: not dialed, the endpoint is one of uproxy's own proxy sockets).",
 	}, []string{"service", "endpoint", "result"})
 	DialDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    "uproxy_dial_duration_seconds",
@@ -159,13 +159,16 @@ const (
 	// resultNoLocalPort is a connect that found every local port toward the
 	// endpoint taken: the node's shortage, not the endpoint's failure.
 	resultNoLocalPort
+	// resultOwnSocket is an attempt never made: the endpoint is one of the
+	// proxy's own sockets (record.ErrOwnSocket).
+	resultOwnSocket
 	numResults
 )
 
-var resultNames = [numResults]string{"success", "refused", "timeout", "unreachable", "reset", "other", "hedge_lost", "no_local_port"}
+var resultNames = [numResults]string{"success", "refused", "timeout", "unreachable", "reset", "other", "hedge_lost", "no_local_port", "own_socket"}
 
 // DialResult classifies a dial error for the result label: success, refused,
-// timeout, unreachable, reset, other, hedge_lost or no_local_port (no-endpoints for a connection that had no
+// timeout, unreachable, reset, other, hedge_lost, no_local_port or own_socket (no-endpoints for a connection that had no
 // endpoint to dial).
 func DialResult(err error) string {
 	if isNoEndpoints(err) {
@@ -187,6 +190,8 @@ func dialResult(err error) int {
 		return resultSuccess
 	case errors.Is(err, record.ErrHedgeLost):
 		return resultHedgeLost
+	case errors.Is(err, record.ErrOwnSocket):
+		return resultOwnSocket
 	case errors.Is(err, syscall.ECONNREFUSED):
 		return resultRefused
 	case errors.Is(err, syscall.ETIMEDOUT), isTimeout(err):

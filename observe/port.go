@@ -60,6 +60,9 @@ type endpointMetrics struct {
 	// attempts[r] is created on the first attempt with result r.
 	attempts [numResults]prometheus.Counter
 	dial     prometheus.Observer
+	// ownSocketLogged is set once the endpoint was logged as one of the
+	// proxy's own sockets: it is logged once, and counted every time.
+	ownSocketLogged atomic.Bool
 }
 
 // NewPortObserver returns the observer for service (ns/name:port) and protocol
@@ -123,8 +126,14 @@ func (o *PortObserver) AttemptDone(service string, a record.Attempt) {
 	em, attempts := o.children(a.Endpoint, r)
 	attempts.Inc()
 	em.dial.Observe(a.Duration.Seconds())
-	if r == resultNoLocalPort {
+	switch r {
+	case resultNoLocalPort:
 		o.warnNoLocalPort(em.name, a.Err)
+	case resultOwnSocket:
+		if !em.ownSocketLogged.Swap(true) {
+			klog.ErrorS(a.Err, "Endpoint not dialed: it is one of uproxy's own proxy sockets; counted as a failed dial, retries go to other endpoints",
+				"service", o.service, "endpoint", em.name)
+		}
 	}
 }
 

@@ -82,7 +82,14 @@ func (p *Proxier) listen(sp *servicePort, r *route, pp int) (*serving, error) {
 		}
 		go p.serve(sp, sv, func() error { return r.udp.Serve(pc.(*net.UDPConn)) })
 	}
+	p.own.add(sp.protocol, pp)
 	return sv, nil
+}
+
+// releasePort gives back proxy port pp of sp, whose socket is closed.
+func (p *Proxier) releasePort(sp *servicePort, pp int) {
+	p.alloc.release(pp)
+	p.own.remove(sp.protocol, pp)
 }
 
 // spareDescriptor checks that the process can open one more descriptor, as
@@ -171,7 +178,7 @@ func (p *Proxier) reopenRoute(sp *servicePort, r *route) error {
 		if err != nil {
 			return fmt.Errorf("reopen proxy port %d of %s after %v: %w", old.proxyPort, sp.name, failure, err)
 		}
-		p.alloc.release(old.proxyPort)
+		p.releasePort(sp, old.proxyPort)
 		ls.proxyPort, sv = moved.proxyPort, moved.serving
 	}
 	ls.serving = sv

@@ -110,6 +110,9 @@ type Proxier struct {
 	// socketFailed is set when a proxy socket has failed for good: the next Sync
 	// takes the long way, which reopens it.
 	socketFailed atomic.Bool
+
+	// own are the proxy sockets, which no proxy dials (own.go).
+	own ownSockets
 }
 
 type syncedPort struct {
@@ -153,6 +156,8 @@ func New(cfg Config) (*Proxier, error) {
 	}
 	p := &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), loops: loops}
 	p.ports = make(map[service.PortName]*servicePort)
+	p.own.bind = cfg.BindAddress
+	p.own.refresh()
 	return p, nil
 }
 
@@ -167,6 +172,8 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	if p.shutDown {
 		return errors.New("userspace proxier is shut down")
 	}
+	// The node's addresses may have changed: they spell the proxy sockets too.
+	p.own.refresh()
 	var errs, portErrs *multierror.Error
 	portals, ok := p.syncSameListeners(s)
 	if !ok {
@@ -571,6 +578,7 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port) (*route, error) 
 			KeepAlive:    p.cfg.TCPKeepAlive,
 			IdleTimeout:  p.cfg.TCPIdleTimeout,
 			Observer:     sp.observer,
+			OwnSocket:    func(ep netip.AddrPort) bool { return p.own.reaches(service.TCP, ep) },
 		}
 	case service.UDP:
 		r.udp = &socket.UDPProxy{
@@ -580,6 +588,7 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port) (*route, error) 
 			Timeout:    p.cfg.UDPTimeout,
 			MaxClients: p.cfg.UDPMaxClients,
 			Observer:   sp.observer,
+			OwnSocket:  func(ep netip.AddrPort) bool { return p.own.reaches(service.UDP, ep) },
 		}
 	}
 	return r, nil
@@ -633,7 +642,7 @@ func (p *Proxier) closeRoute(sp *servicePort, r *route) {
 		return
 	}
 	<-ls.serving.done
-	p.alloc.release(ls.proxyPort)
+	p.releasePort(sp, ls.proxyPort)
 	klog.V(1).InfoS("Closed proxy port", "service", sp.name, "proxyPort", ls.proxyPort)
 }
 

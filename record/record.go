@@ -26,6 +26,12 @@ var ErrHedgeLost = errors.New("hedge lost: another attempt connected first")
 // Service port's retry budget refused it another attempt.
 var ErrRetryBudget = errors.New("retry budget spent")
 
+// ErrOwnSocket is the Err (wrapped) of a dial attempt that was never made
+// because its endpoint is one of the proxy's own sockets (a proxy port, under
+// whatever address leads there): the proxy would accept its own connection and
+// dial the endpoint again, without end. It counts as the endpoint's failure.
+var ErrOwnSocket = errors.New("the endpoint is one of the proxy's own sockets: dialing it would loop back into the proxy")
+
 // Attempt is one dial of one endpoint for one connection.
 type Attempt struct {
 	Endpoint netip.AddrPort

@@ -48,6 +48,9 @@ type loop struct {
 	// emptyAccepts counts the accept4 calls that found the queue empty (see
 	// listenHandle.Handle); tests read it.
 	emptyAccepts uint64
+	// fdCeiling is the lowest descriptor number the data path may not keep
+	// (reserve.go).
+	fdCeiling int
 }
 
 // loopOf returns socket's state for pl, made on first use. It is looked up when a
@@ -58,7 +61,8 @@ func loopOf(pl *poll.Loop) *loop {
 
 func newLoop(pl *poll.Loop) *loop {
 	return &loop{Loop: pl, buf: make([]byte, readBufSize),
-		serviceReader: newBatchReader(true), replyReader: newBatchReader(false)}
+		serviceReader: newBatchReader(true), replyReader: newBatchReader(false),
+		fdCeiling: descriptorCeiling()}
 }
 
 // backoffWatch is a socket one loop watches that stops being watched for a while

@@ -219,7 +219,12 @@ func (s *tcpSession) dialNext(lastErr error) {
 		}
 		d.ep, d.start = ep, time.Now()
 		s.started++
-		fd, err := s.l.dial(ep, unix.SOCK_STREAM)
+		fd := -1
+		if p.OwnSocket != nil && p.OwnSocket(ep) {
+			err = record.ErrOwnSocket
+		} else {
+			fd, err = s.l.dial(ep, unix.SOCK_STREAM)
+		}
 		if err == nil {
 			if err = s.l.Watch(fd, d, sessionEvents); err == nil {
 				if s.inFlight() > 0 {
@@ -353,6 +358,10 @@ func (l *loop) dial(ep netip.AddrPort, sotype int) (int, error) {
 	fd, err := unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return -1, os.NewSyscallError("socket", err)
+	}
+	if !l.keep(fd) {
+		unix.Close(fd)
+		return -1, os.NewSyscallError("socket", reserveError{l.fdCeiling})
 	}
 	if sotype == unix.SOCK_STREAM {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
@@ -633,7 +642,7 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 			return nil
 		}
 		if d.splice {
-			if err := d.fill(src); err != nil {
+			if err := d.fill(s.l, src); err != nil {
 				return err
 			}
 			continue
@@ -731,13 +740,14 @@ func (d *tcpDirection) flush(dst *tcpSide) error {
 }
 
 // fill splices what src holds into a pipe (taking one from the pool). When no
-// pipe can be had (the process or the node is out of descriptors or memory) the
+// pipe can be had (the process or the node is out of descriptors or memory, or
+// the data path's share of descriptors is used up: reserve.go) the
 // direction goes back to copying through the loop's buffer, which needs nothing
 // more: the connection is not at fault, and resetting it would free no more than
 // its own two sockets. The next read that fills the buffer tries a pipe again.
-func (d *tcpDirection) fill(src *tcpSide) error {
+func (d *tcpDirection) fill(l *loop, src *tcpSide) error {
 	if d.pipe == nil {
-		p, err := getPipe()
+		p, err := getPipe(l)
 		if err != nil {
 			d.splice = false
 			return nil

@@ -41,13 +41,18 @@ func closePipeFDs(fds [2]int) {
 	unix.Close(fds[1])
 }
 
-func getPipe() (*splicePipe, error) {
+// getPipe takes a pipe from the pool, or makes one on loop l.
+func getPipe(l *loop) (*splicePipe, error) {
 	if v := splicePipes.Get(); v != nil {
 		return v.(*splicePipe), nil
 	}
 	var fds [2]int
 	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
 		return nil, os.NewSyscallError("pipe2", err)
+	}
+	if !l.keep(max(fds[0], fds[1])) {
+		closePipeFDs(fds)
+		return nil, os.NewSyscallError("pipe2", reserveError{l.fdCeiling})
 	}
 	// A smaller pipe (the limit is /proc/sys/fs/pipe-max-size) still works, with
 	// more calls per megabyte; so the error is ignored.

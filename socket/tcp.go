@@ -100,6 +100,15 @@ type TCPProxy struct {
 	IdleTimeout time.Duration
 	// Observer is told about every connection and attempt; nil means NopObserver.
 	Observer Observer
+	// OwnSocket, when set, reports whether a connection to ep would reach one
+	// of the sockets the proxy's owner listens on (a proxy port, under any
+	// address that leads there). Such an endpoint is never dialed: the proxy
+	// would accept its own connection and dial it again, without end. The
+	// attempt fails at once with record.ErrOwnSocket, as the endpoint's failure,
+	// so the next attempt goes to another endpoint. It is called on the event
+	// loops for every attempt: it must be cheap and safe for concurrent use.
+	// nil: no check.
+	OwnSocket func(ep netip.AddrPort) bool
 
 	// acceptBackoff, when set, is told about each backoff of accepting - after
 	// accept, or a dial of a connection it accepted, found the node short - and
@@ -429,6 +438,13 @@ func (h *listenHandle) Handle(uint32) {
 	h.fullRound = 0
 	for range h.budget {
 		fd, client, err := l.accept(tl.fd)
+		if err == nil && !l.keep(fd) {
+			// The reserve's: the client is reset, as when accept fails for
+			// want of descriptors, and accepting waits likewise.
+			resetFD(fd)
+			h.backoff(l, os.NewSyscallError("accept4", reserveError{l.fdCeiling}), "Accept failed, backing off")
+			return
+		}
 		switch {
 		case err == nil:
 			newSession(l, h, fd, client)

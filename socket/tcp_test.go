@@ -458,9 +458,14 @@ func runBackendProcess(mode, addr string) {
 }
 
 // runProxyProcess is a TCPProxy to the endpoint to, with keepAlive, in a separate
-// process, so a benchmark can read the proxy's own CPU time. It prints its address
+// process, so a benchmark can read the proxy's own CPU time (or a test set its
+// descriptor limit: setChildFileLimit). It prints its address
 // and serves until its standard input closes.
 func runProxyProcess(to string, keepAlive time.Duration) {
+	if err := setChildFileLimit(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
 	loops, err := poll.New(poll.Config{})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

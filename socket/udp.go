@@ -57,6 +57,10 @@ type UDPProxy struct {
 	MaxClients int
 	// Observer is told about every client entry; nil means NopObserver.
 	Observer Observer
+	// OwnSocket is as TCPProxy's: a client entry whose endpoint it reports is
+	// never connected (the datagram would come back in as a new client's, without
+	// end); the entry fails with record.ErrOwnSocket and its datagram is dropped.
+	OwnSocket func(ep netip.AddrPort) bool
 
 	initOnce sync.Once
 	l        *loop // nil without loops (initErr)
@@ -300,8 +304,10 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		return nil
 	}
 	start := time.Now()
-	fd, err := l.dial(ep, unix.SOCK_DGRAM)
-	if err == nil {
+	fd := -1
+	if p.OwnSocket != nil && p.OwnSocket(ep) {
+		err = record.ErrOwnSocket
+	} else if fd, err = l.dial(ep, unix.SOCK_DGRAM); err == nil {
 		enableGRO(fd)
 		if err = l.Watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
 			unix.Close(fd)
