@@ -328,9 +328,9 @@ func (o *options) validate() (*config, error) {
 
 // checkChainPrefix checks --chain-prefix, for every command that touches rules
 // (run, cleanup) before it touches any. A prefix beginning with KUBE, in any
-// case, is kube-proxy's: its chains are KUBE-*, its nftables table kube-proxy
-// (the table of a prefix is its lower case), and the IPVS mode's link
-// kube-ipvs0; uproxy must never program, nor remove, any of them.
+// case, is kube-proxy's: its chains are KUBE-* and its nftables table
+// kube-proxy (the table of a prefix is its lower case); uproxy must never
+// program, nor remove, any of them.
 func checkChainPrefix(prefix string) error {
 	if prefix == "" || len(prefix) > 9 || strings.ContainsAny(prefix, " \t\"'") {
 		return fmt.Errorf("--chain-prefix %q: want 1-9 characters without spaces or quotes (the longest chain, PREFIX-NODEPORT-NON-LOCAL, must fit iptables' 28)", prefix)
