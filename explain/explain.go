@@ -9,7 +9,10 @@
 // It reads the running uproxy's metrics address (client.go) and the kernel's
 // nat rules through netfilter/iptables' parser, follows the rules for the
 // connection's first packet (trace.go) and writes the result as text (text.go)
-// or JSON.
+// or JSON. Where no nat rule rewrites the packet, it follows the filter table
+// too, where the portals refuse a Service port without endpoints; what the
+// running uproxy refuses, and why, comes from /debug/services, which reports
+// the Refusal the portals were given (rules.RefusalOf).
 package explain
 
 import (
@@ -86,7 +89,11 @@ type explanation struct {
 	MetricsAddress string         `json:"metricsAddress"`
 	Services       []serviceMatch `json:"services"`
 	Rules          []rulePath     `json:"rules"`
-	RulesError     string         `json:"rulesError,omitempty"`
+	// FilterRules are the ways through the filter table of the packets the
+	// nat table leaves to their destination, where they decide something
+	// (the portals' REJECT of a Service port without endpoints, a firewall).
+	FilterRules []rulePath `json:"filterRules,omitempty"`
+	RulesError  string     `json:"rulesError,omitempty"`
 	// NFTPortals are the elements of the userspace mode's nftables portals that
 	// catch the destination (--rules nftables).
 	NFTPortals      []rules.NFTPortal `json:"nftPortals,omitempty"`
@@ -112,9 +119,10 @@ type serviceMatch struct {
 	Service  observe.ServiceState `json:"service"`
 }
 
-// rulePath is the way through the nat table from one hook.
+// rulePath is the way through the nat or the filter table from one hook.
 type rulePath struct {
-	// Hook is PREROUTING (from pods and other hosts) or OUTPUT (from this node).
+	// Hook is PREROUTING (nat), INPUT or FORWARD (filter) for pods and other
+	// hosts, or OUTPUT for this node.
 	Hook  string     `json:"hook"`
 	Steps []ruleStep `json:"steps"`
 	// Verdicts are where the packet may end up: one when the path is certain, one
@@ -196,6 +204,9 @@ func Run(w io.Writer, destination string, o Options) error {
 			served := "the kernel (" + mode + " mode): the rules below rewrite the destination to an endpoint; no proxy process sees the connection"
 			if st.ProxyPort != 0 {
 				served = servedByProxy(st, m, mode)
+				if r := refusedAs(st, m, dst.Addr().Is6()); r != nil {
+					served = refusedByPortal(st, m, *r)
+				}
 			}
 			x.Services = append(x.Services, serviceMatch{MatchedAs: m, ServedBy: served, Service: st})
 		}
@@ -216,6 +227,7 @@ func Run(w io.Writer, destination string, o Options) error {
 		x.RulesError = err.Error()
 	} else {
 		t := parseNAT(save)
+		filter := parseFilter(save)
 		pkt := packet{dst: dst, proto: strings.ToLower(proto), client: client, local: local, recent: recentLists(o.RecentDir)}
 		hooks := []string{"PREROUTING", "OUTPUT"}
 		if client.IsValid() {
@@ -226,7 +238,21 @@ func Run(w io.Writer, destination string, o Options) error {
 			}
 		}
 		for _, h := range hooks {
-			x.Rules = append(x.Rules, t.trace(h, pkt))
+			rp := t.trace(h, pkt)
+			x.Rules = append(x.Rules, rp)
+			if rewritesSurely(rp) {
+				continue // the filter table sees another destination
+			}
+			fh := h // OUTPUT: the node's own packet
+			if h == "PREROUTING" {
+				fh = "FORWARD"
+				if onNode(dst, local) {
+					fh = "INPUT"
+				}
+			}
+			if fp := filter.trace(fh, pkt); decides(fp) {
+				x.FilterRules = append(x.FilterRules, fp)
+			}
 		}
 		if client.IsValid() {
 			x.kernelChoices()
@@ -244,7 +270,7 @@ func Run(w io.Writer, destination string, o Options) error {
 	}
 	if (err == nil || len(x.NFTPortals) > 0) && x.Mode == "userspace" && !x.anyRewrite() {
 		for _, sm := range x.Services {
-			if sm.MatchedAs != "proxyPort" && sm.MatchedAs != "externalProxyPort" {
+			if sm.MatchedAs != "proxyPort" && sm.MatchedAs != "externalProxyPort" && refusedAs(sm.Service, sm.MatchedAs, dst.Addr().Is6()) == nil {
 				x.Notes = append(x.Notes, fmt.Sprintf("no portal rule sends %s/%s to the proxy (uproxy runs with --rules none, or its rules were removed): connect to %s's proxy port %d on this node instead",
 					dst, proto, sm.Service.Name, proxyPortOf(sm.Service, sm.MatchedAs)))
 			}
@@ -287,6 +313,61 @@ func servedByProxy(st observe.ServiceState, m, mode string) string {
 		return fmt.Sprintf("%s (%s mode): uproxy gives each client address an endpoint and forwards its datagrams there, and the replies back; a UDP send cannot fail, so nothing is retried (an endpoint that answers with ICMP port unreachable counts as a failed one)", which, mode)
 	}
 	return fmt.Sprintf("%s (%s mode): uproxy accepts, picks an endpoint, dials it and retries another if the dial fails", which, mode)
+}
+
+// refusedAs returns what st's Refused says of its addresses matched as m in
+// the family of v6: nil when the portals steer them (or m is a proxy port,
+// which no portal stands in front of).
+func refusedAs(st observe.ServiceState, m string, v6 bool) *observe.Refused {
+	addresses := "external"
+	switch m {
+	case "clusterIP":
+		addresses = "clusterIPs"
+	case "proxyPort", "externalProxyPort":
+		return nil
+	}
+	family := "IPv4"
+	if v6 {
+		family = "IPv6"
+	}
+	for i, r := range st.Refused {
+		if r.Addresses == addresses && r.Family == family {
+			return &st.Refused[i]
+		}
+	}
+	return nil
+}
+
+// refusedByPortal says what happens to a connection (TCP) or datagrams (UDP)
+// of st's address matched as m, which the portals refuse for r's reason.
+func refusedByPortal(st observe.ServiceState, m string, r observe.Refused) string {
+	what := "a TCP connect fails at once with connection refused (a TCP reset from the portal), never accepted"
+	if strings.EqualFold(st.Protocol, "UDP") {
+		what = "every datagram is answered with ICMP port unreachable (a connected socket reads connection refused)"
+	}
+	return fmt.Sprintf("nothing: the portal refuses it, %s: %s. uproxy's proxy port %d stays open, and the portal steers to it again from the sync that brings an endpoint",
+		r.Reason, what, proxyPortOf(st, m))
+}
+
+// rewritesSurely reports whether the nat path certainly rewrites the
+// destination.
+func rewritesSurely(rp rulePath) bool {
+	for _, v := range rp.Verdicts {
+		if v.Certain && (v.Target == "DNAT" || v.Target == "REDIRECT") {
+			return true
+		}
+	}
+	return false
+}
+
+// decides reports whether a filter path ends anywhere but in "no rule".
+func decides(rp rulePath) bool {
+	for _, v := range rp.Verdicts {
+		if v.Target != "none" {
+			return true
+		}
+	}
+	return false
 }
 
 // findNFTPortals looks dst up in the nftables portals, if they are there.

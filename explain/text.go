@@ -20,6 +20,12 @@ func (x *explanation) describe(v verdict) string {
 		d = "REDIRECT to local port " + v.To
 	case "DNAT":
 		d = "DNAT to " + v.To
+	case "REJECT":
+		d = "REJECT: refused"
+		if v.To != "" {
+			d += " with " + v.To
+		}
+		return d
 	default:
 		return v.Target + " " + v.To
 	}
@@ -69,7 +75,10 @@ func (x *explanation) writeText(w io.Writer) error {
 			p("; scheduler %s.\n", pol.Scheduler)
 		}
 		p("  Endpoints:\n")
-		if len(st.Endpoints) == 0 {
+		switch {
+		case len(st.Endpoints) == 0 && len(st.Refused) > 0:
+			p("    none: the portals refuse every connection, before any socket\n")
+		case len(st.Endpoints) == 0:
 			p("    none: every connection fails (reset)\n")
 		}
 		for _, e := range st.Endpoints {
@@ -100,6 +109,13 @@ func (x *explanation) writeText(w io.Writer) error {
 			}
 			p("    %s\t%s\tactive %d\tconsecutive failures %d\n", e.Address, strings.Join(state, ", "), e.ActiveConnections, e.ConsecutiveFailures)
 		}
+		for _, r := range st.Refused {
+			which := "ClusterIPs"
+			if r.Addresses == "external" {
+				which = "NodePort, ExternalIPs and LoadBalancer IPs"
+			}
+			p("  Refused at the portal: its %s %s, %s (TCP reset, ICMP port unreachable).\n", r.Family, which, r.Reason)
+		}
 		switch {
 		case st.NextForClient != nil:
 			c := st.NextForClient
@@ -123,6 +139,11 @@ func (x *explanation) writeText(w io.Writer) error {
 	if len(x.NFTPortals) > 0 {
 		p("\nnftables portals (table %s):\n", x.NFTPortalsTable)
 		for _, np := range x.NFTPortals {
+			if np.Refused {
+				p("  map %s: %s : goto refuse (%s)\n", np.Map, np.Key, np.Service)
+				p("    => refused, its Service port having no endpoints: from pods, other hosts and this node (filter input, forward, output), a TCP reset or ICMP port unreachable, before any socket\n")
+				continue
+			}
 			p("  map %s: %s : %d (%s)\n", np.Map, np.Key, np.ProxyPort, np.Service)
 			p("    => from pods and other hosts (prerouting): to the proxy port %d on this node\n", np.ProxyPort)
 			p("    => from this node (output): DNAT to node IP:%d, unless the connection is uproxy's own dial\n", np.ProxyPort)
@@ -142,40 +163,10 @@ func (x *explanation) writeText(w io.Writer) error {
 	if x.RulesError != "" {
 		p("  unavailable: %s\n", x.RulesError)
 	}
-	for _, rp := range x.Rules {
-		from := "pods and other hosts"
-		if rp.Hook == "OUTPUT" {
-			from = "this node"
-		}
-		p("  From %s (%s):\n", from, rp.Hook)
-		for _, s := range rp.Steps {
-			mark := ""
-			if s.Maybe {
-				mark = " [sometimes: " + s.Note + "]"
-			}
-			p("    %s rule %d (line %d)%s:\n      %s\n", s.Chain, s.Rule, s.Line, mark, s.Text)
-		}
-		for i, v := range rp.Verdicts {
-			switch {
-			case v.Target == "none" && v.Certain:
-				p("    => no rule rewrites it: the packet goes to %s itself\n", x.Destination)
-			case v.Target == "none":
-				p("    => otherwise: no rule rewrites it\n")
-			default:
-				how := "always"
-				switch {
-				case !v.Certain:
-					how = "sometimes"
-				case i > 0:
-					how = "otherwise"
-				}
-				share := ""
-				if v.Chance > 0 && v.Chance < 1 {
-					share = fmt.Sprintf(", %.0f%% of new connections", 100*v.Chance)
-				}
-				p("    => %s %s (%s rule %d%s)\n", how, x.describe(v), rp.Steps[v.Via].Chain, rp.Steps[v.Via].Rule, share)
-			}
-		}
+	x.writePaths(p, x.Rules, false)
+	if len(x.FilterRules) > 0 {
+		p("\nRules (filter table, for the packets the nat table leaves to their destination):\n")
+		x.writePaths(p, x.FilterRules, true)
 	}
 	tw.Flush()
 
@@ -204,6 +195,51 @@ func (x *explanation) writeText(w io.Writer) error {
 		p("\n")
 	}
 	return tw.Flush()
+}
+
+// writePaths writes the ways through a table (the filter table when filter),
+// one per hook.
+func (x *explanation) writePaths(p func(string, ...any), paths []rulePath, filter bool) {
+	passes := "no rule rewrites it: the packet goes to " + x.Destination + " itself"
+	passesOtherwise := "otherwise: no rule rewrites it"
+	if filter {
+		passes, passesOtherwise = "no rule stops it", "otherwise: no rule stops it"
+	}
+	for _, rp := range paths {
+		from := "pods and other hosts"
+		if rp.Hook == "OUTPUT" {
+			from = "this node"
+		}
+		p("  From %s (%s):\n", from, rp.Hook)
+		for _, s := range rp.Steps {
+			mark := ""
+			if s.Maybe {
+				mark = " [sometimes: " + s.Note + "]"
+			}
+			p("    %s rule %d (line %d)%s:\n      %s\n", s.Chain, s.Rule, s.Line, mark, s.Text)
+		}
+		for i, v := range rp.Verdicts {
+			switch {
+			case v.Target == "none" && v.Certain:
+				p("    => %s\n", passes)
+			case v.Target == "none":
+				p("    => %s\n", passesOtherwise)
+			default:
+				how := "always"
+				switch {
+				case !v.Certain:
+					how = "sometimes"
+				case i > 0:
+					how = "otherwise"
+				}
+				share := ""
+				if v.Chance > 0 && v.Chance < 1 {
+					share = fmt.Sprintf(", %.0f%% of new connections", 100*v.Chance)
+				}
+				p("    => %s %s (%s rule %d%s)\n", how, x.describe(v), rp.Steps[v.Via].Chain, rp.Steps[v.Via].Rule, share)
+			}
+		}
+	}
 }
 
 // ejectedFor words the rest of an ejection: " for another 1.2s (until 15:04:05)".

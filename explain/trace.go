@@ -13,13 +13,16 @@ import (
 	"github.com/uproxy/uproxy/observe"
 )
 
-// natTable is the nat table of iptables-save output, as the trace walks it.
-type natTable struct {
-	t *iptables.Table // nil when the output has no nat table
+// ruleTable is one table of iptables-save output, as the trace walks it.
+type ruleTable struct {
+	t *iptables.Table // nil when the output has no such table
 }
 
 // parseNAT reads the nat table of iptables-save output.
-func parseNAT(save []byte) natTable { return natTable{iptables.Parse(save).Table("nat")} }
+func parseNAT(save []byte) ruleTable { return ruleTable{iptables.Parse(save).Table("nat")} }
+
+// parseFilter reads the filter table of iptables-save output.
+func parseFilter(save []byte) ruleTable { return ruleTable{iptables.Parse(save).Table("filter")} }
 
 // packet is what the trace knows of the connection's first packet.
 type packet struct {
@@ -72,7 +75,7 @@ func (p packet) match(args []string, hook string) (m tri, note string, prob floa
 			r = prefixMatch(next(), p.dst.Addr())
 		case "-s":
 			v := next()
-			if hook == "PREROUTING" && p.client.IsValid() {
+			if hook != "OUTPUT" && p.client.IsValid() {
 				r = prefixMatch(v, p.client)
 			} else {
 				r = maybe
@@ -111,7 +114,16 @@ func (p packet) match(args []string, hook string) (m tri, note string, prob floa
 			} else {
 				notes = append(notes, "only for clients the recent list holds (ClientIP affinity)")
 			}
-		case "--mark", "--ctstate", "--sport", "--source-port", "-i", "-o", "--in-interface", "--out-interface":
+		case "--ctstate":
+			// The trace follows a connection's first packet: NEW, and no
+			// other state it can know.
+			if v := next(); v == "NEW" {
+				r = yes
+			} else {
+				r = maybe
+				notes = append(notes, a+" "+v)
+			}
+		case "--mark", "--sport", "--source-port", "-i", "-o", "--in-interface", "--out-interface":
 			r = maybe
 			notes = append(notes, a+" "+next())
 		case "--every", "--packet":
@@ -232,20 +244,20 @@ func portMatch(v string, port uint16) tri {
 }
 
 // destination returns the address or port a rule rewrites the destination to,
-// "" when it rewrites none.
+// or the answer a REJECT gives; "" when there is none.
 func destination(args []string) string {
 	to := ""
 	for i := 0; i+1 < len(args); i++ {
 		switch args[i] {
-		case "--to-destination", "--to-ports", "--to":
+		case "--to-destination", "--to-ports", "--to", "--reject-with":
 			to = args[i+1]
 		}
 	}
 	return to
 }
 
-// trace follows p through the nat table from hook.
-func (t natTable) trace(hook string, p packet) rulePath {
+// trace follows p through the table from hook.
+func (t ruleTable) trace(hook string, p packet) rulePath {
 	rp := rulePath{Hook: hook, Steps: []ruleStep{}, Verdicts: []verdict{}}
 	done, decided := t.walk(&rp, hook, hook, p, true, 1, 0)
 	if !done {
@@ -262,7 +274,7 @@ func (t natTable) trace(hook string, p packet) rulePath {
 // reach of all, -1 when not known). It returns done when a certain terminating
 // verdict ended the traversal, and the share of all packets that a verdict in
 // the chain (or below) took (-1 when not known).
-func (t natTable) walk(rp *rulePath, chain, hook string, p packet, certain bool, reach float64, depth int) (done bool, decided float64) {
+func (t ruleTable) walk(rp *rulePath, chain, hook string, p packet, certain bool, reach float64, depth int) (done bool, decided float64) {
 	if depth > 16 {
 		return false, -1
 	}

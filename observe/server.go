@@ -56,6 +56,21 @@ type ServiceState struct {
 	// NextForClient is the choice the client of ?client=IP would get next (modes
 	// that choose endpoints in userspace only).
 	NextForClient *Choice `json:"nextForClient,omitempty"`
+	// Refused are the port's addresses that the userspace mode's portals
+	// refuse rather than steer to the proxy port, for want of endpoints: a
+	// connection's first packet gets a TCP reset or ICMP port unreachable,
+	// before any socket. Empty when every address is steered.
+	Refused []Refused `json:"refused,omitempty"`
+}
+
+// Refused is a set of a Service port's addresses that the portals refuse.
+type Refused struct {
+	// Addresses are "clusterIPs", or "external": the NodePort, ExternalIPs
+	// and LoadBalancer IPs.
+	Addresses string `json:"addresses"`
+	Family    string `json:"family"` // IPv4 or IPv6
+	// Reason says why, e.g. "no usable endpoint of IPv4".
+	Reason string `json:"reason"`
 }
 
 // Choice is the endpoint a given client would get next from a Service port, and why.

@@ -8,6 +8,7 @@ import (
 
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -113,7 +114,47 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	if p.cfg.Events != nil {
 		st.RecentEvents = p.cfg.Events.Recent(st.Name, 10)
 	}
+	if _, none := p.cfg.Portals.(rules.None); !none {
+		st.Refused = refusedAddresses(port, *sp.refusal.Load())
+	}
 	return st
+}
+
+// refusedAddresses words r, the Refusal the portals were given for port, for
+// the families and kinds of address port has.
+func refusedAddresses(port *service.Port, r rules.Refusal) []observe.Refused {
+	var out []observe.Refused
+	for _, v6 := range []bool{false, true} {
+		if !port.InFamily(v6) {
+			continue
+		}
+		family := "IPv4"
+		if v6 {
+			family = "IPv6"
+		}
+		classes := []struct {
+			addresses string
+			external  bool
+			has       bool
+			local     bool // the class's traffic policy is Local
+			policy    string
+		}{
+			{"clusterIPs", false, len(service.AddrsOfFamily(port.ClusterIPs, v6)) > 0, port.InternalPolicyLocal, "internalTrafficPolicy"},
+			{"external", true, port.NodePort != 0 || len(service.AddrsOfFamily(port.ExternalIPs, v6)) > 0 || len(service.AddrsOfFamily(port.LoadBalancerIPs, v6)) > 0,
+				port.ExternalPolicyLocal, "externalTrafficPolicy"},
+		}
+		for _, c := range classes {
+			if !c.has || !r.Refused(c.external, v6) {
+				continue
+			}
+			reason := "no usable endpoint of " + family
+			if c.local {
+				reason += " on this node (" + c.policy + ": Local)"
+			}
+			out = append(out, observe.Refused{Addresses: c.addresses, Family: family, Reason: reason})
+		}
+	}
+	return out
 }
 
 // NextChoice says which endpoint client would get next from the Service port

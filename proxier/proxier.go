@@ -1,6 +1,8 @@
 // Package proxier is the userspace mode: for every Service port it holds a proxy
 // listener (TCP or UDP), keeps the port's backend choice up to date, and asks the
-// portals (rules) to steer the Service's virtual IPs to the listener.
+// portals (rules) to steer the Service's virtual IPs to the listener, or to
+// refuse those whose balancer has no endpoint of their family (rules.RefusalOf
+// of the endpoints the balancers were given); the listener stays open either way.
 //
 // A connection gets endpoints by the way it came in, as in kube-proxy: through
 // a ClusterIP the port's ClusterEndpoints, through a NodePort, ExternalIP or
@@ -136,6 +138,11 @@ type servicePort struct {
 	// external serves the NodePort, ExternalIPs and LoadBalancer IPs while the
 	// port SplitsExternal (see route.go); only Sync's long way sets or clears it.
 	external atomic.Pointer[route]
+	// refusal is what the portals refuse of the port for want of endpoints,
+	// from what its balancers were last given (updatePort): a portal leads to
+	// the proxy port only while the balancer behind it has an endpoint of the
+	// portal's family. The proxy port stays open either way.
+	refusal atomic.Pointer[rules.Refusal]
 }
 
 // New returns a Proxier with no Service ports, with its event loops running; call
@@ -424,7 +431,7 @@ func flatten(err error) []error {
 
 // portal is the Portal of sp for port.
 func (sp *servicePort) portal(port *service.Port) rules.Portal {
-	pt := rules.Portal{Port: port, ProxyPort: sp.cluster.listener.Load().proxyPort}
+	pt := rules.Portal{Port: port, ProxyPort: sp.cluster.listener.Load().proxyPort, Refuse: *sp.refusal.Load()}
 	if ext := sp.external.Load(); ext != nil {
 		pt.ExternalProxyPort = ext.listener.Load().proxyPort
 	}
@@ -490,6 +497,12 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 		kept = append(kept, a)
 	}
 	sp.observer.Retain(kept)
+	ext := sp.cluster
+	if r := sp.external.Load(); r != nil {
+		ext = r
+	}
+	refusal := rules.RefusalOf(sp.cluster.endpoints, ext.endpoints)
+	sp.refusal.Store(&refusal)
 	sp.port.Store(port)
 }
 

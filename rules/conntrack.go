@@ -12,6 +12,9 @@ import (
 // the next, the flows of the destinations that changed are deleted: REDIRECT and
 // DNAT both rewrite a flow's reply source port to the proxy port, so a flow whose
 // replies come from another port is going where the rules no longer send it.
+// A refused destination is not captured: a client that kept sending to it
+// while it was steered has its flow deleted when it becomes refused, so its
+// next datagram meets the REJECT rather than a proxy with nothing to dial.
 type udpTargets struct {
 	vips      map[netip.AddrPort]uint16
 	nodePorts map[uint16]uint16
@@ -26,13 +29,16 @@ func udpTargetsOf(entries []entry, f int) udpTargets {
 			continue
 		}
 		for kind, ips := range [][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
+			if e.refused(f, kind != 0) {
+				continue
+			}
 			for _, ip := range ips {
 				if familyOf(ip) == f {
 					t.vips[netip.AddrPortFrom(ip, uint16(e.port))] = uint16(e.proxyPortOf(kind != 0))
 				}
 			}
 		}
-		if e.nodePort != 0 && e.nodePortHeld[f] {
+		if e.nodePort != 0 && e.nodePortHeld[f] && !e.refused(f, true) {
 			t.nodePorts[uint16(e.nodePort)] = uint16(e.extProxyPort)
 		}
 	}

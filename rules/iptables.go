@@ -149,7 +149,7 @@ func equalEntries(a, b []entry) bool {
 		x, y := &a[i], &b[i]
 		if x.name != y.name || x.protocol != y.protocol || x.proto != y.proto || x.port != y.port ||
 			x.proxyPort != y.proxyPort || x.extProxyPort != y.extProxyPort || x.nodePort != y.nodePort ||
-			x.families != y.families || x.nodePortHeld != y.nodePortHeld ||
+			x.families != y.families || x.nodePortHeld != y.nodePortHeld || x.refuse != y.refuse ||
 			!slices.Equal(x.clusterIPs, y.clusterIPs) || !slices.Equal(x.externalIPs, y.externalIPs) ||
 			!slices.Equal(x.lbIPs, y.lbIPs) {
 			return false
@@ -195,7 +195,7 @@ func entriesOf(portals []Portal, enabled [2]bool) ([]entry, []error) {
 			errs = append(errs, fmt.Errorf("portal %d: no Service port", i))
 			continue
 		}
-		e := entry{name: sp.Name, protocol: sp.Protocol, port: sp.Port, proxyPort: pt.ProxyPort, extProxyPort: pt.ProxyPort, nodePort: sp.NodePort}
+		e := entry{name: sp.Name, protocol: sp.Protocol, port: sp.Port, proxyPort: pt.ProxyPort, extProxyPort: pt.ProxyPort, nodePort: sp.NodePort, refuse: pt.Refuse}
 		if pt.ExternalProxyPort != 0 {
 			e.extProxyPort = pt.ExternalProxyPort
 		}

@@ -116,10 +116,16 @@ const natHead = `*nat
 -A UPROXY-CANARY -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN
 `
 
-const filterEmpty = `*filter
+// filterHead starts every filter table the portals write: the chains, and the
+// canary, which tells a flush of the filter table (`iptables -F`) too.
+const filterHead = `*filter
 :UPROXY-NODEPORT-NON-LOCAL - [0:0]
-COMMIT
+:UPROXY-NO-ENDPOINTS - [0:0]
+:UPROXY-CANARY - [0:0]
+-A UPROXY-CANARY -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN
 `
+
+const filterEmpty = filterHead + "COMMIT\n"
 
 func TestSyncWritesExactRestoreInput(t *testing.T) {
 	np := freePort(t, "tcp4")
@@ -143,9 +149,7 @@ func TestSyncWritesExactRestoreInput(t *testing.T) {
 		{
 			name:    "ClusterIP ExternalIP LoadBalancer NodePort, TCP and UDP, IPv4 only",
 			portals: []Portal{{Port: web, ProxyPort: 40001}, {Port: dns, ProxyPort: 40002}},
-			want: [2]string{`*filter
-:UPROXY-NODEPORT-NON-LOCAL - [0:0]
--A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN
+			want: [2]string{filterHead + `-A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN
 -A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctorigdstport ` + span + ` -m comment --comment "uproxy NodePorts: not to a NodePort" -j RETURN
 -A UPROXY-NODEPORT-NON-LOCAL -p udp -m comment --comment "kube-system/dns:dns" -m udp --dport 40002 -m conntrack --ctstate DNAT --ctorigdstport ` + NPU + ` -j ACCEPT
 -A UPROXY-NODEPORT-NON-LOCAL -p tcp -m comment --comment "shop/web:http" -m tcp --dport 40001 -m conntrack --ctstate DNAT --ctorigdstport ` + NP + ` -j ACCEPT
@@ -169,9 +173,7 @@ COMMIT
 			name:    "IPv6 rules go to ip6tables, NodePortAddresses narrow NodePorts, other prefix",
 			cfg:     Config{IPv6: true, ChainPrefix: "UP6", NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("fd00::/64")}},
 			portals: []Portal{{Port: web, ProxyPort: 40001}, {Port: v6only, ProxyPort: 40003}},
-			want: [2]string{strings.ReplaceAll(`*filter
-:UPROXY-NODEPORT-NON-LOCAL - [0:0]
-COMMIT
+			want: [2]string{strings.ReplaceAll(filterHead+`COMMIT
 `+natHead+`-A UPROXY-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001
 -A UPROXY-PORTALS-CONTAINER -d 10.251.0.7/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001
 -A UPROXY-PORTALS-CONTAINER -d 10.250.0.5/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -m addrtype ! --src-type LOCAL -j REDIRECT --to-ports 40001
@@ -179,9 +181,7 @@ COMMIT
 -A UPROXY-PORTALS-HOST -d 10.251.0.7/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -j DNAT --to-destination 10.0.0.1:40001
 -A UPROXY-PORTALS-HOST -d 10.250.0.5/32 -p tcp -m comment --comment "shop/web:http" -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination 10.0.0.1:40001
 COMMIT
-`, "UPROXY-", "UP6-"), strings.ReplaceAll(`*filter
-:UPROXY-NODEPORT-NON-LOCAL - [0:0]
--A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN
+`, "UPROXY-", "UP6-"), strings.ReplaceAll(filterHead+`-A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctstate DNAT -m comment --comment "uproxy NodePorts: not redirected" -j RETURN
 -A UPROXY-NODEPORT-NON-LOCAL -m conntrack ! --ctorigdstport `+NP+` -m comment --comment "uproxy NodePorts: not to a NodePort" -j RETURN
 -A UPROXY-NODEPORT-NON-LOCAL -p tcp -m comment --comment "shop/web:http" -m tcp --dport 40001 -m conntrack --ctstate DNAT --ctorigdstport `+NP+` -j ACCEPT
 COMMIT
@@ -254,12 +254,12 @@ func TestSyncUnchangedWritesNothing(t *testing.T) {
 		if got := len(k.restores(f)); got != 1 {
 			t.Errorf("%s restores after 3 identical syncs: got %d, want 1", familyName(f), got)
 		}
-		if got := len(k.ops(f)); got != 5 {
-			t.Errorf("%s jump inserts: got %d (%q), want 5", familyName(f), got, k.ops(f))
+		if got := len(k.ops(f)); got != 8 {
+			t.Errorf("%s jump inserts: got %d (%q), want 8", familyName(f), got, k.ops(f))
 		}
-		// One canary read per sync after the first.
-		if got := k.lists(f); got != 2 {
-			t.Errorf("%s canary reads: got %d, want 2", familyName(f), got)
+		// One canary read per table (nat, filter) per sync after the first.
+		if got := k.lists(f); got != 4 {
+			t.Errorf("%s canary reads: got %d, want 4", familyName(f), got)
 		}
 	}
 }
@@ -320,11 +320,12 @@ func TestSyncAfterQuietSyncSeesEveryChange(t *testing.T) {
 
 // The jumps go in around what other programs keep in the built-in chains:
 // PORTALS first, so Service IPs win; NODEPORT last, as they match every local
-// destination; the INPUT accept first, before a firewall's final DROP.
+// destination; the INPUT accept and the NO-ENDPOINTS rejects first, before a
+// firewall's final DROP.
 func TestJumpRulesPlacement(t *testing.T) {
 	k := newFakeKernel()
 	kube := "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A OUTPUT -j KUBE-SERVICES\nCOMMIT\n" +
-		"*filter\n-A INPUT -j DROP\nCOMMIT\n"
+		"*filter\n-A INPUT -j DROP\n-A FORWARD -j DROP\nCOMMIT\n"
 	if err := k.Apply(false, kube); err != nil {
 		t.Fatal(err)
 	}
@@ -350,7 +351,15 @@ func TestJumpRulesPlacement(t *testing.T) {
 		}},
 		{"filter", "INPUT", []string{
 			`-A INPUT -m comment --comment "uproxy NodePorts" -j UPX-NODEPORT-NON-LOCAL`,
+			`-A INPUT -m conntrack --ctstate NEW -m comment --comment "uproxy Services without endpoints" -j UPX-NO-ENDPOINTS`,
 			`-A INPUT -j DROP`,
+		}},
+		{"filter", "FORWARD", []string{
+			`-A FORWARD -m conntrack --ctstate NEW -m comment --comment "uproxy Services without endpoints" -j UPX-NO-ENDPOINTS`,
+			`-A FORWARD -j DROP`,
+		}},
+		{"filter", "OUTPUT", []string{
+			`-A OUTPUT -m conntrack --ctstate NEW -m comment --comment "uproxy Services without endpoints" -j UPX-NO-ENDPOINTS`,
 		}},
 	} {
 		if got := k.rules(v4, c.table, c.chain); strings.Join(got, "\n") != strings.Join(c.want, "\n") {
@@ -382,9 +391,9 @@ func TestCanaryLossForcesRewrite(t *testing.T) {
 	if k.restores(v4)[1] != k.restores(v4)[0] {
 		t.Errorf("rewrite differs from the first write:\ngot:\n%s\nwant:\n%s", k.restores(v4)[1], k.restores(v4)[0])
 	}
-	// 5 jumps first, then only the 4 nat ones that the flush removed.
-	if got := len(k.ops(v4)); got != 9 {
-		t.Errorf("jump inserts: got %d (%q), want 9", got, k.ops(v4))
+	// 8 jumps first, then only the 4 nat ones that the flush removed.
+	if got := len(k.ops(v4)); got != 12 {
+		t.Errorf("jump inserts: got %d (%q), want 12", got, k.ops(v4))
 	}
 	sync()
 	if got := len(k.restores(v4)); got != 2 {
@@ -447,8 +456,8 @@ func TestRestoreFailureRetriedNextSync(t *testing.T) {
 	if got := len(k.restores(v4)); got != 1 {
 		t.Errorf("restores: got %d, want 1 (the retry)", got)
 	}
-	if got := len(k.ops(v4)); got != 5 {
-		t.Errorf("jumps after retry: got %d, want 5", got)
+	if got := len(k.ops(v4)); got != 8 {
+		t.Errorf("jumps after retry: got %d, want 8", got)
 	}
 }
 
@@ -597,6 +606,16 @@ func testStaleUDPFlows(t *testing.T, p Portals, ct *conntrack.Recorder) {
 			flow("10.0.0.1", uint16(np), 40001): true,
 		}},
 		{"TCP change: no pass", []Portal{{Port: dns, ProxyPort: 40005}, {Port: web, ProxyPort: 40009}}, nil},
+		// A client that kept sending while the last endpoint went: its next
+		// datagram must meet the REJECT, not a proxy with nothing to dial.
+		{"no endpoints: refused, every flow deleted", []Portal{{Port: dns, ProxyPort: 40005, Refuse: refuseAll}, {Port: web, ProxyPort: 40009}}, map[*netlink.ConntrackFlow]bool{
+			flow("10.96.0.53", 53, 40005):       true,
+			flow("10.0.0.1", uint16(np), 40005): true,
+		}},
+		{"an endpoint again: steered", []Portal{{Port: dns, ProxyPort: 40005}, {Port: web, ProxyPort: 40009}}, map[*netlink.ConntrackFlow]bool{
+			flow("10.96.0.53", 53, 40005): false,
+			flow("10.96.0.53", 53, 53):    true,
+		}},
 		{"removed", nil, map[*netlink.ConntrackFlow]bool{
 			flow("10.96.0.53", 53, 40005):       true,
 			flow("10.0.0.1", uint16(np), 40005): true,

@@ -34,11 +34,17 @@ func mustExec(t *testing.T, tp *testbed.Topology, role string, args ...string) {
 }
 
 // kubeChains installs chains as kube-proxy would, which uproxy must leave alone.
+// kube-proxy has jumps in every filter hook; with iptables on nf_tables these
+// also create the base chains, which a jump of uproxy's would otherwise create
+// and its cleanup leave behind, empty.
 func kubeChains(t *testing.T, tp *testbed.Topology) {
 	for _, ipt := range []string{"iptables", "ip6tables"} {
 		mustExec(t, tp, testbed.Node, ipt, "-t", "nat", "-N", "KUBE-SERVICES")
 		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-N", "KUBE-FIREWALL")
+		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-N", "KUBE-FORWARD")
 		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL")
+		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-A", "FORWARD", "-j", "KUBE-FORWARD")
+		mustExec(t, tp, testbed.Node, ipt, "-t", "filter", "-A", "OUTPUT", "-j", "KUBE-FIREWALL")
 	}
 	kubeNATRules(t, tp, "iptables", "ip6tables")
 }
@@ -303,18 +309,26 @@ func TestRealPortals(t *testing.T) {
 	}
 }
 
-func testRealPortals(t *testing.T, b realBackend) {
+// kubeNode builds the namespaces of a test of backend b's real portals, with
+// kube-proxy's chains and tables in the node, which uproxy must leave alone,
+// and returns them with the node's whole ruleset as it is before uproxy.
+func kubeNode(t *testing.T, b realBackend) (*testbed.Topology, string) {
+	t.Helper()
 	testbed.RequireIPTables(t) // kube-proxy's chains are iptables
 	b.require(t)
 	tp := testbed.New(t, testbed.WithIPv6())
-	node := tp.NS(testbed.Node)
 	kubeChains(t, tp)
 	// kube-proxy's nftables tables too, where nft exists (the nftables backend
 	// requires it; the iptables one must leave those tables alone as well).
 	if _, err := exec.LookPath("nft"); err == nil {
 		kubeNFTables(t, tp)
 	}
-	before := rulesets(t, tp)
+	return tp, rulesets(t, tp)
+}
+
+func testRealPortals(t *testing.T, b realBackend) {
+	tp, before := kubeNode(t, b)
+	node := tp.NS(testbed.Node)
 
 	// Stand-ins for the proxy: a TCP echo server and two tagged UDP servers.
 	tcpProxy := tp.EchoTCP(testbed.Node, ":0")

@@ -24,10 +24,24 @@ import (
 //	map service-ips4   ClusterIP/LoadBalancer IP . protocol . port : proxy port (and service-ips6)
 //	map external-ips4  ExternalIP . protocol . port : proxy port (and external-ips6)
 //	map nodeports4     protocol . NodePort : proxy port (and nodeports6)
+//	map no-endpoint-service-ips4, no-endpoint-external-ips4, no-endpoint-nodeports4
+//	                   the same keys, of the Service ports refused for want of
+//	                   endpoints (Portal.Refuse) : goto refuse
 //	set nodeport-addresses4  --nodeport-addresses of the family, when given
 //	chain prerouting   nat, dstnat-10: one lookup per map, redirect to the proxy port
 //	chain output       nat, dstnat-10: the dial mark returns first, then one
 //	                   lookup per map, dnat to node IP:proxy port
+//	chain filter-input, filter-forward, filter-output
+//	                   filter, -110: a connection's first packet (ct state new)
+//	                   jumps to no-endpoints
+//	chain no-endpoints the dial mark returns first, then one lookup per
+//	                   no-endpoint map, as the nat chains look up theirs
+//	chain refuse       TCP: reject with tcp reset; anything else: reject (ICMP
+//	                   or ICMPv6 port unreachable)
+//
+// A key is in a steering map or in its no-endpoint map, never both, so a
+// Service port that gains its first endpoint or loses its last one is a few
+// elements moved from one map to the other in the sync that sees it.
 //
 // A new connection costs one map lookup per map whatever the number of
 // Services, and a sync writes only the elements that changed, in one
@@ -162,11 +176,11 @@ func (p *NFTables) write(ctx context.Context, want nftElements) error {
 	return nil
 }
 
-// readHandles reads the rule handles of both chains; nil when they cannot be
+// readHandles reads the rule handles of every chain; nil when they cannot be
 // read, which costs a whole write at the next sync.
 func (p *NFTables) readHandles(ctx context.Context) map[string][]int {
 	handles := map[string][]int{}
-	for _, c := range []string{nftPrerouting, nftOutput} {
+	for _, c := range nftChains {
 		h, err := p.cfg.NFTables.RuleHandles(ctx, c)
 		if err != nil {
 			klog.ErrorS(err, "Reading the portal table's rules", "table", p.table)
@@ -184,7 +198,7 @@ func (p *NFTables) Intact() bool {
 	return p.written != nil && p.intact(context.Background())
 }
 
-// intact reports whether both chains still hold the rules of the last whole
+// intact reports whether every chain still holds the rules of the last whole
 // write: a deleted table (`nft delete table`, `nft flush ruleset`), flushed
 // chains (`nft flush table`) or an edited chain all change the handles.
 func (p *NFTables) intact(ctx context.Context) bool {

@@ -58,13 +58,23 @@ delete table inet uproxy
 add table inet uproxy { comment "uproxy userspace-mode portals: Service IPs and NodePorts to proxy ports" ; }
 add chain inet uproxy prerouting { type nat hook prerouting priority -110 ; }
 add chain inet uproxy output { type nat hook output priority -110 ; }
+add chain inet uproxy filter-input { type filter hook input priority -110 ; }
+add chain inet uproxy filter-forward { type filter hook forward priority -110 ; }
+add chain inet uproxy filter-output { type filter hook output priority -110 ; }
+add chain inet uproxy no-endpoints { comment "Service ports without endpoints: refused" ; }
+add chain inet uproxy refuse
 add map inet uproxy service-ips4 { type ipv4_addr . inet_proto . inet_service : inet_service ; comment "ClusterIPs and LoadBalancer IPs" ; }
 add map inet uproxy external-ips4 { type ipv4_addr . inet_proto . inet_service : inet_service ; comment "ExternalIPs" ; }
+add map inet uproxy no-endpoint-service-ips4 { type ipv4_addr . inet_proto . inet_service : verdict ; comment "ClusterIPs and LoadBalancer IPs without endpoints" ; }
+add map inet uproxy no-endpoint-external-ips4 { type ipv4_addr . inet_proto . inet_service : verdict ; comment "ExternalIPs without endpoints" ; }
 add map inet uproxy nodeports4 { type inet_proto . inet_service : inet_service ; comment "NodePorts" ; }
+add map inet uproxy no-endpoint-nodeports4 { type inet_proto . inet_service : verdict ; comment "NodePorts without endpoints" ; }
 add set inet uproxy nodeport-addresses4 { type ipv4_addr ; flags interval ; auto-merge ; comment "--nodeport-addresses" ; }
 add element inet uproxy nodeport-addresses4 { 10.0.0.0/8 }
 add map inet uproxy service-ips6 { type ipv6_addr . inet_proto . inet_service : inet_service ; comment "ClusterIPs and LoadBalancer IPs" ; }
 add map inet uproxy external-ips6 { type ipv6_addr . inet_proto . inet_service : inet_service ; comment "ExternalIPs" ; }
+add map inet uproxy no-endpoint-service-ips6 { type ipv6_addr . inet_proto . inet_service : verdict ; comment "ClusterIPs and LoadBalancer IPs without endpoints" ; }
+add map inet uproxy no-endpoint-external-ips6 { type ipv6_addr . inet_proto . inet_service : verdict ; comment "ExternalIPs without endpoints" ; }
 add rule inet uproxy output meta mark & 0x2000 != 0 return comment "uproxy dials to endpoints skip the portals"
 add rule inet uproxy prerouting meta l4proto { tcp, udp } redirect to : ip daddr . meta l4proto . th dport map @service-ips4 comment "Service IPs"
 add rule inet uproxy prerouting fib saddr type != local meta l4proto { tcp, udp } redirect to : ip daddr . meta l4proto . th dport map @external-ips4 comment "ExternalIPs from outside the node"
@@ -76,6 +86,19 @@ add rule inet uproxy prerouting meta l4proto { tcp, udp } redirect to : ip6 dadd
 add rule inet uproxy prerouting fib saddr type != local meta l4proto { tcp, udp } redirect to : ip6 daddr . meta l4proto . th dport map @external-ips6 comment "ExternalIPs from outside the node"
 add rule inet uproxy output meta l4proto { tcp, udp } dnat ip6 to [fd00::1]: ip6 daddr . meta l4proto . th dport map @service-ips6 comment "Service IPs"
 add rule inet uproxy output fib daddr type local meta l4proto { tcp, udp } dnat ip6 to [fd00::1]: ip6 daddr . meta l4proto . th dport map @external-ips6 comment "ExternalIPs the node owns"
+add rule inet uproxy filter-input ct state new jump no-endpoints comment "a connection's first packet: refused when its Service port has no endpoints"
+add rule inet uproxy filter-forward ct state new jump no-endpoints comment "a connection's first packet: refused when its Service port has no endpoints"
+add rule inet uproxy filter-output ct state new jump no-endpoints comment "a connection's first packet: refused when its Service port has no endpoints"
+add rule inet uproxy no-endpoints meta mark & 0x2000 != 0 return comment "uproxy dials to endpoints skip the portals"
+add rule inet uproxy no-endpoints ip daddr . meta l4proto . th dport vmap @no-endpoint-service-ips4 comment "Service IPs without endpoints"
+add rule inet uproxy no-endpoints fib daddr type local ip daddr . meta l4proto . th dport vmap @no-endpoint-external-ips4 comment "ExternalIPs the node owns, without endpoints"
+add rule inet uproxy no-endpoints fib saddr type != local ip daddr . meta l4proto . th dport vmap @no-endpoint-external-ips4 comment "ExternalIPs from outside the node, without endpoints"
+add rule inet uproxy no-endpoints fib daddr type local ip daddr @nodeport-addresses4 meta nfproto ipv4 meta l4proto . th dport vmap @no-endpoint-nodeports4 comment "NodePorts without endpoints"
+add rule inet uproxy no-endpoints ip6 daddr . meta l4proto . th dport vmap @no-endpoint-service-ips6 comment "Service IPs without endpoints"
+add rule inet uproxy no-endpoints fib daddr type local ip6 daddr . meta l4proto . th dport vmap @no-endpoint-external-ips6 comment "ExternalIPs the node owns, without endpoints"
+add rule inet uproxy no-endpoints fib saddr type != local ip6 daddr . meta l4proto . th dport vmap @no-endpoint-external-ips6 comment "ExternalIPs from outside the node, without endpoints"
+add rule inet uproxy refuse meta l4proto tcp reject with tcp reset comment "TCP: reset"
+add rule inet uproxy refuse reject comment "UDP: port unreachable"
 add element inet uproxy external-ips4 { 10.250.0.5 . tcp . 80 comment "shop/web:http" : 40001 }
 add element inet uproxy external-ips6 { fd00:250::5 . tcp . 80 comment "shop/web:http" : 40001 }
 add element inet uproxy nodeports4 { tcp . ` + NP + ` comment "shop/web:http" : 40001 }

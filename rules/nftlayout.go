@@ -26,6 +26,29 @@ const (
 	nftPriority   = knftables.DNATPriority + "-10"
 )
 
+// The chains that refuse Service ports without endpoints. The three base
+// chains are filter chains at priority -110, as kube-proxy's nftables mode
+// hooks its no-endpoint checks (nft names no "dstnat" on these hooks): on
+// output this is before any DNAT at -100, so the check sees the destination
+// the node's own connection asked for; on input and forward the packet is
+// past prerouting, and only the portals' untouched packets still carry a
+// virtual IP. Each jumps, for a connection's first packet, to nftNoEndpoints,
+// whose lookups send a refused destination to nftRefuse.
+const (
+	nftFilterInput   = "filter-input"
+	nftFilterForward = "filter-forward"
+	nftFilterOutput  = "filter-output"
+	nftNoEndpoints   = "no-endpoints"
+	nftRefuse        = "refuse"
+	nftFilterPrio    = "-110"
+	// nftRefuseVerdict is the value of every element of a no-endpoint map.
+	nftRefuseVerdict = "goto " + nftRefuse
+)
+
+// nftChains are the chains whose rules a whole write adds and nothing else
+// changes: their rule handles tell whether someone flushed or edited the table.
+var nftChains = []string{nftPrerouting, nftOutput, nftFilterInput, nftFilterForward, nftFilterOutput, nftNoEndpoints, nftRefuse}
+
 // nftLayout is the nftables table of the portals without the map elements,
 // which change with the Services; it is fixed for the life of an NFTables.
 type nftLayout struct {
@@ -55,6 +78,22 @@ type nftFamily struct {
 	// the same for ExternalIPs, which are captured under narrower conditions;
 	// nodePortMap maps protocol . NodePort to the proxy port.
 	serviceIPs, externalIPs, nodePortMap, nodePortAddresses string
+	// The no-endpoint maps hold the same keys as serviceIPs, externalIPs
+	// and nodePortMap for the Service ports refused (Portal.Refuse), each
+	// mapped to the verdict nftRefuseVerdict. A key is in one map of a pair,
+	// never both.
+	noEndpointServiceIPs, noEndpointExternalIPs, noEndpointNodePorts string
+}
+
+// refuseMap returns the no-endpoint counterpart of the family's map steer.
+func (fam nftFamily) refuseMap(steer string) string {
+	switch steer {
+	case fam.serviceIPs:
+		return fam.noEndpointServiceIPs
+	case fam.externalIPs:
+		return fam.noEndpointExternalIPs
+	}
+	return fam.noEndpointNodePorts
 }
 
 func newNFTFamily(f int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) nftFamily {
@@ -74,6 +113,8 @@ func newNFTFamily(f int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) nf
 	}
 	fam.serviceIPs, fam.externalIPs, fam.nodePortMap, fam.nodePortAddresses =
 		"service-ips"+n, "external-ips"+n, "nodeports"+n, "nodeport-addresses"+n
+	fam.noEndpointServiceIPs, fam.noEndpointExternalIPs, fam.noEndpointNodePorts =
+		"no-endpoint-"+fam.serviceIPs, "no-endpoint-"+fam.externalIPs, "no-endpoint-"+fam.nodePortMap
 	return fam
 }
 
@@ -85,20 +126,31 @@ func (l *nftLayout) write(tx *knftables.Transaction) {
 	tx.Add(&knftables.Table{})
 	tx.Delete(&knftables.Table{})
 	tx.Add(&knftables.Table{Comment: knftables.PtrTo("uproxy userspace-mode portals: Service IPs and NodePorts to proxy ports")})
-	for _, c := range []struct{ name, hook string }{{nftPrerouting, string(knftables.PreroutingHook)}, {nftOutput, string(knftables.OutputHook)}} {
-		tx.Add(&knftables.Chain{
-			Name:     c.name,
-			Type:     knftables.PtrTo(knftables.NATType),
-			Hook:     knftables.PtrTo(knftables.BaseChainHook(c.hook)),
-			Priority: knftables.PtrTo(nftPriority),
-		})
+	for _, c := range []struct {
+		name string
+		typ  knftables.BaseChainType
+		hook knftables.BaseChainHook
+		prio knftables.BaseChainPriority
+	}{
+		{nftPrerouting, knftables.NATType, knftables.PreroutingHook, nftPriority},
+		{nftOutput, knftables.NATType, knftables.OutputHook, nftPriority},
+		{nftFilterInput, knftables.FilterType, knftables.InputHook, nftFilterPrio},
+		{nftFilterForward, knftables.FilterType, knftables.ForwardHook, nftFilterPrio},
+		{nftFilterOutput, knftables.FilterType, knftables.OutputHook, nftFilterPrio},
+	} {
+		tx.Add(&knftables.Chain{Name: c.name, Type: &c.typ, Hook: &c.hook, Priority: &c.prio})
 	}
+	tx.Add(&knftables.Chain{Name: nftNoEndpoints, Comment: knftables.PtrTo("Service ports without endpoints: refused")})
+	tx.Add(&knftables.Chain{Name: nftRefuse})
 	for _, fam := range l.fams {
-		vip := fam.addrType + " . inet_proto . inet_service : inet_service"
-		tx.Add(&knftables.Map{Name: fam.serviceIPs, Type: vip, Comment: knftables.PtrTo("ClusterIPs and LoadBalancer IPs")})
-		tx.Add(&knftables.Map{Name: fam.externalIPs, Type: vip, Comment: knftables.PtrTo("ExternalIPs")})
+		vip := fam.addrType + " . inet_proto . inet_service"
+		tx.Add(&knftables.Map{Name: fam.serviceIPs, Type: vip + " : inet_service", Comment: knftables.PtrTo("ClusterIPs and LoadBalancer IPs")})
+		tx.Add(&knftables.Map{Name: fam.externalIPs, Type: vip + " : inet_service", Comment: knftables.PtrTo("ExternalIPs")})
+		tx.Add(&knftables.Map{Name: fam.noEndpointServiceIPs, Type: vip + " : verdict", Comment: knftables.PtrTo("ClusterIPs and LoadBalancer IPs without endpoints")})
+		tx.Add(&knftables.Map{Name: fam.noEndpointExternalIPs, Type: vip + " : verdict", Comment: knftables.PtrTo("ExternalIPs without endpoints")})
 		if fam.nodePorts {
 			tx.Add(&knftables.Map{Name: fam.nodePortMap, Type: "inet_proto . inet_service : inet_service", Comment: knftables.PtrTo("NodePorts")})
+			tx.Add(&knftables.Map{Name: fam.noEndpointNodePorts, Type: "inet_proto . inet_service : verdict", Comment: knftables.PtrTo("NodePorts without endpoints")})
 		}
 		if len(fam.nodePortPrefixes) > 0 {
 			// auto-merge lets overlapping --nodeport-addresses in, as iptables takes them.
@@ -154,6 +206,44 @@ func (l *nftLayout) rules(tx *knftables.Transaction) {
 		add(nftPrerouting, "NodePorts", dst, "meta nfproto", fam.nfproto, l4, redirect, np)
 		add(nftOutput, "NodePorts", dst, "meta nfproto", fam.nfproto, l4, dnat, np)
 	}
+	l.refuseRules(add)
+}
+
+// refuseRules adds the rules that refuse the keys of the no-endpoint maps. A
+// refused key gets no nat element, so its packets reach the filter hooks
+// with their destination untouched; the lookups in nftNoEndpoints match
+// exactly the packets the nat rules would have steered, in whichever hook
+// they arrive (the chain is reached from input, forward and output alike).
+func (l *nftLayout) refuseRules(add func(chain, comment string, rule ...any)) {
+	for _, c := range []string{nftFilterInput, nftFilterForward, nftFilterOutput} {
+		add(c, "a connection's first packet: refused when its Service port has no endpoints", "ct state new jump", nftNoEndpoints)
+	}
+	if l.dialMark != 0 {
+		m := "0x" + strconv.FormatUint(uint64(l.dialMark), 16)
+		add(nftNoEndpoints, "uproxy dials to endpoints skip the portals", "meta mark &", m, "!= 0 return")
+	}
+	for _, fam := range l.fams {
+		vip := fam.ip + " daddr . meta l4proto . th dport vmap @"
+		add(nftNoEndpoints, "Service IPs without endpoints", vip+fam.noEndpointServiceIPs)
+		// ExternalIPs: steered from outside the node, and from the node
+		// when it owns the address; nft has no "or" across two fib lookups.
+		add(nftNoEndpoints, "ExternalIPs the node owns, without endpoints", "fib daddr type local", vip+fam.noEndpointExternalIPs)
+		add(nftNoEndpoints, "ExternalIPs from outside the node, without endpoints", "fib saddr type != local", vip+fam.noEndpointExternalIPs)
+		if !fam.nodePorts {
+			continue
+		}
+		dst := []string{"fib daddr type local"}
+		if len(fam.nodePortPrefixes) > 0 {
+			dst = append(dst, fam.ip+" daddr @"+fam.nodePortAddresses)
+		}
+		add(nftNoEndpoints, "NodePorts without endpoints", dst, "meta nfproto", fam.nfproto, "meta l4proto . th dport vmap @"+fam.noEndpointNodePorts)
+	}
+	// For TCP a reset, which fails a connect at once: a client on the node
+	// holds its socket locked while connecting and would drop an ICMP error,
+	// retrying the SYN a second later. Anything else (UDP) gets ICMP or ICMPv6
+	// port unreachable, which a connected UDP socket reports as ECONNREFUSED.
+	add(nftRefuse, "TCP: reset", "meta l4proto tcp reject with tcp reset")
+	add(nftRefuse, "UDP: port unreachable", "reject")
 }
 
 // nodeAddress is the node IP as a dnat target: IPv6 in brackets, since a port follows.
@@ -192,8 +282,9 @@ func compareKeys(a, b nftKey) int {
 	return a.port - b.port
 }
 
-// nftElement is where a key leads: the proxy port, and the Service port it
-// belongs to, which is also the element's comment.
+// nftElement is where a key leads: the proxy port (0 in a no-endpoint map,
+// whose value is always nftRefuseVerdict), and the Service port it belongs
+// to, which is also the element's comment.
 type nftElement struct {
 	proxyPort int
 	owner     service.PortName
@@ -209,43 +300,57 @@ type nftElements map[string]map[nftKey]nftElement
 func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
 	els := nftElements{}
 	for _, fam := range l.fams {
-		els[fam.serviceIPs] = map[nftKey]nftElement{}
-		els[fam.externalIPs] = map[nftKey]nftElement{}
+		for _, m := range []string{fam.serviceIPs, fam.externalIPs, fam.noEndpointServiceIPs, fam.noEndpointExternalIPs} {
+			els[m] = map[nftKey]nftElement{}
+		}
 		if fam.nodePorts {
 			els[fam.nodePortMap] = map[nftKey]nftElement{}
+			els[fam.noEndpointNodePorts] = map[nftKey]nftElement{}
 		}
 	}
 	var errs []error
 	for i := range entries {
 		e := &entries[i]
-		add := func(m map[nftKey]nftElement, name string, port int, k nftKey, proxyPort int) {
-			if old, ok := m[k]; ok {
-				if old.owner != e.name {
-					errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
-						Err: fmt.Errorf("%s in map %s already used by %s", k, name, old.owner)})
-				}
-				return
-			}
-			m[k] = nftElement{proxyPort: proxyPort, owner: e.name}
-		}
 		for _, fam := range l.fams {
 			if !e.families[fam.f] {
 				continue
+			}
+			// add puts k in the steering map name, or in its no-endpoint
+			// counterpart when refused; a key either map already holds is
+			// the earlier entry's.
+			add := func(name string, port int, k nftKey, proxyPort int, refused bool) {
+				steer, refuse := els[name], els[fam.refuseMap(name)]
+				old, ok := steer[k]
+				if !ok {
+					old, ok = refuse[k]
+				}
+				if ok {
+					if old.owner != e.name {
+						errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
+							Err: fmt.Errorf("%s in map %s already used by %s", k, name, old.owner)})
+					}
+					return
+				}
+				if refused {
+					refuse[k] = nftElement{owner: e.name}
+					return
+				}
+				steer[k] = nftElement{proxyPort: proxyPort, owner: e.name}
 			}
 			for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
 				name := fam.serviceIPs
 				if kind == 2 {
 					name = fam.externalIPs
 				}
-				m := els[name]
+				refused := e.refused(fam.f, kind != 0)
 				for _, ip := range ips {
 					if familyOf(ip) == fam.f {
-						add(m, name, e.port, nftKey{ip, e.proto, e.port}, e.proxyPortOf(kind != 0))
+						add(name, e.port, nftKey{ip, e.proto, e.port}, e.proxyPortOf(kind != 0), refused)
 					}
 				}
 			}
 			if e.nodePort != 0 && e.nodePortHeld[fam.f] && fam.nodePorts {
-				add(els[fam.nodePortMap], fam.nodePortMap, e.nodePort, nftKey{proto: e.proto, port: e.nodePort}, e.extProxyPort)
+				add(fam.nodePortMap, e.nodePort, nftKey{proto: e.proto, port: e.nodePort}, e.extProxyPort, e.refused(fam.f, true))
 			}
 		}
 	}
@@ -303,7 +408,11 @@ func (e nftElement) object(m string, k nftKey) *knftables.Element {
 	if len(comment) > knftables.CommentLengthMax {
 		comment = comment[:knftables.CommentLengthMax]
 	}
-	return &knftables.Element{Map: m, Key: k.strings(), Value: []string{strconv.Itoa(e.proxyPort)}, Comment: &comment}
+	value := nftRefuseVerdict
+	if e.proxyPort != 0 {
+		value = strconv.Itoa(e.proxyPort)
+	}
+	return &knftables.Element{Map: m, Key: k.strings(), Value: []string{value}, Comment: &comment}
 }
 
 func sortedKeys[V any](m map[string]V) []string {

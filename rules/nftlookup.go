@@ -16,10 +16,15 @@ import (
 
 // NFTPortal is the element of the nftables portals that catches a destination.
 type NFTPortal struct {
-	Map string `json:"map"` // service-ips4, external-ips4, nodeports4, ...
+	Map string `json:"map"` // service-ips4, external-ips4, nodeports4, no-endpoint-service-ips4, ...
 	// Key is the element's key as nft prints it: "10.96.0.10 . tcp . 80".
-	Key       string `json:"key"`
-	ProxyPort int    `json:"proxyPort"`
+	Key string `json:"key"`
+	// ProxyPort is where a steering element leads; 0 for a refusing one.
+	ProxyPort int `json:"proxyPort,omitempty"`
+	// Refused is true for an element of a no-endpoint map: the destination
+	// is refused (TCP reset, ICMP port unreachable), its Service port having
+	// no endpoints.
+	Refused bool `json:"refused,omitempty"`
 	// Service is the element's comment: the Service port it belongs to.
 	Service string `json:"service,omitempty"`
 }
@@ -41,7 +46,8 @@ func NFTPortalTable(prefix string) (nftables.Table, error) {
 // FindNFTPortals returns the elements of the nftables portals (read through
 // nft, which names the table) that catch dst over proto ("tcp" or "udp"): its
 // Service IP, ExternalIP or, when local says dst is a node address, NodePort
-// element. It returns ErrNoNFTPortals when the table is not there.
+// element, in the steering maps or in the no-endpoint ones that refuse it. It
+// returns ErrNoNFTPortals when the table is not there.
 func FindNFTPortals(ctx context.Context, nft knftables.Interface, dst netip.AddrPort, proto string, local bool) ([]NFTPortal, error) {
 	fam := newNFTFamily(v4, netip.Addr{}, nil)
 	if dst.Addr().Is6() {
@@ -49,18 +55,19 @@ func FindNFTPortals(ctx context.Context, nft knftables.Interface, dst netip.Addr
 	}
 	proto = strings.ToLower(proto)
 	port := strconv.Itoa(int(dst.Port()))
-	lookups := []struct {
+	type lookup struct {
 		name string
 		key  []string
-	}{
-		{fam.serviceIPs, []string{dst.Addr().String(), proto, port}},
-		{fam.externalIPs, []string{dst.Addr().String(), proto, port}},
+	}
+	vip := []string{dst.Addr().String(), proto, port}
+	lookups := []lookup{
+		{fam.serviceIPs, vip},
+		{fam.externalIPs, vip},
+		{fam.noEndpointServiceIPs, vip},
+		{fam.noEndpointExternalIPs, vip},
 	}
 	if local {
-		lookups = append(lookups, struct {
-			name string
-			key  []string
-		}{fam.nodePortMap, []string{proto, port}})
+		lookups = append(lookups, lookup{fam.nodePortMap, []string{proto, port}}, lookup{fam.noEndpointNodePorts, []string{proto, port}})
 	}
 	var out []NFTPortal
 	for i, l := range lookups {
@@ -78,11 +85,12 @@ func FindNFTPortals(ctx context.Context, nft knftables.Interface, dst netip.Addr
 			if !equalKey(e.Key, l.key) || len(e.Value) != 1 {
 				continue
 			}
-			pp, err := strconv.Atoi(e.Value[0])
-			if err != nil {
+			np := NFTPortal{Map: l.name, Key: strings.Join(e.Key, " . ")}
+			if e.Value[0] == nftRefuseVerdict {
+				np.Refused = true
+			} else if np.ProxyPort, err = strconv.Atoi(e.Value[0]); err != nil {
 				return nil, fmt.Errorf("map %s element %s: proxy port %q: %w", l.name, strings.Join(e.Key, " . "), e.Value[0], err)
 			}
-			np := NFTPortal{Map: l.name, Key: strings.Join(e.Key, " . "), ProxyPort: pp}
 			if e.Comment != nil {
 				np.Service = *e.Comment
 			}

@@ -1,9 +1,20 @@
 // Package rules programs the portals of the userspace mode: nat rules that steer
-// a Service's virtual IPs and NodePorts to the local proxy port serving it. It
-// has two backends behind one interface, Portals: IPTables (a rule per Service
-// port, as the legacy userspace proxy had) and NFTables (one nftables table
-// whose maps hold the Service ports, so neither a new connection nor a sync
-// costs more with more Services; see NFTables for its layout).
+// a Service's virtual IPs and NodePorts to the local proxy port serving it, and
+// filter rules that refuse them while the Service port has no endpoint to go to.
+// It has two backends behind one interface, Portals: IPTables (a rule per
+// Service port, as the legacy userspace proxy had) and NFTables (one nftables
+// table whose maps hold the Service ports, so neither a new connection nor a
+// sync costs more with more Services; see NFTables for its layout).
+//
+// A Service port's addresses of one family whose balancer has no endpoint of
+// that family (Portal.Refuse, from RefusalOf) are not steered but refused, as
+// kube-proxy refuses a Service without endpoints: a connection's first packet
+// gets a TCP reset or ICMP port unreachable from the filter hooks (input,
+// forward, output), before any socket, so a TCP connect fails with
+// ECONNREFUSED instead of succeeding and being reset, and a UDP client's
+// connected socket gets ECONNREFUSED instead of silence. Its proxy port stays
+// open, and the portal steers to it again from the sync that brings an
+// endpoint.
 //
 // The proxier opens one proxy listener per Service port and hands the whole desired
 // state to Sync on every sync:
@@ -20,8 +31,14 @@
 //	P-NODEPORT-HOST       last in OUTPUT, local destinations only: DNAT
 //	P-CANARY              one rule; its loss means someone flushed the table
 //
-// and in the filter table P-NODEPORT-NON-LOCAL, first in INPUT, accepting traffic
-// redirected from a NodePort to its proxy port.
+// and in the filter table of each family:
+//
+//	P-NODEPORT-NON-LOCAL  first in INPUT: accepts traffic redirected from a
+//	                      NodePort to its proxy port
+//	P-NO-ENDPOINTS        first in INPUT, FORWARD and OUTPUT, for a connection's
+//	                      first packet: VIP:port and NodePort without endpoints ->
+//	                      REJECT (tcp-reset for TCP, port unreachable for UDP)
+//	P-CANARY              the same canary, for a flush of the filter table
 //
 // IPTables writes everything except the jump rules with one iptables-restore
 // --noflush per family, and only when the text differs from the last
@@ -58,6 +75,56 @@ type Portal struct {
 	// ExternalIPs and LoadBalancer IPs, whose endpoints may differ from the
 	// ClusterIPs' (externalTrafficPolicy: Local); 0: they go to ProxyPort.
 	ExternalProxyPort int
+	// Refuse says which of the port's addresses are refused rather than
+	// steered, for want of endpoints (RefusalOf); the zero value steers all.
+	Refuse Refusal
+}
+
+// Refusal is what the portals refuse of one Service port: by address family
+// (index 0 IPv4, 1 IPv6), its ClusterIPs (Cluster) and its NodePort,
+// ExternalIPs and LoadBalancer IPs (External). A refused address gets a TCP
+// reset or ICMP port unreachable at the portal instead of reaching the proxy
+// port. The zero Refusal refuses nothing.
+type Refusal struct {
+	Cluster, External [2]bool
+}
+
+// RefusalOf returns the Refusal of a Service port whose ClusterIPs lead to a
+// balancer picking from cluster and whose NodePort, ExternalIPs and
+// LoadBalancer IPs lead to one picking from external (the same endpoints when
+// they share a proxy port): in each family, the addresses whose balancer has
+// no endpoint of that family. The proxier hands each balancer the port's
+// ClusterEndpoints or ExternalEndpoints (usable: ready, else serving and
+// terminating; this node's only under a Local traffic policy), split by
+// family, so the portals refuse exactly the connections the proxy would have
+// nothing to dial for.
+func RefusalOf(cluster, external []netip.AddrPort) Refusal {
+	r := Refusal{Cluster: [2]bool{true, true}, External: [2]bool{true, true}}
+	for _, ep := range cluster {
+		if ep.Addr().IsValid() {
+			r.Cluster[familyOf(ep.Addr())] = false
+		}
+	}
+	for _, ep := range external {
+		if ep.Addr().IsValid() {
+			r.External[familyOf(ep.Addr())] = false
+		}
+	}
+	return r
+}
+
+// Refused reports whether r refuses the ClusterIPs (external false) or the
+// NodePort, ExternalIPs and LoadBalancer IPs (external true) of IPv6 (ipv6
+// true) or IPv4.
+func (r Refusal) Refused(external, ipv6 bool) bool {
+	f := v4
+	if ipv6 {
+		f = v6
+	}
+	if external {
+		return r.External[f]
+	}
+	return r.Cluster[f]
 }
 
 // Config configures IPTables and NFTables. The zero value needs only NodeIPs.
@@ -205,6 +272,7 @@ type chains struct {
 	portalsContainer, portalsHost   string
 	nodePortContainer, nodePortHost string
 	nodePortNonLocal                string
+	noEndpoints                     string
 	canary                          iptables.Canary
 }
 
@@ -215,7 +283,9 @@ func chainNames(prefix string) chains {
 		nodePortContainer: prefix + "-NODEPORT-CONTAINER",
 		nodePortHost:      prefix + "-NODEPORT-HOST",
 		nodePortNonLocal:  prefix + "-NODEPORT-NON-LOCAL",
-		canary:            iptables.Canary{Chain: prefix + "-CANARY", Tables: []string{"nat"}},
+		noEndpoints:       prefix + "-NO-ENDPOINTS",
+		// In both tables: `iptables -F` flushes the filter table alone.
+		canary: iptables.Canary{Chain: prefix + "-CANARY", Tables: []string{"nat", "filter"}},
 	}
 }
 
@@ -224,18 +294,29 @@ func (c chains) nat() []string {
 	return []string{c.portalsContainer, c.portalsHost, c.nodePortContainer, c.nodePortHost, c.canary.Chain}
 }
 
-func (c chains) filter() []string { return []string{c.nodePortNonLocal} }
+// filter are the chains in the filter table, in the order they are declared.
+func (c chains) filter() []string { return []string{c.nodePortNonLocal, c.noEndpoints, c.canary.Chain} }
 
 // jumps lists the jump rules. PORTALS jumps go first so Service IPs win over
 // anything else; NODEPORT jumps go last because they match every local
 // destination. The INPUT accept goes first: appended after a firewall's final
-// DROP it would never run.
+// DROP it would never run. The NO-ENDPOINTS jumps go first in the three filter
+// hooks a connection's first packet may take, as kube-proxy's no-endpoint
+// rejects do: into the node (INPUT), through it (FORWARD: a pod or another
+// host to a virtual IP), and out of it (OUTPUT: the node's own).
 func (c chains) jumps() []iptables.Jump {
+	noEndpoints := func(chain string) iptables.Jump {
+		return iptables.Jump{Table: "filter", Chain: chain, Spec: []string{"-m", "conntrack", "--ctstate", "NEW",
+			"-m", "comment", "--comment", "uproxy Services without endpoints", "-j", c.noEndpoints}}
+	}
 	return []iptables.Jump{
 		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsContainer}},
 		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsHost}},
 		{Table: "nat", Chain: "PREROUTING", Last: true, Spec: []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortContainer}},
 		{Table: "nat", Chain: "OUTPUT", Last: true, Spec: []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortHost}},
 		{Table: "filter", Chain: "INPUT", Spec: []string{"-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortNonLocal}},
+		noEndpoints("INPUT"),
+		noEndpoints("FORWARD"),
+		noEndpoints("OUTPUT"),
 	}
 }

@@ -47,7 +47,21 @@ type entry struct {
 	// nodePortHeld is true per family when the NodePort is held open and so may
 	// get rules; a NodePort someone else holds gets none.
 	nodePortHeld [2]bool
+	// refuse is Portal.Refuse: the addresses refused rather than steered.
+	refuse Refusal
 }
+
+// refused reports whether e's ClusterIPs (external false) or NodePort,
+// ExternalIPs and LoadBalancer IPs (external true) of family f are refused.
+func (e *entry) refused(f int, external bool) bool {
+	if external {
+		return e.refuse.External[f]
+	}
+	return e.refuse.Cluster[f]
+}
+
+// refusesAny reports whether e has refused addresses in family f.
+func (e *entry) refusesAny(f int) bool { return e.refuse.Cluster[f] || e.refuse.External[f] }
 
 // renderer writes the iptables-restore input of one family.
 type renderer struct {
@@ -104,6 +118,7 @@ func (r *renderer) render(entries []entry) ([]byte, []textSpan) {
 	for _, c := range r.chains.filter() {
 		out = append(out, ":"+c+" - [0:0]\n"...)
 	}
+	out = append(out, r.chains.canary.Rule()+"\n"...)
 	var spans []textSpan
 	each := func(table string, write func([]byte, *entry, *ruleParts) []byte) {
 		start := len(out)
@@ -112,6 +127,8 @@ func (r *renderer) render(entries []entry) ([]byte, []textSpan) {
 	}
 	out = r.nonLocalGuards(out, entries)
 	each("filter", r.nonLocal)
+	out = r.ownDials(out, r.chains.noEndpoints)
+	each("filter", r.noEndpoints)
 	out = append(out, "COMMIT\n*nat\n"...)
 	for _, c := range r.chains.nat() {
 		out = append(out, ":"+c+" - [0:0]\n"...)
@@ -234,6 +251,20 @@ type ruleParts struct {
 	dnat     string // " -j DNAT --to-destination nodeIP:N\n"
 	// extRedirect and extDnat are redirect and dnat to the external proxy port.
 	extRedirect, extDnat string
+	// refuseMatch is match with the comment "ns/name:port has no endpoints",
+	// and reject the target refusing the protocol; both are set only for an
+	// entry with refused addresses in the family.
+	refuseMatch, reject string
+}
+
+// rejects are the REJECT targets of the NO-ENDPOINTS rules by family and
+// protocol: for TCP a reset, which fails a connect at once (a client on the
+// node holds its socket locked while connecting and would drop an ICMP error,
+// retrying the SYN a second later), for UDP ICMP port unreachable, which a
+// connected UDP socket reports as ECONNREFUSED.
+var rejects = [2]map[string]string{
+	v4: {"tcp": " -j REJECT --reject-with tcp-reset\n", "udp": " -j REJECT --reject-with icmp-port-unreachable\n"},
+	v6: {"tcp": " -j REJECT --reject-with tcp-reset\n", "udp": " -j REJECT --reject-with icmp6-port-unreachable\n"},
 }
 
 // ruleParts orders protocol, comment and destination port as iptables-save
@@ -255,6 +286,10 @@ func (r *renderer) ruleParts(e *entry) ruleParts {
 	}
 	if r.onNodeIP {
 		p.redirect, p.extRedirect = p.dnat, p.extDnat
+	}
+	if e.refusesAny(r.family) {
+		p.refuseMatch = " -p " + e.proto + " -m comment --comment " + iptables.Quote(e.name.String()+" has no endpoints") + " -m " + e.proto + " --dport "
+		p.reject = rejects[r.family][e.proto]
 	}
 	return p
 }
@@ -283,13 +318,17 @@ func (r *renderer) portalsHost(b []byte, e *entry, s *ruleParts) []byte {
 
 // portals writes the rules of e's virtual IPs in chain: ClusterIPs to target,
 // LoadBalancer IPs and ExternalIPs (these only when externalMatch holds too)
-// to extTarget, the external proxy port.
+// to extTarget, the external proxy port. Refused addresses get none: their
+// packets go on untouched to the NO-ENDPOINTS chain.
 func (r *renderer) portals(b []byte, e *entry, s *ruleParts, chain, externalMatch, target, extTarget string) []byte {
 	for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
 		external := kind == 2
 		t := target
 		if kind != 0 {
 			t = extTarget
+		}
+		if e.refused(r.family, kind != 0) {
+			continue
 		}
 		for _, ip := range ips {
 			if familyOf(ip) != r.family {
@@ -314,13 +353,19 @@ func (r *renderer) portals(b []byte, e *entry, s *ruleParts, chain, externalMatc
 
 func (r *renderer) hasNodePort(e *entry) bool { return e.nodePort != 0 && e.nodePortHeld[r.family] }
 
+// steersNodePort reports whether e has NodePort rules in the nat table: a
+// NodePort held and not refused.
+func (r *renderer) steersNodePort(e *entry) bool {
+	return r.hasNodePort(e) && !e.refused(r.family, true)
+}
+
 // acceptsNonLocal reports whether e has a NON-LOCAL rule: a NodePort that some
 // address of the family serves.
 func (r *renderer) acceptsNonLocal(e *entry) bool { return r.hasNodePort(e) && len(r.nodePortDsts) > 0 }
 
 // nodePortContainer writes e's PREROUTING NodePort rules: REDIRECT.
 func (r *renderer) nodePortContainer(b []byte, e *entry, s *ruleParts) []byte {
-	if !r.hasNodePort(e) {
+	if !r.steersNodePort(e) {
 		return b
 	}
 	for _, d := range r.nodePortDsts {
@@ -331,11 +376,52 @@ func (r *renderer) nodePortContainer(b []byte, e *entry, s *ruleParts) []byte {
 
 // nodePortHost writes e's OUTPUT NodePort rules: DNAT.
 func (r *renderer) nodePortHost(b []byte, e *entry, s *ruleParts) []byte {
-	if !r.hasNodePort(e) {
+	if !r.steersNodePort(e) {
 		return b
 	}
 	for _, d := range r.nodePortDsts {
 		b = append(b, "-A "+r.chains.nodePortHost+d+s.match+strconv.Itoa(e.nodePort)+s.extDnat...)
+	}
+	return b
+}
+
+// noEndpoints writes e's NO-ENDPOINTS rules: a REJECT for each refused address,
+// matching exactly the packets the nat rules would have steered had it been
+// steered. The chain is reached from INPUT, FORWARD and OUTPUT, so each rule
+// holds in every hook: a ClusterIP or LoadBalancer IP whoever the client; an
+// ExternalIP the node owns (the node's own connections are steered only then),
+// or from a client that is not the node (two rules, for iptables has no "or");
+// a NodePort on a local address inside --nodeport-addresses.
+func (r *renderer) noEndpoints(b []byte, e *entry, s *ruleParts) []byte {
+	if !e.refusesAny(r.family) {
+		return b
+	}
+	chain := "-A " + r.chains.noEndpoints
+	for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
+		if !e.refused(r.family, kind != 0) {
+			continue
+		}
+		matches := []string{""}
+		if kind == 2 {
+			matches = []string{" -m addrtype --dst-type LOCAL", " -m addrtype ! --src-type LOCAL"}
+		}
+		for _, ip := range ips {
+			if familyOf(ip) != r.family {
+				continue
+			}
+			for _, m := range matches {
+				b = append(b, chain+" -d "...)
+				b = ip.AppendTo(b)
+				b = append(b, '/')
+				b = strconv.AppendInt(b, int64(ip.BitLen()), 10)
+				b = append(b, s.refuseMatch+s.port+m+s.reject...)
+			}
+		}
+	}
+	if r.hasNodePort(e) && e.refused(r.family, true) {
+		for _, d := range r.nodePortDsts {
+			b = append(b, chain+d+s.refuseMatch+strconv.Itoa(e.nodePort)+" -m addrtype --dst-type LOCAL"+s.reject...)
+		}
 	}
 	return b
 }
