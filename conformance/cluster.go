@@ -109,13 +109,9 @@ func Up(ctx context.Context, cfg Config) (*Cluster, error) {
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}
-	lock, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR, 0o644)
+	lock, err := Lock()
 	if err != nil {
 		return nil, err
-	}
-	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		lock.Close()
-		return nil, fmt.Errorf("another conformance cluster is running (%s is locked): %w", lockPath, err)
 	}
 	c := &Cluster{cfg: cfg, lock: lock, agents: map[int]int{}}
 	if err := Teardown(cfg.Logf); err != nil {
@@ -785,6 +781,44 @@ func Teardown(logf func(string, ...any)) error {
 		os.Remove(d)
 	}
 	return errors.Join(errs...)
+}
+
+// Leftovers lists what Teardown should have removed and is still there: network
+// namespaces, cgroups, processes, mounts and directories of a cluster.
+func Leftovers() []string {
+	var out []string
+	for _, ns := range namespaces() {
+		out = append(out, "network namespace "+ns)
+	}
+	hierarchies, _ := cgroupHierarchies()
+	for _, h := range hierarchies {
+		if _, err := os.Stat(filepath.Join(h, cgroupRoot)); err == nil {
+			out = append(out, "cgroup "+filepath.Join(h, cgroupRoot))
+		}
+	}
+	for _, m := range mountsUnder(StateDir, RunDir) {
+		out = append(out, "mount "+m)
+	}
+	for _, d := range []string{StateDir, RunDir} {
+		if _, err := os.Stat(d); err == nil {
+			out = append(out, "directory "+d)
+		}
+	}
+	return out
+}
+
+// Lock takes the lock a cluster holds while it runs, so that nothing tears down
+// a cluster in use; release it with Close on the returned file.
+func Lock() (*os.File, error) {
+	lock, err := os.OpenFile(lockPath, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		lock.Close()
+		return nil, fmt.Errorf("a conformance cluster is in use (%s is locked): %w", lockPath, err)
+	}
+	return lock, nil
 }
 
 func cgroupPids(root string) []int {
