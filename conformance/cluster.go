@@ -47,16 +47,32 @@ import (
 	"k8s.io/client-go/rest"
 )
 
-// Names and addresses of the cluster. They are fixed so that Teardown can find
-// what an interrupted run left; a lock keeps two runs from sharing them.
+// Names of the cluster. They are fixed for a prefix so that Teardown can find
+// what an interrupted run left; a lock keeps two runs of one prefix apart. The
+// prefix is "uconf", or PrefixEnv's value: two clusters of different prefixes run
+// side by side (their addresses are the same, each in namespaces of its own).
+var (
+	Prefix     = prefix()
+	ExtNS      = Prefix + "-ext"
+	bridge     = Prefix + "-br"
+	cgroupRoot = "/" + Prefix
+	StateDir   = "/var/lib/" + Prefix
+	RunDir     = "/run/" + Prefix
+	lockPath   = "/run/" + Prefix + ".lock"
+)
+
+// PrefixEnv names the environment variable that sets Prefix.
+const PrefixEnv = "UPROXY_CONFORMANCE_PREFIX"
+
+func prefix() string {
+	if p := os.Getenv(PrefixEnv); p != "" {
+		return p
+	}
+	return "uconf"
+}
+
+// Addresses of the cluster.
 const (
-	Prefix      = "uconf"
-	ExtNS       = Prefix + "-ext"
-	bridge      = Prefix + "-br"
-	cgroupRoot  = "/" + Prefix
-	StateDir    = "/var/lib/" + Prefix
-	RunDir      = "/run/" + Prefix
-	lockPath    = "/run/" + Prefix + ".lock"
 	ClusterCIDR = "10.244.0.0/16"
 	ServiceCIDR = "10.96.0.0/16"
 	DNSIP       = "10.96.0.10"
