@@ -53,14 +53,15 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 
 	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	// Manifests on disk when --services is given, else the API server.
-	var src syncloop.Source = &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName, Zone: cfg.zone}}
+	fileSrc := &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName, Zone: cfg.zone}}
+	var kubeSrc *kube.Source
+	var src syncloop.Source = fileSrc
 	srcName := o.services
 	if o.services == "" {
-		ks, err := newKubeSource(ctx, o, cfg, health)
-		if err != nil {
+		if kubeSrc, err = newKubeSource(ctx, o, cfg, health); err != nil {
 			return err
 		}
-		src, srcName = ks, "kubernetes"
+		src, srcName = kubeSrc, "kubernetes"
 	}
 
 	events := observe.NewEvents(o.events)
@@ -69,9 +70,18 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		return err
 	}
 	defer lock.Close()
+	// The Service ports of a protocol the mode cannot serve are reported by
+	// the source, as problems of its Snapshots.
+	if m, ok := mode.(interface{ Unserved() []service.Unserved }); ok {
+		fileSrc.Options.Unserved = m.Unserved()
+		if kubeSrc != nil {
+			kubeSrc.Unserved = m.Unserved()
+		}
+	}
 
 	changes := &observe.Changes{}
 	conflicts := &observe.Conflicts{}
+	unserved := &observe.Unserved{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
 	hc := &kube.HealthCheckServer{IPs: nodePortIPs(cfg.prefixes), Healthy: func() bool {
 		ok, _ := health.Healthy(time.Now())
@@ -105,6 +115,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		runner.Check = m.Intact
 	}
 	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug = modeName, mode, conflicts, events, health, o.debug
+	srv.Unserved = unserved
 	srv.Start()
 
 	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
@@ -114,6 +125,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
 			changes.Queued(s)
 			conflicts.Update(s)
+			unserved.Update(s)
 			runner.Update(s)
 		})
 	}()

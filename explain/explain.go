@@ -202,7 +202,10 @@ func Run(w io.Writer, destination string, o Options) error {
 	for _, st := range states {
 		if m := matchService(st, dst, proto, local); m != "" {
 			served := "the kernel (" + mode + " mode): the rules below rewrite the destination to an endpoint; no proxy process sees the connection"
-			if st.ProxyPort != 0 {
+			switch {
+			case st.NotServed != "":
+				served = "nothing: " + st.NotServed
+			case st.ProxyPort != 0:
 				served = servedByProxy(st, m, mode)
 				if r := refusedAs(st, m, dst.Addr().Is6()); r != nil {
 					served = refusedByPortal(st, m, *r)
@@ -270,7 +273,7 @@ func Run(w io.Writer, destination string, o Options) error {
 	}
 	if (err == nil || len(x.NFTPortals) > 0) && x.Mode == "userspace" && !x.anyRewrite() {
 		for _, sm := range x.Services {
-			if sm.MatchedAs != "proxyPort" && sm.MatchedAs != "externalProxyPort" && refusedAs(sm.Service, sm.MatchedAs, dst.Addr().Is6()) == nil {
+			if sm.Service.NotServed == "" && sm.MatchedAs != "proxyPort" && sm.MatchedAs != "externalProxyPort" && refusedAs(sm.Service, sm.MatchedAs, dst.Addr().Is6()) == nil {
 				x.Notes = append(x.Notes, fmt.Sprintf("no portal rule sends %s/%s to the proxy (uproxy runs with --rules none, or its rules were removed): connect to %s's proxy port %d on this node instead",
 					dst, proto, sm.Service.Name, proxyPortOf(sm.Service, sm.MatchedAs)))
 			}

@@ -59,6 +59,9 @@ func (x *explanation) writeText(w io.Writer) error {
 		st := sm.Service
 		p("\nService port %s (%s, matched as %s)\n", st.Name, st.Protocol, sm.MatchedAs)
 		p("  Served by %s.\n", sm.ServedBy)
+		if st.NotServed != "" {
+			continue // no scheduler, endpoints or rules to show
+		}
 		p("  Scheduler %s, session affinity %s", st.Scheduler, st.SessionAffinity)
 		if st.AffinityTimeout > 0 {
 			p(" (%ds)", st.AffinityTimeout)

@@ -1,6 +1,7 @@
 package observe
 
 import (
+	"errors"
 	"sync"
 
 	"github.com/uproxy/uproxy/service"
@@ -62,4 +63,38 @@ func (c *Conflicts) List() []ConflictState {
 		return []ConflictState{}
 	}
 	return c.list
+}
+
+// Unserved keeps the Service ports of the newest Snapshot a source produced that
+// the mode cannot serve (service.UnservedError), for /debug/services, which
+// lists them among the Service ports with NotServed saying why. Like conflicts,
+// they are the source's facts, recorded when a Snapshot is queued.
+type Unserved struct {
+	mu   sync.Mutex
+	list []ServiceState // replaced, never modified
+}
+
+// Update records the unserved Service ports of s.
+func (u *Unserved) Update(s *service.Snapshot) {
+	var list []ServiceState
+	for _, err := range s.Errors {
+		var ue *service.UnservedError
+		if !errors.As(err, &ue) {
+			continue
+		}
+		st := PortState(ue.Port, "")
+		st.NotServed = ue.Reason
+		list = append(list, st)
+	}
+	u.mu.Lock()
+	u.list = list
+	u.mu.Unlock()
+}
+
+// List returns the unserved Service ports last recorded; the caller must not
+// modify it.
+func (u *Unserved) List() []ServiceState {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.list
 }

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -56,6 +57,10 @@ type ServiceState struct {
 	// NextForClient is the choice the client of ?client=IP would get next (modes
 	// that choose endpoints in userspace only).
 	NextForClient *Choice `json:"nextForClient,omitempty"`
+	// NotServed, when set, says why the mode does not serve the port at all
+	// (its protocol, service.UnservedError): it has no proxy port, endpoints or
+	// rules, and is listed so that it is not silently missing.
+	NotServed string `json:"notServed,omitempty"`
 	// Refused are the port's addresses that the userspace mode's portals
 	// refuse rather than steer to the proxy port, for want of endpoints: a
 	// connection's first packet gets a TCP reset or ICMP port unreachable,
@@ -226,8 +231,10 @@ type Server struct {
 	Services ServicesView
 	// Conflicts, if set, are listed by /debug/services.
 	Conflicts *Conflicts
-	Events    *Events
-	Health    *Health
+	// Unserved, if set, are listed among the Service ports of /debug/services.
+	Unserved *Unserved
+	Events   *Events
+	Health   *Health
 	// Debug enables the /debug/ handlers (default on via the flag).
 	Debug bool
 
@@ -270,6 +277,9 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 	var states []ServiceState
 	if s.Services != nil {
 		states = s.Services.DebugServices()
+	}
+	if s.Unserved != nil {
+		states = slices.Concat(states, s.Unserved.List())
 	}
 	if states == nil {
 		states = []ServiceState{}

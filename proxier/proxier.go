@@ -732,5 +732,14 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 // Cleanup removes the portals.
 func (p *Proxier) Cleanup() error { return p.cfg.Portals.Cleanup() }
 
+// unserved are the protocols the userspace mode has no proxy socket for.
+var unserved = []service.Unserved{{Protocol: service.SCTP,
+	Reason: "the userspace mode has no SCTP proxy; the kernel modes serve SCTP (--proxy-mode iptables, nftables or ipvs)"}}
+
+// Unserved returns the protocols the userspace mode cannot serve, for the
+// Snapshots it is given (service.BuildOptions.Unserved): their Service ports
+// are then reported, where Sync would skip them without a word.
+func (p *Proxier) Unserved() []service.Unserved { return unserved }
+
 // Intact reports whether the portals the last sync wrote are still in place.
 func (p *Proxier) Intact() bool { return p.cfg.Portals.Intact() }

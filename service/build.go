@@ -2,6 +2,7 @@ package service
 
 import (
 	"cmp"
+	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
@@ -20,6 +21,49 @@ type BuildOptions struct {
 	// Zone is this node's topology zone (its topology.kubernetes.io/zone label),
 	// for the zone hints; "" turns them off. It is handed on as Snapshot.Zone.
 	Zone string
+	// Unserved are the protocols the proxy mode cannot serve, each with why. A
+	// Service port of one is left out of Ports and reported in Errors as an
+	// *UnservedError naming it, rather than dropped without a word by the mode.
+	// Empty: every protocol is served.
+	Unserved []Unserved
+}
+
+// Unserved is a protocol a proxy mode cannot serve, and why.
+type Unserved struct {
+	Protocol Protocol
+	// Reason ends the port's UnservedError, e.g. "the userspace mode has no
+	// SCTP proxy".
+	Reason string
+}
+
+func (o BuildOptions) equal(p BuildOptions) bool {
+	return o.NodeName == p.NodeName && o.Zone == p.Zone && slices.Equal(o.Unserved, p.Unserved)
+}
+
+// unserved splits ports (in name order) into those the mode serves, in the
+// same order, and an UnservedError for each of the others.
+func (o BuildOptions) unserved(svc *v1.Service, ports []*Port) ([]*Port, []error) {
+	if len(o.Unserved) == 0 {
+		return ports, nil
+	}
+	var errs []error
+	served := ports[:0:0]
+	for _, p := range ports {
+		i := slices.IndexFunc(o.Unserved, func(u Unserved) bool { return u.Protocol == p.Protocol })
+		if i < 0 {
+			served = append(served, p)
+			continue
+		}
+		field := "spec.ports"
+		if j := slices.IndexFunc(svc.Spec.Ports, func(sp v1.ServicePort) bool { return sp.Name == p.Name.Port }); j >= 0 {
+			field = fmt.Sprintf("spec.ports[%d]", j)
+		}
+		errs = append(errs, &UnservedError{Port: p, Field: field, Reason: o.Unserved[i].Reason})
+	}
+	if errs == nil {
+		return ports, nil
+	}
+	return served, errs
 }
 
 // objectKey names a namespaced object.
@@ -36,7 +80,8 @@ type objectKey struct{ namespace, name string }
 // the other is left out, with a Conflict in Snapshot.Conflicts and Errors. A
 // Service whose uproxy.io/ policy annotations do not parse (see ParsePolicy) is
 // served, with the flags' policy in place of each bad one, and each such error
-// goes to Snapshot.Errors. Build
+// goes to Snapshot.Errors. A Service port of a protocol the mode cannot serve
+// (BuildOptions.Unserved) is left out, with an UnservedError in Errors. Build
 // never modifies its arguments, which may come straight from an informer cache,
 // and accepts nil entries.
 func Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, opts BuildOptions) *Snapshot {
@@ -118,6 +163,8 @@ type serviceState struct {
 	svc      *v1.Service
 	epSlices []*discoveryv1.EndpointSlice
 	ports    []*Port
+	// unserved are the UnservedErrors of the Service's ports left out of ports.
+	unserved []error
 }
 
 // NewBuilder returns a Builder that has built nothing yet.
@@ -137,12 +184,12 @@ func NewBuilder(opts BuildOptions) *Builder {
 // so consumers that skip unchanged Ports redo all of them: which endpoints are
 // Local or preferred, and the Snapshot's Zone, may all have changed.
 func (b *Builder) SetOptions(opts BuildOptions) {
-	if opts == b.opts {
+	if opts.equal(b.opts) {
 		return
 	}
 	b.opts = opts
 	for _, ss := range b.services {
-		ss.svc, ss.epSlices, ss.ports = nil, nil, nil
+		ss.svc, ss.epSlices, ss.ports, ss.unserved = nil, nil, nil, nil
 	}
 }
 
@@ -244,7 +291,9 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			ss.svc, ss.epSlices = svc, slices.Clone(eps)
 			ss.ports = servicePorts(svc, st.policy, ss.epSlices, b.opts)
 			slices.SortFunc(ss.ports, comparePorts)
+			ss.ports, ss.unserved = b.opts.unserved(svc, ss.ports)
 		}
+		snap.Errors = append(snap.Errors, ss.unserved...)
 		taken = append(taken, ss)
 	}
 
@@ -375,6 +424,8 @@ func objectOf(err error) *FieldError {
 		return e
 	case *Conflict:
 		return &FieldError{Kind: "Service", Namespace: e.LeftOut.Namespace, Name: e.LeftOut.Name}
+	case *UnservedError:
+		return &FieldError{Kind: "Service", Namespace: e.Port.Name.Namespace, Name: e.Port.Name.Name}
 	}
 	return &FieldError{}
 }

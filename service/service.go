@@ -287,3 +287,19 @@ type FieldError struct {
 func (e *FieldError) Error() string {
 	return fmt.Sprintf("%s %s/%s: %s: %s", e.Kind, e.Namespace, e.Name, e.Field, e.Msg)
 }
+
+// UnservedError is a Service port left out of a Snapshot because the proxy mode
+// cannot serve its protocol (BuildOptions.Unserved). The Service is valid: a
+// mode that serves the protocol would serve it.
+type UnservedError struct {
+	// Port is the Service port as it would be served.
+	Port *Port
+	// Field is where the port is in the Service, e.g. spec.ports[1].
+	Field  string
+	Reason string
+}
+
+func (e *UnservedError) Error() string {
+	return fmt.Sprintf("Service %s/%s: %s: %s port %d (%s) is not served: %s",
+		e.Port.Name.Namespace, e.Port.Name.Name, e.Field, e.Port.Protocol, e.Port.Port, e.Port.Name, e.Reason)
+}

@@ -341,12 +341,19 @@ func (l *loader) load() *service.Snapshot {
 
 	snap := l.snaps.Build(svcs, epSlices)
 	for i, err := range snap.Errors {
-		// Say where the Service left out is defined.
-		if c, ok := err.(*service.Conflict); ok {
-			if at, ok := where[objectKey{"Service", c.LeftOut.Namespace, c.LeftOut.Name}]; ok {
-				at.Err = c
-				snap.Errors[i] = &at
-			}
+		// Say where the Service left out, or its port, is defined.
+		var svc service.PortName
+		switch e := err.(type) {
+		case *service.Conflict:
+			svc = e.LeftOut
+		case *service.UnservedError:
+			svc = e.Port.Name
+		default:
+			continue
+		}
+		if at, ok := where[objectKey{"Service", svc.Namespace, svc.Name}]; ok {
+			at.Err = err
+			snap.Errors[i] = &at
 		}
 	}
 	snap.Errors = append(errs, snap.Errors...)

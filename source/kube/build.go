@@ -27,6 +27,8 @@ type builder struct {
 	// snaps builds incrementally, by the same rule.
 	snaps    *service.Builder
 	nodeName string
+	// unserved are the protocols the mode cannot serve (BuildOptions.Unserved).
+	unserved []service.Unserved
 	// gen numbers the builds; every state records the last build that saw it,
 	// and what a build did not see is dropped at its end.
 	gen    uint64
@@ -74,7 +76,7 @@ type keyState struct {
 
 // setZone makes the next build's Snapshot carry zone, and judge the hints by it.
 func (b *builder) setZone(zone string) {
-	b.snaps.SetOptions(service.BuildOptions{NodeName: b.nodeName, Zone: zone})
+	b.snaps.SetOptions(service.BuildOptions{NodeName: b.nodeName, Zone: zone, Unserved: b.unserved})
 }
 
 func newBuilder(nodeName string) *builder {
@@ -211,6 +213,8 @@ func (b *builder) log(errs []error) {
 		}
 		if _, ok := err.(*service.Conflict); ok {
 			klog.ErrorS(err, "Service port left out")
+		} else if _, ok := err.(*service.UnservedError); ok {
+			klog.ErrorS(err, "Service port not served in this mode")
 		} else if service.IsPolicyError(err) {
 			klog.ErrorS(err, "Ignoring a Service annotation")
 		} else {

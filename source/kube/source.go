@@ -70,6 +70,9 @@ type Source struct {
 	// NodeChanged, if set, is called from the informer with this node's Node
 	// whenever it is added or changes, and with nil when it is deleted.
 	NodeChanged func(*v1.Node)
+	// Unserved are the protocols the proxy mode cannot serve: their Service
+	// ports are reported in Snapshot.Errors (service.BuildOptions.Unserved).
+	Unserved []service.Unserved
 }
 
 // ServiceSelector returns the label selector for the Services a proxy named name
@@ -221,6 +224,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	klog.InfoS("Services and EndpointSlices synced")
 
 	b := newBuilder(s.NodeName)
+	b.unserved = s.Unserved
 	var last *service.Snapshot
 	for {
 		zoneMu.Lock()

@@ -1,0 +1,72 @@
+package integration
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/uproxy/uproxy/testbed"
+)
+
+// TestSCTPServiceSaidInTheUserspaceMode: the userspace mode has no SCTP proxy.
+// An SCTP Service port is not dropped without a word: the manifest problem names
+// it in the log (and counts in the reload's problems), /debug/services lists it
+// with why it is not served, and `uproxy explain` says so rather than that no
+// Service has the address. The TCP Service beside it is served as ever.
+func TestSCTPServiceSaidInTheUserspaceMode(t *testing.T) {
+	tp := testbed.New(t)
+	manifests := join(webService(t, tp),
+		"apiVersion: v1\nkind: Service\nmetadata: {name: sig, namespace: it}\nspec:\n  clusterIP: 10.96.0.20\n  ports:\n  - {name: p, protocol: SCTP, port: 3868}\n")
+	px := startProxy(t, tp, manifests, 1)
+
+	log := px.logText()
+	for _, want := range []string{`"Manifest problem"`, `SCTP port 3868 (it/sig:p) is not served: the userspace mode has no SCTP proxy`, `problems=1`} {
+		if !strings.Contains(log, want) {
+			t.Errorf("log lacks %q:\n%s", want, tail(log, 30))
+		}
+	}
+
+	body, err := px.get("/debug/services")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var debug struct {
+		Services []struct {
+			Name, Protocol, NotServed string
+			ProxyPort                 int
+			ClusterIPs                []string
+		}
+	}
+	if err := json.Unmarshal([]byte(body), &debug); err != nil {
+		t.Fatalf("decode /debug/services: %v\n%s", err, body)
+	}
+	found := false
+	for _, s := range debug.Services {
+		if s.Name != "it/sig:p" {
+			continue
+		}
+		found = true
+		if s.Protocol != "SCTP" || s.ProxyPort != 0 || !strings.Contains(s.NotServed, "no SCTP proxy") || strings.Join(s.ClusterIPs, ",") != "10.96.0.20" {
+			t.Errorf("/debug/services it/sig:p: got %+v, want SCTP, no proxy port, cluster IP 10.96.0.20 and why it is not served", s)
+		}
+	}
+	if !found {
+		t.Errorf("/debug/services lacks it/sig:p:\n%s", body)
+	}
+
+	out, err := tp.Exec(testbed.Node, uproxyBin, "explain", "10.96.0.20:3868/sctp", "--metrics-address", px.metrics)
+	if err != nil {
+		t.Fatalf("uproxy explain: %v\n%s", err, out)
+	}
+	for _, want := range []string{"Service port it/sig:p (SCTP, matched as clusterIP)", "Served by nothing: the userspace mode has no SCTP proxy"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("uproxy explain 10.96.0.20:3868/sctp lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(string(out), "no Service port of the running proxy") {
+		t.Errorf("uproxy explain says no Service has the address:\n%s", out)
+	}
+	if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+		t.Errorf("the TCP Service beside it: got %q (%v), want a web backend", name, err)
+	}
+}

@@ -1,0 +1,71 @@
+package service
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+)
+
+// A port of a protocol the mode cannot serve is left out of Ports and said in
+// Errors, naming the Service, the port and why; the Service's other ports and
+// every other Service are served; with no Unserved, every protocol is served.
+func TestBuildReportsUnservedPorts(t *testing.T) {
+	mixed := testService("ns", "mixed", withPorts(
+		v1.ServicePort{Name: "web", Port: 80},
+		v1.ServicePort{Name: "sig", Port: 3868, Protocol: v1.ProtocolSCTP},
+	))
+	sctp := testService("ns", "sctp", withPorts(v1.ServicePort{Port: 9999, Protocol: v1.ProtocolSCTP}))
+	eps := testSlice("ns", "mixed-1", "mixed", discoveryv1.AddressTypeIPv4, slicePorts("web:8080", "sig:3868/SCTP"), testEndpoint(addrs("10.0.0.1")))
+	svcs, slices := []*v1.Service{mixed, sctp}, []*discoveryv1.EndpointSlice{eps}
+	userspace := BuildOptions{Unserved: []Unserved{{Protocol: SCTP, Reason: "no SCTP proxy"}}}
+
+	for _, b := range []struct {
+		name  string
+		build func() *Snapshot
+	}{
+		{"Build", func() *Snapshot { return Build(svcs, slices, userspace) }},
+		{"Builder, twice", func() *Snapshot {
+			b := NewBuilder(userspace)
+			b.Build(svcs, slices)
+			return b.Build(svcs, slices)
+		}},
+	} {
+		t.Run(b.name, func(t *testing.T) {
+			snap := b.build()
+			var names []string
+			for _, p := range snap.Ports {
+				names = append(names, p.Name.String())
+			}
+			if got, want := strings.Join(names, " "), "ns/mixed:web"; got != want {
+				t.Errorf("ports: got %q, want %q", got, want)
+			}
+			want := []string{
+				`Service ns/mixed: spec.ports[1]: SCTP port 3868 (ns/mixed:sig) is not served: no SCTP proxy`,
+				`Service ns/sctp: spec.ports[0]: SCTP port 9999 (ns/sctp) is not served: no SCTP proxy`,
+			}
+			if len(snap.Errors) != len(want) {
+				t.Fatalf("errors: got %v, want %q", snap.Errors, want)
+			}
+			for i, err := range snap.Errors {
+				var ue *UnservedError
+				if !errors.As(err, &ue) || err.Error() != want[i] {
+					t.Errorf("error %d: got %v (%T), want an UnservedError %q", i, err, err, want[i])
+					continue
+				}
+				if ue.Port.Protocol != SCTP || len(ue.Port.ClusterIPs) != 1 {
+					t.Errorf("error %d: got port %+v, want the SCTP port with its cluster IP", i, ue.Port)
+				}
+			}
+		})
+	}
+
+	b := NewBuilder(userspace)
+	b.Build(svcs, slices)
+	b.SetOptions(BuildOptions{})
+	if snap := b.Build(svcs, slices); len(snap.Ports) != 3 || len(snap.Errors) != 0 {
+		t.Errorf("without Unserved: got %d ports and errors %v, want 3 ports and none", len(snap.Ports), snap.Errors)
+	}
+}
