@@ -281,8 +281,8 @@ type proc struct {
 	err  error
 }
 
-// start runs argv in network namespace ns (or, with mountOf, in the network and
-// mount namespaces of that process), in cgroup group (of the pids and freezer
+// start runs argv in network namespace ns (or, with mountOf, in the network,
+// mount and UTS namespaces of that process), in cgroup group (of the pids and freezer
 // hierarchies), with its output in StateDir/logs/NAME.log.
 func (c *Cluster) start(name, group, ns string, mountOf int, argv ...string) (*proc, error) {
 	logf, err := os.OpenFile(filepath.Join(StateDir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
@@ -295,7 +295,7 @@ func (c *Cluster) start(name, group, ns string, mountOf int, argv ...string) (*p
 	}
 	enter := []string{"nsenter", "--net=/run/netns/" + ns, "--"}
 	if mountOf > 0 {
-		enter = []string{"nsenter", "--target", strconv.Itoa(mountOf), "--mount", "--net", "--"}
+		enter = []string{"nsenter", "--target", strconv.Itoa(mountOf), "--mount", "--uts", "--net", "--"}
 	}
 	full := append([]string{"sh", "-c", join + `exec "$@"`, "sh"}, append(enter, argv...)...)
 	cmd := exec.Command(full[0], full[1:]...)
@@ -622,16 +622,17 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 	if err := os.WriteFile(filepath.Join(dir, "containerd.toml"), []byte(config), 0o644); err != nil {
 		return err
 	}
-	// The node's own mount namespace: containerd, its shims and kubelet share it, and
+	// The node's own mount and UTS namespaces: containerd, its shims and kubelet share them, and
 	// what they mount (overlays, volumes, the pods' network namespaces) goes away with
 	// it. /run/containerd and the container log directories are the node's own too.
-	setup := ""
+	// Its own host name too: a host-network pod's hostname is its node's name.
+	setup := "hostname " + NodeName(i) + " && "
 	for _, d := range nodeMountPoints {
 		setup += "mkdir -p " + d + " && mount -t tmpfs tmpfs " + d + " && "
 	}
 	setup += "exec containerd --config " + filepath.Join(dir, "containerd.toml")
 	p, err := c.start(NodeName(i)+"-containerd", cgroupRoot+"/agents/"+NodeName(i), NodeName(i), 0,
-		"unshare", "--mount", "--propagation", "private", "sh", "-c", setup)
+		"unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", setup)
 	if err != nil {
 		return err
 	}
