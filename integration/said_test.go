@@ -70,3 +70,20 @@ func TestSCTPServiceSaidInTheUserspaceMode(t *testing.T) {
 		t.Errorf("the TCP Service beside it: got %q (%v), want a web backend", name, err)
 	}
 }
+
+// TestServiceWithoutClusterIPIsWarnedOf: a manifest's Service without a
+// clusterIP (the API server would have assigned one) is still served on its
+// proxy port, and the log says once that no cluster IP reaches it.
+func TestServiceWithoutClusterIPIsWarnedOf(t *testing.T) {
+	tp := testbed.New(t)
+	px := runUproxy(t, tp, "apiVersion: v1\nkind: Service\nmetadata: {name: bare, namespace: it}\nspec:\n  ports:\n  - {name: p, port: 80}\n",
+		launch{want: 1, flags: []string{"--rules", "none"}})
+	log := px.logText()
+	want := `Service it/bare: spec.clusterIP: not set, so no cluster IP reaches the Service`
+	if n := strings.Count(log, want); n != 1 {
+		t.Errorf("log has %q %d times, want once:\n%s", want, n, tail(log, 30))
+	}
+	if !strings.Contains(log, "problems=1") {
+		t.Errorf("the manifest load does not count the problem:\n%s", tail(log, 30))
+	}
+}

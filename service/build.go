@@ -80,7 +80,8 @@ type objectKey struct{ namespace, name string }
 // the other is left out, with a Conflict in Snapshot.Conflicts and Errors. A
 // Service whose uproxy.io/ policy annotations do not parse (see ParsePolicy) is
 // served, with the flags' policy in place of each bad one, and each such error
-// goes to Snapshot.Errors. A Service port of a protocol the mode cannot serve
+// goes to Snapshot.Errors; so does a Service without a cluster IP (see
+// noClusterIP), which is served too. A Service port of a protocol the mode cannot serve
 // (BuildOptions.Unserved) is left out, with an UnservedError in Errors. Build
 // never modifies its arguments, which may come straight from an informer cache,
 // and accepts nil entries.
@@ -130,10 +131,11 @@ type objectState struct {
 	errs []error // validation errors; nil when valid
 	// skip is true for the Services and slices Build leaves out silently.
 	skip bool
-	// policy is a valid Service's own policy, and policyErrs its annotations
-	// that did not parse: they go to Snapshot.Errors, but the Service is served.
+	// policy is a valid Service's own policy. servedErrs are its problems that
+	// leave it served all the same (annotations that did not parse, no cluster
+	// IP): they go to Snapshot.Errors.
 	policy     Policy
-	policyErrs []error
+	servedErrs []error
 	// service is the Service the object is or belongs to; name is a slice's own key.
 	service, name objectKey
 	// ss and ns cache the states of service and name, to save the lookups by
@@ -259,7 +261,10 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			st = &objectState{errs: ValidateService(svc), service: objectKey{svc.Namespace, svc.Name}}
 			st.skip = len(st.errs) == 0 && skipService(svc)
 			if len(st.errs) == 0 && !st.skip {
-				st.policy, st.policyErrs = ParsePolicy(svc)
+				st.policy, st.servedErrs = ParsePolicy(svc)
+				if err := noClusterIP(svc); err != nil {
+					st.servedErrs = append(st.servedErrs, err)
+				}
 			}
 			b.svcs[svc] = st
 		}
@@ -279,7 +284,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			snap.Errors = append(snap.Errors, duplicate("Service", svc.Namespace, svc.Name))
 			continue
 		}
-		snap.Errors = append(snap.Errors, st.policyErrs...)
+		snap.Errors = append(snap.Errors, st.servedErrs...)
 		ss.svcGen = gen
 		var eps []*discoveryv1.EndpointSlice
 		if ss.slicesGen == gen {

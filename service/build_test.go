@@ -195,16 +195,16 @@ func TestBuildConversion(t *testing.T) {
 			want: []*Port{{Name: web, Protocol: TCP, Port: 80, ClusterIPs: []netip.Addr{ip("10.96.0.10")}}},
 		},
 		{
-			name: "headless and ExternalName skipped, no clusterIP kept",
+			name: "headless and ExternalName skipped",
 			svcs: []*v1.Service{
 				testService("default", "headless", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "None" })),
 				testService("default", "headless2", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP, s.ClusterIPs = "", []string{"None"} })),
 				testService("default", "alias", withSpec(func(s *v1.ServiceSpec) {
 					s.Type, s.ClusterIP, s.ExternalName, s.Ports = v1.ServiceTypeExternalName, "", "db.example", nil
 				})),
-				testService("default", "web", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "" })),
+				testService("default", "web"),
 			},
-			want: []*Port{{Name: web, Protocol: TCP, Port: 80}},
+			want: []*Port{{Name: web, Protocol: TCP, Port: 80, ClusterIPs: []netip.Addr{ip("10.96.0.10")}}},
 		},
 		{
 			name: "external addresses, node ports and traffic policies",

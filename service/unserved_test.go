@@ -69,3 +69,19 @@ func TestBuildReportsUnservedPorts(t *testing.T) {
 		t.Errorf("without Unserved: got %d ports and errors %v, want 3 ports and none", len(snap.Ports), snap.Errors)
 	}
 }
+
+// A Service without a cluster IP (the API server would have given it one; a
+// hand-written manifest often leaves it out) is served, and warned of; a
+// headless one is skipped without a word.
+func TestBuildWarnsOfNoClusterIP(t *testing.T) {
+	bare := testService("ns", "bare", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "" }))
+	headless := testService("ns", "headless", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = v1.ClusterIPNone }))
+	snap := Build([]*v1.Service{bare, headless, testService("ns", "web")}, nil, BuildOptions{})
+	if len(snap.Ports) != 2 || snap.Ports[0].Name.Name != "bare" || len(snap.Ports[0].ClusterIPs) != 0 {
+		t.Errorf("ports: got %s, want ns/bare without cluster IPs, then ns/web", dump(snap.Ports))
+	}
+	want := "Service ns/bare: spec.clusterIP: not set, so no cluster IP reaches the Service"
+	if len(snap.Errors) != 1 || !strings.HasPrefix(snap.Errors[0].Error(), want) {
+		t.Errorf("errors: got %v, want one starting %q", snap.Errors, want)
+	}
+}

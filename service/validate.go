@@ -284,6 +284,18 @@ func skipService(svc *v1.Service) bool {
 	return len(svc.Spec.ClusterIPs) > 0 && svc.Spec.ClusterIPs[0] == v1.ClusterIPNone
 }
 
+// noClusterIP warns of a Service (neither headless nor ExternalName) without a
+// cluster IP. The API server assigns every such Service one; a hand-written
+// manifest often leaves it out, and the Service is then reached only through
+// its other addresses, which would otherwise go unsaid.
+func noClusterIP(svc *v1.Service) error {
+	if svc.Spec.ClusterIP != "" || len(svc.Spec.ClusterIPs) > 0 {
+		return nil
+	}
+	return &FieldError{Kind: "Service", Namespace: svc.Namespace, Name: svc.Name, Field: "spec.clusterIP",
+		Msg: "not set, so no cluster IP reaches the Service (only its NodePort, external or load balancer IPs, and in the userspace mode its proxy port); the API server would have assigned one: give one from the cluster's service CIDR"}
+}
+
 // parseIP accepts an IPv4 or IPv6 address without zone: a zone has no meaning for a
 // Service or endpoint address and would make two spellings of one address differ.
 func parseIP(s string) (netip.Addr, bool) {

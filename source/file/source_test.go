@@ -75,7 +75,7 @@ func TestLoad(t *testing.T) {
 	writeFile(t, filepath.Join(dir, "a.yaml"), svcYAML("web", "10.96.0.10", 80, 443)+"---\n"+sliceYAML("web-1", "web", 80, "10.0.0.1"))
 	writeFile(t, filepath.Join(dir, "b.yml"), svcYAML("db", "10.96.0.11", 5432))
 	writeFile(t, filepath.Join(dir, "c.json"), `{"apiVersion": "v1", "kind": "List", "items": [
-		{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api", "namespace": "prod"}, "spec": {"ports": [{"port": 8080}]}}]}`)
+		{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api", "namespace": "prod"}, "spec": {"clusterIP": "10.96.0.15", "ports": [{"port": 8080}]}}]}`)
 	// Not read: other extensions, dotfiles, subdirectories (not recursive).
 	writeFile(t, filepath.Join(dir, "notes.txt"), svcYAML("txt", "10.96.0.12", 1))
 	writeFile(t, filepath.Join(dir, ".tmp.yaml"), svcYAML("hidden", "10.96.0.13", 1))
