@@ -130,6 +130,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		})
 	}()
 	syncDone := make(chan struct{})
+	health.Started(time.Now())
 	go func() {
 		defer close(syncDone)
 		runner.Run(ctx)
@@ -303,7 +304,9 @@ func newKubeSource(ctx context.Context, o *options, cfg *config, health *observe
 		return nil, fmt.Errorf("API client: %w", err)
 	}
 	// The source follows this node's zone (its Node's label) into every
-	// Snapshot, live.
+	// Snapshot, live. Until its Node is known, the node is not eligible (/healthz
+	// answers 503), as kube-proxy's is not without one.
+	health.SetNodeEligible(false)
 	klog.InfoS("Following the API server", "host", rc.Host, "node", cfg.nodeName, "serviceProxyName", o.serviceProxyName)
 	return &kube.Source{
 		Client:           client,

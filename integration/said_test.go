@@ -1,9 +1,17 @@
 package integration
 
 import (
+	"context"
 	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/uproxy/uproxy/testbed"
 )
@@ -85,5 +93,96 @@ func TestServiceWithoutClusterIPIsWarnedOf(t *testing.T) {
 	}
 	if !strings.Contains(log, "problems=1") {
 		t.Errorf("the manifest load does not count the problem:\n%s", tail(log, 30))
+	}
+}
+
+// startUnsynced starts uproxy in the node namespace with args, its metrics
+// and healthz on their usual loopback addresses there and the default log
+// verbosity, and returns at once: it waits for no sync.
+func startUnsynced(t *testing.T, tp *testbed.Topology, args ...string) *proxy {
+	t.Helper()
+	p := &proxy{t: t, tp: tp, exited: make(chan struct{}), metrics: "127.0.0.1:10249"}
+	p.log = filepath.Join(t.TempDir(), "uproxy.log")
+	logf, err := os.Create(p.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	args = append([]string{"netns", "exec", tp.NS(testbed.Node).Name, uproxyBin,
+		"--metrics-bind-address", p.metrics, "--healthz-bind-address", "127.0.0.1:10256"}, args...)
+	p.cmd = exec.Command("ip", args...)
+	p.cmd.Stdout, p.cmd.Stderr = logf, logf
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		p.cmd.Wait()
+		logf.Close()
+		close(p.exited)
+	}()
+	p.client = &http.Client{
+		Timeout: 5 * time.Second,
+		Transport: &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			return tp.Dial(testbed.Node, network, addr)
+		}},
+	}
+	t.Cleanup(func() {
+		p.stop()
+		if t.Failed() {
+			t.Logf("uproxy log:\n%s", tail(p.logText(), 60))
+		}
+	})
+	return p
+}
+
+// TestUnreachableAPIServerIsSaid: with an API server that cannot be reached,
+// the log says so at the default verbosity, once (the informers retry every
+// second or so; the failures are logged at most every 30s), and /healthz
+// answers as kube-proxy's does before its first sync without a Node: 503,
+// nodeEligible false, the start as lastUpdated (never 0001-01-01), while
+// /livez, which is about the proxy alone, answers 200.
+func TestUnreachableAPIServerIsSaid(t *testing.T) {
+	tp := testbed.New(t)
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	master := "http://" + closed.Addr().String()
+	closed.Close()
+	px := startUnsynced(t, tp, "--master", master, "--rules", "none", "--hostname-override", "node-a")
+	const failed = `"API server request failed; retrying"`
+	await(t, 15*time.Second, "the failure in the log", func() bool { return strings.Contains(px.logText(), failed) })
+	for _, want := range []string{"connection refused", `host="` + master + `"`} {
+		if !strings.Contains(px.logText(), want) {
+			t.Errorf("log lacks %q:\n%s", want, tail(px.logText(), 20))
+		}
+	}
+
+	get := func(path string) (int, map[string]any) {
+		t.Helper()
+		resp, err := px.client.Get("http://127.0.0.1:10256" + path)
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		var body map[string]any
+		if err := json.Unmarshal(b, &body); err != nil {
+			t.Fatalf("%s: %v: %s", path, err, b)
+		}
+		return resp.StatusCode, body
+	}
+	code, body := get("/healthz")
+	if code != http.StatusServiceUnavailable || body["nodeEligible"] != false {
+		t.Errorf("/healthz before the first sync: got %d %v, want 503 with nodeEligible false", code, body)
+	}
+	if last, _ := body["lastUpdated"].(string); last == "" || strings.HasPrefix(last, "0001-01-01") {
+		t.Errorf("/healthz lastUpdated: got %q, want the start of the sync loop", last)
+	}
+	if code, body := get("/livez"); code != http.StatusOK {
+		t.Errorf("/livez before the first sync: got %d %v, want 200", code, body)
+	}
+	time.Sleep(5 * time.Second) // several retries of every informer
+	if n := strings.Count(px.logText(), failed); n != 1 {
+		t.Errorf("failure logged %d times in 5s, want once:\n%s", n, tail(px.logText(), 20))
 	}
 }

@@ -30,6 +30,17 @@ func (h *Health) Queued(at time.Time) {
 	SyncLastQueuedTimestamp.Set(float64(at.UnixNano()) / 1e9)
 }
 
+// Started records that the sync loop starts at at: until the first sync, it
+// stands as the last update, as kube-proxy's sync loop records its start, so
+// lastUpdated is never the zero time.
+func (h *Health) Started(at time.Time) {
+	h.mu.Lock()
+	if h.lastUpdated.IsZero() {
+		h.lastUpdated = at
+	}
+	h.mu.Unlock()
+}
+
 // Synced records a successful sync that began at start: every update queued
 // before it is now programmed.
 func (h *Health) Synced(start time.Time) {
@@ -57,7 +68,9 @@ func (h *Health) Healthy(now time.Time) (bool, time.Time) {
 }
 
 // SetNodeEligible records whether this node should receive external traffic
-// (false while its Node is being deleted or drained by the cluster autoscaler).
+// (false while its Node is being deleted or drained by the cluster autoscaler,
+// or, with an API server, while it is not known: kube-proxy's /healthz answers
+// 503 without a Node, among others before its first sync).
 func (h *Health) SetNodeEligible(eligible bool) {
 	h.mu.Lock()
 	h.ineligible = !eligible
@@ -79,7 +92,7 @@ func (h *Health) Livez() http.Handler {
 func (h *Health) serve(w http.ResponseWriter, withNode bool) {
 	now := time.Now()
 	ok, last := h.Healthy(now)
-	body := healthStatus{LastUpdated: last.String(), CurrentTime: now.String()}
+	var body healthStatus
 	if withNode {
 		h.mu.Lock()
 		eligible := !h.ineligible
@@ -87,6 +100,12 @@ func (h *Health) serve(w http.ResponseWriter, withNode bool) {
 		body.NodeEligible = &eligible
 		ok = ok && eligible
 	}
+	// As kube-proxy, a healthy answer's lastUpdated is the current time (what
+	// it meant in older releases, where the sync loop ran periodically).
+	if ok {
+		last = now
+	}
+	body.LastUpdated, body.CurrentTime = last.String(), now.String()
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	if !ok {

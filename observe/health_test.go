@@ -73,3 +73,32 @@ func TestHealth(t *testing.T) {
 		})
 	}
 }
+
+// Before the first sync, /healthz answers as kube-proxy's: healthy while nothing
+// has waited too long, with lastUpdated the current time; unhealthy, the sync
+// loop's start stands as the last update, never the zero time.
+func TestHealthBeforeTheFirstSync(t *testing.T) {
+	h := &Health{Timeout: 10 * time.Second}
+	start := time.Now().Add(-time.Minute)
+	h.Started(start)
+	get := func() (int, healthStatus) {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil))
+		var b healthStatus
+		if err := json.Unmarshal(rec.Body.Bytes(), &b); err != nil {
+			t.Fatalf("/healthz body %q: %v", rec.Body.String(), err)
+		}
+		return rec.Code, b
+	}
+	if code, b := get(); code != 200 || b.LastUpdated != b.CurrentTime {
+		t.Errorf("healthy before the first sync: got %d %+v, want 200 with lastUpdated the current time", code, b)
+	}
+	h.SetNodeEligible(false)
+	if code, b := get(); code != 503 || b.LastUpdated != start.String() {
+		t.Errorf("node not known: got %d %+v, want 503 with lastUpdated the start, %s", code, b, start)
+	}
+	h.Started(time.Now()) // only the first start counts
+	if _, b := get(); b.LastUpdated != start.String() {
+		t.Errorf("after a second Started: got lastUpdated %s, want the first start %s", b.LastUpdated, start)
+	}
+}

@@ -178,7 +178,7 @@ func TestNodeEligible(t *testing.T) {
 		node *v1.Node
 		want bool
 	}{
-		{"unknown node", nil, true},
+		{"unknown node", nil, false},
 		{"plain node", &v1.Node{}, true},
 		{"being deleted", &v1.Node{ObjectMeta: metav1.ObjectMeta{DeletionTimestamp: &now}}, false},
 		{"tainted for removal", &v1.Node{Spec: v1.NodeSpec{Taints: []v1.Taint{{Key: ToBeDeletedTaint, Effect: v1.TaintEffectNoSchedule}}}}, false},

@@ -3,6 +3,7 @@ package kube
 import (
 	"errors"
 	"fmt"
+	"net/http"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/rest"
@@ -39,7 +40,9 @@ type ClientOptions struct {
 // given and the process does not run in a cluster.
 var ErrNoConfig = errors.New("no API server: give --kubeconfig or --master, or run in a cluster")
 
-// ClientConfig builds the client configuration that opts describe.
+// ClientConfig builds the client configuration that opts describe. Its
+// clients log failed requests at the default verbosity, rate-limited
+// (failureLog), which client-go's informers would only retry.
 func ClientConfig(opts ClientOptions) (*rest.Config, error) {
 	var cfg *rest.Config
 	var err error
@@ -72,6 +75,8 @@ func ClientConfig(opts ClientOptions) (*rest.Config, error) {
 	if opts.UserAgent != "" {
 		cfg.UserAgent = opts.UserAgent
 	}
+	host := cfg.Host
+	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return newFailureLog(host, rt) })
 	return cfg, nil
 }
 
@@ -84,10 +89,11 @@ const ToBeDeletedTaint = "ToBeDeletedByClusterAutoscaler"
 
 // NodeEligible reports whether load balancers should keep sending traffic to node,
 // as kube-proxy's /healthz reports it: not when the Node is being deleted or is
-// tainted for removal. A node whose Node object is unknown (nil) is eligible.
+// tainted for removal, nor when it is unknown (nil: not listed yet, absent or
+// deleted), as kube-proxy v1.36 answers without a Node.
 func NodeEligible(node *v1.Node) bool {
 	if node == nil {
-		return true
+		return false
 	}
 	if node.DeletionTimestamp != nil {
 		return false

@@ -190,6 +190,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	}
 	synced := []cache.InformerSynced{svcInformer.HasSynced, sliceInformer.HasSynced}
 	var nodeFactory informers.SharedInformerFactory
+	var nodeStore cache.Store
 	if s.NodeName != "" {
 		// The Node is watched by name alone: a node cannot read every other node's
 		// changes cheaply, nor needs to.
@@ -199,6 +200,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 				o.FieldSelector = fields.OneTermEqualSelector(metav1.ObjectNameField, s.NodeName).String()
 			}))
 		nodeInformer := nodeFactory.Core().V1().Nodes().Informer()
+		nodeStore = nodeInformer.GetStore()
 		if _, err := nodeInformer.AddEventHandler(s.nodeHandler(setZone)); err != nil {
 			return fmt.Errorf("kube source: node handler: %w", err)
 		}
@@ -222,6 +224,11 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 		return nil // ctx is done
 	}
 	klog.InfoS("Services and EndpointSlices synced")
+	if nodeStore != nil {
+		if _, ok, _ := nodeStore.GetByKey(s.NodeName); !ok {
+			klog.ErrorS(nil, "No Node of this node's name: it is not eligible for load balancers' traffic (/healthz answers 503) until there is one; give its name with --hostname-override", "node", s.NodeName)
+		}
+	}
 
 	b := newBuilder(s.NodeName)
 	b.unserved = s.Unserved
