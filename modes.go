@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -59,6 +60,16 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 	}()
 	if mode, px, err = buildMode(name, o, cfg, events, ips); err != nil {
 		return "", nil, nil, nil, err
+	}
+	// kube-proxy sets the conntrack sysctls in every mode; the userspace mode
+	// without rules runs unprivileged and needs none of them.
+	if touchesRules {
+		if err = o.setConntrackSysctls(cfg.conntrack); err != nil {
+			if px != nil {
+				px.Shutdown(context.Background()) // its event loops; it has no port yet
+			}
+			return "", nil, nil, nil, err
+		}
 	}
 
 	// Switching modes, or the userspace mode's portal backend, must not leave

@@ -17,6 +17,7 @@ import (
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/kernelmodes"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
+	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
@@ -60,6 +61,7 @@ type options struct {
 	dialMarkBit        int
 	dialHedge          time.Duration
 	retryBudget        string
+	conntrack          conntrackOptions
 
 	// The Kubernetes source, used when --services is not given.
 	kubeconfig         string
@@ -101,6 +103,7 @@ func defaultOptions() *options {
 		configSyncPeriod:   15 * time.Minute,
 		ejectAfter:         3,
 		dialMarkBit:        13,
+		conntrack:          defaultConntrackOptions(),
 	}
 }
 
@@ -145,6 +148,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections and UDP flows; 0: one per CPU but one, at least one")
 	f.DurationVar(&o.dialHedge, "dial-hedge", o.dialHedge, "hedge TCP dials: when an attempt has not connected after this long, start the next one to another endpoint while it stays pending; the first to connect serves (Service annotation "+service.AnnotationDialHedge+" overrides); 0: off")
 	f.StringVar(&o.retryBudget, "retry-budget", o.retryBudget, "cap TCP retries and hedges at this percentage of first attempts per Service port, a token bucket of 10 (Service annotation "+service.AnnotationRetryBudget+" overrides); empty or 0: no cap")
+	o.conntrack.addFlags(f)
 	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
 
@@ -163,6 +167,8 @@ type config struct {
 	healthzAddr   string
 	eventLoops    int
 	dialMark      uint32 // from --dial-mark-bit; 0: none
+	// conntrack are the sysctls set at start where rules are programmed.
+	conntrack conntrack.Sysctls
 }
 
 // maxEventLoops bounds --event-loops: more threads than this only contend.
@@ -288,6 +294,9 @@ func (o *options) validate() (*config, error) {
 	}
 	if o.shutdownGrace < 0 {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)
+	}
+	if c.conntrack, err = o.conntrack.sysctls(); err != nil {
+		return nil, err
 	}
 	switch o.rules {
 	case rules.BackendNFTables, rules.BackendIPTables, "none":

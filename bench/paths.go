@@ -250,6 +250,9 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 		"--sync-period", "1h",
 		"--min-sync-period", "0",
 		"--shutdown-grace", "1s",
+		// Only the initial network namespace may size the conntrack table;
+		// uproxy sets the node namespace's timeouts, as kube-proxy would.
+		"--conntrack-max-per-core", "0",
 	}
 	if mode == "" {
 		args = append(args, "--rules", rules)

@@ -73,6 +73,10 @@ func runUproxy(t testing.TB, tp *testbed.Topology, manifests string, l launch) *
 		"--sync-period", "1s",
 		"--min-sync-period", "0",
 		"-v", "2",
+		// The conntrack table's size is the machine's: outside the initial
+		// network namespace uproxy could not set it and would not start. The
+		// timeouts are the namespace's own, and are set.
+		"--conntrack-max-per-core", "0",
 	)
 	if !l.defaultAddrs {
 		args = append(args, "--metrics-bind-address", p.metrics, "--healthz-bind-address", "127.0.0.1:10256")

@@ -11,12 +11,15 @@
 // Every field that maps to a flag yields a Setting, whether the file sets it or
 // not: a field left out, null or zero ("", 0, "0s") means what it means to
 // kube-proxy v1.36, its default (kubeadm writes every field, most of them zero).
+// The exceptions are kube-proxy's pointer fields (conntrack.maxPerCore, .min,
+// .tcpEstablishedTimeout, .tcpCloseWaitTimeout): only left out or null is the
+// default there, and a zero is the value 0 (leave that sysctl as it is).
 // This is kube-proxy's precedence too: with --config, the file decides these
 // settings and the matching command-line flags are ignored; see the caller for
 // the exceptions.
 //
-// Fields that kube-proxy knows and uproxy has no use for (conntrack, masquerade
-// bits, feature gates, ...) are accepted and reported as ignored when they hold a
+// Fields that kube-proxy knows and uproxy has no use for (masquerade bits,
+// feature gates, ...) are accepted and reported as ignored when they hold a
 // value; any other field is an error that names it.
 package proxyconfig
 
@@ -85,6 +88,9 @@ type field struct {
 	// field when it is absent or zero (its defaulting of v1alpha1); empty: the
 	// zero value stands (keepZero) or means the program's default (Setting.Default).
 	zero string
+	// pointer marks a field kube-proxy's type holds as a pointer: only when it
+	// is absent or null does zero apply; a zero in the file is a value.
+	pointer bool
 	// keepZero: the empty string or list is a value of its own (kubeconfig "":
 	// in-cluster).
 	keepZero bool
@@ -144,14 +150,15 @@ var schema = map[string]any{
 		"masqueradeBit": field{kind: ignored},
 		"masqueradeAll": field{kind: boolean, flag: "masquerade-all", section: "nftables", zero: "false"},
 	},
+	// The conntrack sysctls, set at start; 0 (false) leaves one as it is.
 	"conntrack": map[string]any{
-		"maxPerCore":            field{kind: ignored},
-		"min":                   field{kind: ignored},
-		"tcpEstablishedTimeout": field{kind: ignored},
-		"tcpCloseWaitTimeout":   field{kind: ignored},
-		"tcpBeLiberal":          field{kind: ignored},
-		"udpTimeout":            field{kind: ignored},
-		"udpStreamTimeout":      field{kind: ignored},
+		"maxPerCore":            field{kind: number, flag: "conntrack-max-per-core", zero: "32768", pointer: true},
+		"min":                   field{kind: number, flag: "conntrack-min", zero: "131072", pointer: true},
+		"tcpEstablishedTimeout": field{kind: duration, flag: "conntrack-tcp-timeout-established", zero: "24h0m0s", pointer: true},
+		"tcpCloseWaitTimeout":   field{kind: duration, flag: "conntrack-tcp-timeout-close-wait", zero: "1h0m0s", pointer: true},
+		"tcpBeLiberal":          field{kind: boolean, flag: "conntrack-tcp-be-liberal", zero: "false"},
+		"udpTimeout":            field{kind: duration, flag: "conntrack-udp-timeout", zero: "0s"},
+		"udpStreamTimeout":      field{kind: duration, flag: "conntrack-udp-timeout-stream", zero: "0s"},
 	},
 	"detectLocal": map[string]any{
 		"bridgeInterface":     field{kind: ignored},
@@ -298,7 +305,7 @@ func (w *walker) leaf(path string, v any, f field) error {
 		if err != nil {
 			return fmt.Errorf("field %q: %w", path, err)
 		}
-		if d != 0 {
+		if d != 0 || f.pointer {
 			value = d.String()
 		}
 	case number:
@@ -306,7 +313,7 @@ func (w *walker) leaf(path string, v any, f field) error {
 		if !ok {
 			return fmt.Errorf("field %q: want a number, got %s", path, jsonType(v))
 		}
-		if f, err := n.Float64(); err != nil || f != 0 {
+		if z, err := n.Float64(); err != nil || z != 0 || f.pointer {
 			value = n.String()
 		}
 	case strList:

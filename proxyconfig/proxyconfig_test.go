@@ -14,24 +14,31 @@ const header = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyCon
 // defaults are the settings of a file that sets nothing mapped: kube-proxy's
 // defaults, and the program's own for mode and ipvs.scheduler.
 var defaults = map[string]string{
-	"bindAddress":                  "--bind-address=0.0.0.0",
-	"clientConnection.burst":       "--kube-api-burst=10",
-	"clientConnection.contentType": "--kube-api-content-type=application/vnd.kubernetes.protobuf",
-	"clientConnection.kubeconfig":  "--kubeconfig=",
-	"clientConnection.qps":         "--kube-api-qps=5",
-	"clusterCIDR":                  "--cluster-cidr=",
-	"configSyncPeriod":             "--config-sync-period=15m0s",
-	"healthzBindAddress":           "--healthz-bind-address=0.0.0.0:10256",
-	"hostnameOverride":             "--hostname-override=",
-	"iptables.masqueradeAll":       "--masquerade-all=false",
-	"iptables.minSyncPeriod":       "--min-sync-period=1s",
-	"iptables.syncPeriod":          "--sync-period=30s",
-	"ipvs.scheduler":               "--scheduler (default)",
-	"metricsBindAddress":           "--metrics-bind-address=127.0.0.1:10249",
-	"mode":                         "--proxy-mode (default)",
-	"nodePortAddresses":            "--nodeport-addresses=",
-	"portRange":                    "--proxy-port-range=",
-	"udpIdleTimeout":               "--udp-timeout (default)",
+	"bindAddress":                     "--bind-address=0.0.0.0",
+	"clientConnection.burst":          "--kube-api-burst=10",
+	"clientConnection.contentType":    "--kube-api-content-type=application/vnd.kubernetes.protobuf",
+	"clientConnection.kubeconfig":     "--kubeconfig=",
+	"clientConnection.qps":            "--kube-api-qps=5",
+	"clusterCIDR":                     "--cluster-cidr=",
+	"configSyncPeriod":                "--config-sync-period=15m0s",
+	"conntrack.maxPerCore":            "--conntrack-max-per-core=32768",
+	"conntrack.min":                   "--conntrack-min=131072",
+	"conntrack.tcpBeLiberal":          "--conntrack-tcp-be-liberal=false",
+	"conntrack.tcpCloseWaitTimeout":   "--conntrack-tcp-timeout-close-wait=1h0m0s",
+	"conntrack.tcpEstablishedTimeout": "--conntrack-tcp-timeout-established=24h0m0s",
+	"conntrack.udpStreamTimeout":      "--conntrack-udp-timeout-stream=0s",
+	"conntrack.udpTimeout":            "--conntrack-udp-timeout=0s",
+	"healthzBindAddress":              "--healthz-bind-address=0.0.0.0:10256",
+	"hostnameOverride":                "--hostname-override=",
+	"iptables.masqueradeAll":          "--masquerade-all=false",
+	"iptables.minSyncPeriod":          "--min-sync-period=1s",
+	"iptables.syncPeriod":             "--sync-period=30s",
+	"ipvs.scheduler":                  "--scheduler (default)",
+	"metricsBindAddress":              "--metrics-bind-address=127.0.0.1:10249",
+	"mode":                            "--proxy-mode (default)",
+	"nodePortAddresses":               "--nodeport-addresses=",
+	"portRange":                       "--proxy-port-range=",
+	"udpIdleTimeout":                  "--udp-timeout (default)",
 }
 
 // settings renders defaults with changes applied (an empty value deletes),
@@ -78,6 +85,7 @@ udpIdleTimeout: 300ms
 portRange: 30000-31000
 configSyncPeriod: 10m
 clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
+conntrack: {maxPerCore: 65536, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWaitTimeout: 30m, tcpBeLiberal: true, udpTimeout: 45s, udpStreamTimeout: 3m}
 `,
 		want: []string{
 			"bindAddress -> --bind-address=127.0.0.1",
@@ -87,6 +95,13 @@ clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
 			"clientConnection.qps -> --kube-api-qps=50",
 			"clusterCIDR -> --cluster-cidr=10.244.0.0/16,fd00:10:244::/56",
 			"configSyncPeriod -> --config-sync-period=10m0s",
+			"conntrack.maxPerCore -> --conntrack-max-per-core=65536",
+			"conntrack.min -> --conntrack-min=1000",
+			"conntrack.tcpBeLiberal -> --conntrack-tcp-be-liberal=true",
+			"conntrack.tcpCloseWaitTimeout -> --conntrack-tcp-timeout-close-wait=30m0s",
+			"conntrack.tcpEstablishedTimeout -> --conntrack-tcp-timeout-established=2h0m0s",
+			"conntrack.udpStreamTimeout -> --conntrack-udp-timeout-stream=3m0s",
+			"conntrack.udpTimeout -> --conntrack-udp-timeout=45s",
 			"healthzBindAddress -> --healthz-bind-address=0.0.0.0:10256",
 			"hostnameOverride -> --hostname-override=node-1",
 			"iptables.masqueradeAll -> --masquerade-all=true",
@@ -163,9 +178,22 @@ clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
 		}),
 	}, {
 		name:        "kube-proxy fields uproxy does not use are reported when set",
-		doc:         header + "conntrack: {maxPerCore: 32768, min: 0, tcpBeLiberal: false}\niptables: {masqueradeBit: 14, masqueradeAll: false}\nfeatureGates: {SomeGate: true}\nclusterCIDR: \"\"\n",
+		doc:         header + "iptables: {masqueradeBit: 14, masqueradeAll: false}\nfeatureGates: {SomeGate: true}\nclusterCIDR: \"\"\n",
 		want:        settings(nil),
-		wantIgnored: []string{"conntrack.maxPerCore", "featureGates", "iptables.masqueradeBit"},
+		wantIgnored: []string{"featureGates", "iptables.masqueradeBit"},
+	}, {
+		// kube-proxy's pointer fields: left out or null, the default; zero,
+		// zero (leave the sysctl alone), as kind and usernetes write them.
+		name: "conntrack: null is the default, zero is zero",
+		doc:  header + "conntrack: {maxPerCore: 0, min: null, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: null, tcpBeLiberal: false, udpTimeout: 0s}\n",
+		want: settings(map[string]string{
+			"conntrack.maxPerCore":            "--conntrack-max-per-core=0",
+			"conntrack.tcpEstablishedTimeout": "--conntrack-tcp-timeout-established=0s",
+		}),
+	}, {
+		name: "conntrack: a zero minimum is zero",
+		doc:  header + "conntrack: {min: 0}\n",
+		want: settings(map[string]string{"conntrack.min": "--conntrack-min=0"}),
 	}, {
 		name: "JSON and nulls",
 		doc:  `{"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration", "bindAddress": null, "hostnameOverride": "n"}`,

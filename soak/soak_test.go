@@ -183,7 +183,9 @@ func TestSoak(t *testing.T) {
 	cmd := exec.Command("ip", "netns", "exec", tp.NS(testbed.Node).Name, bin,
 		"--services", dir, "--rules", "iptables",
 		"--metrics-bind-address", metricsAddr, "--healthz-bind-address", "127.0.0.1:10256",
-		"--min-sync-period", "50ms", "--sync-period", "2s", "--udp-timeout", "1s", "--shutdown-grace", "2s")
+		"--min-sync-period", "50ms", "--sync-period", "2s", "--udp-timeout", "1s", "--shutdown-grace", "2s",
+		// Only the initial network namespace may size the conntrack table.
+		"--conntrack-max-per-core", "0")
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

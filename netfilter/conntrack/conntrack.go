@@ -1,5 +1,6 @@
 // Package conntrack deletes the UDP conntrack flows that a change of rules left
-// going the wrong way, for every mode and packet filter backend.
+// going the wrong way, for every mode and packet filter backend, and sets the
+// conntrack sysctls (table size, timeouts) as kube-proxy does at start.
 //
 // Conntrack applies NAT once per flow, at its first packet. A UDP client that
 // keeps sending therefore stays where its first datagram went — a proxy port
@@ -8,6 +9,11 @@
 //
 //	stale := conntrack.StaleUDP{VIPs: map[netip.AddrPort]conntrack.Replies{vip: {Port: proxyPort}}}
 //	err := stale.Delete(conntrack.Netlink(), false)
+//
+// The sysctls are written once, where they differ, in the process's network
+// namespace (the table's size only in the initial one):
+//
+//	changes, err := conntrack.Sysctls{TCPCloseWaitTimeout: time.Hour}.Set()
 package conntrack
 
 import (

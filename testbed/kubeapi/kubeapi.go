@@ -368,6 +368,9 @@ func (s *Server) startAPIServer() error {
 			// whole request timeout (60s), longer than stopGrace: with it, the
 			// server closes remaining connections 2s after draining requests.
 			"--shutdown-send-retry-after=true",
+			// As kubeadm's: a node proxy's DaemonSet (kube-proxy's,
+			// deploy/uproxy.yaml) is privileged, to write sysctls.
+			"--allow-privileged=true",
 		}
 		s.apiArgs = append(s.apiArgs, s.extra...)
 		p, err := s.runAPIServer()
