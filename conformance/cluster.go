@@ -588,7 +588,7 @@ func (c *Cluster) startContainerd(ctx context.Context, i int, restrictOOM bool) 
 	cni := fmt.Sprintf(`{"cniVersion": "0.4.0", "name": "uconf", "plugins": [
   {"type": "ptp", "ipMasq": false, "mtu": 1500,
    "ipam": {"type": "host-local", "dataDir": %q, "ranges": [[{"subnet": %q}]], "routes": [{"dst": "0.0.0.0/0"}]}},
-  {"type": "loopback"}]}
+  {"type": "portmap", "capabilities": {"portMappings": true}}]}
 `, filepath.Join(dir, "ipam"), PodCIDR(i))
 	if err := os.WriteFile(filepath.Join(dir, "cni", "10-uconf.conflist"), []byte(cni), 0o644); err != nil {
 		return err
