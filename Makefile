@@ -34,10 +34,12 @@ test: deps cluster-bins lint
 CONFORMANCE_NODES   ?= 3
 CONFORMANCE_PROXIES ?= kube-proxy-iptables,kube-proxy-nftables,uproxy-userspace-nftables,uproxy-userspace-iptables,uproxy-nftables,uproxy-iptables
 CONFORMANCE_SUITES  ?= all
+CONFORMANCE_PROCS   ?= 6
 conformance: deps cluster-bins
 	$(GO) test -count=1 -timeout 0 -v ./conformance -run '^TestConformance$$' \
 		-conformance.nodes=$(CONFORMANCE_NODES) -conformance.proxies=$(CONFORMANCE_PROXIES) \
-		-conformance.suites='$(CONFORMANCE_SUITES)' -conformance.report=$(CURDIR)/docs/conformance-table.md
+		-conformance.suites='$(CONFORMANCE_SUITES)' -conformance.procs=$(CONFORMANCE_PROCS) \
+		-conformance.report=$(CURDIR)/docs/conformance-table.md
 
 # Removes a cluster left by -conformance.keep or an interrupted run.
 conformance-down:

@@ -116,10 +116,16 @@ func TestConformance(t *testing.T) {
 	}
 	logf("images built in %s", time.Since(start).Round(time.Second))
 
+	skip := Skip
+	if !KernelHasSCTP() {
+		skip += "|" + SkipSCTP
+		logf("this kernel has no SCTP: the SCTP connectivity tests are left out")
+	}
+
 	ctx := t.Context()
 	var results []Result
 	for _, name := range chosen {
-		res, err := judge(ctx, t, name, binDir, archive, focus, filepath.Join(work, name), logf)
+		res, err := judge(ctx, t, name, binDir, archive, focus, skip, filepath.Join(work, name), logf)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
@@ -129,7 +135,7 @@ func TestConformance(t *testing.T) {
 	table := Table(results)
 	t.Logf("nodes: %d, suites: %s\n%s", *nodesFlag, strings.Join(focus, " | "), table)
 	if *reportFlag != "" {
-		header := fmt.Sprintf("Nodes: %d. Suites: `%s`, skipping `%s`.\n\n", *nodesFlag, strings.Join(focus, "|"), Skip)
+		header := fmt.Sprintf("Nodes: %d. Suites: `%s`, skipping `%s`.\n\n", *nodesFlag, strings.Join(focus, "|"), skip)
 		if err := os.WriteFile(*reportFlag, []byte(header+table), 0o644); err != nil {
 			t.Error(err)
 		}
@@ -169,7 +175,7 @@ func verdict(results []Result) []string {
 	return problems
 }
 
-func judge(ctx context.Context, t *testing.T, name, binDir, archive string, focus []string, reportDir string, logf func(string, ...any)) (Result, error) {
+func judge(ctx context.Context, t *testing.T, name, binDir, archive string, focus []string, skip, reportDir string, logf func(string, ...any)) (Result, error) {
 	p := proxies[name]
 	start := time.Now()
 	c, err := Up(ctx, Config{Nodes: *nodesFlag, BinDir: binDir, Images: archive, KubeProxyMode: p.kubeProxy, Logf: logf})
@@ -198,7 +204,7 @@ func judge(ctx context.Context, t *testing.T, name, binDir, archive string, focu
 		return Result{}, err
 	}
 	logf("%s: cluster of %d nodes up in %s", name, *nodesFlag, time.Since(start).Round(time.Second))
-	return RunSuite(ctx, Run{BinDir: binDir, Kubeconfig: c.Kubeconfig, Focus: focus, Procs: *procsFlag,
+	return RunSuite(ctx, Run{BinDir: binDir, Kubeconfig: c.Kubeconfig, Focus: focus, Skip: skip, Procs: *procsFlag,
 		ReportDir: reportDir, Timeout: 90 * time.Minute}, name, logf)
 }
 
