@@ -396,7 +396,9 @@ current-context: %[1]s
 	if err != nil {
 		return err
 	}
-	_ = etcd
+	if err := etcd.await(ctx, 30*time.Second, func() error { return nodeHealthy(1, "http://127.0.0.1:2379/health") }); err != nil {
+		return err
+	}
 	api, err := c.start("kube-apiserver", group, node1, 0, bin("kube-apiserver"),
 		"--etcd-servers=http://127.0.0.1:2379",
 		"--bind-address=0.0.0.0", "--advertise-address="+NodeIP(1), "--secure-port="+strconv.Itoa(apiPort),

@@ -160,6 +160,9 @@ func verdict(results []Result) []string {
 	}
 	var problems []string
 	for _, r := range results {
+		if r.Count("passed") == 0 {
+			problems = append(problems, fmt.Sprintf("%s: no test passed (%d ran): a suite that judges nothing is a failure", r.Proxy, len(r.Specs)))
+		}
 		for _, s := range r.Specs {
 			if s.State != "failed" {
 				continue

@@ -68,14 +68,18 @@ func (s ImageSet) BuildImages() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	tools, err := s.derivedRootfs(base, "tools", func(dir string) error {
+	tools, err := s.derivedRootfs(base, "tools", strings.Join(toolPackages, " "), func(dir string) error {
 		return chrootRun(dir, "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "+
 			strings.Join(toolPackages, " ")+" && rm -rf /var/lib/apt/lists/*")
 	})
 	if err != nil {
 		return "", err
 	}
-	runtime, err := s.derivedRootfs(base, "uproxy-runtime", s.runtimeStage)
+	dockerfile, err := os.ReadFile(s.Dockerfile)
+	if err != nil {
+		return "", err
+	}
+	runtime, err := s.derivedRootfs(base, "uproxy-runtime", string(dockerfile), s.runtimeStage)
 	if err != nil {
 		return "", err
 	}
@@ -143,6 +147,10 @@ func (s ImageSet) BuildImages() (string, error) {
 		if err != nil {
 			return "", err
 		}
+		rootfs, err := diffIDs(spec.layers)
+		if err != nil {
+			return "", err
+		}
 		img, err = mutate.ConfigFile(img, &v1.ConfigFile{
 			OS: "linux", Architecture: "amd64",
 			Config: v1.Config{
@@ -150,7 +158,7 @@ func (s ImageSet) BuildImages() (string, error) {
 				Cmd:        spec.cmd,
 				Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
 			},
-			RootFS: mustRootFS(spec.layers),
+			RootFS: rootfs,
 		})
 		if err != nil {
 			return "", err
@@ -169,17 +177,17 @@ func (s ImageSet) BuildImages() (string, error) {
 	return out, nil
 }
 
-// mustRootFS lists the layers' uncompressed digests, as an image config must.
-func mustRootFS(layers []v1.Layer) v1.RootFS {
+// diffIDs lists the layers' uncompressed digests, as an image config must.
+func diffIDs(layers []v1.Layer) (v1.RootFS, error) {
 	fs := v1.RootFS{Type: "layers"}
 	for _, l := range layers {
 		d, err := l.DiffID()
 		if err != nil {
-			panic(err)
+			return fs, err
 		}
 		fs.DiffIDs = append(fs.DiffIDs, d)
 	}
-	return fs
+	return fs, nil
 }
 
 // dirLayer makes an uncompressed layer of a directory's tree, numeric owners kept,
@@ -216,18 +224,10 @@ func (s ImageSet) debianBase() (string, error) {
 }
 
 // derivedRootfs copies base and runs build in the copy, once per cache and
-// recipe: the directory is kept under a name made from what built it.
-func (s ImageSet) derivedRootfs(base, label string, build func(dir string) error) (string, error) {
-	key := label
-	if label == "tools" {
-		key += "-" + hash(strings.Join(toolPackages, " "))
-	} else {
-		stage, err := os.ReadFile(s.Dockerfile)
-		if err != nil {
-			return "", err
-		}
-		key += "-" + hash(string(stage))
-	}
+// recipe: the directory is kept under a name made from the label and a hash of
+// recipe, the text that decides what build does.
+func (s ImageSet) derivedRootfs(base, label, recipe string, build func(dir string) error) (string, error) {
+	key := label + "-" + hash(recipe)
 	dir := filepath.Join(s.CacheDir, key)
 	if _, err := os.Stat(filepath.Join(dir, ".complete")); err == nil {
 		return dir, nil
