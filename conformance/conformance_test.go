@@ -22,6 +22,7 @@ var (
 	procsFlag   = flag.Int("conformance.procs", 2, "ginkgo processes")
 	reportFlag  = flag.String("conformance.report", "", "write the markdown table here too")
 	keepFlag    = flag.Bool("conformance.keep", false, "leave the last cluster running (remove it with `make conformance-down`)")
+	downFlag    = flag.Bool("conformance.down", false, "only remove a cluster left running (`make conformance-down`)")
 )
 
 // proxy is one way of running the nodes' service proxy.
@@ -72,6 +73,10 @@ func TestConformance(t *testing.T) {
 		t.Skip("the conformance cluster is not a -short test")
 	}
 	testbed.Require(t)
+	if *downFlag {
+		down(t)
+		return
+	}
 	binDir := kubeapi.RequireBinaries(t, "etcd", "kube-apiserver", "kube-proxy", "kubelet",
 		"kube-controller-manager", "kube-scheduler", "agnhost", "regression-issue-74839", "coredns", "ginkgo", "e2e-network.test")
 	for _, tool := range []string{"containerd", "ctr", "runc", "nsenter", "unshare", "debootstrap"} {
@@ -252,20 +257,15 @@ func cacheDir(t *testing.T) string {
 	return dir
 }
 
-var downFlag = flag.Bool("conformance.down", false, "TestTeardown removes a cluster left running")
-
-// TestTeardown removes a cluster left by -conformance.keep or an interrupted run
-// (`make conformance-down`); without -conformance.down it does nothing.
-func TestTeardown(t *testing.T) {
-	if !*downFlag {
-		t.Skip("pass -conformance.down to remove a cluster")
-	}
+// down removes a cluster left by -conformance.keep or an interrupted run, twice:
+// the second time there must be nothing left to remove.
+func down(t *testing.T) {
 	lock, err := Lock()
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer lock.Close()
-	for range 2 { // the second time, there is nothing left to remove
+	for range 2 {
 		if err := Teardown(t.Logf); err != nil {
 			t.Fatal(err)
 		}
