@@ -212,7 +212,7 @@ func judge(ctx context.Context, t *testing.T, name, binDir, archive string, focu
 		return Result{}, err
 	}
 	logf("%s: cluster of %d nodes up in %s", name, *nodesFlag, time.Since(start).Round(time.Second))
-	return RunSuite(ctx, Run{BinDir: binDir, Kubeconfig: c.Kubeconfig, Focus: focus, Skip: skip, Procs: *procsFlag,
+	return RunSuite(ctx, Run{BinDir: binDir, Kubeconfig: c.Kubeconfig, Nodes: *nodesFlag, Focus: focus, Skip: skip, Procs: *procsFlag,
 		ReportDir: reportDir, Timeout: 90 * time.Minute}, name, logf)
 }
 

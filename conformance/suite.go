@@ -45,6 +45,7 @@ func KernelHasSCTP() bool {
 type Run struct {
 	BinDir     string // ginkgo and e2e-network.test
 	Kubeconfig string
+	Nodes      int // the cluster's: tests that need several nodes read it (--num-nodes)
 	Focus      []string
 	Skip       string // a regular expression of the tests to leave out
 	Procs      int
@@ -109,6 +110,7 @@ func RunSuite(ctx context.Context, r Run, proxy string, logf func(string, ...any
 		filepath.Join(r.BinDir, "e2e-network.test"), "--",
 		"--kubeconfig=" + r.Kubeconfig,
 		"--provider=skeleton",
+		"--num-nodes=" + strconv.Itoa(r.Nodes),
 		"--report-dir=" + r.ReportDir,
 		"--allowed-not-ready-nodes=0",
 		"--dump-logs-on-failure=false",
