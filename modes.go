@@ -40,6 +40,9 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 		return "", nil, nil, nil, err
 	}
 	klog.InfoS("Proxy mode", "mode", name, "reason", reason)
+	if err := o.checkModeFlags(name); err != nil {
+		return "", nil, nil, nil, err
+	}
 	ips := nodeIPs(cfg.proxier.BindAddress)
 	if name == kernelmodes.Userspace {
 		cfg.rules = chooseRules(cfg.rules, o.chainPrefix, ips)

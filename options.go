@@ -19,7 +19,6 @@ import (
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/netfilter/iptables"
-	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
 	"github.com/uproxy/uproxy/rules"
@@ -143,7 +142,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.serviceProxyName, "service-proxy-name", o.serviceProxyName, "handle only the Services labelled "+kube.LabelServiceProxyName+"=NAME (empty: only those without the label, as kube-proxy)")
 	f.DurationVar(&o.configSyncPeriod, "config-sync-period", o.configSyncPeriod, "how often the Service and EndpointSlice caches are replayed (0: never)")
 	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1): as in kube-proxy, it decides every flag that stands for one of its fields (a field left out or zero: kube-proxy's default) and those flags are ignored on the command line, except --hostname-override")
-	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps")
+	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps; 0: none (connections are not recorded)")
 	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables or nftables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
 	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections and UDP flows; 0: one per CPU but one, at least one")
 	f.DurationVar(&o.dialHedge, "dial-hedge", o.dialHedge, "hedge TCP dials: when an attempt has not connected after this long, start the next one to another endpoint while it stays pending; the first to connect serves (Service annotation "+service.AnnotationDialHedge+" overrides); 0: off")
@@ -210,6 +209,8 @@ func (o *options) validate() (*config, error) {
 		c.proxier.TCPKeepAlive = -1 // off; the Config's zero is the default
 	case o.tcpKeepAlive < time.Second || o.tcpKeepAlive > 32767*time.Second:
 		return nil, fmt.Errorf("--tcp-keepalive %v: want 0 (off) or 1s to 32767s, the kernel's bounds", o.tcpKeepAlive)
+	case o.tcpKeepAlive%time.Second != 0:
+		return nil, fmt.Errorf("--tcp-keepalive %v: want whole seconds (the kernel counts keepalive times in seconds)", o.tcpKeepAlive)
 	default:
 		c.proxier.TCPKeepAlive = o.tcpKeepAlive
 	}
@@ -231,7 +232,7 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables, nftables or ipvs", o.proxyMode)
 	}
 	if o.events < 0 {
-		return nil, fmt.Errorf("--events %d: must not be negative (0: the default, %d)", o.events, observe.DefaultEvents)
+		return nil, fmt.Errorf("--events %d: must not be negative (0: none kept)", o.events)
 	}
 	for _, a := range []struct{ flag, v string }{{"--metrics-bind-address", o.metricsBindAddress}, {"--healthz-bind-address", o.healthzBindAddress}} {
 		if a.v == "" {
@@ -330,6 +331,9 @@ func (o *options) validate() (*config, error) {
 	}
 	c.nodeName = strings.ToLower(strings.TrimSpace(c.nodeName))
 	if c.zone, err = nodeZone(o.nodeLabels, o.services != ""); err != nil {
+		return nil, err
+	}
+	if err := o.checkSourceFlags(); err != nil {
 		return nil, err
 	}
 	return c, nil

@@ -44,6 +44,13 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	}
 	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn}
 	defer srv.Stop(context.Background())
+	// So are the proxy ports' address and the manifests.
+	if err := checkBindAddress(cfg.proxier.BindAddress); err != nil {
+		return o.configFieldError(err)
+	}
+	if err := o.checkServicesPath(); err != nil {
+		return err
+	}
 	raiseFileLimit()
 	if ctx == nil {
 		ctx = context.Background()
@@ -64,7 +71,10 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		src, srcName = kubeSrc, "kubernetes"
 	}
 
-	events := observe.NewEvents(o.events)
+	var events *observe.Events // --events 0: none recorded
+	if o.events > 0 {
+		events = observe.NewEvents(o.events)
+	}
 	modeName, mode, px, lock, err := newProxyMode(o, cfg, events)
 	if err != nil {
 		return err
@@ -118,7 +128,15 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	srv.Unserved = unserved
 	srv.Start()
 
-	klog.InfoS("Starting uproxy", "version", version, "mode", modeName, "rules", cfg.rules, "services", srcName, "scheduler", cfg.proxier.Scheduler)
+	start := []any{"version", version, "mode", modeName}
+	if usesFlag(modeName, "rules") {
+		start = append(start, "rules", cfg.rules)
+	}
+	start = append(start, "services", srcName)
+	if usesFlag(modeName, "scheduler") {
+		start = append(start, "scheduler", cfg.proxier.Scheduler)
+	}
+	klog.InfoS("Starting uproxy", start...)
 	srcErr := make(chan error, 1)
 	go func() {
 		// Sources log their problems themselves, once each, when they appear.
@@ -139,7 +157,10 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	select {
 	case <-ctx.Done():
 	case err = <-srcErr:
-		if err != nil {
+		switch {
+		case err != nil && o.services != "":
+			err = fmt.Errorf("--services %s: %w", srcName, err)
+		case err != nil:
 			err = fmt.Errorf("source %s: %w", srcName, err)
 		}
 	}

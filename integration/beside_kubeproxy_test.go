@@ -36,8 +36,8 @@ func TestBesideKubeProxy(t *testing.T) {
 		name  string
 		flags []string
 	}{
-		{"userspace-iptables-portals", []string{"--proxy-mode", "userspace", "--rules", "iptables"}},
-		{"userspace-nftables-portals", []string{"--proxy-mode", "userspace", "--rules", "nftables"}},
+		{"userspace-iptables-portals", []string{"--proxy-mode", "userspace", "--rules", "iptables", "--dial-timeouts", "200ms"}},
+		{"userspace-nftables-portals", []string{"--proxy-mode", "userspace", "--rules", "nftables", "--dial-timeouts", "200ms"}},
 		{"iptables", []string{"--proxy-mode", "iptables"}},
 	}
 	for _, kpMode := range []string{"iptables", "nftables"} {
@@ -77,7 +77,7 @@ func testBesideKubeProxy(t *testing.T, kpMode string, uproxyFlags []string) {
 		t.Helper()
 		l := launch{
 			source: []string{"--kubeconfig", w.kubeconfig, "--hostname-override", kubeNode},
-			flags:  append([]string{"--service-proxy-name", "uproxy", "--dial-timeouts", "200ms", "--shutdown-grace", "1s"}, uproxyFlags...),
+			flags:  append([]string{"--service-proxy-name", "uproxy", "--shutdown-grace", "1s"}, uproxyFlags...),
 			want:   -1,
 		}
 		if uproxyFlags[1] == "userspace" {

@@ -1,0 +1,142 @@
+package main
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/kernelmodes"
+)
+
+// modeFlag is a flag that only some proxy modes use.
+type modeFlag struct {
+	name  string
+	modes []string
+	// warn marks a flag that is warned of, not refused, where it has no use:
+	// one standing for a kube-proxy setting, which kube-proxy takes in every
+	// mode, or one that does no harm to a mode that has nothing for it to do.
+	warn bool
+}
+
+var (
+	userspaceOnly    = []string{kernelmodes.Userspace}
+	userspaceAndIPVS = []string{kernelmodes.Userspace, kernelmodes.IPVS}
+	kernelModesOnly  = []string{kernelmodes.IPTables, kernelmodes.NFTables, kernelmodes.IPVS}
+	modeFlags        = []modeFlag{
+		{name: "rules", modes: userspaceOnly},
+		{name: "proxy-port-range", modes: userspaceOnly, warn: true},
+		{name: "udp-timeout", modes: userspaceOnly},
+		{name: "udp-max-clients", modes: userspaceOnly},
+		{name: "dial-timeouts", modes: userspaceOnly},
+		{name: "tcp-keepalive", modes: userspaceOnly},
+		{name: "tcp-idle-timeout", modes: userspaceOnly},
+		{name: "dial-mark-bit", modes: userspaceOnly},
+		{name: "event-loops", modes: userspaceOnly},
+		{name: "dial-hedge", modes: userspaceOnly},
+		{name: "retry-budget", modes: userspaceOnly},
+		{name: "eject-after", modes: userspaceOnly},
+		{name: "events", modes: userspaceOnly},
+		// The kernel modes have no connections to drain at exit.
+		{name: "shutdown-grace", modes: userspaceOnly, warn: true},
+		// kube-proxy takes --ipvs-scheduler in every mode.
+		{name: "scheduler", modes: userspaceAndIPVS, warn: true},
+		// The userspace mode's connections to endpoints come from the node:
+		// it has nothing to masquerade. kube-proxy's legacy userspace mode
+		// took both flags and ignored them.
+		{name: "cluster-cidr", modes: kernelModesOnly, warn: true},
+		{name: "masquerade-all", modes: kernelModesOnly, warn: true},
+	}
+)
+
+// usesFlag reports whether mode uses the flag name.
+func usesFlag(mode, name string) bool {
+	for _, f := range modeFlags {
+		if f.name == name {
+			return slices.Contains(f.modes, mode)
+		}
+	}
+	return true
+}
+
+// checkModeFlags refuses the flags given on the command line that mode does
+// not use, so that a flag is never accepted and then ignored; it warns of them
+// instead, once each, for a flag marked warn (kube-proxy takes it in every
+// mode), or when the mode was chosen by --proxy-mode auto rather than by the
+// user. Flags that
+// --config set are its fields, which kube-proxy takes in every mode: they are
+// left alone.
+func (o *options) checkModeFlags(mode string) error {
+	if o.flags == nil {
+		return nil
+	}
+	auto := o.proxyMode == "" || o.proxyMode == kernelmodes.Auto
+	var refused []string
+	for _, f := range modeFlags {
+		if !o.flags.Changed(f.name) || o.configFields[f.name] != "" || slices.Contains(f.modes, mode) {
+			continue
+		}
+		if f.warn || auto {
+			klog.InfoS("Ignoring a flag the proxy mode does not use", "flag", "--"+f.name, "mode", mode, "usedBy", strings.Join(f.modes, ", "))
+			continue
+		}
+		refused = append(refused, fmt.Sprintf("--%s: the %s mode does not use it (the %s mode does); leave it out", f.name, mode, strings.Join(f.modes, ", ")))
+	}
+	if len(refused) > 0 {
+		return fmt.Errorf("%s", strings.Join(refused, "; "))
+	}
+	return nil
+}
+
+// checkSourceFlags refuses the flags of the API source beside --services,
+// whose manifests are the only source then: they would be ignored.
+func (o *options) checkSourceFlags() error {
+	if o.services == "" {
+		return nil
+	}
+	for _, f := range []struct{ flag, value string }{
+		{"--kubeconfig", o.kubeconfig},
+		{"--master", o.master},
+		{"--service-proxy-name", o.serviceProxyName},
+	} {
+		if f.value != "" {
+			return fmt.Errorf("%s %q: the Services come from --services %s, and only the API server's are selected by it; give one source", f.flag, f.value, o.services)
+		}
+	}
+	return nil
+}
+
+// checkServicesPath checks at start that --services names something, so that a
+// wrong path fails the start naming the flag, before anything is logged.
+func (o *options) checkServicesPath() error {
+	if o.services == "" {
+		return nil
+	}
+	if _, err := os.Stat(o.services); err != nil {
+		return fmt.Errorf("--services %s: %w", o.services, err)
+	}
+	return nil
+}
+
+// checkBindAddress checks at start that a specific --bind-address is an
+// address of this node, by binding it as the HTTP addresses are bound: the
+// proxy ports, opened at every sync, would otherwise fail one by one.
+func checkBindAddress(addr netip.Addr) error {
+	if !addr.IsValid() || addr.IsUnspecified() {
+		return nil
+	}
+	ln, err := net.Listen("tcp", netip.AddrPortFrom(addr, 0).String())
+	if err != nil {
+		hint := "not an address of this node"
+		if addr.IsLinkLocalUnicast() && addr.Zone() == "" {
+			hint = "a link-local address needs its interface, which --bind-address cannot name"
+		}
+		return fmt.Errorf("--bind-address %s: %s: %w", addr, hint, err)
+	}
+	ln.Close()
+	return nil
+}

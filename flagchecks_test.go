@@ -1,0 +1,91 @@
+package main
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/spf13/cobra"
+)
+
+// A flag the chosen mode does not use is refused naming it, unless kube-proxy
+// takes it in every mode or the mode was chosen by auto (then it is only
+// warned of); a flag --config set is one of its fields and left alone.
+func TestCheckModeFlags(t *testing.T) {
+	for _, tc := range []struct {
+		mode string
+		args []string
+		want string // error prefix; "" for none
+	}{
+		{"iptables", []string{"--proxy-mode=iptables", "--rules=nftables", "--dial-timeouts=1s"}, "--rules: the iptables mode does not use it (the userspace mode does); leave it out; --dial-timeouts:"},
+		{"ipvs", []string{"--proxy-mode=ipvs", "--retry-budget=10"}, "--retry-budget: the ipvs mode does not use it"},
+		{"iptables", []string{"--proxy-mode=iptables", "--scheduler=sh", "--proxy-port-range=40000-40100"}, ""},
+		{"ipvs", []string{"--proxy-mode=ipvs", "--scheduler=sh"}, ""},
+		{"userspace", []string{"--cluster-cidr=10.244.0.0/16", "--masquerade-all"}, ""},
+		{"userspace", []string{"--rules=none", "--dial-timeouts=1s", "--events=0"}, ""},
+		{"iptables", []string{"--proxy-mode=auto", "--dial-timeouts=1s"}, ""},
+		{"nftables", []string{"--proxy-mode=nftables", "--bind-address=127.0.0.1", "--sync-period=1m"}, ""},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			o := defaultOptions()
+			o.addFlags(&cobra.Command{Use: "uproxy"})
+			if err := o.flags.Parse(tc.args); err != nil {
+				t.Fatal(err)
+			}
+			err := o.checkModeFlags(tc.mode)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Errorf("got %v, want no error", err)
+			case tc.want != "" && (err == nil || !strings.HasPrefix(err.Error(), tc.want)):
+				t.Errorf("got %v, want an error starting %q", err, tc.want)
+			}
+		})
+	}
+	o := defaultOptions()
+	o.addFlags(&cobra.Command{Use: "uproxy"})
+	o.flags.Set("udp-timeout", "1s")
+	o.proxyMode = "iptables"
+	o.configFields = map[string]string{"udp-timeout": "udpIdleTimeout"}
+	if err := o.checkModeFlags("iptables"); err != nil {
+		t.Errorf("a field of --config the mode does not use: got %v, want none (kube-proxy takes it)", err)
+	}
+}
+
+// The flags of the API source are refused beside --services, whose manifests
+// are then the only source; --tcp-keepalive takes whole seconds only.
+func TestValidateRefusesIgnoredFlags(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--services=x", "--kubeconfig=k"}, `--kubeconfig "k": the Services come from --services x`},
+		{[]string{"--services=x", "--master=https://m"}, `--master "https://m"`},
+		{[]string{"--services=x", "--service-proxy-name=uproxy"}, `--service-proxy-name "uproxy"`},
+		{[]string{"--tcp-keepalive=1500ms"}, "--tcp-keepalive 1.5s: want whole seconds"},
+	} {
+		if _, err := validateArgs(t, tc.args...); err == nil || !strings.HasPrefix(err.Error(), tc.want) {
+			t.Errorf("validate with %v: got %v, want an error starting %q", tc.args, err, tc.want)
+		}
+	}
+	for _, args := range [][]string{{"--kubeconfig=k", "--service-proxy-name=uproxy"}, {"--services=x"}, {"--tcp-keepalive=2m"}, {"--events=0"}} {
+		if _, err := validateArgs(t, args...); err != nil {
+			t.Errorf("validate with %v: got %v, want none", args, err)
+		}
+	}
+}
+
+// A specific --bind-address must be one of the node's; unspecified binds all.
+func TestCheckBindAddress(t *testing.T) {
+	for addr, want := range map[string]string{
+		"0.0.0.0":   "",
+		"::":        "",
+		"127.0.0.1": "",
+		"192.0.2.1": "--bind-address 192.0.2.1: not an address of this node",
+		"fe80::1":   "--bind-address fe80::1: a link-local address needs its interface",
+	} {
+		err := checkBindAddress(netip.MustParseAddr(addr))
+		if (want == "") != (err == nil) || (err != nil && !strings.HasPrefix(err.Error(), want)) {
+			t.Errorf("checkBindAddress(%s): got %v, want %q", addr, err, want)
+		}
+	}
+}
