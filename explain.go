@@ -1,6 +1,8 @@
 package main
 
 import (
+	"fmt"
+
 	"github.com/spf13/cobra"
 
 	"github.com/uproxy/uproxy/explain"
@@ -28,7 +30,15 @@ connection to IP:PORT:
 		Example: `  uproxy explain 10.96.0.10:80
   uproxy explain 10.96.0.10:53/udp --client 10.244.1.7
   uproxy explain 10.96.0.10:80 -o json | jq .services[0].endpoints`,
-		Args: cobra.ExactArgs(1),
+		// The root silences usage for run-time errors; a missing destination
+		// is the caller's mistake, which the usage answers.
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) != 1 {
+				cmd.Usage()
+				return fmt.Errorf("explain takes one destination, IP:PORT[/tcp|udp]; got %d arguments", len(args))
+			}
+			return nil
+		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			o.Stdin = cmd.InOrStdin()
 			return explain.Run(cmd.OutOrStdout(), args[0], o)

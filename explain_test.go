@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"io"
 	"strings"
 	"testing"
@@ -29,7 +30,7 @@ func TestExplainCommandFlags(t *testing.T) {
 		{[]string{"10.96.0.10:80", "--client", "nope"}, `--client "nope"`},
 		{[]string{"10.96.0.10:80", "-o", "yaml"}, `-o "yaml"`},
 		{[]string{"10.96.0.10:80", "--metrics-address", "127.0.0.1:1"}, "ask the running uproxy at 127.0.0.1:1"},
-		{[]string{"10.96.0.10:80", "10.96.0.11:80"}, "accepts 1 arg"},
+		{[]string{"10.96.0.10:80", "10.96.0.11:80"}, "explain takes one destination, IP:PORT[/tcp|udp]; got 2 arguments"},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			cmd := newExplainCommand()
@@ -40,5 +41,23 @@ func TestExplainCommandFlags(t *testing.T) {
 				t.Errorf("got error %v, want one containing %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// explain without a destination says what it takes and prints its usage.
+func TestExplainWithoutDestinationPrintsUsage(t *testing.T) {
+	root := newRootCommand()
+	var out bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&out)
+	root.SetArgs([]string{"explain"})
+	err := root.Execute()
+	if err == nil || err.Error() != "explain takes one destination, IP:PORT[/tcp|udp]; got 0 arguments" {
+		t.Errorf("uproxy explain: got error %v, want one saying it takes a destination", err)
+	}
+	for _, want := range []string{"Usage:\n  uproxy explain IP:PORT[/tcp|udp] [flags]", "uproxy explain 10.96.0.10:80", "--client"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("uproxy explain: output lacks %q:\n%s", want, out.String())
+		}
 	}
 }

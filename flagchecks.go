@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/kernelmodes"
@@ -139,4 +140,15 @@ func checkBindAddress(addr netip.Addr) error {
 	}
 	ln.Close()
 	return nil
+}
+
+// hasNetAdmin reports whether the process may change the packet filter and
+// links (CAP_NET_ADMIN in its effective set).
+func hasNetAdmin() bool {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return true // unknown: let the steps say what they can
+	}
+	return data[unix.CAP_NET_ADMIN/32].Effective&(1<<(unix.CAP_NET_ADMIN%32)) != 0
 }

@@ -178,6 +178,11 @@ func runCleanup(o *options, force bool) error {
 	if err := checkChainPrefix(o.chainPrefix); err != nil {
 		return err
 	}
+	// Without the capability every step fails alike (iptables-save, nft, netlink),
+	// each with its own words: say it once.
+	if !hasNetAdmin() {
+		return errors.New("cleanup needs root (CAP_NET_ADMIN) to remove rules, tables and links; nothing was removed")
+	}
 	lock, err := lockRules(o.chainPrefix)
 	var held *rulesHeldError
 	switch {

@@ -183,7 +183,11 @@ func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grac
 		klog.InfoS("Shutting down", "grace", grace)
 		ctx, cancel := context.WithTimeout(context.Background(), grace)
 		defer cancel()
-		if err := shutdown(ctx); err != nil {
+		err := shutdown(ctx)
+		if se, ok := err.(*socket.ShutdownExpiredError); ok {
+			// The grace period's end, as --shutdown-grace asks: not a failure.
+			klog.InfoS("Shutdown grace period over: the connections still open were reset", "grace", grace, "connections", se.Reset)
+		} else if err != nil {
 			klog.ErrorS(err, "Shutdown")
 		}
 	}

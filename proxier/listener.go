@@ -88,7 +88,7 @@ func (p *Proxier) listen(sp *servicePort, r *route, pp int) (*serving, error) {
 
 // releasePort gives back proxy port pp of sp, whose socket is closed.
 func (p *Proxier) releasePort(sp *servicePort, pp int) {
-	p.alloc.release(pp)
+	p.alloc.release(sp.protocol, pp)
 	p.own.remove(sp.protocol, pp)
 }
 
@@ -121,7 +121,7 @@ func spareDescriptor(c syscall.Conn) error {
 func (p *Proxier) listenAnywhere(sp *servicePort, r *route) (*listenerState, error) {
 	var ls *listenerState
 	var lastErr error
-	ok := p.alloc.each(func(pp int) (bool, bool) {
+	ok := p.alloc.each(sp.protocol, func(pp int) (bool, bool) {
 		sv, err := p.listen(sp, r, pp)
 		if err != nil {
 			// Out of descriptors, every other port would fail alike.
@@ -133,7 +133,7 @@ func (p *Proxier) listenAnywhere(sp *servicePort, r *route) (*listenerState, err
 	})
 	if !ok {
 		if lastErr == nil {
-			lastErr = fmt.Errorf("every port of range %s is in use", p.alloc.r)
+			lastErr = fmt.Errorf("every %s port of range %s is in use", sp.protocol, p.alloc.r)
 		}
 		return nil, lastErr
 	}

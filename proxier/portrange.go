@@ -6,6 +6,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+
+	"github.com/uproxy/uproxy/service"
 )
 
 // PortRange is an inclusive range of proxy ports. The zero value means "let the
@@ -58,10 +60,12 @@ func (r PortRange) String() string {
 }
 
 // allocator hands out ports of a PortRange not already held. Ports are tried
-// from a random start so restarts do not all race for the same first port.
+// from a random start so restarts do not all race for the same first port. TCP
+// and UDP ports are apart (a TCP and a UDP socket may hold one number), so each
+// protocol has the whole range.
 type allocator struct {
 	r    PortRange
-	used map[int]bool
+	used map[service.Protocol]map[int]bool
 }
 
 // newAllocator returns an allocator over r; the zero PortRange means the kernel's
@@ -72,7 +76,7 @@ func newAllocator(r PortRange) *allocator {
 	if r.First == 0 {
 		r = ephemeralRange()
 	}
-	return &allocator{r: r, used: make(map[int]bool)}
+	return &allocator{r: r, used: make(map[service.Protocol]map[int]bool)}
 }
 
 // ephemeralRange reads net.ipv4.ip_local_port_range (Linux's default when unreadable).
@@ -89,19 +93,24 @@ func ephemeralRange() PortRange {
 	return r
 }
 
-// each calls try with free ports until try takes one (the port is then held),
-// asks to stop, or the range is exhausted.
-func (a *allocator) each(try func(port int) (taken, stop bool)) bool {
+// each calls try with ports free for proto until try takes one (the port is
+// then held), asks to stop, or the range is exhausted.
+func (a *allocator) each(proto service.Protocol, try func(port int) (taken, stop bool)) bool {
+	used := a.used[proto]
+	if used == nil {
+		used = make(map[int]bool)
+		a.used[proto] = used
+	}
 	n := a.r.Last - a.r.First + 1
 	start := rand.IntN(n)
 	for i := 0; i < n; i++ {
 		p := a.r.First + (start+i)%n
-		if a.used[p] {
+		if used[p] {
 			continue
 		}
 		taken, stop := try(p)
 		if taken {
-			a.used[p] = true
+			used[p] = true
 			return true
 		}
 		if stop {
@@ -111,4 +120,4 @@ func (a *allocator) each(try func(port int) (taken, stop bool)) bool {
 	return false
 }
 
-func (a *allocator) release(port int) { delete(a.used, port) }
+func (a *allocator) release(proto service.Protocol, port int) { delete(a.used[proto], port) }

@@ -685,7 +685,9 @@ func (p *Proxier) ExternalProxyPort(name service.PortName) int {
 
 // Shutdown stops accepting on every port, lets open TCP connections finish until
 // ctx is done, then resets what remains and closes the event loops. Portals are
-// left in place. Later Syncs fail; later Shutdowns do nothing.
+// left in place. Later Syncs fail; later Shutdowns do nothing. When ctx ended
+// with connections open, the error is a *socket.ShutdownExpiredError counting
+// every one reset (joined to the others, if anything failed too).
 func (p *Proxier) Shutdown(ctx context.Context) error {
 	p.syncMu.Lock()
 	defer p.syncMu.Unlock()
@@ -701,6 +703,9 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	var errs *multierror.Error
+	// expired sums the ShutdownExpiredErrors of the TCP proxies: ctx ended
+	// before their connections did, which is no failure of theirs.
+	var expired *socket.ShutdownExpiredError
 	for _, sp := range ports {
 		for _, r := range sp.routes() {
 			wg.Add(1)
@@ -713,10 +718,17 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 					err = r.udp.Close()
 				}
 				<-r.listener.Load().serving.done
+				mu.Lock()
+				defer mu.Unlock()
+				if se, ok := err.(*socket.ShutdownExpiredError); ok {
+					if expired == nil {
+						expired = &socket.ShutdownExpiredError{Err: se.Err}
+					}
+					expired.Reset += se.Reset
+					return
+				}
 				if err != nil && !errors.Is(err, net.ErrClosed) {
-					mu.Lock()
 					errs = multierror.Append(errs, fmt.Errorf("%s: %w", sp.name, err))
-					mu.Unlock()
 				}
 			}()
 		}
@@ -725,6 +737,12 @@ func (p *Proxier) Shutdown(ctx context.Context) error {
 	// Every proxy has drained: nothing runs on the loops any more.
 	if err := p.loops.Close(); err != nil {
 		errs = multierror.Append(errs, fmt.Errorf("event loops: %w", err))
+	}
+	if expired != nil {
+		if errs == nil {
+			return expired
+		}
+		errs = multierror.Append(errs, expired)
 	}
 	return errs.ErrorOrNil()
 }

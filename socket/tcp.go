@@ -313,7 +313,8 @@ func (p *TCPProxy) Close() error {
 
 // Shutdown closes the proxy and waits until every open connection has ended or ctx is
 // done; then it resets the connections still open (and abandons dials in progress),
-// waits for them to be gone and returns ctx's error.
+// waits for them to be gone and returns a *ShutdownExpiredError, which wraps ctx's
+// error (joined to Close's, if any).
 func (p *TCPProxy) Shutdown(ctx context.Context) error {
 	err := p.Close()
 	select {
@@ -323,13 +324,31 @@ func (p *TCPProxy) Shutdown(ctx context.Context) error {
 	}
 	p.mu.Lock()
 	p.forced = true
+	expired := &ShutdownExpiredError{Reset: len(p.conns), Err: ctx.Err()}
 	for s := range p.conns {
 		s.l.Post(func() { s.abort(ErrShutdown) })
 	}
 	p.mu.Unlock()
 	<-p.drained
-	return errors.Join(err, ctx.Err())
+	if err != nil {
+		return errors.Join(err, expired)
+	}
+	return expired
 }
+
+// ShutdownExpiredError is what Shutdown returns when its context ends before the
+// open connections do: the end of a grace period, not a failure. Reset
+// connections were reset (or their dials abandoned).
+type ShutdownExpiredError struct {
+	Reset int
+	Err   error // the context's
+}
+
+func (e *ShutdownExpiredError) Error() string {
+	return fmt.Sprintf("%v with %d connections open; they were reset", e.Err, e.Reset)
+}
+
+func (e *ShutdownExpiredError) Unwrap() error { return e.Err }
 
 // Active returns the number of open connections, including those still dialing.
 func (p *TCPProxy) Active() int {

@@ -252,9 +252,11 @@ type loader struct {
 	sliceErrs  map[*discoveryv1.EndpointSlice][]error
 	goodSvcs   map[objectKey]*v1.Service
 	goodSlices map[objectKey]*discoveryv1.EndpointSlice
-	// logged holds the errors of the previous load, so that a broken file is logged
-	// when it breaks and when it is fixed, not on every reload.
-	logged map[string]bool
+	// logged holds the errors of the previous load, each with what it is about
+	// (problemSubject), so that a broken file is logged when it breaks, when
+	// it is fixed and when another problem of the same object replaces it, not
+	// on every reload.
+	logged map[string]string
 }
 
 type fileState struct {
@@ -271,7 +273,7 @@ func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
 		snaps:      service.NewBuilder(opts),
 		goodSvcs:   make(map[objectKey]*v1.Service),
 		goodSlices: make(map[objectKey]*discoveryv1.EndpointSlice),
-		logged:     make(map[string]bool),
+		logged:     make(map[string]string),
 	}
 }
 
@@ -494,15 +496,29 @@ func (o object) key() objectKey {
 }
 
 // log reports the errors that the previous load did not have, and those of the
-// previous load that are gone.
+// previous load that are gone: as changed, when a new one is about the same
+// object (or document), else as fixed.
 func (l *loader) log(errs []error) {
-	now := make(map[string]bool, len(errs))
+	now := make(map[string]string, len(errs))
+	var appeared []error
 	for _, err := range errs {
 		msg := err.Error()
-		now[msg] = true
-		if l.logged[msg] {
-			continue
+		now[msg] = problemSubject(err)
+		if _, ok := l.logged[msg]; !ok {
+			appeared = append(appeared, err)
 		}
+	}
+	// gone holds the problems of the previous load that are gone, by subject.
+	gone := make(map[string][]string)
+	for msg, subject := range l.logged {
+		if _, ok := now[msg]; !ok {
+			gone[subject] = append(gone[subject], msg)
+		}
+	}
+	for _, msgs := range gone {
+		slices.Sort(msgs)
+	}
+	for _, err := range appeared {
 		var de *DocumentError
 		if errors.Is(err, ErrDeleted) && errors.As(err, &de) {
 			klog.InfoS("Manifest file deleted; its last content is used until it is back", "file", de.File)
@@ -512,14 +528,41 @@ func (l *loader) log(errs []error) {
 			klog.InfoS("Manifest directory gone; its files' last content is used until it is back", "dir", l.path)
 			continue
 		}
+		subject := now[err.Error()]
+		if was := gone[subject]; len(was) > 0 {
+			klog.ErrorS(err, "Manifest problem changed", "path", l.path, "was", was[0])
+			gone[subject] = was[1:]
+			continue
+		}
 		klog.ErrorS(err, "Manifest problem", "path", l.path)
 	}
-	for msg := range l.logged {
-		if !now[msg] {
+	for _, subject := range slices.Sorted(maps.Keys(gone)) {
+		for _, msg := range gone[subject] {
 			klog.InfoS("Manifest problem fixed", "path", l.path, "was", msg)
 		}
 	}
 	l.logged = now
+}
+
+// problemSubject names what a problem is about: its object (kind, namespace
+// and name), or else its file and document, or else the problem itself.
+func problemSubject(err error) string {
+	var fe *service.FieldError
+	var c *service.Conflict
+	var ue *service.UnservedError
+	switch {
+	case errors.As(err, &fe) && fe.Name != "":
+		return fe.Kind + " " + fe.Namespace + "/" + fe.Name
+	case errors.As(err, &c):
+		return "Service " + c.LeftOut.Namespace + "/" + c.LeftOut.Name
+	case errors.As(err, &ue):
+		return "Service " + ue.Port.Name.Namespace + "/" + ue.Port.Name.Name
+	}
+	var de *DocumentError
+	if errors.As(err, &de) && de.Doc > 0 {
+		return fmt.Sprintf("%s document %d", de.File, de.Doc)
+	}
+	return err.Error()
 }
 
 // loadSummary describes a Snapshot loaded from path as klog key-value pairs: what it
