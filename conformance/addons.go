@@ -17,6 +17,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/apimachinery/pkg/util/wait"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -127,6 +128,9 @@ func (c *Cluster) deployDNS(ctx context.Context) error {
 	return c.apply(ctx, objs)
 }
 
+// kubeProxyHealthzPort is kube-proxy's health port (its default healthzBindAddress).
+const kubeProxyHealthzPort = 10256
+
 // ProxyMode is how uproxy runs on the nodes: its --proxy-mode, and for the
 // userspace mode the portal backend (--rules).
 type ProxyMode struct {
@@ -136,7 +140,8 @@ type ProxyMode struct {
 
 // DeployUProxy applies deploy/uproxy.yaml as a user who runs uproxy as the nodes'
 // only service proxy would: the image is the one built here; config.conf says the
-// mode and the cluster's pod range; the --service-proxy-name flag, which makes
+// mode and the cluster's pod range, and moves the health and metrics ports back to
+// kube-proxy's (the manifest's own keep clear of a kube-proxy beside it); the --service-proxy-name flag, which makes
 // uproxy share the nodes with kube-proxy, is dropped so that it serves every
 // Service; and the API server is named by its address, since the Service that
 // names it is one uproxy has yet to program (kube-proxy's own DaemonSet takes a
@@ -160,6 +165,10 @@ func (c *Cluster) DeployUProxy(ctx context.Context, manifest, image string, mode
 			}
 			conf["mode"] = mode.Mode
 			conf["clusterCIDR"] = ClusterCIDR
+			// kube-proxy's own ports: with no kube-proxy beside it, what asks the
+			// node's proxy for /proxyMode, /metrics or /healthz asks there.
+			conf["healthzBindAddress"] = "0.0.0.0:" + fmt.Sprint(kubeProxyHealthzPort)
+			conf["metricsBindAddress"] = "127.0.0.1:10249"
 			out, err := yaml.Marshal(conf)
 			if err != nil {
 				return err
@@ -180,6 +189,14 @@ func (c *Cluster) DeployUProxy(ctx context.Context, manifest, image string, mode
 				cmd = append(cmd, "--rules="+mode.Rules)
 			}
 			ctr.Command = cmd
+			for i := range ctr.Ports {
+				if ctr.Ports[i].Name == "healthz" {
+					ctr.Ports[i].ContainerPort = kubeProxyHealthzPort
+				}
+			}
+			if p := ctr.LivenessProbe; p != nil && p.HTTPGet != nil {
+				p.HTTPGet.Port = intstr.FromInt32(kubeProxyHealthzPort)
+			}
 			ctr.Env = append(ctr.Env,
 				v1.EnvVar{Name: "KUBERNETES_SERVICE_HOST", Value: NodeIP(1)},
 				v1.EnvVar{Name: "KUBERNETES_SERVICE_PORT", Value: fmt.Sprint(apiPort)})
