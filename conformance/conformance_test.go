@@ -61,8 +61,9 @@ var expectedFailures = map[string]map[string]string{
 }
 
 var userspaceSourceTests = map[string]string{
-	"[sig-network] Services should preserve source pod IP for traffic thru service cluster IP [LinuxOnly]": userspaceDialsFromTheNode,
-	"[sig-network] Services should support externalTrafficPolicy=Local for type=NodePort":                  userspaceDialsFromTheNode,
+	"[sig-network] Services should preserve source pod IP for traffic thru service cluster IP [LinuxOnly]":                  userspaceDialsFromTheNode,
+	"[sig-network] Services should support externalTrafficPolicy=Local for type=NodePort":                                   userspaceDialsFromTheNode,
+	"[sig-network] Services should implement NodePort and HealthCheckNodePort correctly when ExternalTrafficPolicy changes": userspaceDialsFromTheNode,
 }
 
 // TestConformance builds a cluster per proxy, runs upstream's suite against it and
