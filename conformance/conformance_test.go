@@ -19,7 +19,7 @@ var (
 	nodesFlag   = flag.Int("conformance.nodes", 1, "nodes of the cluster")
 	proxiesFlag = flag.String("conformance.proxies", "uproxy-userspace-nftables", "comma-separated proxies to judge: "+strings.Join(proxyNames(), ", "))
 	suitesFlag  = flag.String("conformance.suites", `\[sig-network\] Services`, "regular expressions of the suites to run, |-separated; \"all\" for every suite of Suites")
-	procsFlag   = flag.Int("conformance.procs", 2, "ginkgo processes")
+	procsFlag   = flag.Int("conformance.procs", 4, "ginkgo processes (the tests mostly wait, so more than the cores)")
 	reportFlag  = flag.String("conformance.report", "", "write the markdown table here too")
 	keepFlag    = flag.Bool("conformance.keep", false, "leave the last cluster running (remove it with `make conformance-down`)")
 	downFlag    = flag.Bool("conformance.down", false, "only remove a cluster left running (`make conformance-down`)")
