@@ -64,6 +64,10 @@ func TestVerdict(t *testing.T) {
 			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(preserve, "passed")}},
 			{Proxy: "uproxy-nftables", Specs: []Spec{spec(preserve, "failed"), spec("a", "passed")}},
 		}, 1},
+		{"a test uproxy skips and kube-proxy passes", []Result{
+			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec("a", "passed"), spec("b", "skipped")}},
+			{Proxy: "uproxy-nftables", Specs: []Spec{spec("a", "skipped"), spec("b", "skipped"), spec("c", "passed")}},
+		}, 1},
 		{"without kube-proxy every failure counts", []Result{
 			{Proxy: "uproxy-userspace-nftables", Specs: []Spec{spec("a", "failed"), spec("b", "passed")}},
 		}, 1},
