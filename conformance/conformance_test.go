@@ -148,7 +148,10 @@ func TestConformance(t *testing.T) {
 	ctx := t.Context()
 	var results []Result
 	for _, name := range chosen {
-		res, err := judge(ctx, t, name, binDir, archive, focus, skip, filepath.Join(work, name), logf)
+		// Each proxy's ginkgo log and report outlive the test, for reading a failure.
+		reportDir := filepath.Join(os.TempDir(), "uproxy-conformance-"+Prefix, name)
+		os.RemoveAll(reportDir)
+		res, err := judge(ctx, t, name, binDir, archive, focus, skip, reportDir, logf)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
