@@ -213,7 +213,11 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 	}
 	usesSVC := len(clusterEps) > 0 && (!p.InternalPolicyLocal || externallyAccessible)
 	usesSVL := len(localEps) > 0 && (p.InternalPolicyLocal || (p.ExternalPolicyLocal && externallyAccessible))
-	usesEXT := externallyAccessible && len(externalEps) > 0
+	// The EXT chain exists while the Service has any endpoint: with a Local
+	// policy and none on this node, it still sends pods' and the node's own
+	// traffic to every endpoint (kube-proxy's short-circuit); the rest is dropped.
+	usesEXT := externallyAccessible && anyUsable
+	hasExternalEps := len(externalEps) > 0
 
 	// A missing endpoint is a REJECT when the Service has none at all, a DROP when
 	// only the policy's (this node's) are missing, as kube-proxy does.
@@ -246,7 +250,8 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 	for _, ip := range externalIPs {
 		if usesEXT {
 			sh.natServices = dstRule(sh.natServices, r.n.services, ip, name+" external IP", p.Port, extChain)
-		} else {
+		}
+		if !hasExternalEps {
 			target, comment := noEndpoints()
 			sh.filterExtra = dstRule(sh.filterExtra, r.n.externalServices, ip, comment, p.Port, target)
 		}
@@ -258,7 +263,8 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 				target = fwChain
 			}
 			sh.natServices = dstRule(sh.natServices, r.n.services, ip, name+" loadbalancer IP", p.Port, target)
-		} else {
+		}
+		if !hasExternalEps {
 			target, comment := noEndpoints()
 			sh.filterExtra = dstRule(sh.filterExtra, r.n.externalServices, ip, comment, p.Port, target)
 		}
@@ -273,7 +279,8 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 			sh.natNodePorts = append(sh.natNodePorts, "-A "+r.n.nodePorts+" -p "+proto+" -m comment --comment "+ipt.Quote(name)...)
 			sh.natNodePorts = portMatch(sh.natNodePorts, p.NodePort)
 			sh.natNodePorts = append(sh.natNodePorts, " -j "+extChain+"\n"...)
-		} else {
+		}
+		if !hasExternalEps {
 			target, comment := noEndpoints()
 			for _, d := range r.nodePortDsts {
 				sh.filterExtra = append(sh.filterExtra, "-A "+r.n.externalServices+d+" -p "+proto+" -m comment --comment "+ipt.Quote(comment)...)
@@ -371,7 +378,9 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 				b = append(b, "-A "+extChain+" -m comment --comment "+ipt.Quote("route LOCAL traffic for "+name+" external destinations")+" -m addrtype --src-type LOCAL -j "+svcChain+"\n"...)
 			}
 		}
-		b = append(b, "-A "+extChain+" -j "+externalChain+"\n"...)
+		if hasExternalEps {
+			b = append(b, "-A "+extChain+" -j "+externalChain+"\n"...)
+		}
 		if firewalled {
 			for _, s := range sourceRanges {
 				b = append(b, "-A "+fwChain+" -s "+s.String()+" -m comment --comment "+ipt.Quote(name+" loadbalancer IP")+" -j "+extChain+"\n"...)

@@ -257,6 +257,29 @@ func TestRenderPort(t *testing.T) {
 `,
 		},
 		{
+			name: "externalTrafficPolicy Local without a local endpoint: the node's and pods' traffic still reach every endpoint (the rest is dropped in filter)",
+			cfg:  Config{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}},
+			port: func(p *service.Port) {
+				p.Endpoints = []service.Endpoint{ep("10.244.2.3:8080", false)}
+				p.NodePort = 30080
+				p.ExternalPolicyLocal = true
+			},
+			want: `-A UPROXY-EXTERNAL-SERVICES ! -d 127.0.0.0/8 -m addrtype --dst-type LOCAL -p tcp -m comment --comment "shop/web:http has no local endpoints" -m tcp --dport 30080 -j DROP
+:{SVC} - [0:0]
+:{EXT} - [0:0]
+:{SEP 10.244.2.3:8080} - [0:0]
+-A UPROXY-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "shop/web:http cluster IP" -m tcp --dport 80 -j {SVC}
+-A UPROXY-NODEPORTS -p tcp -m comment --comment "shop/web:http" -m tcp --dport 30080 -j {EXT}
+-A {SVC} -d 10.96.0.10/32 ! -s 10.244.0.0/16 -p tcp -m comment --comment "shop/web:http cluster IP" -m tcp --dport 80 -j UPROXY-MARK-MASQ
+-A {SVC} -m comment --comment "shop/web:http -> 10.244.2.3:8080" -j {SEP 10.244.2.3:8080}
+-A {EXT} -s 10.244.0.0/16 -m comment --comment "pod traffic for shop/web:http external destinations" -j {SVC}
+-A {EXT} -m comment --comment "masquerade LOCAL traffic for shop/web:http external destinations" -m addrtype --src-type LOCAL -j UPROXY-MARK-MASQ
+-A {EXT} -m comment --comment "route LOCAL traffic for shop/web:http external destinations" -m addrtype --src-type LOCAL -j {SVC}
+-A {SEP 10.244.2.3:8080} -s 10.244.2.3/32 -m comment --comment "shop/web:http" -j UPROXY-MARK-MASQ
+-A {SEP 10.244.2.3:8080} -p tcp -m comment --comment "shop/web:http" -m tcp -j DNAT --to-destination 10.244.2.3:8080
+`,
+		},
+		{
 			name: "internalTrafficPolicy Local without a local endpoint: DROP, not REJECT",
 			port: func(p *service.Port) {
 				p.Endpoints = three[1:2]
