@@ -43,45 +43,17 @@ type launch struct {
 	ready func([]serviceState) bool
 }
 
-// runUproxy starts uproxy in the node namespace, as l says, and waits until it
-// has completed a sync with the state l asks for.
-func runUproxy(t testing.TB, tp *testbed.Topology, manifests string, l launch) *proxy {
+// start runs `ip` with args (uproxy in the node namespace), its output in a log
+// of the test's, a client for its HTTP addresses that dials from the node, and
+// a cleanup that stops it and shows its log when the test failed.
+func (p *proxy) start(args []string) {
+	t, tp := p.t, p.tp
 	t.Helper()
-	p := &proxy{t: t, tp: tp, dir: l.dir, exited: make(chan struct{}), metrics: "127.0.0.1:10249"}
-	source := l.source
-	if source == nil {
-		if p.dir == "" {
-			p.dir = t.TempDir()
-		}
-		p.write("services.yaml", manifests)
-		source = []string{"--services", p.dir}
-	}
 	p.log = filepath.Join(t.TempDir(), "uproxy.log")
 	logf, err := os.Create(p.log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	bin := l.bin
-	if bin == "" {
-		bin = uproxyBin
-	}
-	args := []string{"netns", "exec", tp.NS(testbed.Node).Name}
-	args = append(args, l.wrapper...)
-	args = append(args, bin)
-	args = append(args, source...)
-	args = append(args,
-		"--sync-period", "1s",
-		"--min-sync-period", "0",
-		"-v", "2",
-		// The conntrack table's size is the machine's: outside the initial
-		// network namespace uproxy could not set it and would not start. The
-		// timeouts are the namespace's own, and are set.
-		"--conntrack-max-per-core", "0",
-	)
-	if !l.defaultAddrs {
-		args = append(args, "--metrics-bind-address", p.metrics, "--healthz-bind-address", "127.0.0.1:10256")
-	}
-	args = append(args, l.flags...)
 	p.cmd = exec.Command("ip", args...)
 	p.cmd.Stdout, p.cmd.Stderr = logf, logf
 	if err := p.cmd.Start(); err != nil {
@@ -104,6 +76,43 @@ func runUproxy(t testing.TB, tp *testbed.Topology, manifests string, l launch) *
 			t.Logf("uproxy log:\n%s", tail(p.logText(), 60))
 		}
 	})
+}
+
+// runUproxy starts uproxy in the node namespace, as l says, and waits until it
+// has completed a sync with the state l asks for.
+func runUproxy(t testing.TB, tp *testbed.Topology, manifests string, l launch) *proxy {
+	t.Helper()
+	p := &proxy{t: t, tp: tp, dir: l.dir, exited: make(chan struct{}), metrics: "127.0.0.1:10249"}
+	source := l.source
+	if source == nil {
+		if p.dir == "" {
+			p.dir = t.TempDir()
+		}
+		p.write("services.yaml", manifests)
+		source = []string{"--services", p.dir}
+	}
+	bin := l.bin
+	if bin == "" {
+		bin = uproxyBin
+	}
+	args := []string{"netns", "exec", tp.NS(testbed.Node).Name}
+	args = append(args, l.wrapper...)
+	args = append(args, bin)
+	args = append(args, source...)
+	args = append(args,
+		"--sync-period", "1s",
+		"--min-sync-period", "0",
+		"-v", "2",
+		// The conntrack table's size is the machine's: outside the initial
+		// network namespace uproxy could not set it and would not start. The
+		// timeouts are the namespace's own, and are set.
+		"--conntrack-max-per-core", "0",
+	)
+	if !l.defaultAddrs {
+		args = append(args, "--metrics-bind-address", p.metrics, "--healthz-bind-address", "127.0.0.1:10256")
+	}
+	args = append(args, l.flags...)
+	p.start(args)
 	seen := time.Now()
 	if l.ready != nil {
 		p.waitFor(l.ready, "the expected Service ports")

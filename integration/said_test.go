@@ -1,14 +1,10 @@
 package integration
 
 import (
-	"context"
 	"encoding/json"
 	"io"
 	"net"
 	"net/http"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -102,35 +98,9 @@ func TestServiceWithoutClusterIPIsWarnedOf(t *testing.T) {
 func startUnsynced(t *testing.T, tp *testbed.Topology, args ...string) *proxy {
 	t.Helper()
 	p := &proxy{t: t, tp: tp, exited: make(chan struct{}), metrics: "127.0.0.1:10249"}
-	p.log = filepath.Join(t.TempDir(), "uproxy.log")
-	logf, err := os.Create(p.log)
-	if err != nil {
-		t.Fatal(err)
-	}
 	args = append([]string{"netns", "exec", tp.NS(testbed.Node).Name, uproxyBin,
 		"--metrics-bind-address", p.metrics, "--healthz-bind-address", "127.0.0.1:10256"}, args...)
-	p.cmd = exec.Command("ip", args...)
-	p.cmd.Stdout, p.cmd.Stderr = logf, logf
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		p.cmd.Wait()
-		logf.Close()
-		close(p.exited)
-	}()
-	p.client = &http.Client{
-		Timeout: 5 * time.Second,
-		Transport: &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			return tp.Dial(testbed.Node, network, addr)
-		}},
-	}
-	t.Cleanup(func() {
-		p.stop()
-		if t.Failed() {
-			t.Logf("uproxy log:\n%s", tail(p.logText(), 60))
-		}
-	})
+	p.start(args)
 	return p
 }
 
