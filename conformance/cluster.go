@@ -31,14 +31,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/vishvananda/netns"
+	"github.com/uproxy/uproxy/topology"
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -468,38 +467,16 @@ current-context: %[1]s
 // harness reaches the cluster from the host without an address of its own there.
 func DialIn(ns string) func(ctx context.Context, network, address string) (net.Conn, error) {
 	return func(ctx context.Context, network, address string) (net.Conn, error) {
-		type result struct {
-			c   net.Conn
-			err error
-		}
-		ch := make(chan result, 1)
+		var conn net.Conn
+		errc := make(chan error, 1)
 		go func() {
-			runtime.LockOSThread()
-			orig, err := netns.Get()
-			if err != nil {
-				ch <- result{nil, err}
-				return
-			}
-			defer orig.Close()
-			target, err := netns.GetFromName(ns)
-			if err != nil {
-				ch <- result{nil, err}
-				return
-			}
-			defer target.Close()
-			if err := netns.Set(target); err != nil {
-				ch <- result{nil, err}
-				return
-			}
-			var d net.Dialer
-			conn, err := d.DialContext(ctx, network, address)
-			if netns.Set(orig) == nil {
-				runtime.UnlockOSThread() // otherwise the thread dies with the goroutine
-			}
-			ch <- result{conn, err}
+			errc <- topology.RunIn(ns, func() (err error) {
+				var d net.Dialer
+				conn, err = d.DialContext(ctx, network, address)
+				return err
+			})
 		}()
-		r := <-ch
-		return r.c, r.err
+		return conn, <-errc
 	}
 }
 

@@ -256,15 +256,17 @@ func (tp *Topology) Run(role string, fn func() error) error {
 	name := tp.NS(role).Name
 	errc := make(chan error, 1)
 	go func() {
-		errc <- runInNamespace(name, fn)
+		errc <- RunIn(name, fn)
 	}()
 	return <-errc
 }
 
-// runInNamespace locks the goroutine to its thread for the whole call. If the
-// thread cannot be switched back it stays locked, so Go discards it when the
-// goroutine ends instead of reusing a thread in the wrong namespace.
-func runInNamespace(name string, fn func() error) error {
+// RunIn calls fn on the calling goroutine's thread switched into the named
+// network namespace (one of `ip netns`), and switches it back. It locks the
+// goroutine to its thread for the whole call; if the thread cannot be switched
+// back it stays locked, so Go discards it when the goroutine ends instead of
+// reusing a thread in the wrong namespace. Call it on a goroutine of its own.
+func RunIn(name string, fn func() error) error {
 	runtime.LockOSThread()
 	orig, err := netns.Get()
 	if err != nil {
