@@ -27,7 +27,6 @@ type modeFlag struct {
 var (
 	userspaceOnly    = []string{kernelmodes.Userspace}
 	userspaceAndIPVS = []string{kernelmodes.Userspace, kernelmodes.IPVS}
-	kernelModesOnly  = []string{kernelmodes.IPTables, kernelmodes.NFTables, kernelmodes.IPVS}
 	modeFlags        = []modeFlag{
 		{name: "rules", modes: userspaceOnly},
 		{name: "proxy-port-range", modes: userspaceOnly, warn: true},
@@ -37,6 +36,8 @@ var (
 		{name: "tcp-keepalive", modes: userspaceOnly},
 		{name: "tcp-idle-timeout", modes: userspaceOnly},
 		{name: "dial-mark-bit", modes: userspaceOnly},
+		{name: "preserve-client-address", modes: userspaceOnly},
+		{name: "client-address-mark-bit", modes: userspaceOnly},
 		{name: "event-loops", modes: userspaceOnly},
 		{name: "dial-hedge", modes: userspaceOnly},
 		{name: "retry-budget", modes: userspaceOnly},
@@ -46,11 +47,6 @@ var (
 		{name: "shutdown-grace", modes: userspaceOnly, warn: true},
 		// kube-proxy takes --ipvs-scheduler in every mode.
 		{name: "scheduler", modes: userspaceAndIPVS, warn: true},
-		// The userspace mode's connections to endpoints come from the node:
-		// it has nothing to masquerade. kube-proxy's legacy userspace mode
-		// took both flags and ignored them.
-		{name: "cluster-cidr", modes: kernelModesOnly, warn: true},
-		{name: "masquerade-all", modes: kernelModesOnly, warn: true},
 	}
 )
 

@@ -102,6 +102,8 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 			return nil, nil, err
 		}
 		cfg.proxier.Portals = portals
+		cfg.proxier.KeepClientAddress = cfg.clientMark != 0 && cfg.rules != "none"
+		cfg.proxier.ClusterCIDRs, cfg.proxier.MasqueradeAll = cfg.clusterCIDRs, cfg.masqueradeAll
 		cfg.proxier.Events = events
 		cfg.proxier.EventLoops = reserveEventLoopProcs(cfg.eventLoops)
 		px, err := proxier.New(cfg.proxier)

@@ -58,6 +58,8 @@ type options struct {
 	ejectAfter         int
 	eventLoops         int
 	dialMarkBit        int
+	keepClientAddress  bool
+	clientMarkBit      int
 	dialHedge          time.Duration
 	retryBudget        string
 	conntrack          conntrackOptions
@@ -102,6 +104,8 @@ func defaultOptions() *options {
 		configSyncPeriod:   15 * time.Minute,
 		ejectAfter:         3,
 		dialMarkBit:        13,
+		keepClientAddress:  true,
+		clientMarkBit:      12,
 		conntrack:          defaultConntrackOptions(),
 	}
 }
@@ -126,8 +130,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.minSyncPeriod, "min-sync-period", o.minSyncPeriod, "least time between two syncs")
 	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, chainPrefixHelp)
 	f.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", o.nodePortAddresses, "CIDRs of the node addresses NodePorts answer on (empty: all)")
-	f.StringVar(&o.clusterCIDR, "cluster-cidr", o.clusterCIDR, "the pods' network, one CIDR per address family (comma-separated for dual stack). The kernel modes masquerade traffic to cluster IPs from outside it, and send pods' traffic to a Service's external addresses to all its endpoints whatever its externalTrafficPolicy, as kube-proxy (the userspace mode's connections to endpoints come from the node anyway)")
-	f.BoolVar(&o.masqueradeAll, "masquerade-all", o.masqueradeAll, "kernel modes: masquerade all traffic to cluster IPs, whatever its source")
+	f.StringVar(&o.clusterCIDR, "cluster-cidr", o.clusterCIDR, "the pods' network, one CIDR per address family (comma-separated for dual stack). Traffic to cluster IPs from outside it is masqueraded (the userspace mode dials its endpoints from the node), and the kernel modes send pods' traffic to a Service's external addresses to all its endpoints whatever its externalTrafficPolicy, as kube-proxy")
+	f.BoolVar(&o.masqueradeAll, "masquerade-all", o.masqueradeAll, "masquerade all traffic to cluster IPs, whatever its source (the userspace mode: dial every endpoint from the node)")
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
 	f.StringToStringVar(&o.nodeLabels, "node-labels", o.nodeLabels, "this node's labels, KEY=VALUE,... (with --services only; the API server's Node has its own): topology.kubernetes.io/zone sets the zone for topology hints")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
@@ -144,6 +148,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1): as in kube-proxy, it decides every flag that stands for one of its fields (a field left out or zero: kube-proxy's default) and those flags are ignored on the command line, except --hostname-override")
 	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps; 0: none (connections are not recorded)")
 	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables or nftables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
+	f.BoolVar(&o.keepClientAddress, "preserve-client-address", o.keepClientAddress, "with --rules iptables or nftables: dial endpoints from the client's own address where kube-proxy would not masquerade (a pod to a ClusterIP, anyone to an externalTrafficPolicy Local Service), so endpoints and network policies see the client; needs --dial-mark-bit and --client-address-mark-bit")
+	f.IntVar(&o.clientMarkBit, "client-address-mark-bit", o.clientMarkBit, "with --preserve-client-address: bit of the packet and conntrack mark that brings the replies to a dial from a client's address back to uproxy, through a policy route (table and priority "+strconv.Itoa(rules.ClientAddressTable)+") (0-31, distinct from --dial-mark-bit and kube-proxy's 14 and 15); -1: none, which turns --preserve-client-address off")
 	f.IntVar(&o.eventLoops, "event-loops", o.eventLoops, "event loops (threads) carrying the userspace mode's TCP connections and UDP flows; 0: one per CPU but one, at least one")
 	f.DurationVar(&o.dialHedge, "dial-hedge", o.dialHedge, "hedge TCP dials: when an attempt has not connected after this long, start the next one to another endpoint while it stays pending; the first to connect serves (Service annotation "+service.AnnotationDialHedge+" overrides); 0: off")
 	f.StringVar(&o.retryBudget, "retry-budget", o.retryBudget, "cap TCP retries and hedges at this percentage of first attempts per Service port, a token bucket of 10 (Service annotation "+service.AnnotationRetryBudget+" overrides); empty or 0: no cap")
@@ -166,6 +172,9 @@ type config struct {
 	healthzAddr   string
 	eventLoops    int
 	dialMark      uint32 // from --dial-mark-bit; 0: none
+	// clientMark is the mark of the replies to dials from a client's address
+	// (--client-address-mark-bit); 0 when --preserve-client-address is off.
+	clientMark uint32
 	// conntrack are the sysctls set at start where rules are programmed.
 	conntrack conntrack.Sysctls
 }
@@ -292,6 +301,19 @@ func (o *options) validate() (*config, error) {
 	}
 	if o.dialMarkBit >= 0 {
 		c.dialMark = 1 << o.dialMarkBit
+	}
+	if o.clientMarkBit < -1 || o.clientMarkBit > 31 {
+		return nil, fmt.Errorf("--client-address-mark-bit %d: want a bit number from 0 to 31, or -1 for none", o.clientMarkBit)
+	}
+	if o.clientMarkBit == kubeProxyMasqueradeBit || o.clientMarkBit == kubeProxyDropBit {
+		return nil, fmt.Errorf("--client-address-mark-bit %d: kube-proxy marks packets with bit %d (masquerade) and %d (drop); choose another bit, or -1 for none",
+			o.clientMarkBit, kubeProxyMasqueradeBit, kubeProxyDropBit)
+	}
+	if o.clientMarkBit >= 0 && o.clientMarkBit == o.dialMarkBit {
+		return nil, fmt.Errorf("--client-address-mark-bit %d: --dial-mark-bit uses that bit; choose another", o.clientMarkBit)
+	}
+	if o.keepClientAddress && o.clientMarkBit >= 0 {
+		c.clientMark = 1 << o.clientMarkBit
 	}
 	if o.shutdownGrace < 0 {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)

@@ -258,6 +258,7 @@ func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, er
 		NodePortAddresses:  cfg.prefixes,
 		IPv6:               hasIPv6(ips),
 		DialMark:           mark,
+		ClientAddressMark:  keepClientAddress(cfg, mark),
 		ProxyPortsOnNodeIP: bind.IsValid() && !bind.IsUnspecified(),
 	}
 	if rc.ProxyPortsOnNodeIP {
@@ -282,6 +283,31 @@ func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, er
 		return nil, fmt.Errorf("--rules %s: %w", cfg.rules, err)
 	}
 	return p, nil
+}
+
+// keepClientAddress returns the mark of the portals' rules for the replies to
+// dials from a client's address, 0 (and cfg.clientMark cleared, with the
+// reason logged) when client addresses cannot be kept: no dial mark for the
+// rules to tell the proxy's own connections by, or a kernel or a process
+// that refuses transparent sockets.
+func keepClientAddress(cfg *config, dialMark uint32) uint32 {
+	if cfg.clientMark == 0 {
+		return 0
+	}
+	var why string
+	if dialMark == 0 {
+		why = "the rules tell uproxy's own connections by the dial mark, and there is none (--dial-mark-bit)"
+	} else if err := socket.CheckTransparent(); err != nil {
+		why = err.Error()
+	}
+	if why != "" {
+		klog.InfoS("Endpoints see the node's address, not the client's, on every connection", "flag", "--preserve-client-address", "reason", why)
+		cfg.clientMark = 0
+		return 0
+	}
+	klog.InfoS("Endpoints see the client's address where kube-proxy would keep it", "flag", "--preserve-client-address",
+		"mark", fmt.Sprintf("%#x", cfg.clientMark), "routeTable", rules.ClientAddressTable)
+	return cfg.clientMark
 }
 
 func hasIPv6(ips []netip.Addr) bool {

@@ -127,6 +127,12 @@ var (
 		Name: "uproxy_idle_timeouts_total",
 		Help: "TCP connections reset after no byte moved either way for --tcp-idle-timeout, by Service port.",
 	}, []string{"service"})
+	// DialSources has no Service label: which address a dial goes from is the
+	// node's policy (kube-proxy's masquerading), the same for every Service port.
+	DialSources = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "uproxy_dial_sources_total",
+		Help: "Dial attempts to endpoints by source address: client (transparent: the endpoint sees the client, where kube-proxy would not masquerade), node (where it would), hairpin (the node's, for a client reaching itself), fallback (the node's, after the kernel refused a transparent socket).",
+	}, []string{"source"})
 	ProxyPortReopens = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_proxy_port_reopens_total",
 		Help: "Times a sync reopened a Service port's proxy socket after it failed for good, by Service port.",
@@ -141,10 +147,19 @@ func init() {
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
 		IPTablesRestoreFailures, ServicePortConflicts,
 		Connections, DialAttempts, DialDuration, Retries, RetryBudgetRefusals, ActiveConnections, ConnectionDuration,
-		Bytes, UDPExpiries, UDPEndpointRemovals, IdleTimeouts, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens,
+		Bytes, UDPExpiries, UDPEndpointRemovals, IdleTimeouts, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens, DialSources,
 		portsCollector{},
 	)
 }
+
+// dialSources are DialSources' children by record.Source, made once so that a
+// dial costs no label lookup.
+var dialSources = func() (c [record.SourceFallback + 1]prometheus.Counter) {
+	for s := range c {
+		c[s] = DialSources.WithLabelValues(record.Source(s).String())
+	}
+	return c
+}()
 
 // Dial results, the values of the result label of uproxy_dial_attempts_total.
 const (

@@ -126,6 +126,9 @@ func (o *PortObserver) AttemptDone(service string, a record.Attempt) {
 	em, attempts := o.children(a.Endpoint, r)
 	attempts.Inc()
 	em.dial.Observe(a.Duration.Seconds())
+	if r != resultOwnSocket && int(a.Source) < len(dialSources) {
+		dialSources[a.Source].Inc()
+	}
 	switch r {
 	case resultNoLocalPort:
 		o.warnNoLocalPort(em.name, a.Err)

@@ -67,6 +67,13 @@ type Config struct {
 	UDPMaxClients int
 	// Portals programs the rules that steer virtual IPs to proxy ports; nil: none.
 	Portals rules.Portals
+	// KeepClientAddress dials endpoints from the client's address where
+	// kube-proxy would not masquerade the connection, while the Portals bring
+	// the replies back (clientaddress.go); ClusterCIDRs and MasqueradeAll are
+	// kube-proxy's --cluster-cidr and --masquerade-all, which decide where.
+	KeepClientAddress bool
+	ClusterCIDRs      []netip.Prefix
+	MasqueradeAll     bool
 	// Events, if set, records every connection and every ejection.
 	Events *observe.Events
 	// EjectAfter is how many consecutive failed dials eject an endpoint from new
@@ -115,6 +122,8 @@ type Proxier struct {
 
 	// own are the proxy sockets, which no proxy dials (own.go).
 	own ownSockets
+	// clientAddr decides whose address each dial carries.
+	clientAddr clientAddress
 }
 
 type syncedPort struct {
@@ -162,6 +171,7 @@ func New(cfg Config) (*Proxier, error) {
 		return nil, fmt.Errorf("userspace proxier: %w", err)
 	}
 	p := &Proxier{cfg: cfg, alloc: newAllocator(cfg.PortRange), loops: loops}
+	p.clientAddr = clientAddress{keep: cfg.KeepClientAddress, clusterCIDRs: cfg.ClusterCIDRs, masqueradeAll: cfg.MasqueradeAll, portals: cfg.Portals}
 	p.ports = make(map[service.PortName]*servicePort)
 	p.own.bind = cfg.BindAddress
 	p.own.refresh()
@@ -230,7 +240,7 @@ func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) 
 			return nil, false
 		}
 		// Opening or closing an external route is the long way's job.
-		if sp := synced[i].sp; sp != nil && port.SplitsExternal() != (sp.external.Load() != nil) {
+		if sp := synced[i].sp; sp != nil && p.splits(port) != (sp.external.Load() != nil) {
 			return nil, false
 		}
 	}
@@ -491,6 +501,7 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 			}
 		}
 		r.endpoints = addrs
+		r.localPolicy.Store(port.ExternalPolicyLocal)
 	}
 	kept := make([]netip.AddrPort, 0, len(all))
 	for a := range all {
@@ -540,7 +551,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 		protocol: port.Protocol,
 		observer: observe.NewPortObserver(port.Name.String(), string(port.Protocol), p.cfg.Events),
 	}
-	r, err := p.newRoute(sp, port)
+	r, err := p.newRoute(sp, port, false)
 	if err != nil {
 		sp.observer.Forget()
 		return nil, err
@@ -571,14 +582,17 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 }
 
 // newRoute returns a route of sp with its balancers and proxy, not listening
-// yet, under port's policy.
-func (p *Proxier) newRoute(sp *servicePort, port *service.Port) (*route, error) {
+// yet, under port's policy: the external route (NodePort, ExternalIPs,
+// LoadBalancer IPs) when external, else the cluster one.
+func (p *Proxier) newRoute(sp *servicePort, port *service.Port, external bool) (*route, error) {
 	pol := p.policy(port)
 	picker, err := newFamilyPicker(pol.Scheduler, p.ejection(), sp.observer)
 	if err != nil {
 		return nil, err
 	}
-	r := &route{picker: picker}
+	r := &route{picker: picker, external: external}
+	r.localPolicy.Store(port.ExternalPolicyLocal)
+	keep := func(client netip.Addr) bool { return p.keepsClient(r, client) }
 	switch sp.protocol {
 	case service.TCP:
 		r.tcp = &socket.TCPProxy{
@@ -592,6 +606,8 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port) (*route, error) 
 			IdleTimeout:  p.cfg.TCPIdleTimeout,
 			Observer:     sp.observer,
 			OwnSocket:    func(ep netip.AddrPort) bool { return p.own.reaches(service.TCP, ep) },
+
+			KeepClientAddress: keep,
 		}
 	case service.UDP:
 		r.udp = &socket.UDPProxy{
@@ -602,6 +618,8 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port) (*route, error) 
 			MaxClients: p.cfg.UDPMaxClients,
 			Observer:   sp.observer,
 			OwnSocket:  func(ep netip.AddrPort) bool { return p.own.reaches(service.UDP, ep) },
+
+			KeepClientAddress: keep,
 		}
 	}
 	return r, nil
@@ -611,9 +629,9 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port) (*route, error) 
 // own, when port SplitsExternal, and closes the one it has when not.
 func (p *Proxier) routeExternal(sp *servicePort, port *service.Port) error {
 	ext := sp.external.Load()
-	switch split := port.SplitsExternal(); {
+	switch split := p.splits(port); {
 	case split && ext == nil:
-		r, err := p.newRoute(sp, port)
+		r, err := p.newRoute(sp, port, true)
 		if err != nil {
 			return err
 		}

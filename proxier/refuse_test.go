@@ -23,8 +23,9 @@ func (r *portalRecorder) Sync(portals []rules.Portal) error {
 	r.last = append([]rules.Portal(nil), portals...)
 	return nil
 }
-func (r *portalRecorder) Cleanup() error { return nil }
-func (r *portalRecorder) Intact() bool   { return true }
+func (r *portalRecorder) Cleanup() error               { return nil }
+func (r *portalRecorder) Intact() bool                 { return true }
+func (r *portalRecorder) RepliesToClientAddress() bool { return false }
 
 func (r *portalRecorder) portal(t *testing.T, name service.PortName) rules.Portal {
 	t.Helper()

@@ -44,6 +44,11 @@ type route struct {
 	udp      *socket.UDPProxy
 	// endpoints are those the last update gave the route; only Sync uses them.
 	endpoints []netip.AddrPort
+	// external: the route serves the NodePort, ExternalIPs and LoadBalancer
+	// IPs; localPolicy: the port's externalTrafficPolicy is Local (as of the
+	// last update). Both decide whose address its dials carry.
+	external    bool
+	localPolicy atomic.Bool
 }
 
 // familyPicker is the socket.Picker of one route: a balancer per address

@@ -39,6 +39,40 @@ type Attempt struct {
 	Duration time.Duration
 	// Err is nil for a successful dial.
 	Err error
+	// Source is the source address the dial used.
+	Source Source
+}
+
+// Source is the source address of a dial to an endpoint, and why.
+type Source uint8
+
+const (
+	// SourceNode is the node's address: the client's is not kept where
+	// kube-proxy would masquerade the connection, or not at all.
+	SourceNode Source = iota
+	// SourceClient is the client's own address: a transparent dial, as
+	// kube-proxy's DNAT keeps it.
+	SourceClient
+	// SourceHairpin is the node's address for a client that reached itself
+	// through its Service: as kube-proxy masquerades such a connection, or the
+	// endpoint would answer itself.
+	SourceHairpin
+	// SourceFallback is the node's address for a dial that wanted the
+	// client's: the kernel refused the transparent socket (the error is logged
+	// once per Service port).
+	SourceFallback
+)
+
+func (s Source) String() string {
+	switch s {
+	case SourceClient:
+		return "client"
+	case SourceHairpin:
+		return "hairpin"
+	case SourceFallback:
+		return "fallback"
+	}
+	return "node"
 }
 
 // Conn is the record of one proxied TCP connection, or one UDP client session.

@@ -41,11 +41,17 @@ func CleanupExcept(active, prefix string) error {
 			errs = append(errs, err)
 		}
 	}
+	if active == "" {
+		// Either backend's policy route of the replies to transparent dials.
+		if err := removeReplyRoutes(); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	return multierror.Append(nil, errs...).ErrorOrNil()
 }
 
 func cleanup(k iptables.Kernel, c chains) error {
-	return iptables.RemoveChains(k, iptables.ChainSet{"nat": c.nat(), "filter": c.filter()}.Has)
+	return iptables.RemoveChains(k, iptables.ChainSet{"nat": c.nat(), "filter": c.filter(), "mangle": c.mangle()}.Has)
 }
 
 func cleanupNFTables(prefix string) error {

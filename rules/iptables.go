@@ -3,10 +3,12 @@ package rules
 import (
 	"bytes"
 	"cmp"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"github.com/hashicorp/go-multierror"
 	"k8s.io/klog/v2"
@@ -26,6 +28,10 @@ type IPTables struct {
 	mu     sync.Mutex
 	fams   []*family // IPv4 first, then IPv6 when enabled
 	holder nodePortHolder
+	// reply is the policy route of the replies to transparent dials, and
+	// repliesOK whether the last Sync left it and the chains in place.
+	reply     replyRoute
+	repliesOK atomic.Bool
 }
 
 // family is the state of one address family.
@@ -59,6 +65,10 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 	cfg.IPTables = cmp.Or[iptables.Kernel](cfg.IPTables, iptables.Commands{})
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p := &IPTables{cfg: cfg, chains: chainNames(prefix)}
+	if cfg.ClientAddressMark != 0 && cfg.DialMark != 0 {
+		p.chains = p.chains.withClientAddressChain()
+		p.reply.mark = cfg.ClientAddressMark
+	}
 	p.holder = nodePortHolder{listen: p.cfg.listen, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}}
 	nodeIPs, err := cfg.familyNodeIPs()
 	if err != nil {
@@ -75,6 +85,8 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 		r := newRenderer(p.chains, f, nodeIP, cfg.NodePortAddresses)
 		r.dialMark = cfg.DialMark
 		r.onNodeIP = cfg.ProxyPortsOnNodeIP
+		r.clientMark = p.reply.mark
+		p.reply.enabled[f] = true
 		p.fams = append(p.fams, &family{f: f, tables: t, renderer: r})
 	}
 	return p, nil
@@ -90,11 +102,18 @@ func (p *IPTables) Sync(portals []Portal) error {
 	}
 	entries, errs := entriesOf(portals, enabled)
 	errs = append(errs, p.holder.sync(entries, enabled)...)
+	ok := p.reply.mark != 0
+	if err := p.reply.ensure(); err != nil {
+		errs = append(errs, err)
+		ok = false
+	}
 	for _, fam := range p.fams {
 		if err := p.syncFamily(fam, entries); err != nil {
 			errs = append(errs, err)
 		}
+		ok = ok && fam.written != nil
 	}
+	p.repliesOK.Store(ok)
 	return multierror.Append(nil, errs...).ErrorOrNil()
 }
 
@@ -167,7 +186,7 @@ func (p *IPTables) Intact() bool {
 			return false
 		}
 	}
-	return true
+	return p.reply.mark == 0 || p.reply.present()
 }
 
 // Cleanup implements Portals: it releases the held NodePorts and removes the
@@ -176,13 +195,21 @@ func (p *IPTables) Cleanup() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.holder.close()
+	p.repliesOK.Store(false)
 	for _, fam := range p.fams {
 		fam.written = nil
 		fam.udp.forget()
 		fam.entries = nil
 	}
-	return cleanup(p.cfg.IPTables, p.chains)
+	err := cleanup(p.cfg.IPTables, p.chains)
+	if p.reply.mark != 0 {
+		err = errors.Join(err, removeReplyRoutes())
+	}
+	return err
 }
+
+// RepliesToClientAddress implements Portals.
+func (p *IPTables) RepliesToClientAddress() bool { return p.repliesOK.Load() }
 
 // entriesOf validates portals and returns them sorted by name and protocol, with
 // an error for each one left out.

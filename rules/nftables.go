@@ -3,10 +3,12 @@ package rules
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"github.com/hashicorp/go-multierror"
 	"k8s.io/klog/v2"
@@ -78,6 +80,11 @@ type NFTables struct {
 	entries []entry
 	dups    []error
 	udp     [2]staleFlows
+	// reply is the policy route of the replies to transparent dials, and
+	// repliesOK whether the last Sync left it and the table in place.
+	reply       replyRoute
+	replyFailed bool
+	repliesOK   atomic.Bool
 }
 
 // NewNFTables returns the nftables Portals for cfg. It changes nothing in the
@@ -94,6 +101,9 @@ func NewNFTables(cfg Config) (*NFTables, error) {
 	p := &NFTables{table: nftables.Table{Family: knftables.InetFamily, Name: name}}
 	p.layout.dialMark = cfg.DialMark
 	p.layout.onNodeIP = cfg.ProxyPortsOnNodeIP
+	if cfg.DialMark != 0 {
+		p.layout.clientMark = cfg.ClientAddressMark
+	}
 	nodeIPs, err := cfg.familyNodeIPs()
 	if err != nil {
 		return nil, err
@@ -103,6 +113,7 @@ func NewNFTables(cfg Config) (*NFTables, error) {
 			continue
 		}
 		p.enabled[f] = true
+		p.reply.enabled[f] = true
 		p.layout.fams = append(p.layout.fams, newNFTFamily(f, nodeIP, cfg.NodePortAddresses))
 	}
 	if cfg.NFTables == nil {
@@ -113,6 +124,7 @@ func NewNFTables(cfg Config) (*NFTables, error) {
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p.cfg = cfg
 	p.holder = nodePortHolder{listen: p.cfg.listen, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}}
+	p.reply.mark = p.layout.clientMark
 	return p, nil
 }
 
@@ -127,6 +139,8 @@ func (p *NFTables) Sync(portals []Portal) error {
 		klog.InfoS("Portal table was flushed or deleted by someone else; rewriting it", "table", p.table)
 		p.written, p.entries = nil, nil
 	}
+	errs = append(errs, p.ensureReplies()...)
+	defer func() { p.repliesOK.Store(p.reply.mark != 0 && p.written != nil && !p.replyFailed) }()
 	if p.written != nil && p.entries != nil && equalEntries(p.entries, entries) {
 		return multierror.Append(nil, append(errs, p.dups...)...).ErrorOrNil()
 	}
@@ -180,7 +194,7 @@ func (p *NFTables) write(ctx context.Context, want nftElements) error {
 // read, which costs a whole write at the next sync.
 func (p *NFTables) readHandles(ctx context.Context) map[string][]int {
 	handles := map[string][]int{}
-	for _, c := range nftChains {
+	for _, c := range p.layout.chains() {
 		h, err := p.cfg.NFTables.RuleHandles(ctx, c)
 		if err != nil {
 			klog.ErrorS(err, "Reading the portal table's rules", "table", p.table)
@@ -191,11 +205,25 @@ func (p *NFTables) readHandles(ctx context.Context) map[string][]int {
 	return handles
 }
 
+// ensureReplies puts the policy route of the replies to transparent dials in
+// place (when the portals have one), noting whether it failed.
+func (p *NFTables) ensureReplies() []error {
+	p.replyFailed = false
+	if err := p.reply.ensure(); err != nil {
+		p.replyFailed = true
+		return []error{err}
+	}
+	return nil
+}
+
+// RepliesToClientAddress implements Portals.
+func (p *NFTables) RepliesToClientAddress() bool { return p.repliesOK.Load() }
+
 // Intact implements Portals: the table written, and its chains' rules as written.
 func (p *NFTables) Intact() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.written != nil && p.intact(context.Background())
+	return p.written != nil && p.intact(context.Background()) && (p.reply.mark == 0 || p.reply.present())
 }
 
 // intact reports whether every chain still holds the rules of the last whole
@@ -222,13 +250,18 @@ func (p *NFTables) Cleanup() error {
 	defer p.mu.Unlock()
 	p.holder.close()
 	p.written, p.handles, p.entries = nil, nil, nil
+	p.repliesOK.Store(false)
 	for f := range p.udp {
 		p.udp[f].forget()
 	}
+	var errs []error
 	if err := nftables.DeleteTable(context.Background(), p.cfg.NFTables); err != nil {
-		return fmt.Errorf("delete nftables table %s: %w", p.table, err)
+		errs = append(errs, fmt.Errorf("delete nftables table %s: %w", p.table, err))
 	}
-	return nil
+	if p.reply.mark != 0 {
+		errs = append(errs, removeReplyRoutes())
+	}
+	return errors.Join(errs...)
 }
 
 // ProbeNFTables reports why this namespace's nftables cannot hold the portals

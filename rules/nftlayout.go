@@ -45,15 +45,24 @@ const (
 	nftRefuseVerdict = "goto " + nftRefuse
 )
 
-// nftChains are the chains whose rules a whole write adds and nothing else
+// chains are the chains whose rules a whole write adds and nothing else
 // changes: their rule handles tell whether someone flushed or edited the table.
-var nftChains = []string{nftPrerouting, nftOutput, nftFilterInput, nftFilterForward, nftFilterOutput, nftNoEndpoints, nftRefuse}
+func (l *nftLayout) chains() []string {
+	c := []string{nftPrerouting, nftOutput, nftFilterInput, nftFilterForward, nftFilterOutput, nftNoEndpoints, nftRefuse}
+	if l.clientMark != 0 && l.dialMark != 0 {
+		c = append(c, nftClientOutput, nftClientPrerouting)
+	}
+	return c
+}
 
 // nftLayout is the nftables table of the portals without the map elements,
 // which change with the Services; it is fixed for the life of an NFTables.
 type nftLayout struct {
 	fams     []nftFamily // IPv4 first, then IPv6 when enabled
 	dialMark uint32
+	// clientMark marks transparent dials and their replies
+	// (Config.ClientAddressMark); 0: no such chains.
+	clientMark uint32
 	// onNodeIP: the prerouting portals dnat to the node IP rather than redirect
 	// (Config.ProxyPortsOnNodeIP).
 	onNodeIP bool
@@ -163,6 +172,7 @@ func (l *nftLayout) write(tx *knftables.Transaction) {
 		}
 	}
 	l.rules(tx)
+	clientAddressChains(tx, l.clientMark, l.dialMark)
 }
 
 // rules adds the rules of both chains. Every rule is one map lookup: a packet

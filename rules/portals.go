@@ -57,6 +57,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"github.com/uproxy/uproxy/netfilter/conntrack"
@@ -149,6 +150,13 @@ type Config struct {
 	// HOST chains, the nftables output chain) return at once for packets
 	// carrying it rather than trying every portal. 0: no such rule.
 	DialMark uint32
+	// ClientAddressMark, when not 0, is the one bit of the packet mark and the
+	// conntrack mark with which the portals bring the replies to the proxy's
+	// transparent dials (socket.TCPProxy.KeepClientAddress) back to it: rules
+	// that mark such a connection and its replies, and a policy route for the
+	// marked replies (clientaddress.go). It needs DialMark, which is how the
+	// rules tell the proxy's own connections; without it nothing is added.
+	ClientAddressMark uint32
 	// ProxyPortsOnNodeIP says the proxy ports listen on the node IP of their
 	// family only (a specific --bind-address), not on every address. The portals
 	// of traffic from outside the node then DNAT to node IP:proxy port, as those of
@@ -239,6 +247,11 @@ type Portals interface {
 	// before anything was written. The sync loop polls it between syncs, so an
 	// external flush is repaired promptly, not a whole sync period later.
 	Intact() bool
+	// RepliesToClientAddress reports whether the replies to transparent
+	// dials reach the proxy: Config.ClientAddressMark is set and the last
+	// Sync put its rules and policy route in place. While it is false, a
+	// dial from a client's address would never see its reply.
+	RepliesToClientAddress() bool
 }
 
 // None is the Portals of --rules none: it programs nothing.
@@ -247,6 +260,10 @@ type None struct{}
 func (None) Sync([]Portal) error { return nil }
 func (None) Cleanup() error      { return nil }
 func (None) Intact() bool        { return true }
+
+// RepliesToClientAddress is false: without portals there are no rules for the
+// replies, and no client address to keep (clients dial the proxy ports).
+func (None) RepliesToClientAddress() bool { return false }
 
 // ErrUnsupportedProtocol is the cause of a PortalError for a protocol the
 // userspace mode has no proxy for (SCTP): such portals are skipped.
@@ -273,7 +290,12 @@ type chains struct {
 	nodePortContainer, nodePortHost string
 	nodePortNonLocal                string
 	noEndpoints                     string
-	canary                          iptables.Canary
+	// clientAddress is the mangle chain that marks transparent dials and
+	// their replies (clientaddress.go); it exists, and the canary lives in
+	// the mangle table too, only while withClientAddress is set.
+	clientAddress     string
+	withClientAddress bool
+	canary            iptables.Canary
 }
 
 func chainNames(prefix string) chains {
@@ -284,6 +306,7 @@ func chainNames(prefix string) chains {
 		nodePortHost:      prefix + "-NODEPORT-HOST",
 		nodePortNonLocal:  prefix + "-NODEPORT-NON-LOCAL",
 		noEndpoints:       prefix + "-NO-ENDPOINTS",
+		clientAddress:     prefix + "-CLIENT-ADDRESS",
 		// In both tables: `iptables -F` flushes the filter table alone.
 		canary: iptables.Canary{Chain: prefix + "-CANARY", Tables: []string{"nat", "filter"}},
 	}
@@ -297,6 +320,17 @@ func (c chains) nat() []string {
 // filter are the chains in the filter table, in the order they are declared.
 func (c chains) filter() []string { return []string{c.nodePortNonLocal, c.noEndpoints, c.canary.Chain} }
 
+// mangle are the chains in the mangle table, in the order they are declared.
+func (c chains) mangle() []string { return []string{c.clientAddress, c.canary.Chain} }
+
+// withClientAddressChain returns c with the mangle chain of transparent dials,
+// and the canary in the mangle table as well.
+func (c chains) withClientAddressChain() chains {
+	c.withClientAddress = true
+	c.canary.Tables = append(slices.Clone(c.canary.Tables), "mangle")
+	return c
+}
+
 // jumps lists the jump rules. PORTALS jumps go first so Service IPs win over
 // anything else; NODEPORT jumps go last because they match every local
 // destination. The INPUT accept goes first: appended after a firewall's final
@@ -309,7 +343,14 @@ func (c chains) jumps() []iptables.Jump {
 		return iptables.Jump{Table: "filter", Chain: chain, Spec: []string{"-m", "conntrack", "--ctstate", "NEW",
 			"-m", "comment", "--comment", "uproxy Services without endpoints", "-j", c.noEndpoints}}
 	}
-	return []iptables.Jump{
+	var clientAddress []iptables.Jump
+	if c.withClientAddress {
+		for _, hook := range []string{"PREROUTING", "OUTPUT"} {
+			clientAddress = append(clientAddress, iptables.Jump{Table: "mangle", Chain: hook,
+				Spec: []string{"-m", "comment", "--comment", "uproxy dials from client addresses and their replies", "-j", c.clientAddress}})
+		}
+	}
+	return append([]iptables.Jump{
 		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsContainer}},
 		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsHost}},
 		{Table: "nat", Chain: "PREROUTING", Last: true, Spec: []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortContainer}},
@@ -318,5 +359,5 @@ func (c chains) jumps() []iptables.Jump {
 		noEndpoints("INPUT"),
 		noEndpoints("FORWARD"),
 		noEndpoints("OUTPUT"),
-	}
+	}, clientAddress...)
 }

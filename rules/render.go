@@ -79,6 +79,9 @@ type renderer struct {
 	// onNodeIP: the PREROUTING portals DNAT to the node IP rather than REDIRECT
 	// (Config.ProxyPortsOnNodeIP).
 	onNodeIP bool
+	// clientMark marks transparent dials and their replies in the mangle
+	// table (Config.ClientAddressMark) while chains.withClientAddress is set.
+	clientMark uint32
 }
 
 func newRenderer(c chains, family int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) renderer {
@@ -114,6 +117,7 @@ func (r *renderer) render(entries []entry) ([]byte, []textSpan) {
 	}
 	// Each rule is about 150 bytes; the estimate saves most of the regrowth.
 	out := make([]byte, 0, 1024+len(entries)*400)
+	out = r.clientAddress(out)
 	out = append(out, "*filter\n"...)
 	for _, c := range r.chains.filter() {
 		out = append(out, ":"+c+" - [0:0]\n"...)
@@ -141,6 +145,25 @@ func (r *renderer) render(entries []entry) ([]byte, []textSpan) {
 	out = r.ownDials(out, r.chains.nodePortHost)
 	each("nat", r.nodePortHost)
 	return append(out, "COMMIT\n"...), spans
+}
+
+// clientAddress appends the mangle table's chain of transparent dials and
+// their replies (see clientaddress.go), when the portals have one.
+func (r *renderer) clientAddress(out []byte) []byte {
+	if !r.chains.withClientAddress {
+		return out
+	}
+	c, m, d := r.chains.clientAddress, markHex(r.clientMark), markHex(r.dialMark)
+	out = append(out, "*mangle\n"...)
+	for _, ch := range r.chains.mangle() {
+		out = append(out, ":"+ch+" - [0:0]\n"...)
+	}
+	out = append(out, r.chains.canary.Rule()+"\n"...)
+	out = append(out, "-A "+c+" -m conntrack --ctstate NEW -m mark --mark "+d+"/"+d+" -m addrtype ! --src-type LOCAL"+
+		` -m comment --comment "a dial from a client's address" -j CONNMARK --or-mark `+m+"\n"...)
+	out = append(out, "-A "+c+" -m conntrack --ctdir REPLY -m connmark --mark "+m+"/"+m+
+		` -m comment --comment "its replies" -j MARK --or-mark `+m+"\n"...)
+	return append(out, "COMMIT\n"...)
 }
 
 // maxPortalDeletes bounds the rules a sync deletes in place; beyond it the

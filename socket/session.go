@@ -33,6 +33,8 @@ type tcpSession struct {
 	// beside state, where they take no word of their own).
 	started    uint8
 	concurrent bool
+	// keepClient is the proxy's KeepClientAddress for the client, asked once.
+	keepClient bool
 
 	// Dialing. policy is the proxy's dial policy when the session began. dial
 	// is an attempt in flight (fd >= 0), and hedges the further attempts in
@@ -75,6 +77,7 @@ type dialAttempt struct {
 	ep       netip.AddrPort
 	start    time.Time
 	deadline int64 // on the loop's clock
+	source   record.Source
 }
 
 func (d *dialAttempt) Handle(ev uint32) {
@@ -160,6 +163,9 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 	s.timer = poll.NewTimer(s)
 	s.rec = record.Conn{Service: p.Service, Protocol: "TCP", Client: client, Start: time.Now()}
 	s.rec.Attempts = s.attempts[:0]
+	if p.KeepClientAddress != nil {
+		s.keepClient = p.KeepClientAddress(client.Addr().Unmap())
+	}
 	if !p.track(s) {
 		resetFD(fd)
 		return
@@ -220,10 +226,16 @@ func (s *tcpSession) dialNext(lastErr error) {
 		d.ep, d.start = ep, time.Now()
 		s.started++
 		fd := -1
+		var src netip.Addr
+		d.source, src = sourceOf(s.keepClient, clientIP, ep)
 		if p.OwnSocket != nil && p.OwnSocket(ep) {
 			err = record.ErrOwnSocket
 		} else {
-			fd, err = s.l.dial(ep, unix.SOCK_STREAM)
+			var fellBack error
+			if fd, fellBack, err = s.l.dial(ep, unix.SOCK_STREAM, src); fellBack != nil {
+				d.source = record.SourceFallback
+				p.fallback.refused(p.Service, clientIP, fellBack)
+			}
 		}
 		if err == nil {
 			if err = s.l.Watch(fd, d, sessionEvents); err == nil {
@@ -349,29 +361,38 @@ func (s *tcpSession) armDialTimer() {
 }
 
 // dial opens a non-blocking socket of sotype (SOCK_STREAM or SOCK_DGRAM) to ep,
-// with the dial mark, and connects it. A TCP socket also gets TCP_NODELAY (its
+// with the dial mark, and connects it: from src when it is valid (a transparent
+// dial, source.go), else from the node. A TCP socket also gets TCP_NODELAY (its
 // keepalive comes later, if the connection lasts: see keepAliveDue); a nil
 // error means its connect is in progress (or done): the socket's first output
-// event ends it. A UDP connect only sets the peer.
-func (l *loop) dial(ep netip.AddrPort, sotype int) (int, error) {
+// event ends it. A UDP connect only sets the peer. fellBack is the kernel's
+// refusal of a transparent socket, after which the dial went from the node.
+func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr) (fd int, fellBack, err error) {
 	family, sa := l.sockaddr(ep)
-	fd, err := unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return -1, os.NewSyscallError("socket", err)
+		return -1, nil, os.NewSyscallError("socket", err)
 	}
 	if !l.keep(fd) {
 		unix.Close(fd)
-		return -1, os.NewSyscallError("socket", reserveError{l.fdCeiling})
+		return -1, nil, os.NewSyscallError("socket", reserveError{l.fdCeiling})
 	}
 	if sotype == unix.SOCK_STREAM {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
 			unix.Close(fd)
-			return -1, os.NewSyscallError("setsockopt", err)
+			return -1, nil, os.NewSyscallError("setsockopt", err)
 		}
 	}
 	if err := setMark(fd, dialMark); err != nil {
 		unix.Close(fd)
-		return -1, err
+		return -1, nil, err
+	}
+	if src.IsValid() {
+		if err := transparent(fd, sotype, src); err != nil {
+			unix.Close(fd)
+			fd, _, rerr := l.dial(ep, sotype, netip.Addr{})
+			return fd, err, rerr
+		}
 	}
 	err = unix.Connect(fd, sa)
 	// A TCP connect goes on in the background after EINPROGRESS, and also after
@@ -383,9 +404,9 @@ func (l *loop) dial(ep netip.AddrPort, sotype int) (int, error) {
 	}
 	if err != nil {
 		unix.Close(fd)
-		return -1, os.NewSyscallError("connect", err)
+		return -1, nil, os.NewSyscallError("connect", err)
 	}
-	return fd, nil
+	return fd, nil, nil
 }
 
 // sockaddr returns ep's address family and socket address, in loop-owned storage
@@ -425,7 +446,7 @@ func (s *tcpSession) connectEvent(d *dialAttempt, ev uint32) {
 	}
 	s.l.Cancel(&s.timer)
 	p := s.p
-	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start)}
+	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Source: d.source}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	p.observer().AttemptDone(p.Service, a)
 	p.Picker.DialSucceeded(a.Endpoint)
@@ -462,7 +483,7 @@ func (s *tcpSession) lose(d *dialAttempt) {
 	} else {
 		unix.Close(d.fd)
 	}
-	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Err: record.ErrHedgeLost}
+	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Err: record.ErrHedgeLost, Source: d.source}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	p.observer().AttemptDone(p.Service, a)
 	if established {
@@ -578,7 +599,7 @@ func (s *tcpSession) keepAliveDue() bool {
 // it out of flight, and returns err.
 func (s *tcpSession) attemptFailed(d *dialAttempt, err error) error {
 	p := s.p
-	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Err: err}
+	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Err: err, Source: d.source}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	p.observer().AttemptDone(p.Service, a)
 	if !isLocalPortShortage(err) {

@@ -109,6 +109,13 @@ type TCPProxy struct {
 	// loops for every attempt: it must be cheap and safe for concurrent use.
 	// nil: no check.
 	OwnSocket func(ep netip.AddrPort) bool
+	// KeepClientAddress, when set, says whether the dials of a connection from
+	// client (unmapped) carry the client's address as their source rather than
+	// the node's (source.go). It is asked once per connection, on its event
+	// loop: it must be cheap and safe for concurrent use. nil: never.
+	KeepClientAddress func(client netip.Addr) bool
+	// fallback logs the first transparent dial the kernel refused.
+	fallback fallbackLog
 
 	// acceptBackoff, when set, is told about each backoff of accepting - after
 	// accept, or a dial of a connection it accepted, found the node short - and

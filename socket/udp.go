@@ -61,6 +61,12 @@ type UDPProxy struct {
 	// never connected (the datagram would come back in as a new client's, without
 	// end); the entry fails with record.ErrOwnSocket and its datagram is dropped.
 	OwnSocket func(ep netip.AddrPort) bool
+	// KeepClientAddress is as TCPProxy's, asked once per client entry: the
+	// entry's socket to the endpoint then sends from the client's address
+	// (on a port of the node's choosing).
+	KeepClientAddress func(client netip.Addr) bool
+	// fallback logs the first transparent socket the kernel refused.
+	fallback fallbackLog
 
 	initOnce sync.Once
 	l        *loop // nil without loops (initErr)
@@ -305,9 +311,13 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	}
 	start := time.Now()
 	fd := -1
+	clientIP := client.Addr().Unmap()
+	keep := p.KeepClientAddress != nil && p.KeepClientAddress(clientIP)
+	source, src := sourceOf(keep, clientIP, ep)
+	var fellBack error
 	if p.OwnSocket != nil && p.OwnSocket(ep) {
 		err = record.ErrOwnSocket
-	} else if fd, err = l.dial(ep, unix.SOCK_DGRAM); err == nil {
+	} else if fd, fellBack, err = l.dial(ep, unix.SOCK_DGRAM, src); err == nil {
 		enableGRO(fd)
 		if err = l.Watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
 			unix.Close(fd)
@@ -327,7 +337,11 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		p.reject(client, fmt.Errorf("no %s for endpoint %s: %w", short, ep, err))
 		return nil
 	}
-	a := record.Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err}
+	if fellBack != nil {
+		source = record.SourceFallback
+		p.fallback.refused(p.Service, clientIP, fellBack)
+	}
+	a := record.Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err, Source: source}
 	c.attempt[0] = a
 	c.rec.Attempts = c.attempt[:]
 	obs.AttemptDone(p.Service, a)

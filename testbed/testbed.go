@@ -21,6 +21,10 @@ const (
 	Node     = topology.Node
 	Pod      = topology.Pod
 	External = topology.External
+
+	Pod2      = topology.Pod2
+	NodeB     = topology.NodeB
+	RemotePod = topology.RemotePod
 )
 
 // DialTimeout bounds Dial, as in package topology.
@@ -37,6 +41,10 @@ type Topology struct {
 
 // WithIPv6 adds IPv6 addresses and routes on the same links.
 func WithIPv6() topology.Option { return topology.WithIPv6() }
+
+// WithSecondNode adds another pod on the node and a second node with a pod of
+// its own, as in package topology.
+func WithSecondNode() topology.Option { return topology.WithSecondNode() }
 
 // Skip skips the test, or fails it when CI=true: CI never skips silently. Every
 // test that cannot run here goes through it.

@@ -35,6 +35,11 @@ const (
 	Node     = "node" // runs the proxy; forwards between the other two
 	Pod      = "pod"  // a pod on the node, routed through it
 	External = "ext"  // a host outside the node, the node's default gateway
+
+	// With WithSecondNode only:
+	Pod2      = "pod2"  // another pod on the node, on a link of its own
+	NodeB     = "nodeb" // a second node, linked to the first
+	RemotePod = "podb"  // a pod on the second node
 )
 
 // DialTimeout bounds Dial: a packet the rules drop shows up as a timeout, never
@@ -57,8 +62,8 @@ type Namespace struct {
 
 // Topology is a set of namespaces made by Build and removed by Close.
 type Topology struct {
-	ipv6 bool
-	ns   map[string]*Namespace
+	ipv6, secondNode bool
+	ns               map[string]*Namespace
 	// created lists the namespaces that exist, in creation order.
 	created []string
 }
@@ -69,17 +74,37 @@ type Option func(*Topology)
 // WithIPv6 adds IPv6 addresses and routes on the same links.
 func WithIPv6() Option { return func(tp *Topology) { tp.ipv6 = true } }
 
+// WithSecondNode adds a second pod on the node (Pod2), and a second node
+// (NodeB) with a pod of its own (RemotePod), as a cluster routes pod networks:
+// each node routes the other's pod networks through the other, so a pod's
+// traffic to a pod on the other node, and the replies, pass both nodes.
+func WithSecondNode() Option { return func(tp *Topology) { tp.secondNode = true } }
+
 // Fixed addresses: they live only inside the topology's namespaces, which no other
 // topology shares, so they never clash.
 var (
-	podIPv4      = netip.MustParsePrefix("10.244.1.2/24")
-	nodePodIPv4  = netip.MustParsePrefix("10.244.1.1/24")
-	extIPv4      = netip.MustParsePrefix("192.168.50.2/24")
-	nodeExtIPv4  = netip.MustParsePrefix("192.168.50.1/24")
-	podIPv6      = netip.MustParsePrefix("fd00:244:1::2/64")
-	nodePodIPv6  = netip.MustParsePrefix("fd00:244:1::1/64")
-	extIPv6      = netip.MustParsePrefix("fd00:50::2/64")
-	nodeExtIPv6  = netip.MustParsePrefix("fd00:50::1/64")
+	podIPv4     = netip.MustParsePrefix("10.244.1.2/24")
+	nodePodIPv4 = netip.MustParsePrefix("10.244.1.1/24")
+	extIPv4     = netip.MustParsePrefix("192.168.50.2/24")
+	nodeExtIPv4 = netip.MustParsePrefix("192.168.50.1/24")
+	podIPv6     = netip.MustParsePrefix("fd00:244:1::2/64")
+	nodePodIPv6 = netip.MustParsePrefix("fd00:244:1::1/64")
+	extIPv6     = netip.MustParsePrefix("fd00:50::2/64")
+	nodeExtIPv6 = netip.MustParsePrefix("fd00:50::1/64")
+	// WithSecondNode: the nodes' link, the second pod of the first node, the
+	// pod of the second node.
+	nodeBIPv4    = netip.MustParsePrefix("192.168.60.2/24")
+	nodeAToBIPv4 = netip.MustParsePrefix("192.168.60.1/24")
+	pod2IPv4     = netip.MustParsePrefix("10.244.3.2/24")
+	nodePod2IPv4 = netip.MustParsePrefix("10.244.3.1/24")
+	podBIPv4     = netip.MustParsePrefix("10.244.2.2/24")
+	nodeBPodIPv4 = netip.MustParsePrefix("10.244.2.1/24")
+	nodeBIPv6    = netip.MustParsePrefix("fd00:60::2/64")
+	nodeAToBIPv6 = netip.MustParsePrefix("fd00:60::1/64")
+	pod2IPv6     = netip.MustParsePrefix("fd00:244:3::2/64")
+	nodePod2IPv6 = netip.MustParsePrefix("fd00:244:3::1/64")
+	podBIPv6     = netip.MustParsePrefix("fd00:244:2::2/64")
+	nodeBPodIPv6 = netip.MustParsePrefix("fd00:244:2::1/64")
 	topologySeq  atomic.Int64
 	runSignature = randomHex(3)
 )
@@ -163,6 +188,72 @@ func (tp *Topology) build() error {
 			[]string{"ip", "-n", ext.Name, "-6", "route", "add", "default", "via", nodeExtIPv6.Addr().String()},
 			[]string{"ip", "-n", node.Name, "-6", "route", "add", "default", "via", extIPv6.Addr().String()},
 			[]string{"ip", "netns", "exec", node.Name, "sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"},
+		)
+	}
+	for _, args := range steps {
+		if err := run(args...); err != nil {
+			return err
+		}
+	}
+	if tp.secondNode {
+		return tp.buildSecondNode(id)
+	}
+	return nil
+}
+
+// buildSecondNode adds Pod2, NodeB and RemotePod (WithSecondNode).
+func (tp *Topology) buildSecondNode(id string) error {
+	for _, role := range []string{Pod2, NodeB, RemotePod} {
+		n := &Namespace{Role: role, Name: id + "-" + role}
+		tp.ns[role] = n
+		if err := run("ip", "netns", "add", n.Name); err != nil {
+			return err
+		}
+		tp.created = append(tp.created, n.Name)
+		if err := run("ip", "-n", n.Name, "link", "set", "lo", "up"); err != nil {
+			return err
+		}
+	}
+	node, pod2, nodeB, podB := tp.ns[Node], tp.ns[Pod2], tp.ns[NodeB], tp.ns[RemotePod]
+	pod2.IPv4, pod2.GatewayIPv4 = pod2IPv4.Addr(), nodePod2IPv4.Addr()
+	nodeB.IPv4, nodeB.GatewayIPv4 = nodeBIPv4.Addr(), nodeAToBIPv4.Addr()
+	podB.IPv4, podB.GatewayIPv4 = podBIPv4.Addr(), nodeBPodIPv4.Addr()
+	route := func(n *Namespace, family, dst string, via netip.Prefix) []string {
+		return []string{"ip", "-n", n.Name, family, "route", "add", dst, "via", via.Addr().String()}
+	}
+	steps := [][]string{}
+	if tp.ipv6 {
+		// The links' link-local addresses would be tentative for a second
+		// or two of duplicate address detection, and neighbour discovery,
+		// which needs them, with them: the first packets to a pod behind a
+		// router would wait.
+		for _, n := range []*Namespace{node, pod2, nodeB, podB} {
+			steps = append(steps, []string{"ip", "netns", "exec", n.Name, "sysctl", "-q", "-w", "net.ipv6.conf.default.accept_dad=0"})
+		}
+	}
+	steps = append(steps, link(node, "veth-pod2", pod2, nodePod2IPv4, pod2IPv4)...)
+	steps = append(steps, link(node, "veth-nodeb", nodeB, nodeAToBIPv4, nodeBIPv4)...)
+	steps = append(steps, link(nodeB, "veth-pod", podB, nodeBPodIPv4, podBIPv4)...)
+	steps = append(steps,
+		route(pod2, "-4", "default", nodePod2IPv4),
+		route(podB, "-4", "default", nodeBPodIPv4),
+		route(node, "-4", podBIPv4.Masked().String(), nodeBIPv4),
+		route(nodeB, "-4", "default", nodeAToBIPv4),
+		[]string{"ip", "netns", "exec", nodeB.Name, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"},
+	)
+	if tp.ipv6 {
+		pod2.IPv6, pod2.GatewayIPv6 = pod2IPv6.Addr(), nodePod2IPv6.Addr()
+		nodeB.IPv6, nodeB.GatewayIPv6 = nodeBIPv6.Addr(), nodeAToBIPv6.Addr()
+		podB.IPv6, podB.GatewayIPv6 = podBIPv6.Addr(), nodeBPodIPv6.Addr()
+		steps = append(steps,
+			address(node, "veth-pod2", nodePod2IPv6), address(pod2, "eth0", pod2IPv6),
+			address(node, "veth-nodeb", nodeAToBIPv6), address(nodeB, "eth0", nodeBIPv6),
+			address(nodeB, "veth-pod", nodeBPodIPv6), address(podB, "eth0", podBIPv6),
+			route(pod2, "-6", "default", nodePod2IPv6),
+			route(podB, "-6", "default", nodeBPodIPv6),
+			route(node, "-6", podBIPv6.Masked().String(), nodeBIPv6),
+			route(nodeB, "-6", "default", nodeAToBIPv6),
+			[]string{"ip", "netns", "exec", nodeB.Name, "sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"},
 		)
 	}
 	for _, args := range steps {

@@ -1,0 +1,196 @@
+package integration
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/topology"
+)
+
+// whoSaw is an identity endpoint: the namespace it runs in and its TCP and UDP
+// ports, each answering "local|client" with the client address it saw.
+type whoSaw struct {
+	role, addr string
+	tcp, udp   int
+}
+
+func startWhoSaw(t *testing.T, tp *testbed.Topology, role string, addr netip.Addr) whoSaw {
+	t.Helper()
+	ln := tp.Listen(role, "tcp", netip.AddrPortFrom(addr, 0).String())
+	go testbed.ServeIdentity(ln)
+	pc := tp.ListenPacket(role, "udp", netip.AddrPortFrom(addr, 0).String())
+	go func() {
+		buf := make([]byte, 512)
+		for {
+			_, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteTo([]byte(pc.LocalAddr().String()+"|"+from.String()), from)
+		}
+	}()
+	return whoSaw{role: role, addr: addr.String(), tcp: ln.Addr().(*net.TCPAddr).Port, udp: pc.LocalAddr().(*net.UDPAddr).Port}
+}
+
+// askWho connects (TCP) or sends a datagram (UDP) from role to addr and returns
+// the endpoint that answered and the client address it saw.
+func askWho(tp *testbed.Topology, proto, role, addr string) (endpoint, client netip.AddrPort, err error) {
+	var line string
+	if proto == "TCP" {
+		var e, c string
+		if e, c, err = tp.Ask(role, addr); err != nil {
+			return
+		}
+		line = e + "|" + c
+	} else {
+		var conn net.Conn
+		if conn, err = tp.Dial(role, "udp", addr); err != nil {
+			return
+		}
+		defer conn.Close()
+		conn.SetDeadline(time.Now().Add(3 * time.Second))
+		conn.Write([]byte("who"))
+		buf := make([]byte, 512)
+		var n int
+		if n, err = conn.Read(buf); err != nil {
+			return
+		}
+		line = string(buf[:n])
+	}
+	e, c, _ := strings.Cut(line, "|")
+	if endpoint, err = netip.ParseAddrPort(e); err == nil {
+		client, err = netip.ParseAddrPort(c)
+	}
+	return endpoint, client, err
+}
+
+// TestUserspaceKeepsClientAddress runs the userspace mode on a node with two
+// pods, beside a second node with a pod of its own, and checks the source
+// address each endpoint sees against kube-proxy's masquerading:
+//   - a pod's connection to a ClusterIP keeps the pod's address, whether the
+//     endpoint is a pod on the same node or on the other node (its replies
+//     come back through this node), TCP and UDP;
+//   - a connection from outside to an externalTrafficPolicy Local NodePort
+//     keeps the client's address;
+//   - a connection from outside to an externalTrafficPolicy Cluster NodePort,
+//     and to a ClusterIP from outside --cluster-cidr, comes from the node;
+//   - a pod reaching itself through its Service comes from the node;
+//   - a filter on the remote pod that admits only the client pod (a network
+//     policy) lets the kept connections in and the node's out.
+//
+// Both portal backends, IPv4 and IPv6.
+func TestUserspaceKeepsClientAddress(t *testing.T) {
+	for _, rules := range []string{"nftables", "iptables"} {
+		for _, v6 := range []bool{false, true} {
+			family := "IPv4"
+			if v6 {
+				family = "IPv6"
+			}
+			t.Run(rules+"/"+family, func(t *testing.T) {
+				if rules == "nftables" {
+					testbed.RequireNFTables(t)
+				}
+				testKeepsClientAddress(t, rules, v6)
+			})
+		}
+	}
+}
+
+func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
+	opts := []topology.Option{testbed.WithSecondNode()}
+	if v6 {
+		opts = append(opts, testbed.WithIPv6())
+	}
+	tp := testbed.New(t, opts...)
+	ip := func(role string) netip.Addr {
+		if v6 {
+			return tp.NS(role).IPv6
+		}
+		return tp.NS(role).IPv4
+	}
+	family, vip, cidr := "IPv4", func(n int) string { return fmt.Sprintf("10.96.0.%d", n) }, "10.244.0.0/16"
+	if v6 {
+		family, vip, cidr = "IPv6", func(n int) string { return fmt.Sprintf("fd00:96::%d", n) }, "fd00:244::/32"
+	}
+	hostPort := func(a string, port int) string { return net.JoinHostPort(a, fmt.Sprint(port)) }
+	podIP, extIP, nodeIP := ip(testbed.Pod), ip(testbed.External), ip(testbed.Node)
+	local := startWhoSaw(t, tp, testbed.Pod2, ip(testbed.Pod2))
+	remote := startWhoSaw(t, tp, testbed.RemotePod, ip(testbed.RemotePod))
+
+	svcs := []string{}
+	both := func(name string, n int, proto string, extra string, eps ...whoSaw) {
+		doc := fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: %s, namespace: it}\nspec:\n  clusterIP: %s\n  clusterIPs: [%s]\n  ipFamilies: [%s]\n%s  ports:\n  - {name: p, protocol: %s, port: 80",
+			name, vip(n), vip(n), family, extra, proto)
+		if strings.Contains(extra, "NodePort") {
+			doc += fmt.Sprintf(", nodePort: %d", 30000+n)
+		}
+		doc += "}\n"
+		svcs = append(svcs, doc)
+		for i, e := range eps {
+			port := e.tcp
+			if proto == "UDP" {
+				port = e.udp
+			}
+			node := "it-node"
+			if e.role == testbed.RemotePod {
+				node = "node-b"
+			}
+			svcs = append(svcs, slice(fmt.Sprintf("%s-%d", name, i), name, family, proto, ep{addr: e.addr, port: port, node: node}))
+		}
+	}
+	both("cip", 30, "TCP", "", local, remote)
+	both("cip-udp", 31, "UDP", "", local, remote)
+	both("local", 32, "TCP", "  type: NodePort\n  externalTrafficPolicy: Local\n", local, remote)
+	both("cluster", 33, "TCP", "  type: NodePort\n", local)
+	both("cluster-remote", 35, "TCP", "  type: NodePort\n", remote)
+	both("self", 34, "TCP", "", local)
+	runUproxy(t, tp, join(svcs...), launch{want: 6, flags: []string{"--rules", rules, "--hostname-override", "it-node",
+		"--cluster-cidr", cidr, "--shutdown-grace", "1s"}})
+
+	// admitOnly applies the remote pod's policy: nothing but the client pod.
+	nft := fmt.Sprintf("table inet netpol { chain input { type filter hook input priority 0; policy accept; meta l4proto { tcp, udp } th dport { %d, %d } %s saddr != %s drop; }; }",
+		remote.tcp, remote.udp, map[bool]string{false: "ip", true: "ip6"}[v6], podIP)
+	tp.MustExec(t, testbed.RemotePod, "nft", nft)
+
+	check := func(name, proto, role, addr string, wantClient netip.Addr, wantEndpoints int) {
+		t.Helper()
+		seen := map[netip.Addr]bool{}
+		for i := 0; i < 8 && len(seen) < wantEndpoints; i++ {
+			e, c, err := askWho(tp, proto, role, addr)
+			if err != nil {
+				t.Errorf("%s: %s from %s to %s: %v", name, proto, role, addr, err)
+				return
+			}
+			seen[e.Addr()] = true
+			if c.Addr().Unmap() != wantClient {
+				t.Errorf("%s: endpoint %v saw the client as %v; want %v", name, e, c, wantClient)
+			}
+		}
+		if len(seen) < wantEndpoints {
+			t.Errorf("%s: answered by %v; want %d endpoints", name, seen, wantEndpoints)
+		}
+	}
+	check("pod to ClusterIP, a local and a remote endpoint", "TCP", testbed.Pod, hostPort(vip(30), 80), podIP, 2)
+	check("pod to ClusterIP, UDP", "UDP", testbed.Pod, hostPort(vip(31), 80), podIP, 2)
+	check("outside to an externalTrafficPolicy Local NodePort", "TCP", testbed.External, hostPort(nodeIP.String(), 30032), extIP, 1)
+	check("pod to the ClusterIP of that Service", "TCP", testbed.Pod, hostPort(vip(32), 80), podIP, 2)
+	// The node's address toward the local endpoint: where kube-proxy
+	// masquerades, that is the source.
+	nodeToLocal := tp.NS(testbed.Pod2).GatewayIPv4
+	if v6 {
+		nodeToLocal = tp.NS(testbed.Pod2).GatewayIPv6
+	}
+	check("a pod reaching itself", "TCP", testbed.Pod2, hostPort(vip(34), 80), nodeToLocal, 1)
+	check("outside --cluster-cidr to a ClusterIP", "TCP", testbed.External, hostPort(vip(33), 80), nodeToLocal, 1)
+	check("outside to an externalTrafficPolicy Cluster NodePort", "TCP", testbed.External, hostPort(nodeIP.String(), 30033), nodeToLocal, 1)
+	check("a pod to an externalTrafficPolicy Cluster NodePort", "TCP", testbed.Pod, hostPort(nodeIP.String(), 30033), nodeToLocal, 1)
+	// The node's address does not pass the remote pod's policy.
+	if e, c, err := askWho(tp, "TCP", testbed.External, hostPort(nodeIP.String(), 30035)); err == nil {
+		t.Errorf("outside to an externalTrafficPolicy Cluster NodePort: endpoint %v saw %v through the remote pod's policy; want the node's address, dropped", e, c)
+	}
+}

@@ -1,0 +1,195 @@
+package rules
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+	"sigs.k8s.io/knftables"
+)
+
+// The replies to a transparent dial (socket.TCPProxy.KeepClientAddress) are
+// addressed to the client, not to the node: the node would route them on to the
+// client, which never opened that connection, and the proxy's socket would never
+// see them. Three things bring them back to it:
+//
+//   - the connection's conntrack entry gets the client-address mark
+//     (Config.ClientAddressMark) when its first packet leaves: a packet of
+//     the node's own (output hook) carrying the dial mark, with a source that
+//     is not the node's;
+//   - every reply of a connection so marked gets the same bit as its packet
+//     mark, on the prerouting hook (an endpoint elsewhere, or a pod on this
+//     node) and on the output hook (an endpoint listening on the node itself);
+//   - a policy routing rule sends packets with that mark to a routing table
+//     whose one route delivers everything locally (`local default dev lo`),
+//     where the socket, bound to the client's address and connected to the
+//     endpoint, takes them.
+//
+// Only the first packet of a connection pays the conntrack marking; a reply
+// pays one conntrack mark test in the chains and, when marked, one policy
+// rule. Nothing else on the node is touched: a packet without the dial mark
+// never gets the conntrack mark, and the routing rule matches only the mark bit
+// the proxy owns. The kernel needs conntrack, nftables' ct and fib expressions
+// (or iptables' connmark, mark and addrtype matches), policy routing and
+// transparent sockets (IP_TRANSPARENT).
+
+// ClientAddressTable is the routing table, and the priority of the policy
+// routing rule that leads to it, of the replies to transparent dials: any
+// number below the main table's rule (32766) that no other program on the node
+// uses.
+const ClientAddressTable = 21840
+
+// The nftables chains that mark the replies.
+const (
+	nftClientOutput     = "client-address-output"
+	nftClientPrerouting = "client-address-prerouting"
+)
+
+// markHex is mark as nft and iptables take it.
+func markHex(mark uint32) string { return "0x" + strconv.FormatUint(uint64(mark), 16) }
+
+// clientAddressChains adds the chains that mark transparent connections and
+// their replies to tx (none when mark or dialMark is 0).
+func clientAddressChains(tx *knftables.Transaction, mark, dialMark uint32) {
+	if mark == 0 || dialMark == 0 {
+		return
+	}
+	prio := knftables.ManglePriority
+	route, filter := knftables.RouteType, knftables.FilterType
+	out, pre := knftables.OutputHook, knftables.PreroutingHook
+	tx.Add(&knftables.Chain{Name: nftClientOutput, Type: &route, Hook: &out, Priority: &prio,
+		Comment: knftables.PtrTo("uproxy dials from a client's address and their replies from this node")})
+	tx.Add(&knftables.Chain{Name: nftClientPrerouting, Type: &filter, Hook: &pre, Priority: &prio,
+		Comment: knftables.PtrTo("replies to uproxy's dials from a client's address")})
+	m, d := markHex(mark), markHex(dialMark)
+	reply := knftables.Concat("ct direction reply ct mark &", m, "==", m, "meta mark set meta mark |", m)
+	tx.Add(&knftables.Rule{Chain: nftClientOutput, Comment: knftables.PtrTo("a dial from a client's address"),
+		Rule: knftables.Concat("ct state new meta mark &", d, "==", d, "fib saddr type != local ct mark set ct mark |", m)})
+	tx.Add(&knftables.Rule{Chain: nftClientOutput, Comment: knftables.PtrTo("its replies from the node itself"), Rule: reply})
+	tx.Add(&knftables.Rule{Chain: nftClientPrerouting, Comment: knftables.PtrTo("its replies"), Rule: reply})
+}
+
+// replyRoute is the policy routing rule and the table of the replies to
+// transparent dials, for the families enabled, with mark as the rule's
+// selector. Its methods act on the network namespace of the calling thread.
+type replyRoute struct {
+	mark    uint32
+	enabled [2]bool
+}
+
+func (r replyRoute) families() []int {
+	var fams []int
+	if r.enabled[v4] {
+		fams = append(fams, unix.AF_INET)
+	}
+	if r.enabled[v6] {
+		fams = append(fams, unix.AF_INET6)
+	}
+	return fams
+}
+
+func (r replyRoute) rule(family int) *netlink.Rule {
+	rule := netlink.NewRule()
+	rule.Family = family
+	rule.Mark = r.mark
+	rule.Mask = &r.mark
+	rule.Table = ClientAddressTable
+	rule.Priority = ClientAddressTable
+	return rule
+}
+
+func localDefault(family, lo int) *netlink.Route {
+	dst := &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
+	if family == unix.AF_INET6 {
+		dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
+	}
+	return &netlink.Route{Family: family, Dst: dst, Type: unix.RTN_LOCAL, Table: ClientAddressTable,
+		Scope: netlink.SCOPE_HOST, LinkIndex: lo}
+}
+
+// ensure adds the rule and the route where they are missing (or replaces a
+// route someone changed); it is cheap enough for every sync: a dump of the
+// rules of one table and one route replacement per family.
+func (r replyRoute) ensure() error {
+	if r.mark == 0 {
+		return nil
+	}
+	lo, err := netlink.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("client-address replies: loopback: %w", err)
+	}
+	var errs []error
+	for _, fam := range r.families() {
+		want := r.rule(fam)
+		have, err := netlink.RuleListFiltered(fam, want, netlink.RT_FILTER_TABLE|netlink.RT_FILTER_MARK|netlink.RT_FILTER_MASK|netlink.RT_FILTER_PRIORITY)
+		if err == nil && len(have) == 0 {
+			err = netlink.RuleAdd(want)
+		}
+		if err == nil {
+			err = netlink.RouteReplace(localDefault(fam, lo.Attrs().Index))
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("client-address replies: %s policy route (ip rule fwmark %s lookup %d): %w",
+				familyName(familyIndex(fam)), markHex(r.mark), ClientAddressTable, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// present reports whether the rule and the route of every enabled family are in
+// place: Intact asks it between syncs, so a rule or route someone deleted is
+// put back promptly.
+func (r replyRoute) present() bool {
+	for _, fam := range r.families() {
+		rules, err := netlink.RuleListFiltered(fam, r.rule(fam), netlink.RT_FILTER_TABLE|netlink.RT_FILTER_MARK)
+		if err != nil || len(rules) == 0 {
+			return false
+		}
+		routes, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: ClientAddressTable}, netlink.RT_FILTER_TABLE)
+		if err != nil || len(routes) == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// removeReplyRoutes deletes the rules and the table of the replies to
+// transparent dials, whatever their mark, in both families. What is gone
+// already is not an error.
+func removeReplyRoutes() error {
+	var errs []error
+	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+		filter := &netlink.Rule{Table: ClientAddressTable, Priority: ClientAddressTable}
+		rules, err := netlink.RuleListFiltered(fam, filter, netlink.RT_FILTER_TABLE|netlink.RT_FILTER_PRIORITY)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("list %s policy routing rules: %w", familyName(familyIndex(fam)), err))
+			continue
+		}
+		for i := range rules {
+			if err := netlink.RuleDel(&rules[i]); err != nil && !errors.Is(err, unix.ENOENT) {
+				errs = append(errs, fmt.Errorf("delete %s policy routing rule of table %d: %w", familyName(familyIndex(fam)), ClientAddressTable, err))
+			}
+		}
+		routes, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: ClientAddressTable}, netlink.RT_FILTER_TABLE)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("list %s routes of table %d: %w", familyName(familyIndex(fam)), ClientAddressTable, err))
+			continue
+		}
+		for i := range routes {
+			if err := netlink.RouteDel(&routes[i]); err != nil && !errors.Is(err, unix.ESRCH) {
+				errs = append(errs, fmt.Errorf("delete %s route of table %d: %w", familyName(familyIndex(fam)), ClientAddressTable, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func familyIndex(fam int) int {
+	if fam == unix.AF_INET6 {
+		return v6
+	}
+	return v4
+}

@@ -1,0 +1,125 @@
+package socket
+
+import (
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/record"
+)
+
+// startTCPWhoAmI runs a TCP backend on ip that answers each connection with the
+// client address it saw, and closes it.
+func startTCPWhoAmI(t testing.TB, ip string) netip.AddrPort {
+	return startTCPServer(t, ip, func(c *net.TCPConn) {
+		c.Write([]byte(c.RemoteAddr().String()))
+	}).addr
+}
+
+// startUDPWhoAmI runs a UDP backend on ip that answers each datagram with the
+// client address it saw.
+func startUDPWhoAmI(t testing.TB, ip string) netip.AddrPort {
+	t.Helper()
+	c := listenUDP(t, ip)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		buf := make([]byte, 512)
+		for {
+			_, from, err := c.ReadFromUDPAddrPort(buf)
+			if err != nil {
+				return
+			}
+			c.WriteToUDPAddrPort([]byte(from.String()), from)
+		}
+	})
+	t.Cleanup(func() { c.Close(); wg.Wait() })
+	return udpAddr(c)
+}
+
+// A proxy whose KeepClientAddress says so dials from the client's address, so
+// the endpoint sees the client; otherwise, and when the endpoint is the client
+// itself, from the node's. A transparent socket the kernel refuses falls back to
+// the node's address and the connection still goes through: as root an
+// endpoint of the other family refuses the bind, without privilege
+// IP_TRANSPARENT itself is refused.
+func TestKeepClientAddress(t *testing.T) {
+	const client = "127.0.0.5"
+	root := os.Geteuid() == 0
+	clientSource := record.SourceClient
+	if !root {
+		clientSource = record.SourceFallback
+	}
+	cases := []struct {
+		name       string
+		keep       bool
+		endpointIP string
+		want       record.Source
+	}{
+		{"node", false, "127.0.0.2", record.SourceNode},
+		{"client", true, "127.0.0.2", clientSource},
+		{"hairpin", true, client, record.SourceHairpin},
+		{"other family", true, "::1", record.SourceFallback},
+	}
+	for _, proto := range []string{"tcp", "udp"} {
+		for _, tc := range cases {
+			t.Run(proto+"/"+tc.name, func(t *testing.T) {
+				rec := &recorder{}
+				keep := func(c netip.Addr) bool {
+					if c != netip.MustParseAddr(client) {
+						t.Errorf("KeepClientAddress asked of %v, want %s", c, client)
+					}
+					return tc.keep
+				}
+				var proxy netip.AddrPort
+				if proto == "tcp" {
+					ep := startTCPWhoAmI(t, tc.endpointIP)
+					proxy = startTCPProxy(t, &TCPProxy{Service: "ns/who:tcp", Picker: newCyclePicker(ep), Observer: rec, KeepClientAddress: keep})
+				} else {
+					ep := startUDPWhoAmI(t, tc.endpointIP)
+					proxy = startUDPProxy(t, &UDPProxy{Service: "ns/who:udp", Picker: newCyclePicker(ep), Observer: rec, KeepClientAddress: keep})
+				}
+				d := net.Dialer{LocalAddr: localAddr(proto, client), Timeout: awaitTimeout}
+				c, err := d.Dial(proto, proxy.String())
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(awaitTimeout))
+				if proto == "udp" {
+					c.Write([]byte("who"))
+				}
+				buf := make([]byte, 128)
+				n, err := c.Read(buf)
+				if err != nil {
+					t.Fatalf("read the endpoint's answer: %v", err)
+				}
+				seen, err := netip.ParseAddrPort(string(buf[:n]))
+				if err != nil {
+					t.Fatalf("endpoint answered %q: %v", buf[:n], err)
+				}
+				kept := seen.Addr().Unmap() == netip.MustParseAddr(client)
+				if wantKept := tc.want == record.SourceClient; kept != wantKept {
+					t.Errorf("endpoint saw %v; want the client's address %s: %v", seen, client, wantKept)
+				}
+				rec.mu.Lock()
+				attempts := rec.attempts
+				rec.mu.Unlock()
+				if len(attempts) != 1 || attempts[0].Source != tc.want || attempts[0].Err != nil {
+					t.Errorf("attempts %+v: want one successful, with source %v", attempts, tc.want)
+				}
+			})
+		}
+	}
+}
+
+func localAddr(proto, ip string) net.Addr {
+	a := netip.AddrPortFrom(netip.MustParseAddr(ip), 0)
+	if strings.HasPrefix(proto, "udp") {
+		return net.UDPAddrFromAddrPort(a)
+	}
+	return net.TCPAddrFromAddrPort(a)
+}
