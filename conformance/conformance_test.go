@@ -46,18 +46,11 @@ var proxyOrder = []string{"kube-proxy-iptables", "kube-proxy-nftables", "uproxy-
 
 func proxyNames() []string { return proxyOrder }
 
-// userspaceDialsFromTheNode is why the userspace mode fails the tests that check
-// which client address an endpoint sees: it accepts the client's connection and
-// dials the endpoint from the node, so the endpoint sees the node. Keeping the
-// client's address is the subject of its own work (transparent dials); until it
-// lands, these are the userspace mode's documented differences.
-const userspaceDialsFromTheNode = "the userspace mode dials endpoints from the node's address, not the client's"
-
 // expectedFailures are the tests a uproxy mode may fail (or skip) where kube-proxy
 // passes, each for a documented reason (docs/conformance.md).
 var expectedFailures = map[string]map[string]string{
-	"uproxy-userspace-nftables": withLocalhostNodePorts(userspaceSourceTests),
-	"uproxy-userspace-iptables": withLocalhostNodePorts(userspaceSourceTests),
+	"uproxy-userspace-nftables": withLocalhostNodePorts(nil),
+	"uproxy-userspace-iptables": withLocalhostNodePorts(nil),
 	"uproxy-nftables":           withLocalhostNodePorts(nil),
 	"uproxy-iptables":           withLocalhostNodePorts(nil),
 }
@@ -77,11 +70,6 @@ const localhostNodePorts = "uproxy does not serve NodePorts on localhost (kube-p
 
 const nfacctTest = "[sig-network] KubeProxy should update metric for tracking accepted packets destined for localhost nodeports [Feature:KubeProxyNFAcct]"
 
-var userspaceSourceTests = map[string]string{
-	"[sig-network] Services should preserve source pod IP for traffic thru service cluster IP [LinuxOnly]":                  userspaceDialsFromTheNode,
-	"[sig-network] Services should support externalTrafficPolicy=Local for type=NodePort":                                   userspaceDialsFromTheNode,
-	"[sig-network] Services should implement NodePort and HealthCheckNodePort correctly when ExternalTrafficPolicy changes": userspaceDialsFromTheNode,
-}
 
 // TestConformance builds a cluster per proxy, runs upstream's suite against it and
 // fails when a uproxy mode fails a test that kube-proxy passes in the same run, or,
