@@ -129,6 +129,12 @@ func (x *explanation) writeText(w io.Writer) error {
 			} else {
 				p("  Next for client %s: %s, because %s.\n", c.Client, c.Endpoint, c.Reason)
 			}
+			switch c.Source {
+			case "client":
+				p("  Its dial goes from the client's address, %s: %s.\n", c.Client, c.SourceReason)
+			case "node", "hairpin":
+				p("  Its dial goes from the node's address: %s.\n", c.SourceReason)
+			}
 		case st.NextEndpoint != "":
 			p("  Next new client: %s (the scheduler's rotation; give --client IP for a given client's choice).\n", st.NextEndpoint)
 		}

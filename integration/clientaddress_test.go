@@ -149,7 +149,7 @@ func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
 	both("cluster", 33, "TCP", "  type: NodePort\n", local)
 	both("cluster-remote", 35, "TCP", "  type: NodePort\n", remote)
 	both("self", 34, "TCP", "", local)
-	runUproxy(t, tp, join(svcs...), launch{want: 6, flags: []string{"--rules", rules, "--hostname-override", "it-node",
+	px := runUproxy(t, tp, join(svcs...), launch{want: 6, flags: []string{"--rules", rules, "--hostname-override", "it-node",
 		"--cluster-cidr", cidr, "--shutdown-grace", "1s"}})
 
 	// admitOnly applies the remote pod's policy: nothing but the client pod.
@@ -189,6 +189,22 @@ func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
 	check("outside --cluster-cidr to a ClusterIP", "TCP", testbed.External, hostPort(vip(33), 80), nodeToLocal, 1)
 	check("outside to an externalTrafficPolicy Cluster NodePort", "TCP", testbed.External, hostPort(nodeIP.String(), 30033), nodeToLocal, 1)
 	check("a pod to an externalTrafficPolicy Cluster NodePort", "TCP", testbed.Pod, hostPort(nodeIP.String(), 30033), nodeToLocal, 1)
+	// explain says whose address a client's dial would carry, and why.
+	for _, c := range []struct {
+		client netip.Addr
+		want   string
+	}{
+		{podIP, "Its dial goes from the client's address, " + podIP.String() + ": a pod's connection to a ClusterIP keeps its address"},
+		{extIP, "Its dial goes from the node's address: the client is outside --cluster-cidr"},
+	} {
+		out, err := tp.Exec(testbed.Node, uproxyBin, "explain", hostPort(vip(30), 80), "--client", c.client.String(), "--metrics-address", px.metrics)
+		if err != nil || !strings.Contains(string(out), c.want) {
+			t.Errorf("uproxy explain %s --client %s: %v\n%s\nwant a line with %q", hostPort(vip(30), 80), c.client, err, out, c.want)
+		}
+	}
+	if m, err := px.get("/metrics"); err != nil || !strings.Contains(m, `uproxy_dial_sources_total{source="client"}`) {
+		t.Errorf("/metrics: %v; want uproxy_dial_sources_total{source=\"client\"}", err)
+	}
 	// The node's address does not pass the remote pod's policy.
 	if e, c, err := askWho(tp, "TCP", testbed.External, hostPort(nodeIP.String(), 30035)); err == nil {
 		t.Errorf("outside to an externalTrafficPolicy Cluster NodePort: endpoint %v saw %v through the remote pod's policy; want the node's address, dropped", e, c)

@@ -62,7 +62,10 @@ type Event struct {
 
 // EventAttempt is one dial of a connection Event.
 type EventAttempt struct {
-	Endpoint   string  `json:"endpoint"`
+	Endpoint string `json:"endpoint"`
+	// Source is the address the dial went from (record.Source): client,
+	// node, hairpin or fallback.
+	Source     string  `json:"source"`
 	Result     string  `json:"result"`
 	Duration   string  `json:"duration"`
 	DurationMs float64 `json:"durationMs"`
@@ -240,6 +243,7 @@ func (r *slot) event() Event {
 		for i, a := range r.attempts {
 			ev.Attempts[i] = EventAttempt{
 				Endpoint:   a.Endpoint.String(),
+				Source:     a.Source.String(),
 				Result:     resultNames[dialResult(a.Err)],
 				Duration:   a.Duration.String(),
 				DurationMs: ms(a.Duration),

@@ -268,6 +268,9 @@ func logConn(v klog.Verbose, c *record.Conn) {
 			b.WriteString(", ")
 		}
 		fmt.Fprintf(&b, "%s %s %s", a.Endpoint, resultNames[dialResult(a.Err)], a.Duration.Round(time.Microsecond))
+		if a.Source != record.SourceNode {
+			fmt.Fprintf(&b, " from %s", a.Source)
+		}
 	}
 	kv := []any{
 		"service", c.Service, "protocol", c.Protocol, "client", unmap(c.Client).String(),

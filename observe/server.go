@@ -84,6 +84,11 @@ type Choice struct {
 	Endpoint string `json:"endpoint,omitempty"`
 	Sticky   bool   `json:"sticky"`
 	Reason   string `json:"reason"`
+	// Source is the address the dial to Endpoint would go from
+	// (record.Source: client, node, hairpin), and SourceReason why; empty
+	// where the mode does not dial (the kernel modes).
+	Source       string `json:"source,omitempty"`
+	SourceReason string `json:"sourceReason,omitempty"`
 }
 
 // PortState starts the ServiceState of port, as every mode shows it: names,

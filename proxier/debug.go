@@ -8,6 +8,7 @@ import (
 
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/record"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 )
@@ -179,6 +180,18 @@ func (p *Proxier) NextChoice(service string, client netip.Addr) (observe.Choice,
 		return out, true
 	}
 	out.Endpoint, out.Sticky, out.Reason = c.Endpoint.String(), c.Sticky, c.Reason
+	// The choice is the cluster route's, so is the source: what a dial of
+	// the data path would carry (clientaddress.go, socket.sourceOf).
+	keep, why := p.clientAddr.decide(false, false, client)
+	switch {
+	case !keep:
+		out.Source = record.SourceNode.String()
+	case c.Endpoint.Addr().Unmap() == client:
+		out.Source, why = record.SourceHairpin.String(), "the client is the endpoint itself: kube-proxy masquerades a pod reaching itself"
+	default:
+		out.Source = record.SourceClient.String()
+	}
+	out.SourceReason = why
 	return out, true
 }
 
