@@ -273,9 +273,9 @@ func setupPaths(ctx context.Context, cfg Config, rep *Report, td *teardown, laun
 		var p *path
 		var err error
 		switch name {
-		case IPTables, NFTables, IPVS, UserspaceNFT:
+		case IPTables, NFTables, IPVS, UserspaceNFT, UserspaceNFTNode:
 			mode := name
-			if name == UserspaceNFT {
+			if name == UserspaceNFT || name == UserspaceNFTNode {
 				mode = ""
 			}
 			var w *world

@@ -7,18 +7,19 @@ import (
 )
 
 var pathColors = map[string]string{
-	Direct:       "#444444",
-	Userspace:    "#d62728",
-	UserspaceNFT: "#9467bd",
-	IPTables:     "#1f77b4",
-	NFTables:     "#8c564b",
-	IPVS:         "#17becf",
-	HAProxy:      "#2ca02c",
-	Nginx:        "#ff7f0e",
-	LoDirect:     "#999999",
-	LoUserspace:  "#f4a6a6",
-	LoHAProxy:    "#98df8a",
-	LoNginx:      "#ffbb78",
+	Direct:           "#444444",
+	Userspace:        "#d62728",
+	UserspaceNFT:     "#9467bd",
+	UserspaceNFTNode: "#c5b0d5",
+	IPTables:         "#1f77b4",
+	NFTables:         "#8c564b",
+	IPVS:             "#17becf",
+	HAProxy:          "#2ca02c",
+	Nginx:            "#ff7f0e",
+	LoDirect:         "#999999",
+	LoUserspace:      "#f4a6a6",
+	LoHAProxy:        "#98df8a",
+	LoNginx:          "#ffbb78",
 }
 
 // WriteChart draws the latency distribution of every path as an SVG: one

@@ -23,11 +23,15 @@ const (
 	Direct       = "direct"        // client to backend, routed by the node: no proxy
 	Userspace    = "userspace"     // uproxy's userspace mode through the ClusterIP portal (iptables)
 	UserspaceNFT = "userspace-nft" // the same through nftables portals (--rules nftables)
-	IPTables     = "iptables"      // uproxy's iptables kernel mode (DNAT)
-	NFTables     = "nftables"      // uproxy's nftables kernel mode (DNAT from maps)
-	IPVS         = "ipvs"          // uproxy's IPVS kernel mode
-	HAProxy      = "haproxy"       // HAProxy, tcp mode with forced splice
-	Nginx        = "nginx"         // nginx stream
+	// UserspaceNFTNode is UserspaceNFT dialing from the node's address
+	// (--preserve-client-address=false): beside UserspaceNFT, whose dials keep
+	// the client pod's address, it prices that.
+	UserspaceNFTNode = "userspace-nft-node"
+	IPTables         = "iptables" // uproxy's iptables kernel mode (DNAT)
+	NFTables         = "nftables" // uproxy's nftables kernel mode (DNAT from maps)
+	IPVS             = "ipvs"     // uproxy's IPVS kernel mode
+	HAProxy          = "haproxy"  // HAProxy, tcp mode with forced splice
+	Nginx            = "nginx"    // nginx stream
 )
 
 // The loopback topology's paths: client, proxy and backends in one namespace
@@ -42,7 +46,7 @@ const (
 )
 
 // Paths lists every path in the order the report shows them.
-var Paths = []string{Direct, Userspace, UserspaceNFT, IPTables, NFTables, IPVS, HAProxy, Nginx,
+var Paths = []string{Direct, Userspace, UserspaceNFT, UserspaceNFTNode, IPTables, NFTables, IPVS, HAProxy, Nginx,
 	LoDirect, LoUserspace, LoHAProxy, LoNginx}
 
 // loopbackPath reports whether the path is in the loopback topology.
@@ -63,13 +67,13 @@ func topologyOf(name string) string {
 // userspacePath reports whether the path is uproxy's userspace mode, whose
 // process is on the data path.
 func userspacePath(name string) bool {
-	return baseName(name) == Userspace || name == UserspaceNFT
+	return baseName(name) == Userspace || name == UserspaceNFT || name == UserspaceNFTNode
 }
 
 // uproxyPath reports whether uproxy programs the path's rules (its control
 // plane can be measured).
 func uproxyPath(name string) bool {
-	return name == Userspace || name == UserspaceNFT || name == IPTables || name == NFTables || name == IPVS
+	return name == Userspace || name == UserspaceNFT || name == UserspaceNFTNode || name == IPTables || name == NFTables || name == IPVS
 }
 
 // peers are the other userspace proxies uproxy is judged against.
@@ -122,7 +126,7 @@ func probe(name, uproxy string) string {
 			return "iptables-restore not installed (make deps)"
 		}
 		return ""
-	case UserspaceNFT:
+	case UserspaceNFT, UserspaceNFTNode:
 		if _, err := exec.LookPath("nft"); err != nil {
 			return "nft not installed (make deps)"
 		}
@@ -256,6 +260,9 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 	}
 	if mode == "" {
 		args = append(args, "--rules", rules)
+		if name == UserspaceNFTNode {
+			args = append(args, "--preserve-client-address=false")
+		}
 	} else {
 		args = append(args, "--proxy-mode", mode)
 	}

@@ -46,7 +46,9 @@
 //     and the keepalive settings from the listener, which Listen gives them
 //     once.
 //   - backend socket: socket, setsockopt TCP_NODELAY, setsockopt SO_MARK when a
-//     dial mark is set (mark.go), connect, epoll_ctl (add); each failed attempt
+//     dial mark is set (mark.go), for a dial from the client's address
+//     (TCPProxy.KeepClientAddress, source.go) setsockopt IP_TRANSPARENT,
+//     setsockopt IP_BIND_ADDRESS_NO_PORT and bind, connect, epoll_ctl (add); each failed attempt
 //     adds a getsockopt SO_ERROR (or nothing, when the dial timer ends it) and a
 //     close. While keepalive is on (TCPProxy.KeepAlive; TCP_KEEPCNT is the
 //     node's), a connection still open KeepAlive after it connected adds, from

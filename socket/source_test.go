@@ -116,6 +116,36 @@ func TestKeepClientAddress(t *testing.T) {
 	}
 }
 
+// A retry keeps the client's address too: the refused first attempt and the
+// one that connects both go from it.
+func TestKeepClientAddressRetry(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("IP_TRANSPARENT needs CAP_NET_ADMIN; without it TestKeepClientAddress checks the fallback")
+	}
+	const client = "127.0.0.5"
+	rec := &recorder{}
+	proxy := startTCPProxy(t, &TCPProxy{Service: "ns/who:tcp", Observer: rec,
+		Picker:            newCyclePicker(refusedAddr(t, "127.0.0.3"), startTCPWhoAmI(t, "127.0.0.2")),
+		KeepClientAddress: func(netip.Addr) bool { return true }})
+	d := net.Dialer{LocalAddr: localAddr("tcp", client), Timeout: awaitTimeout}
+	c, err := d.Dial("tcp", proxy.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(awaitTimeout))
+	buf := make([]byte, 128)
+	n, err := c.Read(buf)
+	if err != nil || !strings.HasPrefix(string(buf[:n]), client+":") {
+		t.Fatalf("the endpoint saw %q (%v); want the client's address %s", buf[:n], err, client)
+	}
+	c.Close()
+	conns := rec.awaitClosed(t, 1)
+	if a := conns[0].Attempts; len(a) != 2 || a[0].Err == nil || a[0].Source != record.SourceClient || a[1].Err != nil || a[1].Source != record.SourceClient {
+		t.Errorf("attempts %+v: want a failed one and a successful one, both from the client's address", a)
+	}
+}
+
 func localAddr(proto, ip string) net.Addr {
 	a := netip.AddrPortFrom(netip.MustParseAddr(ip), 0)
 	if strings.HasPrefix(proto, "udp") {
