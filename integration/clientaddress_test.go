@@ -148,11 +148,19 @@ func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
 	both("local", 32, "TCP", "  type: NodePort\n  externalTrafficPolicy: Local\n", local, remote)
 	both("cluster", 33, "TCP", "  type: NodePort\n", local)
 	both("cluster-remote", 35, "TCP", "  type: NodePort\n", remote)
+	both("local-elsewhere", 36, "TCP", "  type: NodePort\n  externalTrafficPolicy: Local\n", remote)
 	both("self", 34, "TCP", "", local)
-	px := runUproxy(t, tp, join(svcs...), launch{want: 6, flags: []string{"--rules", rules, "--hostname-override", "it-node",
+	px := runUproxy(t, tp, join(svcs...), launch{want: 7, flags: []string{"--rules", rules, "--hostname-override", "it-node",
 		"--cluster-cidr", cidr, "--shutdown-grace", "1s"}})
 
-	// admitOnly applies the remote pod's policy: nothing but the client pod.
+	// The node's own connection to an externalTrafficPolicy Local NodePort
+	// without a local endpoint goes to the remote one (from the node's
+	// address, before the remote pod's policy below would drop it).
+	if e, c, err := askWho(tp, "TCP", testbed.Node, hostPort(nodeIP.String(), 30036)); err != nil || e.Addr() != ip(testbed.RemotePod) {
+		t.Errorf("the node to an externalTrafficPolicy Local NodePort without a local endpoint: endpoint %v saw %v (%v); want the remote endpoint", e, c, err)
+	}
+
+	// The remote pod's policy: nothing but the client pod.
 	nft := fmt.Sprintf("table inet netpol { chain input { type filter hook input priority 0; policy accept; meta l4proto { tcp, udp } th dport { %d, %d } %s saddr != %s drop; }; }",
 		remote.tcp, remote.udp, map[bool]string{false: "ip", true: "ip6"}[v6], podIP)
 	tp.MustExec(t, testbed.RemotePod, "nft", nft)
@@ -189,6 +197,14 @@ func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
 	check("outside --cluster-cidr to a ClusterIP", "TCP", testbed.External, hostPort(vip(33), 80), nodeToLocal, 1)
 	check("outside to an externalTrafficPolicy Cluster NodePort", "TCP", testbed.External, hostPort(nodeIP.String(), 30033), nodeToLocal, 1)
 	check("a pod to an externalTrafficPolicy Cluster NodePort", "TCP", testbed.Pod, hostPort(nodeIP.String(), 30033), nodeToLocal, 1)
+	// externalTrafficPolicy Local without an endpoint on this node: the
+	// node's own and pods' connections go to the others (kube-proxy's
+	// short-circuit), a pod keeping its address; a client from elsewhere
+	// gets nothing.
+	check("a pod to an externalTrafficPolicy Local NodePort without a local endpoint", "TCP", testbed.Pod, hostPort(nodeIP.String(), 30036), podIP, 1)
+	if e, c, err := askWho(tp, "TCP", testbed.External, hostPort(nodeIP.String(), 30036)); err == nil {
+		t.Errorf("outside to an externalTrafficPolicy Local NodePort without a local endpoint: endpoint %v saw %v; want no answer", e, c)
+	}
 	// explain says whose address a client's dial would carry, and why.
 	for _, c := range []struct {
 		client netip.Addr

@@ -90,8 +90,34 @@ func (p *Proxier) splits(port *service.Port) bool {
 	return p.clientAddr.keep && (port.NodePort != 0 || len(port.ExternalIPs) > 0 || len(port.LoadBalancerIPs) > 0)
 }
 
-// keepsClient is route r's KeepClientAddress.
+// keepsClient is route r's KeepClientAddress. A connection short-circuited
+// to the cluster's endpoints (shortCircuits) is decided as a ClusterIP's.
 func (p *Proxier) keepsClient(r *route, client netip.Addr) bool {
-	keep, _ := p.clientAddr.decide(r.external, r.localPolicy.Load(), client)
+	external := r.external && !p.shortCircuits(r, client)
+	keep, _ := p.clientAddr.decide(external, r.localPolicy.Load(), client)
 	return keep
+}
+
+// shortCircuits reports whether a connection from client through route r goes
+// to the endpoints of the port's cluster route, as kube-proxy short-circuits
+// traffic to the NodePort, ExternalIPs and LoadBalancer IPs of an
+// externalTrafficPolicy Local Service: the node's own connections, and pods'
+// (from inside --cluster-cidr, when it is set), reach every endpoint, not
+// only this node's. The external route's Picker serves everyone else.
+func (p *Proxier) shortCircuits(r *route, client netip.Addr) bool {
+	if !r.external || !r.localPolicy.Load() {
+		return false
+	}
+	if client.IsLoopback() {
+		return true
+	}
+	if local := p.own.local.Load(); local != nil && (*local)[client] {
+		return true
+	}
+	for _, c := range p.clientAddr.clusterCIDRs {
+		if c.Contains(client) {
+			return true
+		}
+	}
+	return false
 }

@@ -513,6 +513,16 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 		ext = r
 	}
 	refusal := rules.RefusalOf(sp.cluster.endpoints, ext.endpoints)
+	if ext != sp.cluster && port.ExternalPolicyLocal {
+		// The node's own and pods' connections to the external addresses
+		// go to the cluster's endpoints (clientaddress.go, shortCircuits):
+		// the portal refuses those addresses only when neither route has
+		// an endpoint of the family. A client from elsewhere finds the
+		// external route without one and is reset.
+		for f := range refusal.External {
+			refusal.External[f] = refusal.External[f] && refusal.Cluster[f]
+		}
+	}
 	sp.refusal.Store(&refusal)
 	sp.port.Store(port)
 }
@@ -593,6 +603,13 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port, external bool) (
 	r := &route{picker: picker, external: external}
 	r.localPolicy.Store(port.ExternalPolicyLocal)
 	keep := func(client netip.Addr) bool { return p.keepsClient(r, client) }
+	// The external route hands the connections it short-circuits to the
+	// cluster route's balancers (clientaddress.go).
+	var short socket.Picker
+	shorts := func(client netip.Addr) bool { return p.shortCircuits(r, client) }
+	if external {
+		short = sp.cluster.picker
+	}
 	switch sp.protocol {
 	case service.TCP:
 		r.tcp = &socket.TCPProxy{
@@ -608,6 +625,8 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port, external bool) (
 			OwnSocket:    func(ep netip.AddrPort) bool { return p.own.reaches(service.TCP, ep) },
 
 			KeepClientAddress: keep,
+			ShortCircuit:      short,
+			ShortCircuits:     shorts,
 		}
 	case service.UDP:
 		r.udp = &socket.UDPProxy{
@@ -620,6 +639,8 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port, external bool) (
 			OwnSocket:  func(ep netip.AddrPort) bool { return p.own.reaches(service.UDP, ep) },
 
 			KeepClientAddress: keep,
+			ShortCircuit:      short,
+			ShortCircuits:     shorts,
 		}
 	}
 	return r, nil

@@ -33,8 +33,9 @@ type tcpSession struct {
 	// beside state, where they take no word of their own).
 	started    uint8
 	concurrent bool
-	// keepClient is the proxy's KeepClientAddress for the client, asked once.
-	keepClient bool
+	// keepClient is the proxy's KeepClientAddress for the client, asked once;
+	// short says the connection picks from the proxy's ShortCircuit.
+	keepClient, short bool
 
 	// Dialing. policy is the proxy's dial policy when the session began. dial
 	// is an attempt in flight (fd >= 0), and hedges the further attempts in
@@ -166,6 +167,7 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 	if p.KeepClientAddress != nil {
 		s.keepClient = p.KeepClientAddress(client.Addr().Unmap())
 	}
+	s.short = p.ShortCircuit != nil && p.ShortCircuits(client.Addr().Unmap())
 	if !p.track(s) {
 		resetFD(fd)
 		return
@@ -178,6 +180,14 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 		return
 	}
 	s.dialNext(nil)
+}
+
+// picker is the Picker of the session's endpoints.
+func (s *tcpSession) picker() Picker {
+	if s.short {
+		return s.p.ShortCircuit
+	}
+	return s.p.Picker
 }
 
 // dialNext begins the next dial attempt, and goes on to the one after at once when
@@ -198,7 +208,7 @@ func (s *tcpSession) dialNext(lastErr error) {
 			s.nextHedge = 0
 			break
 		}
-		ep, err := p.Picker.Pick(clientIP, s.triedEndpoints())
+		ep, err := s.picker().Pick(clientIP, s.triedEndpoints())
 		if err != nil {
 			if budgeted {
 				p.budget.refund()
@@ -262,7 +272,7 @@ func (s *tcpSession) dialNext(lastErr error) {
 			// Not the endpoint's failure: every other would fail alike. Nothing
 			// is counted against it; the client is reset, and accepting more
 			// waits, as when accept itself runs short.
-			p.Picker.Release(ep)
+			s.picker().Release(ep)
 			s.abort(err)
 			s.ln.shortage(s.l, err)
 			return
@@ -449,7 +459,7 @@ func (s *tcpSession) connectEvent(d *dialAttempt, ev uint32) {
 	a := record.Attempt{Endpoint: d.ep, Start: d.start, Duration: time.Since(d.start), Source: d.source}
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	p.observer().AttemptDone(p.Service, a)
-	p.Picker.DialSucceeded(a.Endpoint)
+	s.picker().DialSucceeded(a.Endpoint)
 	// The socket becomes the backend's; its events go there from now on.
 	s.backend = tcpSide{s: s, fd: d.fd}
 	s.l.Rehandle(d.fd, &s.backend)
@@ -487,9 +497,9 @@ func (s *tcpSession) lose(d *dialAttempt) {
 	s.rec.Attempts = append(s.rec.Attempts, a)
 	p.observer().AttemptDone(p.Service, a)
 	if established {
-		p.Picker.DialSucceeded(d.ep)
+		s.picker().DialSucceeded(d.ep)
 	}
-	p.Picker.Release(d.ep)
+	s.picker().Release(d.ep)
 	s.done(d)
 }
 
@@ -605,11 +615,11 @@ func (s *tcpSession) attemptFailed(d *dialAttempt, err error) error {
 	if !isLocalPortShortage(err) {
 		// Out of local ports toward the endpoint says nothing about it: it is
 		// not ejected for that, but the next attempt goes elsewhere all the same.
-		p.Picker.DialFailed(d.ep, err)
+		s.picker().DialFailed(d.ep, err)
 	}
 	// The client's sticky endpoint just failed it: let the next pick move on.
-	p.Picker.ResetAffinity(s.rec.Client.Addr().Unmap())
-	p.Picker.Release(d.ep)
+	s.picker().ResetAffinity(s.rec.Client.Addr().Unmap())
+	s.picker().Release(d.ep)
 	s.done(d)
 	return err
 }
@@ -804,7 +814,7 @@ func (d *tcpDirection) fill(l *loop, src *tcpSide) error {
 func (s *tcpSession) finish() {
 	s.client.close(s.l, false)
 	s.backend.close(s.l, false)
-	s.p.Picker.Release(s.rec.Endpoint)
+	s.picker().Release(s.rec.Endpoint)
 	s.end(nil)
 }
 
@@ -823,7 +833,7 @@ func (s *tcpSession) abort(err error) {
 		}
 	case open:
 		s.backend.close(s.l, true)
-		s.p.Picker.Release(s.rec.Endpoint)
+		s.picker().Release(s.rec.Endpoint)
 	}
 	// A reset tells the client at once that nobody will answer, rather than an
 	// accepted connection that closes as if the backend had.

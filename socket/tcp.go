@@ -116,6 +116,15 @@ type TCPProxy struct {
 	KeepClientAddress func(client netip.Addr) bool
 	// fallback logs the first transparent dial the kernel refused.
 	fallback fallbackLog
+	// ShortCircuit, when set, is the Picker of the connections from the
+	// clients ShortCircuits names (asked once per connection, on its event
+	// loop; it must be cheap and safe for concurrent use): every report of
+	// theirs goes to it, not to Picker. It is kube-proxy's short-circuit of
+	// the node's own and pods' connections to the external addresses of an
+	// externalTrafficPolicy Local Service, which go to every endpoint rather
+	// than this node's alone.
+	ShortCircuit  Picker
+	ShortCircuits func(client netip.Addr) bool
 
 	// acceptBackoff, when set, is told about each backoff of accepting - after
 	// accept, or a dial of a connection it accepted, found the node short - and

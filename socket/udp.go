@@ -67,6 +67,10 @@ type UDPProxy struct {
 	KeepClientAddress func(client netip.Addr) bool
 	// fallback logs the first transparent socket the kernel refused.
 	fallback fallbackLog
+	// ShortCircuit and ShortCircuits are as TCPProxy's, asked once per
+	// client entry.
+	ShortCircuit  Picker
+	ShortCircuits func(client netip.Addr) bool
 
 	initOnce sync.Once
 	l        *loop // nil without loops (initErr)
@@ -304,7 +308,9 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	c := &udpClient{p: p, svc: svc, addr: client, replyFrom: replySource(local), fd: -1}
 	c.t = poll.NewTimer(c)
 	c.rec = record.Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now()}
-	ep, err := p.Picker.Pick(client.Addr().Unmap(), nil)
+	c.short = p.ShortCircuit != nil && p.ShortCircuits(client.Addr().Unmap())
+	picker := c.picker()
+	ep, err := picker.Pick(client.Addr().Unmap(), nil)
 	if err != nil {
 		p.reject(client, fmt.Errorf("pick endpoint: %w", err))
 		return nil
@@ -333,7 +339,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		short = "local port"
 	}
 	if short != "" {
-		p.Picker.Release(ep)
+		picker.Release(ep)
 		p.reject(client, fmt.Errorf("no %s for endpoint %s: %w", short, ep, err))
 		return nil
 	}
@@ -346,15 +352,15 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	c.rec.Attempts = c.attempt[:]
 	obs.AttemptDone(p.Service, a)
 	if err != nil {
-		p.Picker.DialFailed(ep, err)
-		p.Picker.ResetAffinity(client.Addr().Unmap())
-		p.Picker.Release(ep)
+		picker.DialFailed(ep, err)
+		picker.ResetAffinity(client.Addr().Unmap())
+		picker.Release(ep)
 		c.rec.Err = fmt.Errorf("connect to endpoint %s: %w", ep, err)
 		c.rec.Duration = time.Since(c.rec.Start)
 		obs.ConnClosed(&c.rec)
 		return nil
 	}
-	p.Picker.DialSucceeded(ep)
+	picker.DialSucceeded(ep)
 	c.fd, c.ep, c.rec.Endpoint = fd, ep, ep
 	c.to = sockaddrOf(client)
 	c.last = l.Now()
@@ -474,8 +480,18 @@ type udpClient struct {
 	// coalesced run into datagrams on the way to the endpoint or to the client
 	// (see sendRun).
 	noSegmentsUp, noSegmentsDown bool
-	rec                          record.Conn
-	attempt                      [1]record.Attempt
+	// short says the entry picks from the proxy's ShortCircuit.
+	short   bool
+	rec     record.Conn
+	attempt [1]record.Attempt
+}
+
+// picker is the Picker of the entry's endpoint.
+func (c *udpClient) picker() Picker {
+	if c.short {
+		return c.p.ShortCircuit
+	}
+	return c.p.Picker
 }
 
 // Expire ends the entry once it has been idle for the timeout, or looks again when
@@ -531,13 +547,13 @@ func (c *udpClient) end(l *loop, err error, resetAffinity bool) {
 	}
 	p.mu.Unlock()
 	if resetAffinity {
-		p.Picker.ResetAffinity(c.addr.Addr().Unmap())
+		c.picker().ResetAffinity(c.addr.Addr().Unmap())
 	}
-	p.Picker.Release(c.ep)
+	c.picker().Release(c.ep)
 	if errors.Is(err, syscall.ECONNREFUSED) {
 		// The endpoint answered a datagram with an ICMP port unreachable: the
 		// UDP form of a refused dial, since a UDP connect only sets the peer.
-		p.Picker.DialFailed(c.ep, err)
+		c.picker().DialFailed(c.ep, err)
 	}
 	c.rec.BytesIn, c.rec.BytesOut = c.bytesIn, c.bytesOut
 	c.rec.Duration = time.Since(c.rec.Start)
