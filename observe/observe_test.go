@@ -450,3 +450,52 @@ func TestIdleTimeoutEventAndMetric(t *testing.T) {
 		t.Errorf("uproxy_idle_timeouts_total: got %v, want 1", got)
 	}
 }
+
+// A Service port has the series of its own protocol only: the UDP client
+// table's for a UDP port, retries and idle timeouts for a TCP port.
+func TestSeriesFollowTheProtocol(t *testing.T) {
+	w := mkWorld(t, proxier.Config{})
+	tcpSvc, tcpPort := w.addService(service.TCP, false, echoBackend(t, "127.0.0.2"))
+	udpSvc, udpPort := w.addService(service.UDP, false, udpEcho(t, "127.0.0.3"))
+	if got, err := echoThrough(t, tcpPort, "tcp"); err != nil || got != "tcp" {
+		t.Fatalf("TCP through the proxy: got %q, %v", got, err)
+	}
+	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", udpPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	buf := make([]byte, 16)
+	await(t, "a UDP reply", func() bool {
+		c.SetDeadline(time.Now().Add(50 * time.Millisecond))
+		c.Write([]byte("udp"))
+		n, err := c.Read(buf)
+		return err == nil && string(buf[:n]) == "udp"
+	})
+	await(t, "both connections counted", func() bool {
+		return metricOr0(t, "uproxy_connections_total", map[string]string{"service": tcpSvc, "result": "success"}) == 1 &&
+			metricOr0(t, "uproxy_active_connections", map[string]string{"service": udpSvc}) == 1
+	})
+
+	for _, m := range []struct {
+		name string
+		of   string // the protocol whose ports have it
+	}{
+		{"uproxy_udp_client_expiries_total", "UDP"},
+		{"uproxy_udp_clients_moved_total", "UDP"},
+		{"uproxy_udp_clients", "UDP"},
+		{"uproxy_retries_total", "TCP"},
+		{"uproxy_retry_budget_refusals_total", "TCP"},
+		{"uproxy_idle_timeouts_total", "TCP"},
+		{"uproxy_connections_total", "both"},
+		{"uproxy_bytes_total", "both"},
+		{"uproxy_active_connections", "both"},
+	} {
+		for _, p := range []struct{ proto, svc string }{{"TCP", tcpSvc}, {"UDP", udpSvc}} {
+			_, has := metric(t, m.name, map[string]string{"service": p.svc})
+			if want := m.of == "both" || m.of == p.proto; has != want {
+				t.Errorf("%s of the %s port %s: present %v, want %v", m.name, p.proto, p.svc, has, want)
+			}
+		}
+	}
+}
