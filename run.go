@@ -42,7 +42,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	if err != nil {
 		return o.configFieldError(err)
 	}
-	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn}
+	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn, MetricsAddress: cfg.metricsAddr, HealthzAddress: cfg.healthzAddr}
 	defer srv.Stop(context.Background())
 	// So are the proxy ports' address and the manifests.
 	if err := checkBindAddress(cfg.proxier.BindAddress); err != nil {
