@@ -237,7 +237,7 @@ func TestCleanupOnExit(t *testing.T) {
 			t.Errorf("%s after exit with --cleanup-on-exit: got chains %v, want none", cmd, got)
 		}
 	}
-	if !strings.Contains(px.logText(), "Removed the portal rules on exit") {
+	if !strings.Contains(px.logText(), "Removed the mode's rules on exit") {
 		t.Errorf("log does not say the rules were removed")
 	}
 }
