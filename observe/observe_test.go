@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"strings"
 	"syscall"
@@ -499,3 +500,36 @@ func TestSeriesFollowTheProtocol(t *testing.T) {
 		}
 	}
 }
+
+// /debug/memory reads the process's memory; ?gc=1 collects first, so freed
+// objects are no longer counted and the heap figure is what is live.
+func TestDebugMemory(t *testing.T) {
+	w := mkWorld(t, proxier.Config{})
+	var plain, collected observe.MemoryState
+	for range 64 {
+		heldGarbage = append(heldGarbage, make([]byte, 1<<20))
+	}
+	w.getJSON("/debug/memory", &plain)
+	heldGarbage = nil
+	w.getJSON("/debug/memory?gc=1", &collected)
+	if plain.Collected || !collected.Collected {
+		t.Errorf("collected: got %v without gc=1 and %v with it, want false and true", plain.Collected, collected.Collected)
+	}
+	if plain.HeapAllocBytes < 64<<20 || collected.HeapAllocBytes > plain.HeapAllocBytes-60<<20 {
+		t.Errorf("heap: %d bytes with 64 MiB held, %d after they were dropped and collected; want the 64 MiB gone", plain.HeapAllocBytes, collected.HeapAllocBytes)
+	}
+	if collected.RSSBytes <= 0 || collected.SysBytes == 0 || collected.HeapObjects == 0 || collected.Goroutines == 0 {
+		t.Errorf("reading %+v, want RSS, runtime and object figures", collected)
+	}
+	resp, err := http.Get(w.srv.URL + "/debug/memory?gc=yes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("/debug/memory?gc=yes: status %d, want 400", resp.StatusCode)
+	}
+}
+
+// heldGarbage is memory TestDebugMemory holds, then drops for a collection.
+var heldGarbage [][]byte

@@ -260,6 +260,7 @@ func (s *Server) MetricsHandler() http.Handler {
 	if s.Debug {
 		mux.HandleFunc("/debug/services", s.serveServices)
 		mux.HandleFunc("/debug/events", s.serveEvents)
+		mux.HandleFunc("/debug/memory", serveMemory)
 		mux.HandleFunc("/debug/{$}", servePage)
 		mux.Handle("/debug", http.RedirectHandler("/debug/", http.StatusMovedPermanently))
 	}
