@@ -2,6 +2,11 @@
 GO       ?= go
 BIN      := bin
 UPROXY   := $(BIN)/uproxy
+# The version uproxy reports: git describe (a tag, else the commit, -dirty with
+# uncommitted changes), or dev outside a git checkout. The binary is stripped
+# (-s -w) and holds no local paths (-trimpath), as the image's.
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS  := -s -w -X main.version=$(VERSION)
 PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
 TESTFLAGS ?= -race -count=1 -timeout 10m
@@ -11,7 +16,7 @@ TESTFLAGS ?= -race -count=1 -timeout 10m
 all: build
 
 build:
-	$(GO) build -o $(UPROXY) .
+	$(GO) build -trimpath -ldflags "$(LDFLAGS)" -o $(UPROXY) .
 
 # The proxy on an embedded demo: backends on loopback, no root needed.
 run: build

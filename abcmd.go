@@ -25,12 +25,22 @@ func newABCommand() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "ab ADDR_A ADDR_B",
-		Short: "Compare the TCP latency of two addresses (e.g. a Service through kube-proxy and through uproxy)",
+		Short: "Compare the latency of two TCP addresses (e.g. a Service through kube-proxy and through uproxy): echo, HTTP or connect",
 		Long: `ab makes connections to two addresses, one at a time, in alternating blocks
 (--interleave connections to A, as many to B, then B first, and so on) so that
-whatever else the machine does hits both alike. On each connection it writes
---payload bytes and reads them back, --requests-per-connection times, then
-closes: the servers must echo (uproxy echo is one).
+whatever else the machine does hits both alike. What a connection does is the
+--mode:
+
+  echo     write --payload bytes and read them back, --requests-per-connection
+           times, then close: the servers must echo (uproxy echo is one);
+  http     GET --path, read the whole response, which must be 2xx,
+           --requests-per-connection times on a kept-alive connection, then
+           close; with --http-close the request says Connection: close and the
+           server closes (one request per connection): any HTTP server;
+  connect  connect and close: any TCP server (a database, a cache). The connect
+           completes at the first socket on the path: uproxy's proxy port in the
+           userspace mode, before it dials a backend, but the backend itself
+           through DNAT; compare a mode with a reply to include the backend.
 
 It reports, for A and B, the percentiles of
   connect     dial to established,
@@ -38,14 +48,19 @@ It reports, for A and B, the percentiles of
   connection  dial to the end of the last exchange (what a client waits for:
               compare this one when one path accepts before it reaches a
               backend, as a userspace proxy does, and the other does not),
-with B-A per percentile, its confidence interval from a bootstrap (each side
-resampled with replacement) and a verdict: "B slower, significant" or "B faster,
-significant" when the interval excludes 0, else "no significant difference".
-Failed connections are counted by kind (refused, connect timeout, unreachable,
-timeout, reset, short read, mismatch, other).
+(connect alone with --mode connect) with B-A per percentile, its confidence
+interval from a bootstrap (each side resampled with replacement) and a verdict:
+"B slower, significant" or "B faster, significant" when the interval excludes 0,
+else "no significant difference". Failed connections are counted by kind
+(refused, connect timeout, unreachable, timeout, reset, short read, status: an
+HTTP status other than 2xx, mismatch: not an echo or not HTTP, other), and the
+first error of each kind is shown.
 
 Run it with the same address twice to see how large a difference the noise
 alone makes here.`,
+		Example: `  uproxy ab 10.96.0.10:80 10.96.0.11:80                              # echo servers (uproxy echo)
+  uproxy ab --mode http --path /healthz 10.96.0.10:80 10.96.0.11:80  # any HTTP Service
+  uproxy ab --mode connect 10.96.0.20:5432 10.96.0.21:5432           # any TCP Service`,
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) != 2 {
 				return fmt.Errorf("want two addresses, ADDR_A and ADDR_B (host:port), got %d arguments", len(args))
@@ -66,6 +81,14 @@ alone makes here.`,
 			}
 			if maxErrors < 0 {
 				return fmt.Errorf("--max-errors %d: want 0 (never stop) or more", maxErrors)
+			}
+			// The defaults of another mode's flags are not settings of this
+			// one; given, they are ab.Run's to refuse.
+			if cfg.Mode != ab.ModeEcho && !cmd.Flags().Changed("payload") {
+				cfg.Payload = 0
+			}
+			if cfg.Mode != ab.ModeHTTP && !cmd.Flags().Changed("path") {
+				cfg.Path = ""
 			}
 			cfg.A, cfg.B = args[0], args[1]
 			cfg.MaxErrors = maxErrors
@@ -95,9 +118,12 @@ alone makes here.`,
 		},
 	}
 	f := cmd.Flags()
+	f.StringVar(&cfg.Mode, "mode", ab.ModeEcho, "what a connection does: echo (the servers must echo), http (GET --path, a 2xx expected) or connect (connect and close: any TCP server)")
+	f.StringVar(&cfg.Path, "path", "/", "--mode http: the path each request gets")
+	f.BoolVar(&cfg.HTTPClose, "http-close", false, "--mode http: send Connection: close, so the server closes each connection after its response (one request per connection); without it the connection is kept alive for --requests-per-connection requests, then ab closes it")
 	f.IntVar(&cfg.Connections, "connections", ab.DefaultConnections, "connections to each address (p99.9 gets a verdict from 5000)")
-	f.IntVar(&cfg.RequestsPerConnection, "requests-per-connection", 1, "exchanges per connection: 1 is a short connection (connect, exchange, close), more a persistent one")
-	f.IntVar(&cfg.Payload, "payload", ab.DefaultPayload, "bytes each exchange writes and reads back")
+	f.IntVar(&cfg.RequestsPerConnection, "requests-per-connection", 1, "exchanges per connection (echo, http): 1 is a short connection (connect, exchange, close), more a persistent one")
+	f.IntVar(&cfg.Payload, "payload", ab.DefaultPayload, "--mode echo: bytes each exchange writes and reads back")
 	f.IntVar(&cfg.Interleave, "interleave", ab.DefaultInterleave, "connections per block; blocks to A and B alternate, as does the side going first")
 	f.DurationVar(&cfg.DialTimeout, "dial-timeout", ab.DefaultDialTimeout, "limit of each connect")
 	f.DurationVar(&cfg.Timeout, "timeout", ab.DefaultTimeout, "limit of each exchange (request written and reply read)")

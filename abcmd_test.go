@@ -5,8 +5,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -127,6 +129,13 @@ func TestABCommandRejectsBadInput(t *testing.T) {
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--dial-timeout", "0"}, "--dial-timeout 0s: want more than zero"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--max-errors", "-2"}, "--max-errors -2"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "-o", "yaml"}, `-o "yaml": want table or json`},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "udp"}, `--mode "udp": want echo, http, connect`},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--path", "/x"}, "--path and --http-close are --mode http's; --mode echo sends no request"},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "connect", "--http-close"}, "--mode connect sends no request"},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "http", "--payload", "10"}, "--payload 10: --mode http sends no payload"},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "http", "--path", "healthz"}, `--path "healthz": want an absolute path`},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "connect", "--requests-per-connection", "2"}, "--mode connect makes no exchange"},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "http", "--http-close", "--requests-per-connection", "2"}, "with --http-close the server closes each connection"},
 		{[]string{"echo"}, "want one address to listen on (e.g. :8080), got 0 arguments"},
 		{[]string{"echo", "127.0.0.1:0", "--delay", "-1ms"}, "--delay -1ms: want zero or a positive duration"},
 	}
@@ -138,4 +147,94 @@ func TestABCommandRejectsBadInput(t *testing.T) {
 			}
 		})
 	}
+}
+
+// serveHTTPCommand serves handler with net/http on a loopback port and returns
+// its address; t.Cleanup stops it.
+func serveHTTPCommand(t *testing.T, handler http.HandlerFunc) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return ln.Addr().String()
+}
+
+// uproxy ab --mode http and --mode connect against servers that do not echo:
+// a net/http server and a plain listener; a 404 and a refused address fail
+// the run, saying what failed and how.
+func TestABCommandModes(t *testing.T) {
+	web := serveHTTPCommand(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/ok" {
+			http.NotFound(w, r)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	t.Run("http", func(t *testing.T) {
+		stdout, stderr, err := runCommand(context.Background(), "ab", web, web, "--mode", "http", "--path", "/ok",
+			"--connections", "40", "--requests-per-connection", "2", "-o", "json")
+		if err != nil {
+			t.Fatalf("uproxy ab --mode http: %v\n%s", err, stderr)
+		}
+		var rep ab.Report
+		if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
+			t.Fatalf("-o json: %v\n%s", err, stdout)
+		}
+		if s := rep.Settings; s.Mode != "http" || s.Path != "/ok" || s.Payload != 0 || rep.A.Exchanges != 80 || rep.B.Failed != 0 {
+			t.Errorf("settings %+v, A %+v, B %+v; want mode http, path /ok, no payload, 80 exchanges, none failed", s, rep.A, rep.B)
+		}
+	})
+	t.Run("http, a 404", func(t *testing.T) {
+		stdout, _, err := runCommand(context.Background(), "ab", web, web, "--mode", "http", "--path", "/missing", "--max-errors", "3")
+		if err == nil || !strings.Contains(err.Error(), "stopped early: A ("+web+") failed 3 connections (status 3)") {
+			t.Errorf("got error %v, want the run stopped at A's third non-2xx status", err)
+		}
+		if want := "A status, first: GET /missing answered 404 Not Found, want a 2xx status"; !strings.Contains(stdout, want) {
+			t.Errorf("table lacks %q:\n%s", want, stdout)
+		}
+	})
+	t.Run("connect", func(t *testing.T) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				c.Close()
+			}
+		}()
+		stdout, stderr, err := runCommand(context.Background(), "ab", ln.Addr().String(), web, "--mode", "connect", "--connections", "50")
+		if err != nil {
+			t.Fatalf("uproxy ab --mode connect: %v\n%s", err, stderr)
+		}
+		for _, want := range []string{"A  " + ln.Addr().String() + ": 50 connections, 0 failed", "connect and close (no exchange)"} {
+			if !strings.Contains(stdout, want) {
+				t.Errorf("table lacks %q:\n%s", want, stdout)
+			}
+		}
+	})
+	t.Run("connect, refused", func(t *testing.T) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		dead := ln.Addr().String()
+		ln.Close()
+		stdout, _, err := runCommand(context.Background(), "ab", web, dead, "--mode", "connect", "--max-errors", "4")
+		if err == nil || !strings.Contains(err.Error(), "stopped early: B ("+dead+") failed 4 connections (refused 4)") {
+			t.Errorf("got error %v, want the run stopped at B's fourth refused connect", err)
+		}
+		if !strings.Contains(stdout, "B refused, first: dial tcp "+dead+": connect: connection refused") {
+			t.Errorf("table lacks B's refusal:\n%s", stdout)
+		}
+	})
 }

@@ -7,20 +7,31 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
-	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/kernelmodes"
 	"github.com/uproxy/uproxy/service"
 )
 
+// demoUnused are the run flags the demo has no use for: it writes its own
+// manifests (the source's flags), its Services have no NodePort, node-local
+// endpoint or topology hint (the node's flags), and it always removes its rules
+// on exit. The demo does not take them: given, one is an unknown flag, never
+// accepted and ignored.
+var demoUnused = []string{"services", "kubeconfig", "master", "kube-api-qps", "kube-api-burst",
+	"kube-api-content-type", "config", "config-sync-period", "service-proxy-name", "cleanup",
+	"cleanup-on-exit", "hostname-override", "node-labels", "nodeport-addresses"}
+
 func newDemoCommand() *cobra.Command {
 	// The demo's own flags: the run flags with the defaults it really uses, less
-	// those that choose what it runs on (it writes its own manifests).
+	// demoUnused.
 	opts := defaultOptions()
 	opts.rules = "none"
 	opts.bindAddress = "127.0.0.1"
@@ -32,19 +43,31 @@ func newDemoCommand() *cobra.Command {
 Service and EndpointSlice manifests for them into a temporary directory and runs the
 userspace proxy on it with --rules none, so the Services are reached on their proxy
 ports. One endpoint of "web" is dead on purpose: watch uproxy retry around it.
-Edit the manifests while it runs: they are reloaded.`,
+Edit the manifests while it runs: they are reloaded.
+
+As root, --rules iptables or nftables adds the portals (the Service addresses
+reach the proxy ports), and --proxy-mode iptables, nftables or ipvs programs the
+same Services into the kernel instead: the Service addresses work from this node,
+and nothing retries. Whatever the demo programs, it removes when it stops.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return runDemo(cmd, opts)
 		},
 	}
-	opts.addFlags(cmd)
-	for _, name := range []string{"services", "kubeconfig", "master", "kube-api-qps", "kube-api-burst",
-		"kube-api-content-type", "config", "config-sync-period", "service-proxy-name", "cleanup"} {
-		if err := cmd.Flags().MarkHidden(name); err != nil {
-			panic(fmt.Sprintf("demo flags: %v", err)) // a flag renamed without this list
+	all := &cobra.Command{}
+	opts.addFlags(all)
+	unused := 0
+	all.Flags().VisitAll(func(f *pflag.Flag) {
+		if slices.Contains(demoUnused, f.Name) {
+			unused++
+			return
 		}
+		cmd.Flags().AddFlag(f)
+	})
+	if unused != len(demoUnused) {
+		panic("demo flags: a flag of demoUnused was renamed without it") // a programming error, found by any test
 	}
+	opts.flags = cmd.Flags()
 	return cmd
 }
 
@@ -157,38 +180,77 @@ func runDemo(cmd *cobra.Command, opts *options) error {
 	}
 
 	opts.services = path
+	// The demo's rules send the Service addresses to backends that stop with
+	// it: they go with it too.
+	opts.cleanupOnExit = opts.proxyMode != kernelmodes.Userspace || opts.rules != "none"
 	out := cmd.OutOrStdout()
 	var once sync.Once
-	return runProxy(cmd.Context(), opts, func(px *proxier.Proxier, s *service.Snapshot) {
-		once.Do(func() { printDemo(out, px.ProxyPort, s, path, opts.metricsBindAddress, opts.rules == "none") })
+	return runProxy(cmd.Context(), opts, func(r running, s *service.Snapshot) {
+		once.Do(func() {
+			v := demoView{mode: r.mode, rules: r.rules, chainPrefix: opts.chainPrefix, path: path, metrics: opts.metricsBindAddress}
+			if r.px != nil {
+				v.proxyPort = r.px.ProxyPort
+			}
+			printDemo(out, v, s)
+		})
 	})
 }
 
 // demoNotes describe the endpoints of the demo's Services.
 var demoNotes = map[string]string{
-	"web":    "3 live + 1 dead (127.0.0.5): retried around",
+	"web":    "3 live + 1 dead (127.0.0.5)",
 	"sticky": "2, sessionAffinity ClientIP",
 	"echo":   "2 echo servers",
 }
 
-// printDemo prints a table of the Service ports of s with their proxy ports,
+// demoView is what the demo's table and hints are made of.
+type demoView struct {
+	mode  string // the proxy mode running
+	rules string // the userspace mode's portals: none, iptables or nftables
+	// proxyPort is the userspace mode's proxy port of a Service port; nil in
+	// a kernel mode, which has none.
+	proxyPort     func(service.PortName) int
+	chainPrefix   string
+	path, metrics string
+}
+
+// printDemo prints a table of the Service ports of s with what serves them,
 // then what to try.
-func printDemo(w io.Writer, proxyPort func(service.PortName) int, s *service.Snapshot, path, metrics string, noPortals bool) {
-	port := func(name string) int {
-		return proxyPort(service.PortName{Namespace: "demo", Name: name, Port: "main"})
-	}
+func printDemo(w io.Writer, v demoView, s *service.Snapshot) {
+	kernel := v.proxyPort == nil
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "\nSERVICE\tPROTOCOL\tPROXY PORT\tSERVICE ADDRESSES\tENDPOINTS")
+	if kernel {
+		fmt.Fprintln(tw, "\nSERVICE\tPROTOCOL\tSERVICE ADDRESSES\tENDPOINTS")
+	} else {
+		fmt.Fprintln(tw, "\nSERVICE\tPROTOCOL\tPROXY PORT\tSERVICE ADDRESSES\tENDPOINTS")
+	}
 	for _, p := range s.Ports {
 		note := demoNotes[p.Name.Name]
 		if p.Name.Namespace != "demo" || note == "" {
 			note = fmt.Sprint(len(p.Endpoints))
+		} else if p.Name.Name == "web" && kernel {
+			note += ": not retried"
+		} else if p.Name.Name == "web" {
+			note += ": retried around"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", p.Name, p.Protocol, proxyPort(p.Name), p.Claims(), note)
+		if kernel {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", p.Name, p.Protocol, p.Claims(), note)
+		} else {
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", p.Name, p.Protocol, v.proxyPort(p.Name), p.Claims(), note)
+		}
 	}
 	tw.Flush()
-	if noPortals {
+	if kernel {
+		printKernelDemo(w, v)
+		return
+	}
+	port := func(name string) int {
+		return v.proxyPort(service.PortName{Namespace: "demo", Name: name, Port: "main"})
+	}
+	if v.rules == "none" {
 		fmt.Fprintln(w, "(--rules none: no rule steers the Service addresses; connect to the proxy ports on 127.0.0.1)")
+	} else {
+		fmt.Fprintf(w, "(--rules %s: the Service addresses reach the proxy ports too, e.g. curl -s 10.96.0.10/)\n", v.rules)
 	}
 	fmt.Fprintf(w, `
 Try:
@@ -201,8 +263,44 @@ Try:
   # proxy ports, endpoints, affinity table; every dial attempt by result
   curl -s %[4]s/debug/services
   curl -s %[4]s/metrics | grep uproxy_dial_attempts_total
-Manifests: %[5]s (edit it: uproxy reloads it). Ctrl-C stops.
-`, port("web"), port("sticky"), port("echo"), metrics, path)
+Manifests: %[5]s (edit it: uproxy reloads it). Ctrl-C stops%[6]s.
+`, port("web"), port("sticky"), port("echo"), v.metrics, v.path, stopsWhat(v))
+}
+
+// printKernelDemo prints what to try in a kernel mode: the Service addresses
+// themselves, from this node, and the rules that carry them.
+func printKernelDemo(w io.Writer, v demoView) {
+	fmt.Fprintf(w, "(--proxy-mode %s: the kernel sends the Service addresses to the endpoints; there are no proxy ports)\n", v.mode)
+	var rules string
+	switch v.mode {
+	case kernelmodes.IPTables:
+		rules = "iptables-save -t nat | grep " + v.chainPrefix
+	case kernelmodes.NFTables:
+		rules = "nft list table inet " + strings.ToLower(v.chainPrefix) + "-kernel"
+	default:
+		rules = "ipvsadm -Ln"
+	}
+	fmt.Fprintf(w, `
+Try:
+  # the kernel picks an endpoint per connection and retries nothing: those given the dead one are refused
+  for i in 1 2 3 4 5 6; do curl -s -m1 10.96.0.10/ || echo refused; done
+  # ClientIP affinity: this node's connections stick to one backend
+  for i in 1 2 3 4; do curl -s 10.96.0.11/; done
+  # UDP (without nc: bash -c 'exec 3<>/dev/udp/10.96.0.12/53; echo hello >&3; timeout 1 head -n1 <&3')
+  echo hello | nc -u -w1 10.96.0.12 53
+  # the rules that carry them, and the path of one connection
+  %[1]s
+  uproxy explain 10.96.0.10:80 --metrics-address %[2]s
+Manifests: %[3]s (edit it: uproxy reloads it). Ctrl-C stops%[4]s.
+`, rules, v.metrics, v.path, stopsWhat(v))
+}
+
+// stopsWhat completes "Ctrl-C stops" with what else stopping does.
+func stopsWhat(v demoView) string {
+	if v.mode == kernelmodes.Userspace && v.rules == "none" {
+		return ""
+	}
+	return " and removes the rules"
 }
 
 // demoService renders a Service and its EndpointSlice as YAML.

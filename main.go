@@ -28,9 +28,11 @@ func newRootCommand() *cobra.Command {
 		Use:   "uproxy",
 		Short: "A Kubernetes service proxy with a userspace mode that retries and shows every attempt",
 		Long: `uproxy proxies Kubernetes Services. In the userspace mode it opens a proxy port
-per Service port, steers the Service's virtual IPs there with iptables, chooses a
-backend (round robin or another IPVS-style scheduler, ClientIP affinity), dials it
-and retries another when a dial fails.`,
+per Service port, steers the Service's virtual IPs there with nftables maps (or
+iptables rules where nftables is missing: --rules), chooses a backend (round robin
+or another IPVS-style scheduler, ClientIP affinity), dials it and retries another
+when a dial fails. The kernel modes (--proxy-mode iptables, nftables, ipvs)
+program the same Services into the kernel instead.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		Args:          cobra.NoArgs,

@@ -26,9 +26,16 @@ import (
 	"github.com/uproxy/uproxy/syncloop"
 )
 
-// runProxy runs the userspace mode until SIGINT/SIGTERM. synced, if not nil, is
-// called after every sync (the demo uses it to print the proxy ports).
-func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *service.Snapshot)) error {
+// running is what runProxy tells its synced hook of the proxy it runs.
+type running struct {
+	mode  string           // the proxy mode, resolved (auto is never one)
+	rules string           // the userspace mode's portals, resolved: nftables, iptables or none
+	px    *proxier.Proxier // the userspace mode's proxier; nil in a kernel mode
+}
+
+// runProxy runs the proxy in the mode of o until SIGINT/SIGTERM. synced, if not
+// nil, is called after every sync (the demo uses it to print its Services).
+func runProxy(ctx context.Context, o *options, synced func(running, *service.Snapshot)) error {
 	if err := o.applyConfigFile(); err != nil {
 		return err
 	}
@@ -42,7 +49,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 	if err != nil {
 		return o.configFieldError(err)
 	}
-	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn}
+	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn, MetricsAddress: cfg.metricsAddr, HealthzAddress: cfg.healthzAddr}
 	defer srv.Stop(context.Background())
 	// So are the proxy ports' address and the manifests.
 	if err := checkBindAddress(cfg.proxier.BindAddress); err != nil {
@@ -113,8 +120,8 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 						klog.ErrorS(herr, "Health check node ports")
 					}
 				}
-				if synced != nil && px != nil {
-					synced(px, s)
+				if synced != nil {
+					synced(running{mode: modeName, rules: cfg.rules, px: px}, s)
 				}
 			},
 		},
@@ -194,9 +201,9 @@ func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grac
 	// Kernel modes keep serving from the kernel after exit unless asked not to.
 	if cleanupOnExit {
 		if cerr := mode.Cleanup(); cerr != nil {
-			klog.ErrorS(cerr, "Removing the portal rules on exit (--cleanup-on-exit)")
+			klog.ErrorS(cerr, "Removing the mode's rules on exit")
 		} else {
-			klog.InfoS("Removed the portal rules on exit (--cleanup-on-exit)")
+			klog.InfoS("Removed the mode's rules on exit")
 		}
 	}
 }

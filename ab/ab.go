@@ -6,27 +6,47 @@
 // confidence interval of the difference B−A, so a real difference can be told
 // from noise. `uproxy ab` is its command.
 //
-//	rep, err := ab.Run(ctx, ab.Config{A: "10.96.0.10:80", B: "10.96.0.11:80"})
+//	rep, err := ab.Run(ctx, ab.Config{A: "10.96.0.10:80", B: "10.96.0.11:80", Mode: ab.ModeHTTP, Path: "/healthz"})
 //	if err != nil { ... }
 //	rep.WriteTable(os.Stdout)
 //
-// The servers must echo: an exchange writes Payload bytes and reads the same
-// bytes back (Echo is such a server). Connections run one at a time, so a
-// latency is never a queue behind the tool's own traffic.
+// What an exchange is depends on the Mode: in ModeEcho it writes Payload bytes
+// and reads the same bytes back (Echo is such a server); in ModeHTTP it sends a
+// GET and reads the whole response, which must have a 2xx status; ModeConnect
+// makes none (connect, then close), so any TCP server will do. Connections run
+// one at a time, so a latency is never a queue behind the tool's own traffic.
 package ab
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
 )
+
+// Modes, the values of Config.Mode: what a connection does once connected.
+const (
+	// ModeEcho writes Payload bytes and reads the same bytes back, per
+	// exchange: the server must echo.
+	ModeEcho = "echo"
+	// ModeHTTP sends GET Path and reads the whole response, per exchange; a
+	// status other than 2xx fails the connection.
+	ModeHTTP = "http"
+	// ModeConnect connects and closes, with no exchange: any TCP server.
+	ModeConnect = "connect"
+)
+
+// Modes lists the modes, the first the default.
+var Modes = []string{ModeEcho, ModeHTTP, ModeConnect}
 
 // Config says what to measure. The zero value of every field but A and B
 // selects its default.
@@ -34,14 +54,25 @@ type Config struct {
 	// A and B are the addresses compared, host:port; a host name is resolved
 	// once, before the first connection.
 	A, B string
+	// Mode is what a connection does: ModeEcho, ModeHTTP or ModeConnect;
+	// zero: ModeEcho.
+	Mode string
+	// Path is the path ModeHTTP requests; zero: "/". Other modes take none.
+	Path string
+	// HTTPClose sends ModeHTTP's requests with "Connection: close": the server
+	// closes the connection after its response, so a connection makes one
+	// exchange. Otherwise the connection is kept alive for the next request
+	// (RequestsPerConnection of them) and the client closes it after the last.
+	HTTPClose bool
 	// Connections is the number of connections to each address; zero: 5000
 	// (enough for p99.9 to rest on 5 samples beyond it).
 	Connections int
 	// RequestsPerConnection is the number of exchanges on each connection;
-	// zero: 1 (connect, one exchange, close).
+	// zero: 1 (connect, one exchange, close). ModeConnect makes none, and
+	// HTTPClose allows one.
 	RequestsPerConnection int
-	// Payload is the size in bytes of each exchange's request (and reply);
-	// zero: 64.
+	// Payload is the size in bytes of each ModeEcho exchange's request (and
+	// reply); zero: 64. Other modes take none.
 	Payload int
 	// Interleave is the number of connections in a block: a block to A, a block
 	// to B, and so on, the first of each pair alternating between A and B; zero: 10.
@@ -94,9 +125,17 @@ func (c *Config) setDefaults() {
 			*v = d
 		}
 	}
+	if c.Mode == "" {
+		c.Mode = ModeEcho
+	}
+	if c.Mode == ModeHTTP && c.Path == "" {
+		c.Path = "/"
+	}
 	def(&c.Connections, DefaultConnections)
 	def(&c.RequestsPerConnection, 1)
-	def(&c.Payload, DefaultPayload)
+	if c.Mode == ModeEcho {
+		def(&c.Payload, DefaultPayload)
+	}
 	def(&c.Interleave, DefaultInterleave)
 	def(&c.MaxErrors, DefaultMaxErrors)
 	def(&c.Resamples, DefaultResamples)
@@ -114,19 +153,27 @@ func (c *Config) setDefaults() {
 // validate returns an error naming the first bad field by its flag of
 // `uproxy ab`, the name users know it by.
 func (c *Config) validate() error {
+	if !slices.Contains(Modes, c.Mode) {
+		return fmt.Errorf("--mode %q: want %s", c.Mode, strings.Join(Modes, ", "))
+	}
+	if err := c.validateMode(); err != nil {
+		return err
+	}
 	for _, f := range []struct {
 		name string
 		v    int
 	}{
 		{"connections", c.Connections},
 		{"requests-per-connection", c.RequestsPerConnection},
-		{"payload", c.Payload},
 		{"interleave", c.Interleave},
 		{"resamples", c.Resamples},
 	} {
 		if f.v < 1 {
 			return fmt.Errorf("--%s %d: want at least 1", f.name, f.v)
 		}
+	}
+	if c.Mode == ModeEcho && c.Payload < 1 {
+		return fmt.Errorf("--payload %d: want at least 1", c.Payload)
 	}
 	if c.Payload > MaxPayload {
 		return fmt.Errorf("--payload %d: want at most %d bytes", c.Payload, MaxPayload)
@@ -146,6 +193,27 @@ func (c *Config) validate() error {
 	return nil
 }
 
+// validateMode refuses the settings the mode has no use for, naming them by
+// their flags.
+func (c *Config) validateMode() error {
+	if c.Mode != ModeEcho && c.Payload != 0 {
+		return fmt.Errorf("--payload %d: --mode %s sends no payload (only echo does)", c.Payload, c.Mode)
+	}
+	if c.Mode != ModeHTTP && (c.Path != "" || c.HTTPClose) {
+		return fmt.Errorf("--path and --http-close are --mode http's; --mode %s sends no request", c.Mode)
+	}
+	if c.Mode == ModeHTTP && (!strings.HasPrefix(c.Path, "/") || strings.ContainsAny(c.Path, " \t\r\n")) {
+		return fmt.Errorf("--path %q: want an absolute path without spaces, e.g. /healthz", c.Path)
+	}
+	if c.Mode == ModeConnect && c.RequestsPerConnection > 1 {
+		return fmt.Errorf("--requests-per-connection %d: --mode connect makes no exchange (it connects and closes)", c.RequestsPerConnection)
+	}
+	if c.HTTPClose && c.RequestsPerConnection > 1 {
+		return fmt.Errorf("--requests-per-connection %d: with --http-close the server closes each connection after one response", c.RequestsPerConnection)
+	}
+	return nil
+}
+
 // Error kinds, the keys of Side.Errors.
 const (
 	ErrRefused        = "refused"         // the connect was refused (RST to the SYN)
@@ -153,15 +221,39 @@ const (
 	ErrUnreachable    = "unreachable"     // no route, or an ICMP unreachable
 	ErrTimeout        = "timeout"         // no full reply within Timeout
 	ErrReset          = "reset"           // the connection was reset during an exchange
-	ErrShortRead      = "short read"      // the server closed before the full reply
-	ErrMismatch       = "mismatch"        // the reply was not the request (not an echo)
+	ErrShortRead      = "short read"      // the server closed before the full reply (or, in ModeHTTP, a connection with requests left)
+	ErrStatus         = "status"          // ModeHTTP: the response's status was not 2xx
+	ErrMismatch       = "mismatch"        // the reply was not what the mode expects: not the request (echo), not an HTTP response (http)
 	ErrOther          = "other"
 )
 
 // errorKinds lists the kinds in the order the table shows them.
-var errorKinds = []string{ErrRefused, ErrConnectTimeout, ErrUnreachable, ErrTimeout, ErrReset, ErrShortRead, ErrMismatch, ErrOther}
+var errorKinds = []string{ErrRefused, ErrConnectTimeout, ErrUnreachable, ErrTimeout, ErrReset, ErrShortRead, ErrStatus, ErrMismatch, ErrOther}
 
-var errMismatch = errors.New("reply differs from the request")
+var (
+	errMismatch = errors.New("reply differs from the request")
+	errNotHTTP  = errors.New("the reply is not an HTTP response")
+)
+
+// statusError is a ModeHTTP response whose status is not 2xx.
+type statusError struct {
+	path, status string
+}
+
+func (e *statusError) Error() string {
+	return fmt.Sprintf("GET %s answered %s, want a 2xx status", e.path, e.status)
+}
+
+// closedError is a ModeHTTP response that closes a connection with requests
+// left to make on it.
+type closedError struct {
+	done, want int
+}
+
+func (e *closedError) Error() string {
+	return fmt.Sprintf("the server closed the connection after request %d of %d (its response said Connection: close); "+
+		"ask for one request per connection (--requests-per-connection 1, or --http-close)", e.done, e.want)
+}
 
 // Run measures both addresses and returns the report. It stops early, with a
 // report of what it measured and Report.Stopped saying why, when ctx ends or
@@ -180,10 +272,16 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		s.dialed = ap.String()
 		s.errors = map[string]int{}
 		s.examples = map[string]string{}
-		s.request = make([]byte, cfg.Payload)
-		s.reply = make([]byte, cfg.Payload)
-		for i := range s.request {
-			s.request[i] = byte('a' + i%26)
+		switch cfg.Mode {
+		case ModeEcho:
+			s.request = make([]byte, cfg.Payload)
+			s.reply = make([]byte, cfg.Payload)
+			for i := range s.request {
+				s.request[i] = byte('a' + i%26)
+			}
+		case ModeHTTP:
+			s.request = httpRequest(cfg.Path, s.address, cfg.HTTPClose)
+			s.responses = bufio.NewReader(nil)
 		}
 	}
 	dial := cfg.Dial
@@ -237,8 +335,12 @@ type side struct {
 	failed     int
 	examples   map[string]string
 	seq        uint64
-	request    []byte
-	reply      []byte
+	// request is what an exchange writes: the payload (ModeEcho) or the GET
+	// (ModeHTTP); reply is where ModeEcho reads the echo, responses the
+	// buffer ModeHTTP reads responses through (reset on each connection).
+	request   []byte
+	reply     []byte
+	responses *bufio.Reader
 }
 
 type runner struct {
@@ -297,13 +399,24 @@ func (s *side) connectAndExchange(ctx context.Context, cfg Config, dial func(con
 	}
 	defer c.Close()
 	s.connect = append(s.connect, connected.Sub(start))
+	if cfg.Mode == ModeConnect {
+		return true
+	}
+	if s.responses != nil {
+		s.responses.Reset(c)
+	}
 	end := connected
-	for range cfg.RequestsPerConnection {
-		s.seq++
-		stamp(s.request, s.seq)
+	for i := range cfg.RequestsPerConnection {
 		t0 := time.Now()
 		c.SetDeadline(t0.Add(cfg.Timeout))
-		err := exchange(c, s.request, s.reply)
+		var err error
+		if cfg.Mode == ModeHTTP {
+			err = s.get(c, cfg.Path, i+1, cfg.RequestsPerConnection)
+		} else {
+			s.seq++
+			stamp(s.request, s.seq)
+			err = exchange(c, s.request, s.reply)
+		}
 		end = time.Now()
 		if err != nil {
 			if ctx.Err() == nil {
@@ -323,6 +436,44 @@ func stamp(req []byte, seq uint64) {
 	for i := 0; i < 8 && i < len(req); i++ {
 		req[i] = byte(seq >> (8 * i))
 	}
+}
+
+// httpRequest is the GET of path that ModeHTTP writes to address (its Host),
+// with "Connection: close" when closing.
+func httpRequest(path, address string, closing bool) []byte {
+	req := "GET " + path + " HTTP/1.1\r\nHost: " + address + "\r\nUser-Agent: uproxy-ab\r\nAccept: */*\r\n"
+	if closing {
+		req += "Connection: close\r\n"
+	}
+	return []byte(req + "\r\n")
+}
+
+// get is ModeHTTP's exchange n of want on c: it writes the GET and reads the
+// whole response, which must have a 2xx status and, with requests left to
+// make, leave the connection open.
+func (s *side) get(c net.Conn, path string, n, want int) error {
+	if _, err := c.Write(s.request); err != nil {
+		return err
+	}
+	resp, err := http.ReadResponse(s.responses, nil)
+	if err != nil {
+		var ne net.Error
+		if !errors.As(err, &ne) && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, syscall.ECONNRESET) {
+			err = fmt.Errorf("%w: %v", errNotHTTP, err)
+		}
+		return err
+	}
+	_, err = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	switch {
+	case err != nil:
+		return err
+	case resp.StatusCode < 200 || resp.StatusCode > 299:
+		return &statusError{path: path, status: resp.Status}
+	case resp.Close && n < want:
+		return &closedError{done: n, want: want}
+	}
+	return nil
 }
 
 func exchange(c net.Conn, req, reply []byte) error {
@@ -354,8 +505,12 @@ func (s *side) errorSummary() string {
 func classify(err error, dialing bool) string {
 	var ne net.Error
 	switch {
-	case errors.Is(err, errMismatch):
+	case errors.Is(err, errMismatch), errors.Is(err, errNotHTTP):
 		return ErrMismatch
+	case errors.As(err, new(*statusError)):
+		return ErrStatus
+	case errors.As(err, new(*closedError)):
+		return ErrShortRead
 	case errors.Is(err, syscall.ECONNREFUSED):
 		return ErrRefused
 	case errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):

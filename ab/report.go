@@ -36,7 +36,8 @@ type Report struct {
 	Settings Settings `json:"settings"`
 	A        Side     `json:"a"`
 	B        Side     `json:"b"`
-	// Metrics are connect, exchange and connection, in that order.
+	// Metrics are connect, exchange and connection, in that order; connect
+	// alone in ModeConnect, which makes no exchange.
 	Metrics []Metric `json:"metrics"`
 	// Stopped says why the run ended before every connection was made; empty
 	// when it did not.
@@ -47,9 +48,12 @@ type Report struct {
 
 // Settings are the Config the report was measured with.
 type Settings struct {
+	Mode                  string  `json:"mode"`
+	Path                  string  `json:"path,omitempty"`
+	HTTPClose             bool    `json:"httpClose,omitempty"`
 	Connections           int     `json:"connections"`
 	RequestsPerConnection int     `json:"requestsPerConnection"`
-	Payload               int     `json:"payloadBytes"`
+	Payload               int     `json:"payloadBytes,omitempty"`
 	Interleave            int     `json:"interleave"`
 	DialTimeoutSeconds    float64 `json:"dialTimeoutSeconds"`
 	TimeoutSeconds        float64 `json:"timeoutSeconds"`
@@ -111,6 +115,9 @@ func micros(d time.Duration) float64 { return float64(d) / 1e3 }
 func newReport(cfg Config, sides [2]*side, stopped string, elapsed time.Duration) *Report {
 	rep := &Report{
 		Settings: Settings{
+			Mode:                  cfg.Mode,
+			Path:                  cfg.Path,
+			HTTPClose:             cfg.HTTPClose,
 			Connections:           cfg.Connections,
 			RequestsPerConnection: cfg.RequestsPerConnection,
 			Payload:               cfg.Payload,
@@ -136,14 +143,18 @@ func newReport(cfg Config, sides [2]*side, stopped string, elapsed time.Duration
 		}
 	}
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x9e3779b97f4a7c15))
-	for _, m := range []struct {
+	metrics := []struct {
 		name string
 		a, b []time.Duration
 	}{
 		{"connect", sides[0].connect, sides[1].connect},
 		{"exchange", sides[0].exchange, sides[1].exchange},
 		{"connection", sides[0].connection, sides[1].connection},
-	} {
+	}
+	if cfg.Mode == ModeConnect {
+		metrics = metrics[:1]
+	}
+	for _, m := range metrics {
 		rep.Metrics = append(rep.Metrics, compare(m.name, m.a, m.b, cfg, rng))
 	}
 	return rep
@@ -246,14 +257,17 @@ func (r *Report) WriteTable(w io.Writer) error {
 		if sd.s.Dialed != addr {
 			addr += " (" + sd.s.Dialed + ")"
 		}
-		fmt.Fprintf(&b, "%s  %s: %d connections, %d exchanges, %d failed", sd.name, addr, sd.s.Connections, sd.s.Exchanges, sd.s.Failed)
+		if s.Mode == ModeConnect {
+			fmt.Fprintf(&b, "%s  %s: %d connections, %d failed", sd.name, addr, sd.s.Connections, sd.s.Failed)
+		} else {
+			fmt.Fprintf(&b, "%s  %s: %d connections, %d exchanges, %d failed", sd.name, addr, sd.s.Connections, sd.s.Exchanges, sd.s.Failed)
+		}
 		if sd.s.Failed > 0 {
 			fmt.Fprintf(&b, ": %s", summarizeErrors(sd.s.Errors))
 		}
 		b.WriteString("\n")
 	}
-	fmt.Fprintf(&b, "%d %s of %d bytes per connection; blocks of %d connections, A B B A A B ...; %.1fs\n",
-		s.RequestsPerConnection, plural(s.RequestsPerConnection, "exchange", "exchanges"), s.Payload, s.Interleave, r.ElapsedSeconds)
+	fmt.Fprintf(&b, "%s; blocks of %d connections, A B B A A B ...; %.1fs\n", s.perConnection(), s.Interleave, r.ElapsedSeconds)
 	fmt.Fprintf(&b, "intervals: %g%% of B-A over %d bootstrap resamples (seed %d)\n", s.Confidence*100, s.Resamples, s.Seed)
 	if r.Stopped != "" {
 		fmt.Fprintf(&b, "stopped early: %s\n", r.Stopped)
@@ -299,6 +313,21 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// perConnection says what each connection did.
+func (s Settings) perConnection() string {
+	switch s.Mode {
+	case ModeConnect:
+		return "connect and close (no exchange)"
+	case ModeHTTP:
+		how := "keep-alive, closed by ab"
+		if s.HTTPClose {
+			how = "Connection: close"
+		}
+		return fmt.Sprintf("%d GET %s per connection (%s), a 2xx expected", s.RequestsPerConnection, s.Path, how)
+	}
+	return fmt.Sprintf("%d %s of %d bytes per connection", s.RequestsPerConnection, plural(s.RequestsPerConnection, "exchange", "exchanges"), s.Payload)
 }
 
 func orDash(count int, us float64) string {

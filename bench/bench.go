@@ -399,7 +399,7 @@ func runTrafficWorkload(ctx context.Context, cfg Config, rep *Report, wl *worklo
 func runIdleWorkload(ctx context.Context, cfg Config, rep *Report, paths []*path, prog *progress) error {
 	wr := WorkloadResult{
 		Name:  Idle,
-		Title: fmt.Sprintf("Idle connections (%d held open, proxy RSS after minus before)", cfg.IdleConns),
+		Title: fmt.Sprintf("Idle connections (%d held open: growth of the proxy's RSS, and of uproxy's live heap, each read after a garbage collection)", cfg.IdleConns),
 		Note:  rep.Settings.IdleNote,
 		Unit:  "KiB/conn",
 	}
@@ -418,8 +418,10 @@ func runIdleWorkload(ctx context.Context, cfg Config, rep *Report, paths []*path
 		if err != nil {
 			r.Error = err.Error()
 		} else {
+			// Below its noise the growth is no figure: Value stays absent,
+			// and ir.Note says why.
 			r.Idle = ir
-			r.Value = ptr(ir.KiBPerConn)
+			r.Value = ir.KiBPerConn
 		}
 		wr.Results = append(wr.Results, r)
 	}

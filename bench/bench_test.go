@@ -99,16 +99,21 @@ func TestTinyRun(t *testing.T) {
 				if pr.Skipped != "" {
 					continue
 				}
-				if pr.Value == nil {
-					t.Errorf("%s: no value", pr.Path)
+				if wr.Name == Idle {
+					// 20 connections may not move RSS above its noise: then
+					// there is no figure and a note says why, never a zero.
+					ir := pr.Idle
+					if ir == nil || ir.Conns != 20 || ir.RSSBefore <= 0 || ir.RSSAfter <= 0 || ir.Sockets < 38 {
+						t.Errorf("%s: idle result %+v, want 20 connections held (2 sockets each) and both RSS readings", pr.Path, ir)
+						continue
+					}
+					if (pr.Value == nil) == (ir.Note == "") || pr.Value != nil && *pr.Value <= 0 {
+						t.Errorf("%s: idle value %s, note %q; want a positive figure, or none and a note", pr.Path, num(pr.Value), ir.Note)
+					}
 					continue
 				}
-				if wr.Name == Idle {
-					// A few connections may fit in memory the proxy already had:
-					// the difference can be zero, the readings cannot.
-					if pr.Idle == nil || pr.Idle.Conns != 20 || pr.Idle.RSSBefore <= 0 || pr.Idle.RSSAfter <= 0 {
-						t.Errorf("%s: idle result %+v, want 20 connections and both RSS readings", pr.Path, pr.Idle)
-					}
+				if pr.Value == nil {
+					t.Errorf("%s: no value", pr.Path)
 					continue
 				}
 				if *pr.Value <= 0 {
@@ -336,4 +341,101 @@ func TestKubeProxyLayout(t *testing.T) {
 			t.Errorf("%d Service ports: got %+v, want all three loads timed", s.Ports, s)
 		}
 	}
+}
+
+// A growth is a figure only when it is well above the change between two
+// readings with nothing changed (at least a page); a zero or a shrinking one
+// never is.
+func TestGrowthAboveNoise(t *testing.T) {
+	page := int64(4096)
+	for _, tc := range []struct {
+		name          string
+		before, after [2]int64
+		want          float64 // KiB per connection; 0: no figure
+		wantNoise     float64
+	}{
+		{"grew 1 KiB per connection, steady readings", [2]int64{100 << 20, 100 << 20}, [2]int64{101 << 20, 101 << 20}, 1, 4.0 / 1024},
+		{"no growth", [2]int64{100 << 20, 100 << 20}, [2]int64{100 << 20, 100 << 20}, 0, 4.0 / 1024},
+		{"shrank (a scavenger returned pages meanwhile)", [2]int64{100 << 20, 100 << 20}, [2]int64{100<<20 - 16<<10, 100<<20 - 16<<10}, 0, 4.0 / 1024},
+		{"grew less than twice the noise", [2]int64{100 << 20, 100<<20 + 300<<10}, [2]int64{100<<20 + 800<<10, 100<<20 + 800<<10}, 0, 300.0 / 1024},
+		{"grew more than twice the noise", [2]int64{100 << 20, 100<<20 + 300<<10}, [2]int64{101<<20 + 300<<10, 101<<20 + 300<<10}, 1, 300.0 / 1024},
+		{"less than a page", [2]int64{1 << 20, 1 << 20}, [2]int64{1<<20 + 6000, 1<<20 + 6000}, 0, 4.0 / 1024},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, noise := growth(tc.before, tc.after, 1024, page)
+			switch {
+			case tc.want == 0 && got != nil:
+				t.Errorf("got %v KiB per connection, want no figure", *got)
+			case tc.want != 0 && (got == nil || *got != tc.want):
+				t.Errorf("got %s KiB per connection, want %v", num(got), tc.want)
+			}
+			if noise != tc.wantNoise {
+				t.Errorf("noise %v KiB per connection, want %v", noise, tc.wantNoise)
+			}
+		})
+	}
+}
+
+// What idle connections cost uproxy is measured, not guessed from RSS that a
+// Go heap moves on its own: after every traffic workload has grown and freed
+// the proxy's heap (and filled its pools), as in a whole run, 1000 held
+// connections are each
+// found holding at least the session the proxy allocates for one (704 bytes,
+// its allocation class: socket's TestSessionFitsItsAllocationClass), in the
+// live heap and in resident memory alike; the proxy counts the 1000. Read
+// without a collection, RSS gave 0.000 and -0.016 KiB per connection.
+func TestIdleMemoryOfHeldConnections(t *testing.T) {
+	testbed.Require(t)
+	if testing.Short() {
+		testbed.Skip(t, "-short: this test builds uproxy and runs it")
+	}
+	bin := filepath.Join(t.TempDir(), "uproxy")
+	if out, err := exec.Command("go", "build", "-o", bin, "..").CombinedOutput(); err != nil {
+		t.Fatalf("go build uproxy: %v\n%s", err, out)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, Config{
+		Paths:     []string{Userspace, LoUserspace},
+		Workloads: []string{Bulk, Connections, Latency, UDP, UDPRun, Idle},
+		Duration:  200 * time.Millisecond,
+		Rounds:    1,
+		IdleConns: 1000,
+		Uproxy:    bin,
+		Log:       testWriter{t},
+	})
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if f := rep.Failed(); len(f) > 0 {
+		t.Fatalf("failures: %q", f)
+	}
+	const sessionKiB = 704.0 / 1024
+	var idle *WorkloadResult
+	for i := range rep.Workloads {
+		if rep.Workloads[i].Name == Idle {
+			idle = &rep.Workloads[i]
+		}
+	}
+	if idle == nil || len(idle.Results) != 2 {
+		t.Fatalf("idle workload: %+v, want a result per path", idle)
+	}
+	for _, pr := range idle.Results {
+		ir := pr.Idle
+		if ir == nil || ir.Sessions == nil || *ir.Sessions != 1000 || !ir.Collected {
+			t.Errorf("%s: %+v, want 1000 sessions counted by uproxy and collected readings", pr.Path, ir)
+			continue
+		}
+		if ir.HeapKiBPerConn == nil || *ir.HeapKiBPerConn < sessionKiB {
+			t.Errorf("%s: live heap %s KiB per connection (%s), want at least a session's %.3f", pr.Path, num(ir.HeapKiBPerConn), ir.Note, sessionKiB)
+		}
+		// Resident memory holds the live heap: it grew at least as much, but
+		// for its noise.
+		if pr.Value == nil || ir.HeapKiBPerConn != nil && *pr.Value < *ir.HeapKiBPerConn-ir.RSSNoiseKiB {
+			t.Errorf("%s: RSS %s KiB per connection (noise %.3f, %s), want at least the live heap's %s", pr.Path, num(pr.Value), ir.RSSNoiseKiB, ir.Note, num(ir.HeapKiBPerConn))
+		}
+	}
+	var table bytes.Buffer
+	rep.WriteTable(&table)
+	t.Logf("\n%s", table.String())
 }

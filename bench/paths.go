@@ -111,6 +111,9 @@ type path struct {
 	proxy *process
 	// ctl drives the control-plane workload; nil unless uproxy programs the path.
 	ctl *uproxyCtl
+	// uproxy reaches the HTTP addresses of the path's proxy when it is
+	// uproxy's userspace mode (its memory, its sessions); nil otherwise.
+	uproxy *uproxyCtl
 }
 
 // probe says why a path cannot run on this machine, or "" when it can.
@@ -279,7 +282,7 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 	}
 	pt := &path{name: name, w: w, echo: echoVIP, bulk: bulkVIP, udp: udpVIP, ctl: ctl}
 	if mode == "" {
-		pt.proxy = p
+		pt.proxy, pt.uproxy = p, ctl
 	}
 	if out, err := exec.Command(exe, "version").Output(); err == nil {
 		pt.version = firstLine(out)

@@ -305,7 +305,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 			head = append(head, "proxy "+wr.CPUUnit, "×best peer", "client", "backend", "machine", "client share", "busy CPUs")
 		}
 		if wr.Name == Idle {
-			head = append(head, "RSS before MiB", "RSS after MiB")
+			head = append(head, "heap KiB/conn", "RSS before MiB", "RSS after MiB")
 		}
 		head = append(head, "errors")
 		fmt.Fprintln(tw, strings.Join(head, "\t")+"\t")
@@ -324,7 +324,14 @@ func (r *Report) WriteTable(w io.Writer) error {
 				notes = append(notes, fmt.Sprintf("  %s: %s: %s\n", pr.Path, mark, msg))
 				continue
 			}
-			row := []string{pr.Path, num(pr.Value), ratio(pr.VsDirect), ratio(pr.VsBestPeer)}
+			value := num(pr.Value)
+			if pr.Idle != nil && pr.Value == nil {
+				value = "< noise"
+			}
+			if pr.Idle != nil && pr.Idle.Note != "" {
+				notes = append(notes, fmt.Sprintf("  %s: %s\n", pr.Path, pr.Idle.Note))
+			}
+			row := []string{pr.Path, value, ratio(pr.VsDirect), ratio(pr.VsBestPeer)}
 			if lat {
 				if l := pr.Latency; l != nil {
 					row = append(row, f1(l.P50), signed(l.AddedP50), f1(l.P90), f1(l.P99), f1(l.P999))
@@ -336,7 +343,14 @@ func (r *Report) WriteTable(w io.Writer) error {
 				row = append(row, num(pr.ProxyCPU), ratio(pr.ProxyCPUVsBestPeer), num(pr.ClientCPU), num(pr.BackendCPU), num(pr.MachineCPU), pct(pr.ClientCPUShare), busy(pr))
 			}
 			if wr.Name == Idle && pr.Idle != nil {
-				row = append(row, fmt.Sprintf("%.1f", float64(pr.Idle.RSSBefore)/(1<<20)), fmt.Sprintf("%.1f", float64(pr.Idle.RSSAfter)/(1<<20)))
+				heap := "-"
+				switch {
+				case pr.Idle.HeapKiBPerConn != nil:
+					heap = num(pr.Idle.HeapKiBPerConn)
+				case pr.Idle.Collected:
+					heap = "< noise"
+				}
+				row = append(row, heap, fmt.Sprintf("%.1f", float64(pr.Idle.RSSBefore)/(1<<20)), fmt.Sprintf("%.1f", float64(pr.Idle.RSSAfter)/(1<<20)))
 			}
 			errs := fmt.Sprint(pr.Errors)
 			if pr.Lost > 0 {

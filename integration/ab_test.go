@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"net"
+	"net/http"
 	"os/exec"
 	"strings"
 	"testing"
@@ -122,5 +124,89 @@ func TestABThroughTheUserspaceMode(t *testing.T) {
 			t.Errorf("uproxy ab against a Service without endpoints: %v\n%s\nwant it stopped after 5 failed connections", err, out)
 		}
 		t.Logf("stopped after %v:\n%s", time.Since(start), out)
+	})
+}
+
+// abFails runs `uproxy ab` with args in role's namespace, expecting it to
+// stop early and fail; it returns the output (table and error).
+func abFails(t *testing.T, tp *testbed.Topology, role string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command("ip", append([]string{"netns", "exec", tp.NS(role).Name, uproxyBin, "ab"}, args...)...).CombinedOutput()
+	if exitCode(err) != 1 {
+		t.Errorf("uproxy ab %s: %v, want exit 1\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// `uproxy ab --mode http` and `--mode connect` against servers that do not
+// echo, direct and through the userspace mode's portals from a pod: a net/http
+// server and a listener that accepts and closes, on the external host. A 404
+// and a Service without endpoints (refused at the portal) fail the run,
+// saying so.
+func TestABModesThroughTheUserspaceMode(t *testing.T) {
+	tp := testbed.New(t)
+	extIP := tp.NS(testbed.External).IPv4.String()
+	webLn := tp.Listen(testbed.External, "tcp", extIP+":0")
+	web := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/ok" {
+			http.NotFound(w, r)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})}
+	go web.Serve(webLn)
+	t.Cleanup(func() { web.Close() })
+	plainLn := tp.Listen(testbed.External, "tcp", extIP+":0")
+	go func() {
+		for {
+			c, err := plainLn.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	t.Cleanup(func() { plainLn.Close() })
+	webAddr, plainAddr := webLn.Addr().(*net.TCPAddr), plainLn.Addr().(*net.TCPAddr)
+	startProxy(t, tp, join(
+		svc{name: "web", proto: "TCP", clusterIPs: []string{"10.96.0.51"}, port: 80, endpoints: []string{extIP}, endpointPorts: []int{webAddr.Port}}.yaml(),
+		svc{name: "plain", proto: "TCP", clusterIPs: []string{"10.96.0.52"}, port: 80, endpoints: []string{extIP}, endpointPorts: []int{plainAddr.Port}}.yaml(),
+		svc{name: "none", proto: "TCP", clusterIPs: []string{"10.96.0.53"}, port: 80}.yaml(),
+	), 3)
+
+	t.Run("http", func(t *testing.T) {
+		for _, closing := range []string{"", "--http-close"} {
+			args := []string{webAddr.String(), "10.96.0.51:80", "--mode", "http", "--path", "/ok", "--connections", "100"}
+			if closing != "" {
+				args = append(args, closing)
+			}
+			rep := runAB(t, tp, testbed.Pod, args...)
+			if rep.A.Failed+rep.B.Failed != 0 || rep.A.Exchanges != 100 || rep.B.Exchanges != 100 || rep.Settings.HTTPClose != (closing != "") {
+				t.Errorf("%s: A %d exchanges %v, B %d exchanges %v, settings %+v; want 100 each, no errors",
+					closing, rep.A.Exchanges, rep.A.ErrorExamples, rep.B.Exchanges, rep.B.ErrorExamples, rep.Settings)
+			}
+		}
+	})
+	t.Run("http, a 404", func(t *testing.T) {
+		out := abFails(t, tp, testbed.Pod, webAddr.String(), "10.96.0.51:80", "--mode", "http", "--path", "/missing", "--max-errors", "5")
+		for _, want := range []string{"failed 5 connections (status 5)", "status, first: GET /missing answered 404 Not Found, want a 2xx status"} {
+			if !strings.Contains(out, want) {
+				t.Errorf("output lacks %q:\n%s", want, out)
+			}
+		}
+	})
+	t.Run("connect", func(t *testing.T) {
+		rep := runAB(t, tp, testbed.Pod, plainAddr.String(), "10.96.0.52:80", "--mode", "connect", "--connections", "100")
+		if rep.A.Failed+rep.B.Failed != 0 || rep.A.Connections != 100 || rep.B.Connections != 100 || len(rep.Metrics) != 1 {
+			t.Errorf("A %+v, B %+v, %d metrics; want 100 connections each, none failed, connect alone", rep.A, rep.B, len(rep.Metrics))
+		}
+	})
+	t.Run("connect, a Service without endpoints", func(t *testing.T) {
+		out := abFails(t, tp, testbed.Pod, plainAddr.String(), "10.96.0.53:80", "--mode", "connect", "--max-errors", "5")
+		for _, want := range []string{"B (10.96.0.53:80) failed 5 connections (refused 5)", "B refused, first: dial tcp 10.96.0.53:80: connect: connection refused"} {
+			if !strings.Contains(out, want) {
+				t.Errorf("output lacks %q:\n%s", want, out)
+			}
+		}
 	})
 }

@@ -237,7 +237,7 @@ func TestCleanupOnExit(t *testing.T) {
 			t.Errorf("%s after exit with --cleanup-on-exit: got chains %v, want none", cmd, got)
 		}
 	}
-	if !strings.Contains(px.logText(), "Removed the portal rules on exit") {
+	if !strings.Contains(px.logText(), "Removed the mode's rules on exit") {
 		t.Errorf("log does not say the rules were removed")
 	}
 }
@@ -502,7 +502,7 @@ func TestObservabilityExposure(t *testing.T) {
 
 	t.Run("debug handlers can be turned off", func(t *testing.T) {
 		runUproxy(t, tp, manifests, launch{want: -1, flags: []string{"--rules", "none", "--debug-handlers=false"}})
-		for path, want := range map[string]int{"/metrics": http.StatusOK, "/debug/services": http.StatusNotFound, "/debug/events": http.StatusNotFound, "/debug/": http.StatusNotFound} {
+		for path, want := range map[string]int{"/metrics": http.StatusOK, "/debug/services": http.StatusNotFound, "/debug/events": http.StatusNotFound, "/debug/memory": http.StatusNotFound, "/debug/": http.StatusNotFound} {
 			if code, err := status(testbed.Node, "http://127.0.0.1:10249"+path); err != nil || code != want {
 				t.Errorf("%s: got %d, %v, want %d", path, code, err, want)
 			}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"strings"
 	"syscall"
@@ -450,3 +451,85 @@ func TestIdleTimeoutEventAndMetric(t *testing.T) {
 		t.Errorf("uproxy_idle_timeouts_total: got %v, want 1", got)
 	}
 }
+
+// A Service port has the series of its own protocol only: the UDP client
+// table's for a UDP port, retries and idle timeouts for a TCP port.
+func TestSeriesFollowTheProtocol(t *testing.T) {
+	w := mkWorld(t, proxier.Config{})
+	tcpSvc, tcpPort := w.addService(service.TCP, false, echoBackend(t, "127.0.0.2"))
+	udpSvc, udpPort := w.addService(service.UDP, false, udpEcho(t, "127.0.0.3"))
+	if got, err := echoThrough(t, tcpPort, "tcp"); err != nil || got != "tcp" {
+		t.Fatalf("TCP through the proxy: got %q, %v", got, err)
+	}
+	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", udpPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	buf := make([]byte, 16)
+	await(t, "a UDP reply", func() bool {
+		c.SetDeadline(time.Now().Add(50 * time.Millisecond))
+		c.Write([]byte("udp"))
+		n, err := c.Read(buf)
+		return err == nil && string(buf[:n]) == "udp"
+	})
+	await(t, "both connections counted", func() bool {
+		return metricOr0(t, "uproxy_connections_total", map[string]string{"service": tcpSvc, "result": "success"}) == 1 &&
+			metricOr0(t, "uproxy_active_connections", map[string]string{"service": udpSvc}) == 1
+	})
+
+	for _, m := range []struct {
+		name string
+		of   string // the protocol whose ports have it
+	}{
+		{"uproxy_udp_client_expiries_total", "UDP"},
+		{"uproxy_udp_clients_moved_total", "UDP"},
+		{"uproxy_udp_clients", "UDP"},
+		{"uproxy_retries_total", "TCP"},
+		{"uproxy_retry_budget_refusals_total", "TCP"},
+		{"uproxy_idle_timeouts_total", "TCP"},
+		{"uproxy_connections_total", "both"},
+		{"uproxy_bytes_total", "both"},
+		{"uproxy_active_connections", "both"},
+	} {
+		for _, p := range []struct{ proto, svc string }{{"TCP", tcpSvc}, {"UDP", udpSvc}} {
+			_, has := metric(t, m.name, map[string]string{"service": p.svc})
+			if want := m.of == "both" || m.of == p.proto; has != want {
+				t.Errorf("%s of the %s port %s: present %v, want %v", m.name, p.proto, p.svc, has, want)
+			}
+		}
+	}
+}
+
+// /debug/memory reads the process's memory; ?gc=1 collects first, so freed
+// objects are no longer counted and the heap figure is what is live.
+func TestDebugMemory(t *testing.T) {
+	w := mkWorld(t, proxier.Config{})
+	var plain, collected observe.MemoryState
+	for range 64 {
+		heldGarbage = append(heldGarbage, make([]byte, 1<<20))
+	}
+	w.getJSON("/debug/memory", &plain)
+	heldGarbage = nil
+	w.getJSON("/debug/memory?gc=1", &collected)
+	if plain.Collected || !collected.Collected {
+		t.Errorf("collected: got %v without gc=1 and %v with it, want false and true", plain.Collected, collected.Collected)
+	}
+	if plain.HeapAllocBytes < 64<<20 || collected.HeapAllocBytes > plain.HeapAllocBytes-60<<20 {
+		t.Errorf("heap: %d bytes with 64 MiB held, %d after they were dropped and collected; want the 64 MiB gone", plain.HeapAllocBytes, collected.HeapAllocBytes)
+	}
+	if collected.RSSBytes <= 0 || collected.SysBytes == 0 || collected.HeapObjects == 0 || collected.Goroutines == 0 {
+		t.Errorf("reading %+v, want RSS, runtime and object figures", collected)
+	}
+	resp, err := http.Get(w.srv.URL + "/debug/memory?gc=yes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("/debug/memory?gc=yes: status %d, want 400", resp.StatusCode)
+	}
+}
+
+// heldGarbage is memory TestDebugMemory holds, then drops for a collection.
+var heldGarbage [][]byte

@@ -28,18 +28,18 @@ type PortObserver struct {
 	events   *Events // may be nil
 
 	active      prometheus.Gauge
-	retries     prometheus.Counter
-	refusals    prometheus.Counter
 	bytesIn     prometheus.Counter
 	bytesOut    prometheus.Counter
 	connOK      prometheus.Counter
 	connRetried prometheus.Counter
 	connFailed  prometheus.Counter
 	duration    prometheus.Observer
-	expiries    prometheus.Counter
-	moved       prometheus.Counter
-	idle        prometheus.Counter
 	reopens     prometheus.Counter
+	// A port has the series of its protocol only: retries, refusals and idle
+	// are nil for UDP (a session has one attempt and idles out by design),
+	// expiries and moved nil for TCP.
+	retries, refusals, idle prometheus.Counter
+	expiries, moved         prometheus.Counter
 
 	// stats and udpClients are set by Attach before the port serves, and read
 	// without a lock afterwards.
@@ -68,25 +68,29 @@ type endpointMetrics struct {
 // NewPortObserver returns the observer for service (ns/name:port) and protocol
 // ("TCP" or "UDP"). events, if not nil, receives a record of every connection.
 func NewPortObserver(service, protocol string, events *Events) *PortObserver {
-	return &PortObserver{
+	o := &PortObserver{
 		service:     service,
 		protocol:    protocol,
 		events:      events,
 		active:      ActiveConnections.WithLabelValues(service),
-		retries:     Retries.WithLabelValues(service),
-		refusals:    RetryBudgetRefusals.WithLabelValues(service),
 		bytesIn:     Bytes.WithLabelValues(service, "in"),
 		bytesOut:    Bytes.WithLabelValues(service, "out"),
 		connOK:      Connections.WithLabelValues(service, protocol, "success"),
 		connRetried: Connections.WithLabelValues(service, protocol, "retried"),
 		connFailed:  Connections.WithLabelValues(service, protocol, "failed"),
 		duration:    ConnectionDuration.WithLabelValues(service),
-		expiries:    UDPExpiries.WithLabelValues(service),
-		moved:       UDPEndpointRemovals.WithLabelValues(service),
-		idle:        IdleTimeouts.WithLabelValues(service),
 		reopens:     ProxyPortReopens.WithLabelValues(service),
 		endpoints:   make(map[netip.AddrPort]*endpointMetrics),
 	}
+	if protocol == "UDP" {
+		o.expiries = UDPExpiries.WithLabelValues(service)
+		o.moved = UDPEndpointRemovals.WithLabelValues(service)
+	} else {
+		o.retries = Retries.WithLabelValues(service)
+		o.refusals = RetryBudgetRefusals.WithLabelValues(service)
+		o.idle = IdleTimeouts.WithLabelValues(service)
+	}
+	return o
 }
 
 // BalancerStats is what a Service port's balancer counts, read at every scrape.
@@ -220,10 +224,10 @@ func (o *PortObserver) Reopened(from, to int, failure error) {
 func (o *PortObserver) ConnClosed(c *record.Conn) {
 	o.active.Dec()
 	n := len(c.Attempts)
-	if n > 1 {
+	if n > 1 && o.retries != nil {
 		o.retries.Add(float64(n - 1))
 	}
-	if c.RetryRefused {
+	if c.RetryRefused && o.refusals != nil {
 		o.refusals.Inc()
 	}
 	if c.BytesIn > 0 {
@@ -241,15 +245,15 @@ func (o *PortObserver) ConnClosed(c *record.Conn) {
 		o.connOK.Inc()
 	}
 	o.duration.Observe(c.Duration.Seconds())
-	if c.Protocol == "UDP" && c.Endpoint.IsValid() && c.Err == nil {
+	if o.expiries != nil && c.Endpoint.IsValid() && c.Err == nil {
 		// A UDP session that ends without error idled out (or its Service
 		// port closed, which ends every session at once).
 		o.expiries.Inc()
 	}
-	if c.IdledOut() {
+	if o.idle != nil && c.IdledOut() {
 		o.idle.Inc()
 	}
-	if c.Protocol == "UDP" && errors.Is(c.Err, record.ErrEndpointRemoved) {
+	if o.moved != nil && errors.Is(c.Err, record.ErrEndpointRemoved) {
 		o.moved.Inc()
 	}
 	if o.events != nil {

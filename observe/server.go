@@ -231,6 +231,10 @@ type Server struct {
 	// is reported as its flag's error. Stop closes them, also when Start never
 	// ran.
 	MetricsListener, HealthzListener net.Listener
+	// MetricsAddress and HealthzAddress are the addresses the listeners were
+	// bound to as asked (HOST:PORT), which the log names; empty: the
+	// listener's own address.
+	MetricsAddress, HealthzAddress string
 
 	Mode     string // answered by /proxyMode
 	Services ServicesView
@@ -261,6 +265,7 @@ func (s *Server) MetricsHandler() http.Handler {
 	if s.Debug {
 		mux.HandleFunc("/debug/services", s.serveServices)
 		mux.HandleFunc("/debug/events", s.serveEvents)
+		mux.HandleFunc("/debug/memory", serveMemory)
 		mux.HandleFunc("/debug/{$}", servePage)
 		mux.Handle("/debug", http.RedirectHandler("/debug/", http.StatusMovedPermanently))
 	}
@@ -371,18 +376,19 @@ func writeJSON(w http.ResponseWriter, v any) {
 // Start serves both listeners in the background.
 func (s *Server) Start() {
 	type serve struct {
-		ln net.Listener
-		h  http.Handler
+		ln    net.Listener
+		asked string
+		h     http.Handler
 	}
 	var serves []serve
 	if s.MetricsListener != nil {
-		serves = append(serves, serve{s.MetricsListener, s.MetricsHandler()})
+		serves = append(serves, serve{s.MetricsListener, s.MetricsAddress, s.MetricsHandler()})
 	}
 	if s.HealthzListener != nil && s.Health != nil {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", s.Health)
 		mux.Handle("/livez", s.Health.Livez())
-		serves = append(serves, serve{s.HealthzListener, mux})
+		serves = append(serves, serve{s.HealthzListener, s.HealthzAddress, mux})
 	}
 	for _, b := range serves {
 		ln := b.ln
@@ -393,8 +399,25 @@ func (s *Server) Start() {
 				klog.ErrorS(err, "HTTP server stopped", "address", ln.Addr())
 			}
 		}()
-		klog.InfoS("Serving", "address", ln.Addr().String())
+		klog.InfoS("Serving", "address", shownAddress(b.asked, ln))
 	}
+}
+
+// shownAddress is the address to name for ln, bound to asked: asked itself,
+// with the port the kernel chose when asked for port 0. The listener's own
+// address is not what was asked for a wildcard: Go listens on 0.0.0.0 with a
+// socket of both families, whose address reads [::].
+func shownAddress(asked string, ln net.Listener) string {
+	host, port, err := net.SplitHostPort(asked)
+	if err != nil {
+		return ln.Addr().String()
+	}
+	if port == "0" {
+		if ta, ok := ln.Addr().(*net.TCPAddr); ok {
+			port = strconv.Itoa(ta.Port)
+		}
+	}
+	return net.JoinHostPort(host, port)
 }
 
 // Stop shuts both servers down.
