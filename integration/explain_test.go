@@ -167,8 +167,13 @@ func (w *explainWorld) checkRulesAreReal(t *testing.T, x explained) {
 				t.Errorf("%s step %s rule %d: line %d of iptables-save is not %q", rp.Hook, s.Chain, s.Rule, s.Line, s.Text)
 				continue
 			}
+			// The position within the chain of the step's table: the
+			// mangle table has a PREROUTING of its own.
 			n := 0
 			for _, l := range lines[:s.Line] {
+				if strings.HasPrefix(l, "*") {
+					n = 0
+				}
 				if strings.HasPrefix(l, "-A "+s.Chain+" ") {
 					n++
 				}

@@ -61,7 +61,10 @@ func TestRetryStrategies(t *testing.T) {
 	)
 	// No ejection: every connection meets the faults, as at the first moments
 	// of an outage.
-	px := startProxy(t, tp, manifests, 4, "--eject-after", "0", "--events", "1024")
+	// The client and the endpoints are addresses of one pod namespace: a dial
+	// from the client's address would be answered inside it, never reaching
+	// the node (as behind kube-proxy's DNAT), so the node's address it is.
+	px := startProxy(t, tp, manifests, 4, "--eject-after", "0", "--events", "1024", "--preserve-client-address=false")
 
 	policies := map[string]map[string]string{}
 	body, err := px.get("/debug/services")
