@@ -1,6 +1,7 @@
 package socket
 
 import (
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -152,4 +153,44 @@ func localAddr(proto, ip string) net.Addr {
 		return net.UDPAddrFromAddrPort(a)
 	}
 	return net.TCPAddrFromAddrPort(a)
+}
+
+// BenchmarkTransparentDial prices a dial from the client's address against one
+// from the node's, on the same short connection as BenchmarkTCPConnect (a
+// 64-byte request, a 64-byte reply, the backend closing), client, proxy and
+// backend in this process on loopback. cpu-us/conn is the process's CPU time
+// per connection, all three together; on loopback the client's address is
+// local, so this is the three system calls of the socket (source.go), not the
+// portals' rules.
+func BenchmarkTransparentDial(b *testing.B) {
+	if os.Geteuid() != 0 {
+		b.Skip("IP_TRANSPARENT needs CAP_NET_ADMIN")
+	}
+	for _, keep := range []bool{false, true} {
+		name := map[bool]string{false: "node", true: "client"}[keep]
+		b.Run(name, func(b *testing.B) {
+			backend := startTCPServer(b, "127.0.0.2", replyOnce)
+			p := &TCPProxy{Service: "bench/tcp:x", Picker: newCyclePicker(backend.addr),
+				KeepClientAddress: func(netip.Addr) bool { return keep }}
+			addr := net.TCPAddrFromAddrPort(startTCPProxy(b, p))
+			d := net.Dialer{LocalAddr: localAddr("tcp", "127.0.0.5")}
+			req, resp := make([]byte, 64), make([]byte, 65)
+			cpu := processCPU(b)
+			start := time.Now()
+			for b.Loop() {
+				c, err := d.Dial("tcp", addr.String())
+				if err != nil {
+					b.Fatal(err)
+				}
+				c.Write(req)
+				if n, err := io.ReadFull(c, resp); err != io.ErrUnexpectedEOF || n != 64 {
+					b.Fatalf("reply: got %d bytes, %v, want 64 then EOF", n, err)
+				}
+				c.Close()
+			}
+			elapsed := time.Since(start)
+			b.ReportMetric(float64(b.N)/elapsed.Seconds(), "conns/s")
+			b.ReportMetric(float64((processCPU(b)-cpu).Microseconds())/float64(b.N), "cpu-us/conn")
+		})
+	}
 }
