@@ -146,34 +146,40 @@ func replyOnce(c *net.TCPConn) {
 	}
 }
 
+// shortConnections makes b.N connections with dial, each a 64-byte request
+// answered by 64 bytes and the backend's close (replyOnce), and returns how
+// long they took.
+func shortConnections(b *testing.B, dial func() (net.Conn, error)) time.Duration {
+	req, resp := make([]byte, 64), make([]byte, 65)
+	start := time.Now()
+	for b.Loop() {
+		c, err := dial()
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := c.Write(req); err != nil {
+			b.Fatal(err)
+		}
+		if n, err := io.ReadFull(c, resp); err != io.ErrUnexpectedEOF || n != 64 {
+			b.Fatalf("reply: got %d bytes, %v, want 64 then EOF", n, err)
+		}
+		c.Close()
+	}
+	return time.Since(start)
+}
+
 func BenchmarkTCPConnect(b *testing.B) {
 	for _, name := range benchNames {
 		b.Run(name, func(b *testing.B) {
 			target := startBenchTarget(b, name, replyOnce)
 			addr := net.TCPAddrFromAddrPort(target.addr)
-			req := make([]byte, 64)
-			resp := make([]byte, 65)
 			b.ReportAllocs()
 			cpu := processCPU(b)
 			var proxyCPU time.Duration
 			if target.proxyCPU != nil {
 				proxyCPU = target.proxyCPU()
 			}
-			start := time.Now()
-			for b.Loop() {
-				c, err := net.DialTCP("tcp", nil, addr)
-				if err != nil {
-					b.Fatal(err)
-				}
-				if _, err := c.Write(req); err != nil {
-					b.Fatal(err)
-				}
-				if n, err := io.ReadFull(c, resp); err != io.ErrUnexpectedEOF || n != 64 {
-					b.Fatalf("reply: got %d bytes, %v, want 64 then EOF", n, err)
-				}
-				c.Close()
-			}
-			elapsed := time.Since(start)
+			elapsed := shortConnections(b, func() (net.Conn, error) { return net.DialTCP("tcp", nil, addr) })
 			b.ReportMetric(float64(b.N)/elapsed.Seconds(), "conns/s")
 			b.ReportMetric(float64((processCPU(b)-cpu).Microseconds())/float64(b.N), "cpu-us/conn")
 			if target.proxyCPU != nil {

@@ -1,7 +1,6 @@
 package socket
 
 import (
-	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -174,21 +173,8 @@ func BenchmarkTransparentDial(b *testing.B) {
 				KeepClientAddress: func(netip.Addr) bool { return keep }}
 			addr := net.TCPAddrFromAddrPort(startTCPProxy(b, p))
 			d := net.Dialer{LocalAddr: localAddr("tcp", "127.0.0.5")}
-			req, resp := make([]byte, 64), make([]byte, 65)
 			cpu := processCPU(b)
-			start := time.Now()
-			for b.Loop() {
-				c, err := d.Dial("tcp", addr.String())
-				if err != nil {
-					b.Fatal(err)
-				}
-				c.Write(req)
-				if n, err := io.ReadFull(c, resp); err != io.ErrUnexpectedEOF || n != 64 {
-					b.Fatalf("reply: got %d bytes, %v, want 64 then EOF", n, err)
-				}
-				c.Close()
-			}
-			elapsed := time.Since(start)
+			elapsed := shortConnections(b, func() (net.Conn, error) { return d.Dial("tcp", addr.String()) })
 			b.ReportMetric(float64(b.N)/elapsed.Seconds(), "conns/s")
 			b.ReportMetric(float64((processCPU(b)-cpu).Microseconds())/float64(b.N), "cpu-us/conn")
 		})

@@ -148,16 +148,8 @@ func Build(opts ...Option) (*Topology, error) {
 
 func (tp *Topology) build() error {
 	id := fmt.Sprintf("tb-%d-%s-%d", os.Getpid(), runSignature, topologySeq.Add(1))
-	for _, role := range []string{Node, Pod, External} {
-		n := &Namespace{Role: role, Name: id + "-" + role}
-		tp.ns[role] = n
-		if err := run("ip", "netns", "add", n.Name); err != nil {
-			return err
-		}
-		tp.created = append(tp.created, n.Name)
-		if err := run("ip", "-n", n.Name, "link", "set", "lo", "up"); err != nil {
-			return err
-		}
+	if err := tp.addNamespaces(id, Node, Pod, External); err != nil {
+		return err
 	}
 	node, pod, ext := tp.ns[Node], tp.ns[Pod], tp.ns[External]
 	node.IPv4 = nodeExtIPv4.Addr()
@@ -201,9 +193,10 @@ func (tp *Topology) build() error {
 	return nil
 }
 
-// buildSecondNode adds Pod2, NodeB and RemotePod (WithSecondNode).
-func (tp *Topology) buildSecondNode(id string) error {
-	for _, role := range []string{Pod2, NodeB, RemotePod} {
+// addNamespaces creates a namespace per role, named after id, with its
+// loopback up.
+func (tp *Topology) addNamespaces(id string, roles ...string) error {
+	for _, role := range roles {
 		n := &Namespace{Role: role, Name: id + "-" + role}
 		tp.ns[role] = n
 		if err := run("ip", "netns", "add", n.Name); err != nil {
@@ -213,6 +206,14 @@ func (tp *Topology) buildSecondNode(id string) error {
 		if err := run("ip", "-n", n.Name, "link", "set", "lo", "up"); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// buildSecondNode adds Pod2, NodeB and RemotePod (WithSecondNode).
+func (tp *Topology) buildSecondNode(id string) error {
+	if err := tp.addNamespaces(id, Pod2, NodeB, RemotePod); err != nil {
+		return err
 	}
 	node, pod2, nodeB, podB := tp.ns[Node], tp.ns[Pod2], tp.ns[NodeB], tp.ns[RemotePod]
 	pod2.IPv4, pod2.GatewayIPv4 = pod2IPv4.Addr(), nodePod2IPv4.Addr()
