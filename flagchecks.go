@@ -51,6 +51,8 @@ var (
 		// took both flags and ignored them.
 		{name: "cluster-cidr", modes: kernelModesOnly, warn: true},
 		{name: "masquerade-all", modes: kernelModesOnly, warn: true},
+		// kube-proxy takes it in every mode, and uses it in its iptables mode.
+		{name: "iptables-localhost-nodeports", modes: []string{kernelmodes.IPTables}, warn: true},
 	}
 )
 

@@ -44,6 +44,9 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 		return "", nil, nil, nil, err
 	}
 	ips := nodeIPs(cfg.proxier.BindAddress)
+	if err := resolveNodePortAddresses(cfg, name, ips); err != nil {
+		return "", nil, nil, nil, err
+	}
 	if name == kernelmodes.Userspace {
 		cfg.rules = chooseRules(cfg.rules, o.chainPrefix, ips)
 	}
@@ -90,6 +93,33 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 	return name, mode, px, lock, nil
 }
 
+// resolveNodePortAddresses turns --nodeport-addresses primary into the node
+// IPs ips, one prefix each, as kube-proxy turns it into its Node's addresses;
+// so it does when the flag is left empty in the nftables mode, kube-proxy's
+// default there (every other mode's is every address). Primary without a node
+// IP is an error; the nftables mode's default then falls back to every
+// address, as kube-proxy's does.
+func resolveNodePortAddresses(cfg *config, mode string, ips []netip.Addr) error {
+	implicit := len(cfg.prefixes) == 0 && !cfg.primaryNodePorts && mode == kernelmodes.NFTables
+	if !cfg.primaryNodePorts && !implicit {
+		return nil
+	}
+	cfg.primaryNodePorts = true
+	for _, ip := range ips {
+		cfg.prefixes = append(cfg.prefixes, netip.PrefixFrom(ip, ip.BitLen()))
+	}
+	switch {
+	case len(cfg.prefixes) > 0:
+		klog.InfoS("NodePorts answer on the node's primary IPs", "nodePortAddresses", cfg.prefixes, "default", implicit)
+	case implicit:
+		cfg.primaryNodePorts = false
+		klog.InfoS("NodePorts answer on every address: the node has no primary IP (no global unicast address)", "mode", mode)
+	default:
+		return errors.New("--nodeport-addresses primary: the node has no primary IP (no global unicast address, and no --bind-address)")
+	}
+	return nil
+}
+
 // buildMode builds the mode name; no constructor touches the kernel's rules.
 func buildMode(name string, o *options, cfg *config, events *observe.Events, ips []netip.Addr) (proxyMode, *proxier.Proxier, error) {
 	switch name {
@@ -111,11 +141,12 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 		return px, px, nil
 	case kernelmodes.IPTables:
 		m, err := kiptables.New(kiptables.Config{
-			ChainPrefix:       o.chainPrefix,
-			IPv6:              hasIPv6(ips),
-			NodePortAddresses: cfg.prefixes,
-			ClusterCIDRs:      cfg.clusterCIDRs,
-			MasqueradeAll:     cfg.masqueradeAll,
+			ChainPrefix:        o.chainPrefix,
+			IPv6:               hasIPv6(ips),
+			NodePortAddresses:  cfg.prefixes,
+			ClusterCIDRs:       cfg.clusterCIDRs,
+			MasqueradeAll:      cfg.masqueradeAll,
+			LocalhostNodePorts: cfg.localhostNodePorts,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode iptables: %w", err)

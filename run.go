@@ -119,6 +119,14 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 			},
 		},
 	}
+	// A mode that counts its localhost NodePort packets in the kernel (the
+	// iptables mode) has them exported, as kube-proxy's iptables mode does.
+	if m, ok := mode.(interface {
+		LocalhostNodePortPackets() (uint64, bool, error)
+	}); ok {
+		observe.LocalhostNodePortsAccepted.Set(m.LocalhostNodePortPackets)
+		defer observe.LocalhostNodePortsAccepted.Set(nil)
+	}
 	// Modes that can tell cheaply whether their rules are still there (a
 	// canary) get them repaired within the check period after a flush.
 	if m, ok := mode.(interface{ Intact() bool }); ok {
