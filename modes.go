@@ -1,11 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net/netip"
 	"runtime"
+	"slices"
 
 	"k8s.io/klog/v2"
 
@@ -14,6 +16,7 @@ import (
 	kiptables "github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	knftables "github.com/uproxy/uproxy/kernelmodes/nftables"
+	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/rules"
@@ -44,7 +47,7 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 		return "", nil, nil, nil, err
 	}
 	ips := nodeIPs(cfg.proxier.BindAddress)
-	if err := resolveNodePortAddresses(cfg, name, ips); err != nil {
+	if err := resolveNodePortAddresses(cfg, name, ips, primaryIPs(cfg.proxier.BindAddress, ips)); err != nil {
 		return "", nil, nil, nil, err
 	}
 	if name == kernelmodes.Userspace {
@@ -93,19 +96,63 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 	return name, mode, px, lock, nil
 }
 
-// resolveNodePortAddresses turns --nodeport-addresses primary into the node
-// IPs ips, one prefix each, as kube-proxy turns it into its Node's addresses;
+// primaryIPs are the node's primary IPs, as kube-proxy's "primary" means its
+// Node's addresses: --bind-address when given (kube-proxy's override too), else
+// for each family the source of the route beyond the node (nodeaddr.Routed),
+// else the family's node IP of ips (the first global address).
+func primaryIPs(bind netip.Addr, ips []netip.Addr) []netip.Addr {
+	if bind.IsValid() && !bind.IsUnspecified() {
+		return []netip.Addr{bind}
+	}
+	routed := nodeaddr.Routed()
+	out := routed
+	for _, ip := range ips {
+		if !slices.ContainsFunc(routed, func(r netip.Addr) bool { return r.Is6() == ip.Is6() }) {
+			out = append(out, ip)
+		}
+	}
+	slices.SortStableFunc(out, func(a, b netip.Addr) int { return cmp.Compare(boolInt(a.Is6()), boolInt(b.Is6())) })
+	return out
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// resolveNodePortAddresses turns --nodeport-addresses primary into the node's
+// primary IPs, one prefix each, as kube-proxy turns it into its Node's addresses;
 // so it does when the flag is left empty in the nftables mode, kube-proxy's
 // default there (every other mode's is every address). Primary without a node
 // IP is an error; the nftables mode's default then falls back to every
 // address, as kube-proxy's does.
-func resolveNodePortAddresses(cfg *config, mode string, ips []netip.Addr) error {
+//
+// It also decides where the nftables mode's loopback addresses serve NodePorts
+// (cfg.localhostRelay), through a relay in user space since its rules cannot:
+// by default on both, as upstream's KEP-6032 makes that mode's default
+// "primary and localhost"; with CIDRs, on the loopback addresses they hold;
+// with primary, on none. IPv6 only where the mode programs IPv6.
+// ips are the node IPs the modes program (nodeIPs): the nftables mode has IPv6
+// where they do.
+func resolveNodePortAddresses(cfg *config, mode string, ips, primary []netip.Addr) error {
 	implicit := len(cfg.prefixes) == 0 && !cfg.primaryNodePorts && mode == kernelmodes.NFTables
+	if mode == kernelmodes.NFTables {
+		loopbacks := [2]netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.IPv6Loopback()}
+		for f, lo := range loopbacks {
+			for _, p := range cfg.prefixes {
+				cfg.localhostRelay[f] = cfg.localhostRelay[f] || p.Contains(lo)
+			}
+			cfg.localhostRelay[f] = cfg.localhostRelay[f] || implicit
+		}
+		cfg.localhostRelay[1] = cfg.localhostRelay[1] && hasIPv6(ips)
+	}
 	if !cfg.primaryNodePorts && !implicit {
 		return nil
 	}
 	cfg.primaryNodePorts = true
-	for _, ip := range ips {
+	for _, ip := range primary {
 		cfg.prefixes = append(cfg.prefixes, netip.PrefixFrom(ip, ip.BitLen()))
 	}
 	switch {

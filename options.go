@@ -162,6 +162,10 @@ type config struct {
 	// left empty in the nftables mode) newProxyMode makes them the node IPs.
 	prefixes         []netip.Prefix
 	primaryNodePorts bool
+	// localhostRelay says which loopback address (IPv4, IPv6) serves NodePorts
+	// through the userspace relay (package localnodeports): the nftables
+	// mode's, whose rules cannot (resolveNodePortAddresses decides).
+	localhostRelay [2]bool
 	// localhostNodePorts is --iptables-localhost-nodeports.
 	localhostNodePorts bool
 	// clusterCIDRs (--cluster-cidr, at most one per family) and masqueradeAll

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -121,34 +122,44 @@ func TestNodePortAddresses(t *testing.T) {
 		want    []netip.Prefix
 		primary bool
 		err     string
+		// relay: the nftables mode's loopback NodePorts, IPv4 and IPv6.
+		relay [2]bool
 	}{
 		{"CIDRs", []string{"--nodeport-addresses= 10.1.2.3/8 ,fd00::/64"}, "iptables", ips,
-			[]netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("fd00::/64")}, false, ""},
-		{"primary", []string{"--nodeport-addresses=primary"}, "iptables", ips, primary, true, ""},
-		{"primary in the userspace mode", []string{"--nodeport-addresses=primary"}, "userspace", ips[:1], primary[:1], true, ""},
-		{"empty: every address", nil, "iptables", ips, nil, false, ""},
-		{"empty in the userspace mode: every address", nil, "userspace", ips, nil, false, ""},
-		{"empty in the nftables mode: primary, as kube-proxy", nil, "nftables", ips, primary, true, ""},
-		{"CIDRs in the nftables mode", []string{"--nodeport-addresses=10.0.0.0/8"}, "nftables", ips, []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}, false, ""},
-		{"empty in the nftables mode without a node IP: every address", nil, "nftables", nil, nil, false, ""},
-		{"primary without a node IP", []string{"--nodeport-addresses=primary"}, "iptables", nil, nil, false, "--nodeport-addresses primary: the node has no primary IP"},
+			[]netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("fd00::/64")}, false, "", [2]bool{}},
+		{"primary", []string{"--nodeport-addresses=primary"}, "iptables", ips, primary, true, "", [2]bool{}},
+		{"primary in the userspace mode", []string{"--nodeport-addresses=primary"}, "userspace", ips[:1], primary[:1], true, "", [2]bool{}},
+		{"empty: every address", nil, "iptables", ips, nil, false, "", [2]bool{}},
+		{"empty in the userspace mode: every address", nil, "userspace", ips, nil, false, "", [2]bool{}},
+		{"empty in the nftables mode: primary and localhost, as kube-proxy (KEP-6032)", nil, "nftables", ips, primary, true, "", [2]bool{true, true}},
+		{"empty in the nftables mode, IPv4 only", nil, "nftables", ips[:1], primary[:1], true, "", [2]bool{true, false}},
+		{"primary in the nftables mode: no localhost", []string{"--nodeport-addresses=primary"}, "nftables", ips, primary, true, "", [2]bool{}},
+		{"CIDRs in the nftables mode", []string{"--nodeport-addresses=10.0.0.0/8"}, "nftables", ips, []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}, false, "", [2]bool{}},
+		{"CIDRs with loopback in the nftables mode", []string{"--nodeport-addresses=10.0.0.0/8,127.0.0.0/8,::1/128"}, "nftables", ips,
+			[]netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("::1/128")}, false, "", [2]bool{true, true}},
+		{"empty in the nftables mode without a node IP: every address", nil, "nftables", nil, nil, false, "", [2]bool{true, false}},
+		{"primary without a node IP", []string{"--nodeport-addresses=primary"}, "iptables", nil, nil, false, "--nodeport-addresses primary: the node has no primary IP", [2]bool{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, err := validateArgs(t, tc.args...)
 			if err != nil {
 				t.Fatal(err)
 			}
-			err = resolveNodePortAddresses(c, tc.mode, tc.ips)
+			err = resolveNodePortAddresses(c, tc.mode, tc.ips, tc.ips)
 			if tc.err != "" {
 				if err == nil || !strings.HasPrefix(err.Error(), tc.err) {
 					t.Errorf("got %v, want an error starting with %q", err, tc.err)
 				}
 				return
 			}
-			if err != nil || fmt.Sprint(c.prefixes) != fmt.Sprint(tc.want) || c.primaryNodePorts != tc.primary {
-				t.Errorf("got %v primary=%v (%v), want %v primary=%v", c.prefixes, c.primaryNodePorts, err, tc.want, tc.primary)
+			if err != nil || fmt.Sprint(c.prefixes) != fmt.Sprint(tc.want) || c.primaryNodePorts != tc.primary || c.localhostRelay != tc.relay {
+				t.Errorf("got %v primary=%v relay=%v (%v), want %v primary=%v relay=%v", c.prefixes, c.primaryNodePorts, c.localhostRelay, err, tc.want, tc.primary, tc.relay)
 			}
 		})
+	}
+	bind := netip.MustParseAddr("10.9.8.7")
+	if got := primaryIPs(bind, ips); !slices.Equal(got, []netip.Addr{bind}) {
+		t.Errorf("primary IPs with --bind-address %s: got %v, want it alone", bind, got)
 	}
 	if c, err := validateArgs(t); err != nil || !c.localhostNodePorts {
 		t.Errorf("--iptables-localhost-nodeports by default: got %v (%v), want true, as kube-proxy", c.localhostNodePorts, err)

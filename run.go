@@ -15,6 +15,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/localnodeports"
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
@@ -89,6 +90,22 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		}
 	}
 
+	// The nftables mode's loopback NodePorts are served from user space.
+	var relay *localnodeports.Relay
+	if cfg.localhostRelay[0] || cfg.localhostRelay[1] {
+		if relay, err = localnodeports.New(localnodeports.Config{IPv4: cfg.localhostRelay[0], IPv6: cfg.localhostRelay[1]}); err != nil {
+			return err
+		}
+		klog.InfoS("NodePorts answer on loopback through a relay to the ClusterIP", "mode", modeName, "ipv4", cfg.localhostRelay[0], "ipv6", cfg.localhostRelay[1])
+		defer func() {
+			ctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
+			defer cancel()
+			if err := relay.Close(ctx); err != nil {
+				klog.ErrorS(err, "Closing the localhost NodePorts")
+			}
+		}()
+	}
+
 	changes := &observe.Changes{}
 	conflicts := &observe.Conflicts{}
 	unserved := &observe.Unserved{}
@@ -105,6 +122,13 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 		Hooks: syncloop.Hooks{
 			Queued: health.Queued,
 			Synced: func(start time.Time, took time.Duration, s *service.Snapshot, err error) {
+				// Before the sync is reported done: a client that waits for
+				// that finds the loopback NodePorts listening too.
+				if err == nil && relay != nil {
+					if rerr := relay.Sync(s); rerr != nil {
+						klog.ErrorS(rerr, "Localhost NodePorts")
+					}
+				}
 				observe.SyncObserved(start, took, err)
 				if err == nil {
 					health.Synced(start)
@@ -112,6 +136,7 @@ func runProxy(ctx context.Context, o *options, synced func(*proxier.Proxier, *se
 					if herr := hc.Sync(s); herr != nil {
 						klog.ErrorS(herr, "Health check node ports")
 					}
+
 				}
 				if synced != nil && px != nil {
 					synced(px, s)

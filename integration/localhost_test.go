@@ -3,7 +3,6 @@ package integration
 import (
 	"fmt"
 	"net"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -67,22 +66,30 @@ type localhostCase struct {
 	flags  []string
 	want   int // Service ports with proxy ports to await; -1 for a kernel mode
 	v4, v6 bool
+	// gateway: NodePorts answer on the node's address toward the pod, which
+	// is not its primary IP (the one its default route leaves from).
+	gateway bool
+	// routeLocalnet: the mode sets it, and counts localhost NodePort packets.
+	routeLocalnet bool
 	// nft: the mode needs nft.
 	nft bool
 }
 
 var localhostCases = []localhostCase{
-	{"userspace, iptables portals", []string{"--proxy-mode", "userspace", "--rules", "iptables"}, 2, true, true, false},
-	{"userspace, nftables portals", []string{"--proxy-mode", "userspace", "--rules", "nftables"}, 2, true, true, true},
-	{"iptables mode", []string{"--proxy-mode", "iptables"}, -1, true, false, false},
-	{"iptables mode, --iptables-localhost-nodeports=false", []string{"--proxy-mode", "iptables", "--iptables-localhost-nodeports=false"}, -1, false, false, false},
-	// primary is --bind-address when given (the node IP facing outside here),
-	// else the first global address of each family.
-	{"userspace, --nodeport-addresses primary", []string{"--proxy-mode", "userspace", "--rules", "nftables", "--nodeport-addresses", "primary", "--bind-address", nodeIPv4}, 2, false, false, true},
-	{"iptables mode, --nodeport-addresses primary", []string{"--proxy-mode", "iptables", "--nodeport-addresses", "primary", "--bind-address", nodeIPv4}, -1, false, false, false},
+	{"userspace, iptables portals", []string{"--proxy-mode", "userspace", "--rules", "iptables"}, 2, true, true, true, false, false},
+	{"userspace, nftables portals", []string{"--proxy-mode", "userspace", "--rules", "nftables"}, 2, true, true, true, false, true},
+	{"iptables mode", []string{"--proxy-mode", "iptables"}, -1, true, false, true, true, false},
+	{"iptables mode, --iptables-localhost-nodeports=false", []string{"--proxy-mode", "iptables", "--iptables-localhost-nodeports=false"}, -1, false, false, true, false, false},
+	// The nftables mode's default is primary, and localhost through a relay.
+	{"nftables mode", []string{"--proxy-mode", "nftables"}, -1, true, true, false, false, true},
+	{"nftables mode, --nodeport-addresses 0.0.0.0/0,::/0", []string{"--proxy-mode", "nftables", "--nodeport-addresses", "0.0.0.0/0,::/0"}, -1, true, true, true, false, true},
+	{"nftables mode, --nodeport-addresses primary", []string{"--proxy-mode", "nftables", "--nodeport-addresses", "primary"}, -1, false, false, false, false, true},
+	{"userspace, --nodeport-addresses primary", []string{"--proxy-mode", "userspace", "--rules", "nftables", "--nodeport-addresses", "primary"}, 2, false, false, false, false, true},
+	{"iptables mode, --nodeport-addresses primary", []string{"--proxy-mode", "iptables", "--nodeport-addresses", "primary"}, -1, false, false, false, false, false},
 }
 
-// nodeIPv4 is the node's address facing outside in every topology.
+// nodeIPv4 is the node's address facing outside in every topology, the
+// source of its default route: its primary IP.
 const nodeIPv4 = "192.168.50.1"
 
 // TestLocalhostNodePorts runs the binary in each mode and connects from the
@@ -106,9 +113,8 @@ func TestLocalhostNodePorts(t *testing.T) {
 			}
 			// The node's other address, toward the pod, is no primary IP.
 			gateway := net.JoinHostPort(tp.NS(testbed.Pod).GatewayIPv4.String(), "30080")
-			name, err := whoTCP(tp, testbed.Pod, gateway)
-			if primary := slices.Contains(tc.flags, "primary"); primary == (err == nil) {
-				t.Errorf("NodePort on the node's address toward the pod, from the pod: got %q (%v); want served %v", name, err, !primary)
+			if name, err := whoTCP(tp, testbed.Pod, gateway); tc.gateway != (err == nil) {
+				t.Errorf("NodePort on the node's address toward the pod, from the pod: got %q (%v); want served %v", name, err, tc.gateway)
 			}
 			for _, c := range []struct {
 				family, host string
@@ -138,8 +144,8 @@ func TestLocalhostNodePorts(t *testing.T) {
 			}
 			counted := strings.Contains(metrics, "kubeproxy_iptables_localhost_nodeports_accepted_packets_total ")
 			// Only the iptables mode needs route_localnet; the others never set it.
-			if want := tc.v4 && !tc.v6; (routeLocalnet == "1") != want || counted != want {
-				t.Errorf("route_localnet %s, localhost NodePort metric exported %v; want both %v", routeLocalnet, counted, want)
+			if (routeLocalnet == "1") != tc.routeLocalnet || counted != tc.routeLocalnet {
+				t.Errorf("route_localnet %s, localhost NodePort metric exported %v; want both %v", routeLocalnet, counted, tc.routeLocalnet)
 			}
 		})
 	}
