@@ -156,8 +156,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 
 // config is the validated form of options.
 type config struct {
-	proxier  proxier.Config
-	rules    string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
+	proxier proxier.Config
+	rules   string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
 	// prefixes are --nodeport-addresses; with primaryNodePorts (primary, or
 	// left empty in the nftables mode) newProxyMode makes them the node IPs.
 	prefixes         []netip.Prefix

@@ -251,7 +251,9 @@ func (r *Relay) Close(ctx context.Context) error {
 
 // target is the Picker of one loopback NodePort: always its ClusterIP, which
 // the kernel mode balances. It keeps no state about endpoints: the kernel has it.
-type target struct{ dst atomic.Pointer[netip.AddrPort] }
+type target struct {
+	dst atomic.Pointer[netip.AddrPort]
+}
 
 func (t *target) set(dst netip.AddrPort) { t.dst.Store(&dst) }
 

@@ -127,10 +127,10 @@ var schema = map[string]any{
 	"portRange":      field{kind: str, flag: "proxy-port-range", keepZero: true}, // "": the ephemeral range
 	"udpIdleTimeout": field{kind: duration, flag: "udp-timeout"},
 	"iptables": map[string]any{
-		"syncPeriod":         field{kind: duration, flag: "sync-period", section: "iptables", zero: "30s"},
-		"minSyncPeriod":      field{kind: duration, flag: "min-sync-period", section: "iptables", zero: "1s"},
-		"masqueradeBit":      field{kind: ignored},
-		"masqueradeAll":      field{kind: boolean, flag: "masquerade-all", section: "iptables", alsoFor: "ipvs", zero: "false"},
+		"syncPeriod":    field{kind: duration, flag: "sync-period", section: "iptables", zero: "30s"},
+		"minSyncPeriod": field{kind: duration, flag: "min-sync-period", section: "iptables", zero: "1s"},
+		"masqueradeBit": field{kind: ignored},
+		"masqueradeAll": field{kind: boolean, flag: "masquerade-all", section: "iptables", alsoFor: "ipvs", zero: "false"},
 		// A *bool in kube-proxy: left out or null is true, false is false.
 		"localhostNodePorts": field{kind: boolean, flag: "iptables-localhost-nodeports", section: "iptables", zero: "true", pointer: true},
 	},
