@@ -68,6 +68,24 @@ func TestVerdict(t *testing.T) {
 			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec("a", "passed"), spec("b", "skipped")}},
 			{Proxy: "uproxy-nftables", Specs: []Spec{spec("a", "skipped"), spec("b", "skipped"), spec("c", "passed")}},
 		}, 1},
+		{"the nfacct test skips itself under uproxy's nftables and userspace modes, as under kube-proxy-nftables", []Result{
+			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(nfacctTest, "passed")}},
+			{Proxy: "kube-proxy-nftables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+			{Proxy: "uproxy-nftables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+			{Proxy: "uproxy-userspace-nftables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+			{Proxy: "uproxy-userspace-iptables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+		}, 0},
+		{"uproxy's iptables mode must pass it: its skip is a difference", []Result{
+			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(nfacctTest, "passed")}},
+			{Proxy: "uproxy-iptables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+		}, 1},
+		{"... and so is its failure", []Result{
+			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(nfacctTest, "passed")}},
+			{Proxy: "uproxy-iptables", Specs: []Spec{spec(nfacctTest, "failed"), spec("a", "passed")}},
+		}, 1},
+		{"a test not applicable to a mode may skip, not fail", []Result{
+			{Proxy: "uproxy-nftables", Specs: []Spec{spec(nfacctTest, "failed"), spec("a", "passed")}},
+		}, 1},
 		{"without kube-proxy every failure counts", []Result{
 			{Proxy: "uproxy-userspace-nftables", Specs: []Spec{spec("a", "failed"), spec("b", "passed")}},
 		}, 1},
