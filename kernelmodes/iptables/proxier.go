@@ -158,6 +158,9 @@ type Proxier struct {
 	acct        Accounting
 	acctErr     string
 	localnetSet bool
+	// client is the nfacct client the mode opened (accounting), kept for
+	// the process's life.
+	client *nfacct.Client
 }
 
 // family is the state of one address family.
@@ -308,23 +311,12 @@ func (p *Proxier) prepareLocalhost(fam *family) error {
 	if fam.written != nil && p.acct != nil {
 		return errors.Join(errs...)
 	}
-	acct := p.cfg.Accounting
-	var err error
-	if acct == nil && p.acct == nil {
-		// The mode's first sync runs on the thread (and namespace) that
-		// programs the rules: the counts are read from there ever after.
-		var c *nfacct.Client
-		if c, err = nfacct.Open(); err == nil {
-			acct = c
-		}
-	} else if acct == nil {
-		acct = p.acct
-	}
+	acct, err := p.accounting()
 	if err == nil {
 		err = acct.Ensure(p.acctName)
 	}
 	if err != nil {
-		fam.r.acct = ""
+		p.acct, fam.r.acct = nil, ""
 		if msg := err.Error(); msg != p.acctErr {
 			p.acctErr = msg
 			klog.ErrorS(err, "Localhost NodePorts are served but not counted (kubeproxy_iptables_localhost_nodeports_accepted_packets_total)", "counter", p.acctName)
@@ -333,6 +325,24 @@ func (p *Proxier) prepareLocalhost(fam *family) error {
 	}
 	p.acct, p.acctErr, fam.r.acct = acct, "", p.acctName
 	return errors.Join(errs...)
+}
+
+// accounting returns Config.Accounting, or else the mode's own nfacct client,
+// opened at the first call: the mode's syncs run on the thread (and in the
+// network namespace) that programs the rules, and the counts are read from
+// there ever after, whichever goroutine asks.
+func (p *Proxier) accounting() (Accounting, error) {
+	if p.cfg.Accounting != nil {
+		return p.cfg.Accounting, nil
+	}
+	if p.client == nil {
+		c, err := nfacct.Open()
+		if err != nil {
+			return nil, err
+		}
+		p.client = c
+	}
+	return p.client, nil
 }
 
 // LocalhostNodePortPackets reads how many packets the mode accepted on
@@ -701,7 +711,8 @@ func (p *Proxier) existingPortChains(v6 bool) ([]string, []byte, error) {
 }
 
 // Cleanup removes every chain and jump rule of this prefix in both families,
-// whatever Config.IPv6 says; the next Sync starts from scratch.
+// whatever Config.IPv6 says, and with localhost NodePorts their counter; the
+// next Sync starts from scratch.
 func (p *Proxier) Cleanup() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -712,14 +723,16 @@ func (p *Proxier) Cleanup() error {
 	if err := cleanup(p.cfg.IPTables, p.n); err != nil {
 		return err
 	}
-	acct := p.acct
-	if acct == nil {
-		acct = p.cfg.Accounting
-	}
 	p.acct = nil
 	for _, fam := range p.fams {
 		fam.r.acct = ""
 	}
+	if !p.localhost {
+		// No counter of this mode's; one a run with localhost NodePorts
+		// left is `uproxy cleanup`'s (Cleanup).
+		return nil
+	}
+	acct, _ := p.accounting() // nil when nfacct is missing: deleteCounter finds none
 	return deleteCounter(acct, p.acctName)
 }
 
