@@ -89,6 +89,7 @@ func TestRelay(t *testing.T) {
 	if !testbed.InOwnNetns(t) {
 		return
 	}
+
 	for _, cmd := range [][]string{
 		{"ip", "link", "set", "lo", "up"},
 		{"ip", "addr", "add", "fd00:96::10/128", "dev", "lo", "nodad"},
@@ -101,6 +102,20 @@ func TestRelay(t *testing.T) {
 	serveName(t, "127.0.0.78:8080", "web-v4-moved")
 	serveName(t, "[fd00:96::10]:8080", "web-v6")
 	serveNameUDP(t, "127.0.0.77:5353", "dns-v4")
+	// The kernel routes a new IPv6 address only once its address work has
+	// run, a moment after `ip addr add` returns (nodad or not): until then a
+	// connect says "network is unreachable".
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		got, err := askTCP("[fd00:96::10]:8080")
+		if err == nil && got == "web-v6" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the IPv6 stand-in [fd00:96::10]:8080: %q, %v", got, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 
 	web := servicetest.Port("shop", "web", "http", service.TCP, 8080)
 	web.ClusterIPs = servicetest.Addrs("127.0.0.77", "fd00:96::10")
