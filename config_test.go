@@ -152,7 +152,9 @@ func TestConfigFileErrorNamesTheField(t *testing.T) {
 		{"healthzBindAddress: localhost\n", "healthzBindAddress"},
 		{"bindAddress: not-an-ip\n", "bindAddress"},
 		{"mode: fastest\n", "mode"},
-		{"nodePortAddresses: [primary]\n", "nodePortAddresses"},
+		// primary is a value of its own (TestNodePortAddresses), not beside CIDRs.
+		{"nodePortAddresses: [primary, 10.0.0.0/8]\n", "nodePortAddresses"},
+		{"nodePortAddresses: [everywhere]\n", "nodePortAddresses"},
 		{"configSyncPeriod: -1m\n", "configSyncPeriod"},
 		{"udpIdleTimeout: -1s\n", "udpIdleTimeout"},
 		{"portRange: 3-2\n", "portRange"},

@@ -47,6 +47,8 @@ var (
 		{name: "shutdown-grace", modes: userspaceOnly, warn: true},
 		// kube-proxy takes --ipvs-scheduler in every mode.
 		{name: "scheduler", modes: userspaceAndIPVS, warn: true},
+		// kube-proxy takes it in every mode, and uses it in its iptables mode.
+		{name: "iptables-localhost-nodeports", modes: []string{kernelmodes.IPTables}, warn: true},
 	}
 )
 

@@ -1,11 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net/netip"
 	"runtime"
+	"slices"
 
 	"k8s.io/klog/v2"
 
@@ -14,6 +16,7 @@ import (
 	kiptables "github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	knftables "github.com/uproxy/uproxy/kernelmodes/nftables"
+	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/rules"
@@ -44,6 +47,9 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 		return "", nil, nil, nil, err
 	}
 	ips := nodeIPs(cfg.proxier.BindAddress)
+	if err := resolveNodePortAddresses(cfg, name, ips, primaryIPs(cfg.proxier.BindAddress, ips)); err != nil {
+		return "", nil, nil, nil, err
+	}
 	if name == kernelmodes.Userspace {
 		cfg.rules = chooseRules(cfg.rules, o.chainPrefix, ips)
 	}
@@ -90,6 +96,77 @@ func newProxyMode(o *options, cfg *config, events *observe.Events) (name string,
 	return name, mode, px, lock, nil
 }
 
+// primaryIPs are the node's primary IPs, as kube-proxy's "primary" means its
+// Node's addresses: --bind-address when given (kube-proxy's override too), else
+// for each family the source of the route beyond the node (nodeaddr.Routed),
+// else the family's node IP of ips (the first global address).
+func primaryIPs(bind netip.Addr, ips []netip.Addr) []netip.Addr {
+	if bind.IsValid() && !bind.IsUnspecified() {
+		return []netip.Addr{bind}
+	}
+	routed := nodeaddr.Routed()
+	out := routed
+	for _, ip := range ips {
+		if !slices.ContainsFunc(routed, func(r netip.Addr) bool { return r.Is6() == ip.Is6() }) {
+			out = append(out, ip)
+		}
+	}
+	slices.SortStableFunc(out, func(a, b netip.Addr) int { return cmp.Compare(boolInt(a.Is6()), boolInt(b.Is6())) })
+	return out
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// resolveNodePortAddresses turns --nodeport-addresses primary into the node's
+// primary IPs, one prefix each, as kube-proxy turns it into its Node's addresses;
+// so it does when the flag is left empty in the nftables mode, kube-proxy's
+// default there (every other mode's is every address). Primary without a node
+// IP is an error; the nftables mode's default then falls back to every
+// address, as kube-proxy's does.
+//
+// It also decides where the nftables mode's loopback addresses serve NodePorts
+// (cfg.localhostRelay), through a relay in user space since its rules cannot:
+// by default on both, as upstream's KEP-6032 makes that mode's default
+// "primary and localhost"; with CIDRs, on the loopback addresses they hold;
+// with primary, on none. IPv6 only where the mode programs IPv6.
+// ips are the node IPs the modes program (nodeIPs): the nftables mode has IPv6
+// where they do.
+func resolveNodePortAddresses(cfg *config, mode string, ips, primary []netip.Addr) error {
+	implicit := len(cfg.prefixes) == 0 && !cfg.primaryNodePorts && mode == kernelmodes.NFTables
+	if mode == kernelmodes.NFTables {
+		loopbacks := [2]netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.IPv6Loopback()}
+		for f, lo := range loopbacks {
+			for _, p := range cfg.prefixes {
+				cfg.localhostRelay[f] = cfg.localhostRelay[f] || p.Contains(lo)
+			}
+			cfg.localhostRelay[f] = cfg.localhostRelay[f] || implicit
+		}
+		cfg.localhostRelay[1] = cfg.localhostRelay[1] && hasIPv6(ips)
+	}
+	if !cfg.primaryNodePorts && !implicit {
+		return nil
+	}
+	cfg.primaryNodePorts = true
+	for _, ip := range primary {
+		cfg.prefixes = append(cfg.prefixes, netip.PrefixFrom(ip, ip.BitLen()))
+	}
+	switch {
+	case len(cfg.prefixes) > 0:
+		klog.InfoS("NodePorts answer on the node's primary IPs", "nodePortAddresses", cfg.prefixes, "default", implicit)
+	case implicit:
+		cfg.primaryNodePorts = false
+		klog.InfoS("NodePorts answer on every address: the node has no primary IP (no global unicast address)", "mode", mode)
+	default:
+		return errors.New("--nodeport-addresses primary: the node has no primary IP (no global unicast address, and no --bind-address)")
+	}
+	return nil
+}
+
 // buildMode builds the mode name; no constructor touches the kernel's rules.
 func buildMode(name string, o *options, cfg *config, events *observe.Events, ips []netip.Addr) (proxyMode, *proxier.Proxier, error) {
 	switch name {
@@ -113,11 +190,12 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 		return px, px, nil
 	case kernelmodes.IPTables:
 		m, err := kiptables.New(kiptables.Config{
-			ChainPrefix:       o.chainPrefix,
-			IPv6:              hasIPv6(ips),
-			NodePortAddresses: cfg.prefixes,
-			ClusterCIDRs:      cfg.clusterCIDRs,
-			MasqueradeAll:     cfg.masqueradeAll,
+			ChainPrefix:        o.chainPrefix,
+			IPv6:               hasIPv6(ips),
+			NodePortAddresses:  cfg.prefixes,
+			ClusterCIDRs:       cfg.clusterCIDRs,
+			MasqueradeAll:      cfg.masqueradeAll,
+			LocalhostNodePorts: cfg.localhostNodePorts,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--proxy-mode iptables: %w", err)

@@ -46,6 +46,7 @@ type options struct {
 	minSyncPeriod      time.Duration
 	chainPrefix        string
 	nodePortAddresses  []string
+	localhostNodePorts bool
 	clusterCIDR        string
 	masqueradeAll      bool
 	hostnameOverride   string
@@ -106,6 +107,7 @@ func defaultOptions() *options {
 		dialMarkBit:        13,
 		keepClientAddress:  true,
 		clientMarkBit:      12,
+		localhostNodePorts: true,
 		conntrack:          defaultConntrackOptions(),
 	}
 }
@@ -129,7 +131,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.DurationVar(&o.syncPeriod, "sync-period", o.syncPeriod, "most time between two syncs")
 	f.DurationVar(&o.minSyncPeriod, "min-sync-period", o.minSyncPeriod, "least time between two syncs")
 	f.StringVar(&o.chainPrefix, "chain-prefix", o.chainPrefix, chainPrefixHelp)
-	f.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", o.nodePortAddresses, "CIDRs of the node addresses NodePorts answer on (empty: all)")
+	f.StringSliceVar(&o.nodePortAddresses, "nodeport-addresses", o.nodePortAddresses, "CIDRs of the node addresses NodePorts answer on, or the single word primary: the node's primary IP of each family (--bind-address when given, else the first global address of each family). Empty: every address, but primary in the nftables mode, as kube-proxy")
+	f.BoolVar(&o.localhostNodePorts, "iptables-localhost-nodeports", o.localhostNodePorts, "iptables mode: NodePorts also answer on 127.0.0.0/8 (IPv4 only), as kube-proxy's: sets net.ipv4.conf.all.route_localnet=1 and drops packets to 127.0.0.0/8 from other hosts; false leaves route_localnet alone and NodePorts off loopback")
 	f.StringVar(&o.clusterCIDR, "cluster-cidr", o.clusterCIDR, "the pods' network, one CIDR per address family (comma-separated for dual stack). Traffic to cluster IPs from outside it is masqueraded (the userspace mode dials its endpoints from the node), and the kernel modes send pods' traffic to a Service's external addresses to all its endpoints whatever its externalTrafficPolicy, as kube-proxy")
 	f.BoolVar(&o.masqueradeAll, "masquerade-all", o.masqueradeAll, "masquerade all traffic to cluster IPs, whatever its source (the userspace mode: dial every endpoint from the node)")
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
@@ -159,9 +162,18 @@ func (o *options) addFlags(cmd *cobra.Command) {
 
 // config is the validated form of options.
 type config struct {
-	proxier  proxier.Config
-	rules    string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
-	prefixes []netip.Prefix
+	proxier proxier.Config
+	rules   string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
+	// prefixes are --nodeport-addresses; with primaryNodePorts (primary, or
+	// left empty in the nftables mode) newProxyMode makes them the node IPs.
+	prefixes         []netip.Prefix
+	primaryNodePorts bool
+	// localhostRelay says which loopback address (IPv4, IPv6) serves NodePorts
+	// through the userspace relay (package localnodeports): the nftables
+	// mode's, whose rules cannot (resolveNodePortAddresses decides).
+	localhostRelay [2]bool
+	// localhostNodePorts is --iptables-localhost-nodeports.
+	localhostNodePorts bool
 	// clusterCIDRs (--cluster-cidr, at most one per family) and masqueradeAll
 	// (--masquerade-all) are the kernel modes' masquerading of cluster IP traffic.
 	clusterCIDRs  []netip.Prefix
@@ -264,13 +276,10 @@ func (o *options) validate() (*config, error) {
 	if err := checkChainPrefix(o.chainPrefix); err != nil {
 		return nil, err
 	}
-	for _, s := range o.nodePortAddresses {
-		p, err := netip.ParsePrefix(strings.TrimSpace(s))
-		if err != nil {
-			return nil, fmt.Errorf("--nodeport-addresses %q: not a CIDR", s)
-		}
-		c.prefixes = append(c.prefixes, p.Masked())
+	if c.prefixes, c.primaryNodePorts, err = parseNodePortAddresses(o.nodePortAddresses); err != nil {
+		return nil, err
 	}
+	c.localhostNodePorts = o.localhostNodePorts
 	if c.clusterCIDRs, err = parseClusterCIDRs(o.clusterCIDR); err != nil {
 		return nil, err
 	}
@@ -443,6 +452,30 @@ type renamedError struct {
 
 func (e *renamedError) Error() string { return e.msg }
 func (e *renamedError) Unwrap() error { return e.err }
+
+// nodePortAddressesPrimary is kube-proxy's word for "the node's primary IPs".
+const nodePortAddressesPrimary = "primary"
+
+// parseNodePortAddresses reads --nodeport-addresses as kube-proxy v1.36 takes
+// it: CIDRs (an address with host bits set stands for its network), or the one
+// word primary, alone.
+func parseNodePortAddresses(values []string) (prefixes []netip.Prefix, primary bool, err error) {
+	for _, v := range values {
+		v = strings.TrimSpace(v)
+		if v == nodePortAddressesPrimary {
+			if len(values) != 1 {
+				return nil, false, fmt.Errorf("--nodeport-addresses %q: primary stands alone, not beside CIDRs", strings.Join(values, ","))
+			}
+			return nil, true, nil
+		}
+		p, err := netip.ParsePrefix(v)
+		if err != nil {
+			return nil, false, fmt.Errorf("--nodeport-addresses %q: not a CIDR, nor primary", v)
+		}
+		prefixes = append(prefixes, p.Masked())
+	}
+	return prefixes, false, nil
+}
 
 // parseClusterCIDRs reads --cluster-cidr: empty, or one CIDR, or an IPv4 and an
 // IPv6 one separated by a comma, as kube-proxy takes it. An address with host bits

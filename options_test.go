@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -69,6 +70,10 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--cluster-cidr=10.244.0.0/16,"}, "--cluster-cidr"},
 		{[]string{"--cluster-cidr=10.244.0.0/16,10.245.0.0/16"}, "--cluster-cidr"},
 		{[]string{"--cluster-cidr=fd00::/64,fd01::/64"}, "--cluster-cidr"},
+		{[]string{"--nodeport-addresses=10.0.0.0/8,everywhere"}, "--nodeport-addresses"},
+		{[]string{"--nodeport-addresses=primary,10.0.0.0/8"}, "--nodeport-addresses"},
+		{[]string{"--nodeport-addresses=10.0.0.0/8,primary"}, "--nodeport-addresses"},
+		{[]string{"--nodeport-addresses=Primary"}, "--nodeport-addresses"},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
@@ -100,6 +105,67 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		if c, err := validateArgs(t, "--dial-mark-bit="+bit); err != nil || c.dialMark != want {
 			t.Errorf("validate with --dial-mark-bit=%s: got %+v, %v; want dial mark %#x", bit, c, err, want)
 		}
+	}
+}
+
+// --nodeport-addresses takes CIDRs or the word primary, which newProxyMode
+// resolves to the node IPs; left empty it is every address, except in the
+// nftables mode, where it is primary, as kube-proxy's defaults are.
+func TestNodePortAddresses(t *testing.T) {
+	ips := []netip.Addr{netip.MustParseAddr("192.168.50.1"), netip.MustParseAddr("fd00:50::1")}
+	primary := []netip.Prefix{netip.MustParsePrefix("192.168.50.1/32"), netip.MustParsePrefix("fd00:50::1/128")}
+	for _, tc := range []struct {
+		name    string
+		args    []string
+		mode    string
+		ips     []netip.Addr
+		want    []netip.Prefix
+		primary bool
+		err     string
+		// relay: the nftables mode's loopback NodePorts, IPv4 and IPv6.
+		relay [2]bool
+	}{
+		{"CIDRs", []string{"--nodeport-addresses= 10.1.2.3/8 ,fd00::/64"}, "iptables", ips,
+			[]netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("fd00::/64")}, false, "", [2]bool{}},
+		{"primary", []string{"--nodeport-addresses=primary"}, "iptables", ips, primary, true, "", [2]bool{}},
+		{"primary in the userspace mode", []string{"--nodeport-addresses=primary"}, "userspace", ips[:1], primary[:1], true, "", [2]bool{}},
+		{"empty: every address", nil, "iptables", ips, nil, false, "", [2]bool{}},
+		{"empty in the userspace mode: every address", nil, "userspace", ips, nil, false, "", [2]bool{}},
+		{"empty in the nftables mode: primary and localhost, as kube-proxy (KEP-6032)", nil, "nftables", ips, primary, true, "", [2]bool{true, true}},
+		{"empty in the nftables mode, IPv4 only", nil, "nftables", ips[:1], primary[:1], true, "", [2]bool{true, false}},
+		{"primary in the nftables mode: no localhost", []string{"--nodeport-addresses=primary"}, "nftables", ips, primary, true, "", [2]bool{}},
+		{"CIDRs in the nftables mode", []string{"--nodeport-addresses=10.0.0.0/8"}, "nftables", ips, []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}, false, "", [2]bool{}},
+		{"CIDRs with loopback in the nftables mode", []string{"--nodeport-addresses=10.0.0.0/8,127.0.0.0/8,::1/128"}, "nftables", ips,
+			[]netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("::1/128")}, false, "", [2]bool{true, true}},
+		{"empty in the nftables mode without a node IP: every address", nil, "nftables", nil, nil, false, "", [2]bool{true, false}},
+		{"primary without a node IP", []string{"--nodeport-addresses=primary"}, "iptables", nil, nil, false, "--nodeport-addresses primary: the node has no primary IP", [2]bool{}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := validateArgs(t, tc.args...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = resolveNodePortAddresses(c, tc.mode, tc.ips, tc.ips)
+			if tc.err != "" {
+				if err == nil || !strings.HasPrefix(err.Error(), tc.err) {
+					t.Errorf("got %v, want an error starting with %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil || fmt.Sprint(c.prefixes) != fmt.Sprint(tc.want) || c.primaryNodePorts != tc.primary || c.localhostRelay != tc.relay {
+				t.Errorf("got %v primary=%v relay=%v (%v), want %v primary=%v relay=%v", c.prefixes, c.primaryNodePorts, c.localhostRelay, err, tc.want, tc.primary, tc.relay)
+			}
+		})
+	}
+	bind := netip.MustParseAddr("10.9.8.7")
+	if got := primaryIPs(bind, ips); !slices.Equal(got, []netip.Addr{bind}) {
+		t.Errorf("primary IPs with --bind-address %s: got %v, want it alone", bind, got)
+	}
+	if c, err := validateArgs(t); err != nil || !c.localhostNodePorts {
+		t.Errorf("--iptables-localhost-nodeports by default: got %v (%v), want true, as kube-proxy", c.localhostNodePorts, err)
+	}
+	if c, err := validateArgs(t, "--iptables-localhost-nodeports=false"); err != nil || c.localhostNodePorts {
+		t.Errorf("--iptables-localhost-nodeports=false: got %v (%v), want false", c.localhostNodePorts, err)
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/localnodeports"
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
@@ -96,6 +97,22 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 		}
 	}
 
+	// The nftables mode's loopback NodePorts are served from user space.
+	var relay *localnodeports.Relay
+	if cfg.localhostRelay[0] || cfg.localhostRelay[1] {
+		if relay, err = localnodeports.New(localnodeports.Config{IPv4: cfg.localhostRelay[0], IPv6: cfg.localhostRelay[1]}); err != nil {
+			return err
+		}
+		klog.InfoS("NodePorts answer on loopback through a relay to the ClusterIP", "mode", modeName, "ipv4", cfg.localhostRelay[0], "ipv6", cfg.localhostRelay[1])
+		defer func() {
+			ctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
+			defer cancel()
+			if err := relay.Close(ctx); err != nil {
+				klog.ErrorS(err, "Closing the localhost NodePorts")
+			}
+		}()
+	}
+
 	changes := &observe.Changes{}
 	conflicts := &observe.Conflicts{}
 	unserved := &observe.Unserved{}
@@ -112,6 +129,13 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 		Hooks: syncloop.Hooks{
 			Queued: health.Queued,
 			Synced: func(start time.Time, took time.Duration, s *service.Snapshot, err error) {
+				// Before the sync is reported done: a client that waits for
+				// that finds the loopback NodePorts listening too.
+				if err == nil && relay != nil {
+					if rerr := relay.Sync(s); rerr != nil {
+						klog.ErrorS(rerr, "Localhost NodePorts")
+					}
+				}
 				observe.SyncObserved(start, took, err)
 				if err == nil {
 					health.Synced(start)
@@ -119,12 +143,21 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 					if herr := hc.Sync(s); herr != nil {
 						klog.ErrorS(herr, "Health check node ports")
 					}
+
 				}
 				if synced != nil {
 					synced(running{mode: modeName, rules: cfg.rules, px: px}, s)
 				}
 			},
 		},
+	}
+	// A mode that counts its localhost NodePort packets in the kernel (the
+	// iptables mode) has them exported, as kube-proxy's iptables mode does.
+	if m, ok := mode.(interface {
+		LocalhostNodePortPackets() (uint64, bool, error)
+	}); ok {
+		observe.LocalhostNodePortsAccepted.Set(m.LocalhostNodePortPackets)
+		defer observe.LocalhostNodePortsAccepted.Set(nil)
 	}
 	// Modes that can tell cheaply whether their rules are still there (a
 	// canary) get them repaired within the check period after a flush.

@@ -56,10 +56,10 @@ func TestVerdict(t *testing.T) {
 			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec("a", "passed")}},
 			{Proxy: "uproxy-nftables", Specs: []Spec{spec("a", "failed"), spec("c", "passed")}},
 		}, 1},
-		{"an expected failure of the userspace mode", []Result{
+		{"the userspace mode keeps the client's address: failing the source-IP test is a difference", []Result{
 			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(preserve, "passed")}},
 			{Proxy: "uproxy-userspace-nftables", Specs: []Spec{spec(preserve, "failed"), spec("a", "passed")}},
-		}, 0},
+		}, 1},
 		{"the same failure is not expected of a kernel mode", []Result{
 			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(preserve, "passed")}},
 			{Proxy: "uproxy-nftables", Specs: []Spec{spec(preserve, "failed"), spec("a", "passed")}},
@@ -67,6 +67,24 @@ func TestVerdict(t *testing.T) {
 		{"a test uproxy skips and kube-proxy passes", []Result{
 			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec("a", "passed"), spec("b", "skipped")}},
 			{Proxy: "uproxy-nftables", Specs: []Spec{spec("a", "skipped"), spec("b", "skipped"), spec("c", "passed")}},
+		}, 1},
+		{"the nfacct test skips itself under uproxy's nftables and userspace modes, as under kube-proxy-nftables", []Result{
+			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(nfacctTest, "passed")}},
+			{Proxy: "kube-proxy-nftables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+			{Proxy: "uproxy-nftables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+			{Proxy: "uproxy-userspace-nftables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+			{Proxy: "uproxy-userspace-iptables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+		}, 0},
+		{"uproxy's iptables mode must pass it: its skip is a difference", []Result{
+			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(nfacctTest, "passed")}},
+			{Proxy: "uproxy-iptables", Specs: []Spec{spec(nfacctTest, "skipped"), spec("a", "passed")}},
+		}, 1},
+		{"... and so is its failure", []Result{
+			{Proxy: "kube-proxy-iptables", Specs: []Spec{spec(nfacctTest, "passed")}},
+			{Proxy: "uproxy-iptables", Specs: []Spec{spec(nfacctTest, "failed"), spec("a", "passed")}},
+		}, 1},
+		{"a test not applicable to a mode may skip, not fail", []Result{
+			{Proxy: "uproxy-nftables", Specs: []Spec{spec(nfacctTest, "failed"), spec("a", "passed")}},
 		}, 1},
 		{"without kube-proxy every failure counts", []Result{
 			{Proxy: "uproxy-userspace-nftables", Specs: []Spec{spec("a", "failed"), spec("b", "passed")}},

@@ -66,3 +66,29 @@ func Primary(addrs []netip.Addr) []netip.Addr {
 	}
 	return out
 }
+
+// routeProbes are destinations beyond any node, one per family, from the
+// documentation ranges (RFC 5737, RFC 3849): only routed, never sent to.
+var routeProbes = []string{"192.0.2.1:9", "[2001:db8::1]:9"}
+
+// Routed returns, IPv4 first, the address of each family that the calling
+// thread's routes give as the source toward a destination beyond the node (its
+// default route's, usually): the address other hosts know the node by, which
+// the first address of an interface need not be (a pod's gateway address, a
+// bridge's). A family without such a route, or whose source is not a global
+// unicast address, has none. It sends nothing: a UDP connect only routes.
+func Routed() []netip.Addr {
+	var out []netip.Addr
+	for _, probe := range routeProbes {
+		c, err := net.Dial("udp", probe)
+		if err != nil {
+			continue
+		}
+		a := c.LocalAddr().(*net.UDPAddr).AddrPort().Addr().Unmap()
+		c.Close()
+		if a.IsGlobalUnicast() {
+			out = append(out, a)
+		}
+	}
+	return out
+}

@@ -4,6 +4,8 @@ import (
 	"net/netip"
 	"slices"
 	"testing"
+
+	"github.com/uproxy/uproxy/testbed"
 )
 
 func addrs(s ...string) []netip.Addr {
@@ -73,5 +75,34 @@ func TestPrimary(t *testing.T) {
 				t.Errorf("got %v, want %v", got, tt.want)
 			}
 		})
+	}
+}
+
+// Routed gives the source of the default route, not the first address: in a
+// node whose first interface is toward a pod, the address toward the outside.
+func TestRouted(t *testing.T) {
+	tp := testbed.New(t, testbed.WithIPv6())
+	node := tp.NS(testbed.Node)
+	var listed, routed []netip.Addr
+	if err := tp.Run(testbed.Node, func() (err error) {
+		routed = Routed()
+		listed, err = List()
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if want := []netip.Addr{node.IPv4, node.IPv6}; !slices.Equal(routed, want) {
+		t.Errorf("Routed: got %v, want the addresses toward the default routes %v", routed, want)
+	}
+	if first := Primary(listed); slices.Equal(first, routed) {
+		t.Logf("the first global addresses are the routed ones here (%v): the test shows less than it could", first)
+	}
+	// Without a default route a family has no routed address.
+	tp.MustExec(t, testbed.Node, "ip", "-6", "route", "del", "default")
+	if err := tp.Run(testbed.Node, func() error { routed = Routed(); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if want := []netip.Addr{node.IPv4}; !slices.Equal(routed, want) {
+		t.Errorf("Routed without an IPv6 default route: got %v, want %v", routed, want)
 	}
 }

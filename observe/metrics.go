@@ -4,11 +4,13 @@ package observe
 
 import (
 	"errors"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/record"
 )
@@ -139,8 +141,57 @@ var (
 	}, []string{"service"})
 )
 
+// LocalhostNodePortsAccepted is kube-proxy's
+// kubeproxy_iptables_localhost_nodeports_accepted_packets_total: the packets the
+// iptables mode accepted on localhost NodePorts, the first of each connection.
+// The kernel counts them (an nfacct object); the mode that does gives its
+// reader to Set, and each scrape reads it. Absent while no mode counts.
+var LocalhostNodePortsAccepted = &KernelCounter{desc: prometheus.NewDesc(
+	"kubeproxy_iptables_localhost_nodeports_accepted_packets_total",
+	"Packets accepted on NodePorts of the loopback addresses (the first of each connection), as the kernel counts them.", nil, nil)}
+
+// KernelCounter exports a counter the kernel keeps, read at scrape time.
+type KernelCounter struct {
+	desc *prometheus.Desc
+	// mu guards read and lastErr.
+	mu      sync.Mutex
+	read    func() (value uint64, counting bool, err error)
+	lastErr string
+}
+
+// Set makes read the counter's source: counting false leaves the series out,
+// an error too (logged when it changes). nil stops exporting it.
+func (c *KernelCounter) Set(read func() (value uint64, counting bool, err error)) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.read, c.lastErr = read, ""
+}
+
+func (c *KernelCounter) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *KernelCounter) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.read == nil {
+		return
+	}
+	v, counting, err := c.read()
+	if err != nil {
+		if msg := err.Error(); msg != c.lastErr {
+			c.lastErr = msg
+			klog.ErrorS(err, "Reading a kernel counter for /metrics", "metric", "kubeproxy_iptables_localhost_nodeports_accepted_packets_total")
+		}
+		return
+	}
+	c.lastErr = ""
+	if counting {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(v))
+	}
+}
+
 func init() {
 	Registry.MustRegister(
+		LocalhostNodePortsAccepted,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		SyncDuration, SyncLastTimestamp, SyncLastQueuedTimestamp, NetworkProgrammingDuration,

@@ -84,3 +84,33 @@ func TestAcceptBackoffsMetric(t *testing.T) {
 		t.Errorf("%s after 3 backoffs on two ports: grew by %v, want 3", name, got)
 	}
 }
+
+// The localhost NodePort count is read from its source at each scrape, as the
+// kernel keeps it; without a source, or while it counts nothing or fails to
+// read, the series is absent rather than a made-up zero.
+func TestLocalhostNodePortsAccepted(t *testing.T) {
+	const name = "kubeproxy_iptables_localhost_nodeports_accepted_packets_total"
+	defer observe.LocalhostNodePortsAccepted.Set(nil)
+	if _, ok := metric(t, name, nil); ok {
+		t.Fatalf("%s without a source: present, want absent", name)
+	}
+	var value uint64 = 7
+	counting := true
+	var readErr error
+	observe.LocalhostNodePortsAccepted.Set(func() (uint64, bool, error) { return value, counting, readErr })
+	if got, ok := metric(t, name, nil); !ok || got != 7 {
+		t.Errorf("%s: got %v (present %v), want 7", name, got, ok)
+	}
+	value = 19
+	if got, _ := metric(t, name, nil); got != 19 {
+		t.Errorf("%s after the kernel counted more: got %v, want 19 read anew", name, got)
+	}
+	counting = false
+	if _, ok := metric(t, name, nil); ok {
+		t.Errorf("%s while not counting: present, want absent", name)
+	}
+	counting, readErr = true, errors.New("netlink: no such object")
+	if _, ok := metric(t, name, nil); ok {
+		t.Errorf("%s while the read fails: present, want absent", name)
+	}
+}

@@ -119,7 +119,7 @@ var schema = map[string]any{
 	"healthzBindAddress": field{kind: str, flag: "healthz-bind-address", port: 10256},
 	"metricsBindAddress": field{kind: str, flag: "metrics-bind-address", port: 10249, loopback: true},
 	"mode":               field{kind: str, flag: "proxy-mode"},
-	"nodePortAddresses":  field{kind: strList, flag: "nodeport-addresses", keepZero: true}, // none: every address
+	"nodePortAddresses":  field{kind: strList, flag: "nodeport-addresses", keepZero: true}, // none: every address (primary in the nftables mode); or [primary]
 	"configSyncPeriod":   field{kind: duration, flag: "config-sync-period", zero: "15m0s"},
 	// portRange and udpIdleTimeout configured kube-proxy's own userspace mode,
 	// whose proxy ports and UDP idle timeout uproxy's flags are. kube-proxy
@@ -127,11 +127,12 @@ var schema = map[string]any{
 	"portRange":      field{kind: str, flag: "proxy-port-range", keepZero: true}, // "": the ephemeral range
 	"udpIdleTimeout": field{kind: duration, flag: "udp-timeout"},
 	"iptables": map[string]any{
-		"syncPeriod":         field{kind: duration, flag: "sync-period", section: "iptables", zero: "30s"},
-		"minSyncPeriod":      field{kind: duration, flag: "min-sync-period", section: "iptables", zero: "1s"},
-		"masqueradeBit":      field{kind: ignored},
-		"masqueradeAll":      field{kind: boolean, flag: "masquerade-all", section: "iptables", alsoFor: "ipvs", zero: "false"},
-		"localhostNodePorts": field{kind: ignored},
+		"syncPeriod":    field{kind: duration, flag: "sync-period", section: "iptables", zero: "30s"},
+		"minSyncPeriod": field{kind: duration, flag: "min-sync-period", section: "iptables", zero: "1s"},
+		"masqueradeBit": field{kind: ignored},
+		"masqueradeAll": field{kind: boolean, flag: "masquerade-all", section: "iptables", alsoFor: "ipvs", zero: "false"},
+		// A *bool in kube-proxy: left out or null is true, false is false.
+		"localhostNodePorts": field{kind: boolean, flag: "iptables-localhost-nodeports", section: "iptables", zero: "true", pointer: true},
 	},
 	"ipvs": map[string]any{
 		"syncPeriod":    field{kind: duration, flag: "sync-period", section: "ipvs", zero: "30s"},
@@ -337,6 +338,8 @@ func (w *walker) leaf(path string, v any, f field) error {
 		}
 		if b {
 			value = "true"
+		} else if f.pointer {
+			value = "false"
 		}
 	}
 	w.values[path] = value

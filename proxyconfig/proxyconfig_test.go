@@ -30,6 +30,7 @@ var defaults = map[string]string{
 	"conntrack.udpTimeout":            "--conntrack-udp-timeout=0s",
 	"healthzBindAddress":              "--healthz-bind-address=0.0.0.0:10256",
 	"hostnameOverride":                "--hostname-override=",
+	"iptables.localhostNodePorts":     "--iptables-localhost-nodeports=true",
 	"iptables.masqueradeAll":          "--masquerade-all=false",
 	"iptables.minSyncPeriod":          "--min-sync-period=1s",
 	"iptables.syncPeriod":             "--sync-period=30s",
@@ -104,6 +105,7 @@ conntrack: {maxPerCore: 65536, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWai
 			"conntrack.udpTimeout -> --conntrack-udp-timeout=45s",
 			"healthzBindAddress -> --healthz-bind-address=0.0.0.0:10256",
 			"hostnameOverride -> --hostname-override=node-1",
+			"iptables.localhostNodePorts -> --iptables-localhost-nodeports=true",
 			"iptables.masqueradeAll -> --masquerade-all=true",
 			"iptables.minSyncPeriod -> --min-sync-period=2s",
 			"iptables.syncPeriod -> --sync-period=20s",
@@ -133,7 +135,7 @@ conntrack: {maxPerCore: 65536, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWai
 		doc:  header + "mode: ipvs\niptables: {syncPeriod: 30s, masqueradeAll: true}\nipvs: {syncPeriod: 10s, minSyncPeriod: 0s}\n",
 		want: settings(map[string]string{
 			"iptables.masqueradeAll": "--masquerade-all=true",
-			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "",
+			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "", "iptables.localhostNodePorts": "",
 			"ipvs.minSyncPeriod": "--min-sync-period=0s",
 			"ipvs.syncPeriod":    "--sync-period=10s",
 			"mode":               "--proxy-mode=ipvs",
@@ -144,7 +146,7 @@ conntrack: {maxPerCore: 65536, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWai
 		name: "zero sync periods of the ipvs section",
 		doc:  header + "mode: ipvs\nipvs: {syncPeriod: 0s}\n",
 		want: settings(map[string]string{
-			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "",
+			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "", "iptables.localhostNodePorts": "",
 			"ipvs.minSyncPeriod": "--min-sync-period=0s",
 			"ipvs.syncPeriod":    "--sync-period=30s",
 			"mode":               "--proxy-mode=ipvs",
@@ -152,15 +154,27 @@ conntrack: {maxPerCore: 65536, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWai
 	}, {
 		// and the iptables section's masqueradeAll is not the nftables mode's.
 		name: "zero sync periods of the nftables section",
-		doc:  header + "mode: nftables\niptables: {masqueradeAll: true}\nnftables: {syncPeriod: 0s, minSyncPeriod: 0s, masqueradeAll: true}\n",
+		doc:  header + "mode: nftables\niptables: {masqueradeAll: true, localhostNodePorts: true}\nnftables: {syncPeriod: 0s, minSyncPeriod: 0s, masqueradeAll: true}\n",
 		want: settings(map[string]string{
-			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "", "iptables.masqueradeAll": "",
+			"iptables.minSyncPeriod": "", "iptables.syncPeriod": "", "iptables.masqueradeAll": "", "iptables.localhostNodePorts": "",
 			"nftables.masqueradeAll": "--masquerade-all=true",
 			"nftables.minSyncPeriod": "--min-sync-period=1s",
 			"nftables.syncPeriod":    "--sync-period=30s",
 			"mode":                   "--proxy-mode=nftables",
 		}),
-		wantIgnored: []string{"iptables.masqueradeAll"},
+		wantIgnored: []string{"iptables.localhostNodePorts", "iptables.masqueradeAll"},
+	}, {
+		// kube-proxy's *bool: left out or null is true, false is false.
+		name: "iptables.localhostNodePorts false, and nodePortAddresses primary",
+		doc:  header + "iptables: {localhostNodePorts: false}\nnodePortAddresses: [primary]\n",
+		want: settings(map[string]string{
+			"iptables.localhostNodePorts": "--iptables-localhost-nodeports=false",
+			"nodePortAddresses":           "--nodeport-addresses=primary",
+		}),
+	}, {
+		name: "iptables.localhostNodePorts null is true",
+		doc:  header + "iptables: {localhostNodePorts: null}\n",
+		want: settings(nil),
 	}, {
 		name: "an IPv6 bindAddress makes the servers' default addresses IPv6",
 		doc:  header + "bindAddress: '::'\n",

@@ -403,6 +403,8 @@ func testRealPortals(t *testing.T, b realBackend) {
 		{"NodePort TCP from pod to its gateway", testbed.Pod, "tcp", at(pod.GatewayIPv4, 30080), ""},
 		{"NodePort TCP from node", testbed.Node, "tcp", at(node.IPv4, 30080), ""},
 		{"NodePort TCP from node to localhost", testbed.Node, "tcp", at(netip.MustParseAddr("127.0.0.1"), 30080), ""},
+		{"NodePort TCP from node to another localhost address", testbed.Node, "tcp", at(netip.MustParseAddr("127.0.0.2"), 30080), ""},
+		{"NodePort TCP IPv6 from node to localhost", testbed.Node, "tcp", at(netip.MustParseAddr("::1"), 30080), ""},
 	}
 	check := func(t *testing.T, pt path) {
 		t.Helper()

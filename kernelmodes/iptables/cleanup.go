@@ -1,14 +1,17 @@
 package iptables
 
 import (
+	"errors"
 	"fmt"
 
 	ipt "github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/netfilter/nfacct"
 )
 
 // Cleanup removes every chain and jump rule the iptables mode installs with
 // this chain prefix ("" for the default), in both families, through the real
-// iptables commands of the calling thread's namespace. What is already gone,
+// iptables commands of the calling thread's namespace, and its localhost
+// NodePort counter (route_localnet stays as it is, as kube-proxy leaves it). What is already gone,
 // including a missing ip6tables, is not an error. The userspace mode's portal
 // chains share the prefix but not the names, and are left alone.
 func Cleanup(prefix string) error {
@@ -16,7 +19,29 @@ func Cleanup(prefix string) error {
 	if err != nil {
 		return err
 	}
-	return cleanup(ipt.Commands{}, namesOf(prefix))
+	if err := cleanup(ipt.Commands{}, namesOf(prefix)); err != nil {
+		return err
+	}
+	return deleteCounter(nil, LocalhostNodePortsCounter(prefix))
+}
+
+// deleteCounter removes the localhost NodePort counter, which no rule names
+// once the mode's chains are gone; acct nil opens nfnetlink_acct. A counter
+// already gone is no error, and neither is a kernel without nfacct, where no
+// counter can have been made.
+func deleteCounter(acct Accounting, name string) error {
+	if acct == nil {
+		c, err := nfacct.Open()
+		if err != nil {
+			return nil
+		}
+		defer c.Close()
+		acct = c
+	}
+	if err := acct.Delete(name); err != nil && !errors.Is(err, nfacct.ErrNotFound) {
+		return fmt.Errorf("clean up the iptables mode's localhost NodePort counter: %w", err)
+	}
+	return nil
 }
 
 func cleanup(k ipt.Kernel, n names) error {

@@ -42,6 +42,7 @@ package iptables
 import (
 	"bytes"
 	"cmp"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -53,6 +54,7 @@ import (
 
 	"github.com/uproxy/uproxy/netfilter/conntrack"
 	ipt "github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/netfilter/nfacct"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/service"
 )
@@ -80,6 +82,26 @@ type Config struct {
 	// MasqueradeBit is the mark bit (0-31) for masquerading; 0 means
 	// DefaultMasqueradeBit.
 	MasqueradeBit int
+	// LocalhostNodePorts also serves IPv4 NodePorts on 127.0.0.0/8, as
+	// kube-proxy's iptables mode does by default (its
+	// --iptables-localhost-nodeports), when NodePortAddresses is empty or one
+	// of its prefixes holds 127.0.0.1. The kernel drops DNATed loopback
+	// traffic unless net.ipv4.conf.all.route_localnet is 1, so the first
+	// sync sets it; and since route_localnet also lets other hosts reach the
+	// node's loopback addresses, the filter chain P-BLOCK-LOCALNET (from
+	// INPUT and OUTPUT) drops packets to 127.0.0.0/8 from a source outside it
+	// that belong to no connection the node made and no DNAT (CVE-2020-8558).
+	// Each such connection's first packet is counted in the nfacct object
+	// LocalhostNodePortsCounter. IPv6 has no route_localnet: NodePorts are
+	// never served on ::1, as in kube-proxy.
+	LocalhostNodePorts bool
+	// Accounting holds the nfacct object of the localhost NodePort count; nil
+	// opens nfnetlink_acct in the namespace of the first sync that needs it.
+	// Without it the packets are served, not counted, as in kube-proxy.
+	Accounting Accounting
+	// Sysctl sets a sysctl where its value differs and returns the change;
+	// nil: conntrack.SetSysctl, in the calling thread's namespace.
+	Sysctl func(key string, value int) (*conntrack.Change, error)
 	// IPTables is iptables and ip6tables; nil runs the commands
 	// (iptables.Commands) in the calling thread's network namespace.
 	IPTables ipt.Kernel
@@ -88,11 +110,37 @@ type Config struct {
 	Conntrack conntrack.Deleter
 }
 
+// Accounting is the nfacct objects, as nfacct.Client reaches them.
+type Accounting interface {
+	// Ensure creates the object name unless it exists.
+	Ensure(name string) error
+	// Get reads the object name (nfacct.ErrNotFound when there is none).
+	Get(name string) (nfacct.Counter, error)
+	// Delete removes the object name (nfacct.ErrNotFound when there is none).
+	Delete(name string) error
+}
+
+// routeLocalnet is the sysctl that lets the kernel route DNATed loopback
+// traffic off the loopback device, which localhost NodePorts need.
+const routeLocalnet = "net.ipv4.conf.all.route_localnet"
+
+// LocalhostNodePortsCounter names the nfacct object counting the packets the
+// mode accepts on localhost NodePorts of chain prefix prefix. kube-proxy's is
+// localhost_nps_accepted_pkts; uproxy's own name keeps the two proxies' counts
+// apart when both run on a node.
+func LocalhostNodePortsCounter(prefix string) string {
+	return strings.ToLower(prefix) + "_localhost_nps_pkts"
+}
+
 // Proxier is the iptables mode. Sync, Cleanup and the readers may be called
 // from different goroutines.
 type Proxier struct {
 	cfg Config
 	n   names
+	// localhost says IPv4 NodePorts are served on loopback (Config.LocalhostNodePorts
+	// where NodePortAddresses allow it); acctName is LocalhostNodePortsCounter's.
+	localhost bool
+	acctName  string
 	// portsPerRestore bounds the ports one restore writes the chains of
 	// (defaultPortsPerRestore; tests make it small).
 	portsPerRestore int
@@ -103,6 +151,16 @@ type Proxier struct {
 	// last is the last Snapshot synced without error, for DebugServices.
 	last       *service.Snapshot
 	programmed map[service.PortName]map[netip.AddrPort]bool
+	// acct is where the localhost count is kept once its object exists (nil
+	// before, or while nfnetlink_acct is unavailable); acctErr is the last
+	// reason it is not, logged when it changes. localnetSet says route_localnet
+	// was found or made 1.
+	acct        Accounting
+	acctErr     string
+	localnetSet bool
+	// client is the nfacct client the mode opened (accounting), kept for
+	// the process's life.
+	client *nfacct.Client
 }
 
 // family is the state of one address family.
@@ -148,30 +206,49 @@ func New(cfg Config) (*Proxier, error) {
 	// Unset kernel parts are the real ones.
 	cfg.IPTables = cmp.Or[ipt.Kernel](cfg.IPTables, ipt.Commands{})
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
-	p := &Proxier{cfg: cfg, n: namesOf(prefix), portsPerRestore: defaultPortsPerRestore}
+	if cfg.Sysctl == nil {
+		cfg.Sysctl = conntrack.SetSysctl
+	}
+	p := &Proxier{cfg: cfg, n: namesOf(prefix), portsPerRestore: defaultPortsPerRestore, acctName: LocalhostNodePortsCounter(prefix)}
+	p.localhost = cfg.LocalhostNodePorts && len(cfg.NodePortAddresses) == 0
+	for _, pr := range cfg.NodePortAddresses {
+		p.localhost = p.localhost || cfg.LocalhostNodePorts && pr.Overlaps(ipv4Loopback)
+	}
 	for _, v6 := range []bool{false, true} {
 		if v6 && !cfg.IPv6 {
 			continue
 		}
-		r := renderer{n: p.n, v6: v6, mark: fmt.Sprintf("%#x", uint32(1)<<bit), masqueradeAll: cfg.MasqueradeAll}
+		r := renderer{n: p.n, v6: v6, mark: fmt.Sprintf("%#x", uint32(1)<<bit), masqueradeAll: cfg.MasqueradeAll, localhost: p.localhost && !v6}
 		for _, c := range cfg.ClusterCIDRs {
 			if r.family(c.Addr()) {
 				r.clusterCIDRs = append(r.clusterCIDRs, c.Masked())
 			}
 		}
 		if len(cfg.NodePortAddresses) == 0 {
-			loopback := "127.0.0.0/8"
-			if v6 {
-				loopback = "::1/128"
+			// Every local address; loopback ones only with route_localnet,
+			// which IPv6 does not have.
+			dst := " ! -d " + ipv4Loopback.String()
+			switch {
+			case v6:
+				dst = " ! -d ::1/128"
+			case r.localhost:
+				dst = ""
 			}
-			// NodePorts on loopback would need route_localnet; like kube-proxy
-			// with --iptables-localhost-nodeports=false, they are not served.
-			r.nodePortDsts = []string{" ! -d " + loopback + " -m addrtype --dst-type LOCAL"}
+			r.nodePortDsts = []string{dst + " -m addrtype --dst-type LOCAL"}
 		}
 		for _, pr := range cfg.NodePortAddresses {
-			if r.family(pr.Addr()) {
-				r.nodePortDsts = append(r.nodePortDsts, " -d "+pr.Masked().String())
+			if !r.family(pr.Addr()) {
+				continue
 			}
+			// Inside 127.0.0.0/8 or ::1/128: nothing but loopback.
+			onlyLoopback := pr.Addr().IsLoopback() && (pr.Bits() >= ipv4Loopback.Bits() || pr.Addr().Is6())
+			if pr = pr.Masked(); onlyLoopback && !r.localhost {
+				// Loopback alone could only be served with route_localnet: as
+				// kube-proxy, such a prefix serves nothing.
+				klog.InfoS("NodePorts are not served on loopback without localhost NodePorts (IPv4 only, --iptables-localhost-nodeports)", "nodePortAddress", pr)
+				continue
+			}
+			r.nodePortDsts = append(r.nodePortDsts, " -d "+pr.String())
 		}
 		t, err := p.cfg.IPTables.Tables(v6)
 		if err != nil {
@@ -181,6 +258,9 @@ func New(cfg Config) (*Proxier, error) {
 	}
 	return p, nil
 }
+
+// ipv4Loopback is where localhost NodePorts answer.
+var ipv4Loopback = netip.MustParsePrefix("127.0.0.0/8")
 
 // Sync implements syncloop.Mode: it makes the rules of every family match s.
 // Services with an unsupported protocol are skipped and reported; the others
@@ -194,12 +274,94 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 		// The zone comes with every snapshot: a change of the Node's zone
 		// label re-renders every port, whose text is compared as usual.
 		fam.r.zone = s.Zone
+		if fam.r.localhost {
+			if err := p.prepareLocalhost(fam); err != nil {
+				errs = append(errs, err)
+			}
+		}
 		if err := p.syncFamily(fam, ports, programmed); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	p.last, p.programmed = s, programmed
 	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+// prepareLocalhost readies the kernel for the IPv4 family's localhost
+// NodePorts: route_localnet, until it is set, and the nfacct object its
+// counting rules name, whenever the rules may be written whole (the object
+// may have gone with them) or while it is missing. A failure of either is
+// returned and leaves the rules to be written all the same: without the
+// object they count nothing, without route_localnet localhost NodePorts do
+// not answer, and every other rule serves.
+func (p *Proxier) prepareLocalhost(fam *family) error {
+	var errs []error
+	if !p.localnetSet {
+		c, err := p.cfg.Sysctl(routeLocalnet, 1)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("localhost NodePorts: %w", err))
+		} else {
+			p.localnetSet = true
+			if c != nil {
+				klog.InfoS("Set route_localnet, so that NodePorts answer on 127.0.0.0/8 as with kube-proxy's iptables mode; --iptables-localhost-nodeports=false or --nodeport-addresses without loopback leaves it alone",
+					"sysctl", c.Key, "from", c.From, "to", c.To)
+			}
+		}
+	}
+	if fam.written != nil && p.acct != nil {
+		return errors.Join(errs...)
+	}
+	acct, err := p.accounting()
+	if err == nil {
+		err = acct.Ensure(p.acctName)
+	}
+	if err != nil {
+		p.acct, fam.r.acct = nil, ""
+		if msg := err.Error(); msg != p.acctErr {
+			p.acctErr = msg
+			klog.ErrorS(err, "Localhost NodePorts are served but not counted (kubeproxy_iptables_localhost_nodeports_accepted_packets_total)", "counter", p.acctName)
+		}
+		return errors.Join(errs...)
+	}
+	p.acct, p.acctErr, fam.r.acct = acct, "", p.acctName
+	return errors.Join(errs...)
+}
+
+// accounting returns Config.Accounting, or else the mode's own nfacct client,
+// opened at the first call: the mode's syncs run on the thread (and in the
+// network namespace) that programs the rules, and the counts are read from
+// there ever after, whichever goroutine asks.
+func (p *Proxier) accounting() (Accounting, error) {
+	if p.cfg.Accounting != nil {
+		return p.cfg.Accounting, nil
+	}
+	if p.client == nil {
+		c, err := nfacct.Open()
+		if err != nil {
+			return nil, err
+		}
+		p.client = c
+	}
+	return p.client, nil
+}
+
+// LocalhostNodePortPackets reads how many packets the mode accepted on
+// localhost NodePorts, the first of each connection (kube-proxy's
+// kubeproxy_iptables_localhost_nodeports_accepted_packets_total). counting is
+// false, and the rest zero, when the mode counts none: localhost NodePorts
+// off, or no nfacct object yet.
+func (p *Proxier) LocalhostNodePortPackets() (packets uint64, counting bool, err error) {
+	p.mu.Lock()
+	acct := p.acct
+	p.mu.Unlock()
+	if acct == nil {
+		return 0, false, nil
+	}
+	c, err := acct.Get(p.acctName)
+	if err != nil {
+		return 0, true, err
+	}
+	return c.Packets, true, nil
 }
 
 func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[service.PortName]map[netip.AddrPort]bool) error {
@@ -411,7 +573,11 @@ func (p *Proxier) syncFamily(fam *family, ports []*service.Port, programmed map[
 	fam.lastWasFull = full
 	if full {
 		// Jumps go in after the chains exist: a jump to a missing chain is refused.
-		if err := ipt.EnsureJumps(fam.tables, fam.v6, p.n.jumps()); err != nil {
+		jumps := p.n.jumps()
+		if fam.r.localhost {
+			jumps = append(jumps, p.n.localnetJumps()...)
+		}
+		if err := ipt.EnsureJumps(fam.tables, fam.v6, jumps); err != nil {
 			return err
 		}
 	}
@@ -545,7 +711,8 @@ func (p *Proxier) existingPortChains(v6 bool) ([]string, []byte, error) {
 }
 
 // Cleanup removes every chain and jump rule of this prefix in both families,
-// whatever Config.IPv6 says; the next Sync starts from scratch.
+// whatever Config.IPv6 says, and with localhost NodePorts their counter; the
+// next Sync starts from scratch.
 func (p *Proxier) Cleanup() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -553,7 +720,20 @@ func (p *Proxier) Cleanup() error {
 		fam.written, fam.udp = nil, nil
 	}
 	p.last, p.programmed = nil, nil
-	return cleanup(p.cfg.IPTables, p.n)
+	if err := cleanup(p.cfg.IPTables, p.n); err != nil {
+		return err
+	}
+	p.acct = nil
+	for _, fam := range p.fams {
+		fam.r.acct = ""
+	}
+	if !p.localhost {
+		// No counter of this mode's; one a run with localhost NodePorts
+		// left is `uproxy cleanup`'s (Cleanup).
+		return nil
+	}
+	acct, _ := p.accounting() // nil when nfacct is missing: deleteCounter finds none
+	return deleteCounter(acct, p.acctName)
 }
 
 // DebugServices implements observe.ServicesView: every Service port of the last

@@ -24,6 +24,8 @@ type names struct {
 	services, nodePorts, postrouting, markMasq string
 	// filter
 	filterServices, externalServices, forward, firewall string
+	// blockLocalnet guards loopback addresses once route_localnet is set.
+	blockLocalnet string
 	// both tables
 	canary ipt.Canary
 	// hashLen is how many base32 characters of a hash fit after prefix+"-SVC-".
@@ -46,6 +48,7 @@ func namesOf(prefix string) names {
 		externalServices: prefix + "-EXTERNAL-SERVICES",
 		forward:          prefix + "-FORWARD",
 		firewall:         prefix + "-PROXY-FIREWALL",
+		blockLocalnet:    prefix + "-BLOCK-LOCALNET",
 		canary:           ipt.Canary{Chain: prefix + "-PROXY-CANARY", Tables: []string{"nat", "filter"}},
 		hashLen:          min(16, maxChainName-len(prefix)-len("-SVC-")),
 	}
@@ -55,8 +58,11 @@ func (n names) natChains() []string {
 	return []string{n.services, n.nodePorts, n.postrouting, n.markMasq, n.canary.Chain}
 }
 
+// filterChains are declared in every sync of either family, blockLocalnet
+// too, empty unless IPv4 NodePorts answer on loopback: a later run without
+// them flushes it, and cleanup knows it.
 func (n names) filterChains() []string {
-	return []string{n.filterServices, n.externalServices, n.forward, n.firewall, n.canary.Chain}
+	return []string{n.filterServices, n.externalServices, n.forward, n.firewall, n.blockLocalnet, n.canary.Chain}
 }
 
 // isPortChain reports whether chain is a per-port chain of this prefix
@@ -103,6 +109,16 @@ func (n names) jumps() []ipt.Jump {
 	}
 }
 
+// localnetJumps lead every packet the node receives or sends to
+// blockLocalnet, first, as kube-proxy's (and kubelet's) KUBE-FIREWALL: the
+// guard must see the packets other rules would accept.
+func (n names) localnetJumps() []ipt.Jump {
+	return []ipt.Jump{
+		{Table: "filter", Chain: "INPUT", Spec: []string{"-j", n.blockLocalnet}},
+		{Table: "filter", Chain: "OUTPUT", Spec: []string{"-j", n.blockLocalnet}},
+	}
+}
+
 // renderer writes one family's rules.
 type renderer struct {
 	n    names
@@ -116,6 +132,10 @@ type renderer struct {
 	// NodePortAddresses prefixes, or local addresses except loopback when none.
 	nodePortDsts []string
 	zone         string // this node's zone for topology hints, from the snapshot
+	// localhost: IPv4 NodePorts answer on 127.0.0.0/8 (Config.LocalhostNodePorts);
+	// acct, when not empty, is the nfacct object counting them.
+	localhost bool
+	acct      string
 }
 
 // portRules is what one Service port contributes to one family.
@@ -276,6 +296,15 @@ func (r *renderer) port(p *service.Port, sh *shared) portRules {
 	}
 	if p.NodePort != 0 {
 		if usesEXT {
+			if r.acct != "" {
+				// The same jump, first for loopback destinations, to count
+				// them (kube-proxy's localhost_nps_accepted_pkts).
+				sh.natNodePorts = append(sh.natNodePorts, "-A "+r.n.nodePorts+" -d "+ipv4Loopback.String()+" -p "+proto+" -m comment --comment "+ipt.Quote(name)...)
+				sh.natNodePorts = portMatch(sh.natNodePorts, p.NodePort)
+				// iptables-save prints two spaces after --nfacct-name; so does
+				// this, so that the rule reads back as written (sharedNATDiff).
+				sh.natNodePorts = append(sh.natNodePorts, " -m nfacct --nfacct-name  "+r.acct+" -j "+extChain+"\n"...)
+			}
 			sh.natNodePorts = append(sh.natNodePorts, "-A "+r.n.nodePorts+" -p "+proto+" -m comment --comment "+ipt.Quote(name)...)
 			sh.natNodePorts = portMatch(sh.natNodePorts, p.NodePort)
 			sh.natNodePorts = append(sh.natNodePorts, " -j "+extChain+"\n"...)
@@ -420,6 +449,13 @@ func (r *renderer) sharedFilter(b []byte, sh *shared) []byte {
 	b = append(b, sh.filterExtra...)
 	b = append(b, "-A "+r.n.forward+` -m comment --comment "uproxy forwarding rules" -m mark --mark `+r.mark+"/"+r.mark+" -j ACCEPT\n"...)
 	b = append(b, "-A "+r.n.forward+` -m comment --comment "uproxy forwarding conntrack rule" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT`+"\n"...)
+	if r.localhost {
+		// route_localnet lets packets to 127.0.0.0/8 arrive from other hosts,
+		// and leave for them: only replies, and connections to a localhost
+		// NodePort (DNATed), may.
+		b = append(b, "-A "+r.n.blockLocalnet+" ! -s "+ipv4Loopback.String()+" -d "+ipv4Loopback.String()+
+			` -m comment --comment "block incoming localnet connections" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP`+"\n"...)
+	}
 	return append(b, sh.firewall...)
 }
 

@@ -21,6 +21,7 @@ const emptyV4 = `*filter
 :UPROXY-EXTERNAL-SERVICES - [0:0]
 :UPROXY-FORWARD - [0:0]
 :UPROXY-PROXY-FIREWALL - [0:0]
+:UPROXY-BLOCK-LOCALNET - [0:0]
 :UPROXY-PROXY-CANARY - [0:0]
 -A UPROXY-PROXY-CANARY -m comment --comment "uproxy canary: gone means the table was flushed" -j RETURN
 -A UPROXY-FORWARD -m comment --comment "uproxy forwarding rules" -m mark --mark 0x4000/0x4000 -j ACCEPT

@@ -158,13 +158,17 @@ func (f *family) countRule(k pick, n int) *knftables.Rule {
 }
 
 // nodePortDst matches a destination that serves NodePorts: a local address
-// but loopback (which would need route_localnet, as kube-proxy's
-// --iptables-localhost-nodeports), or one inside --nodeport-addresses.
+// (inside --nodeport-addresses when given) but loopback, whatever the prefixes
+// hold. A DNATed loopback packet could leave the node only with route_localnet,
+// which this mode never sets, as kube-proxy's nftables mode does not: loopback
+// NodePorts, where served, are the userspace relay's (package localnodeports),
+// which these rules must leave alone.
 func (f *family) nodePortDst() string {
+	dst := "fib daddr type local " + f.ip + " daddr != " + f.loopback
 	if len(f.nodePortPrefixes) > 0 {
-		return "fib daddr type local " + f.ip + " daddr @" + f.name("nodeport-addresses")
+		dst += " " + f.ip + " daddr @" + f.name("nodeport-addresses")
 	}
-	return "fib daddr type local " + f.ip + " daddr != " + f.loopback
+	return dst
 }
 
 // externalSource matches traffic from outside the node and the pod networks:

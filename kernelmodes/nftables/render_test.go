@@ -179,25 +179,26 @@ add rule inet uproxy-kernel services6 meta l4proto { tcp, udp, sctp } dnat ip6 t
 }
 
 // TestNodePortAddresses: --nodeport-addresses narrows NodePorts to its
-// prefixes, and a family without one gets no NodePorts at all.
+// prefixes, loopback left out even when they hold it (no route_localnet here),
+// and a family without one gets no NodePorts at all.
 func TestNodePortAddresses(t *testing.T) {
 	web := svcPort("shop", "web", "", service.TCP, 80)
 	web.ClusterIPs = addrs("10.96.0.10", "fd00:96::10")
 	web.NodePort = 30080
 	web.Endpoints = eps("10.244.1.2:8080", "[fd00:244::2]:8080")
-	p, k, _ := newFake(t, Config{IPv6: true, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.1.0/24")}})
+	p, k, _ := newFake(t, Config{IPv6: true, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.1.0/24"), netip.MustParsePrefix("127.0.0.0/8")}})
 	mustSync(t, p, snapshot(web))
 	tx := k.Transactions[0]
 	for _, want := range []string{
 		"add element inet uproxy-kernel nodeport-addresses4 { 192.168.1.0/24 }",
-		"add rule inet uproxy-kernel services4 fib daddr type local ip daddr @nodeport-addresses4 jump nodeports4",
+		"add rule inet uproxy-kernel services4 fib daddr type local ip daddr != 127.0.0.0/8 ip daddr @nodeport-addresses4 jump nodeports4",
 		"np-backends4-1 { tcp . 30080 . 0",
 	} {
 		if !strings.Contains(tx, want) {
 			t.Errorf("transaction lacks %q", want)
 		}
 	}
-	for _, unwanted := range []string{"nodeports6", "np-backends6", "127.0.0.0/8"} {
+	for _, unwanted := range []string{"nodeports6", "np-backends6"} {
 		if strings.Contains(tx, unwanted) {
 			t.Errorf("transaction has %q, want none", unwanted)
 		}

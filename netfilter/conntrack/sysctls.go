@@ -191,6 +191,15 @@ func growHashSize(path string, want int, changes *[]Change) error {
 	return nil
 }
 
+// SetSysctl writes the sysctl key (dotted, as sysctl(8) names it) in the
+// network namespace of the calling thread, unless it holds value already, and
+// returns what it changed (nil: nothing). Set writes the conntrack settings so;
+// the iptables mode writes net.ipv4.conf.all.route_localnet through it, so that
+// every sysctl uproxy sets explains a failure the same way.
+func SetSysctl(key string, value int) (*Change, error) {
+	return writeIfDifferent(key, filepath.Join("/proc/sys", strings.ReplaceAll(key, ".", "/")), value)
+}
+
 // writeIfDifferent writes value to path unless it holds it already; a value
 // that cannot be read is written all the same, as kube-proxy does.
 func writeIfDifferent(key, path string, value int) (*Change, error) {
@@ -210,8 +219,10 @@ func why(path string, err error) string {
 	switch {
 	case errors.Is(err, unix.EROFS):
 		return "mounted read-only here, as /proc/sys and /sys are in a container that is not privileged"
-	case errors.Is(err, fs.ErrNotExist):
+	case errors.Is(err, fs.ErrNotExist) && strings.Contains(path, "nf_conntrack"):
 		return "no such setting: the nf_conntrack module is not loaded (modprobe nf_conntrack)"
+	case errors.Is(err, fs.ErrNotExist):
+		return "no such setting in this kernel"
 	case errors.Is(err, unix.EOPNOTSUPP):
 		return "only the initial network namespace may change it"
 	case errors.Is(err, fs.ErrPermission):
