@@ -136,7 +136,13 @@ func (x *explanation) writeText(w io.Writer) error {
 				p("  Its dial goes from the node's address: %s.\n", c.SourceReason)
 			}
 		case st.NextEndpoint != "":
-			p("  Next new client: %s (the scheduler's rotation; give --client IP for a given client's choice).\n", st.NextEndpoint)
+			because := ""
+			if st.NextReason != "" {
+				because = ", because " + st.NextReason
+			}
+			p("  Next new client: %s%s (give --client IP for a given client's choice).\n", st.NextEndpoint, because)
+		case st.ProxyPort != 0 && st.Scheduler == "sh" && len(st.Endpoints) > 0:
+			p("  Next new client: hangs on its address (scheduler sh); give --client IP for its choice.\n")
 		}
 		if st.AffinityCounters != nil && st.SessionAffinity == "ClientIP" {
 			c := st.AffinityCounters

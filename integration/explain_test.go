@@ -6,8 +6,10 @@ import (
 	"math"
 	"net"
 	"os/exec"
+	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/uproxy/uproxy/testbed"
 )
@@ -261,6 +263,10 @@ func TestExplainUserspaceMode(t *testing.T) {
 		t.Errorf("recent failures: got %+v, want connections from %s retried after %s refused", x.RecentFailures, w.client, w.killed)
 	}
 
+	t.Run("the next new client: /debug/services and explain name what the next connection gets", func(t *testing.T) {
+		w.checkNextNewClient(t, "10.96.0.10:80", "it/web:p", 30)
+	})
+
 	t.Run("ClientIP affinity: the next connection gets the endpoint explain names", func(t *testing.T) {
 		first, _ := w.connect(t, "10.96.0.11:80", 1)
 		_, x := w.explain(t, "10.96.0.11:80")
@@ -393,4 +399,91 @@ func TestExplainIPTablesMode(t *testing.T) {
 			t.Errorf("next connection: answered by %v, refused %d; want it to go to %s (%s) as explain said", next, refusedNext, c.Endpoint, name)
 		}
 	})
+}
+
+// nextView is what /debug/services says of a Service port's next new client
+// and of the killed endpoint's ejection.
+type nextView struct {
+	next, reason string
+	ejected      bool
+	until        time.Time
+}
+
+func (w *explainWorld) nextView(t *testing.T, name string) nextView {
+	t.Helper()
+	body, err := w.px.get("/debug/services")
+	if err != nil {
+		t.Fatalf("GET /debug/services: %v", err)
+	}
+	var x struct {
+		Services []struct {
+			Name, NextEndpoint, NextReason string
+			Endpoints                      []struct {
+				Address      string
+				Ejected      bool
+				EjectedUntil time.Time
+			}
+		}
+	}
+	if err := json.Unmarshal([]byte(body), &x); err != nil {
+		t.Fatalf("decode /debug/services: %v\n%s", err, body)
+	}
+	for _, s := range x.Services {
+		if s.Name != name {
+			continue
+		}
+		v := nextView{next: s.NextEndpoint, reason: s.NextReason}
+		for _, e := range s.Endpoints {
+			if e.Address == w.killed {
+				v.ejected, v.until = e.Ejected, e.EjectedUntil
+			}
+		}
+		return v
+	}
+	t.Fatalf("/debug/services has no %s:\n%s", name, body)
+	return nextView{}
+}
+
+// checkNextNewClient samples, n times while the killed endpoint is ejected,
+// the next new client that /debug/services names (and every tenth time the
+// "Next new client" of `uproxy explain` without --client), then connects:
+// the connection must be answered by the endpoint named, and the ejected
+// endpoint is never named. Between samples, connections drive the killed
+// endpoint back into ejection when its period ends.
+func (w *explainWorld) checkNextNewClient(t *testing.T, vip, name string, n int) {
+	t.Helper()
+	nextRE := regexp.MustCompile(`Next new client: ([^\s,]+),? ([^\n]*)`)
+	deadline := time.Now().Add(60 * time.Second)
+	samples := 0
+	for samples < n && time.Now().Before(deadline) {
+		v := w.nextView(t, name)
+		if !v.ejected || time.Until(v.until) < 500*time.Millisecond {
+			w.connect(t, vip, 1) // on probation, one failed dial ejects it again
+			continue
+		}
+		next, reason, from := v.next, v.reason, "/debug/services"
+		if samples%10 == 0 {
+			args := []string{"netns", "exec", w.tp.NS(testbed.Node).Name, uproxyBin, "explain", vip, "--metrics-address", w.px.metrics}
+			text, err := exec.Command("ip", args...).Output()
+			if err != nil {
+				t.Fatalf("uproxy explain %s: %v: %s", vip, err, stderrOf(err))
+			}
+			m := nextRE.FindStringSubmatch(string(text))
+			if m == nil {
+				t.Fatalf("uproxy explain %s: no \"Next new client\" line:\n%s", vip, text)
+			}
+			next, reason, from = m[1], m[2], "uproxy explain"
+		}
+		samples++
+		if next == w.killed {
+			t.Errorf("sample %d: %s names the ejected %s as the next new client (%s)", samples, from, next, reason)
+		}
+		answered, refused := w.connect(t, vip, 1)
+		if answered[w.names[next]] != 1 {
+			t.Errorf("sample %d: %s named %s (%s, %s), the connection was answered by %v (%d refused)", samples, from, next, w.names[next], reason, answered, refused)
+		}
+	}
+	if samples < n {
+		t.Fatalf("took %d samples while %s was ejected in 60s, want %d", samples, w.killed, n)
+	}
 }
