@@ -310,6 +310,54 @@ func TestExplainNFTablesPortals(t *testing.T) {
 			t.Errorf("note %q: the nftables portals catch the destination", n)
 		}
 	}
+	// The nat path is the element's: to the proxy port, not "itself".
+	contains(t, text, fmt.Sprintf("=> always REDIRECT to local port %d, the proxy port of it/web:p (nftables inet uproxy, service-ips4)", pp))
+	if strings.Contains(text, "no rule rewrites it") {
+		t.Errorf("explain text: says no rule rewrites %s, which the portals' element steers to proxy port %d", "10.96.0.10:80", pp)
+	}
+	if len(x.Rules) != 1 || len(x.Rules[0].Verdicts) != 1 || x.Rules[0].Verdicts[0].Target != "REDIRECT" ||
+		x.Rules[0].Verdicts[0].To != fmt.Sprint(pp) || !x.Rules[0].Verdicts[0].Certain {
+		t.Errorf("json rules: got %+v, want one PREROUTING path to a certain REDIRECT to %d", x.Rules, pp)
+	}
+}
+
+// TestExplainNFTablesKernelMode: explain against the nftables kernel mode
+// shows the mode's DNAT elements as the nat path, a third of new
+// connections to each endpoint, and gives the client the kernel's random
+// pick among them, as the connections found it (the killed one refused).
+func TestExplainNFTablesKernelMode(t *testing.T) {
+	testbed.RequireNFTables(t)
+	w := newExplainWorld(t, "--proxy-mode", "nftables")
+	answered, refused := w.connect(t, "10.96.0.10:80", 12)
+	if refused == 0 || answered["web-2"] != 0 || len(answered) != 2 {
+		t.Fatalf("nftables mode with web-2 killed: got %v and %d refused, want some refused and the others answered by web-1 and web-3", answered, refused)
+	}
+	text, x := w.explain(t, "10.96.0.10:80/tcp")
+	contains(t, text, "Proxy mode: nftables", "nftables kernel mode (table inet uproxy-kernel):",
+		"Next for client "+w.client+": the kernel picks at random for each new connection (numgen random, one slot per endpoint): ")
+	for _, bad := range []string{"no rule rewrites it", "no rule sends it to an endpoint"} {
+		if strings.Contains(text, bad) {
+			t.Errorf("explain text: says %q beside the DNAT elements", bad)
+		}
+	}
+	if len(x.Services) != 1 || x.Services[0].Service.NextForClient == nil || len(x.Rules) != 1 {
+		t.Fatalf("json: got %d services, %d rule paths; want it/web:p with a next choice, PREROUTING", len(x.Services), len(x.Rules))
+	}
+	dnat := map[string]float64{}
+	for _, v := range x.Rules[0].Verdicts {
+		if v.Target != "DNAT" || v.Certain {
+			t.Errorf("verdict %+v: want a DNAT to an endpoint, one of a random pick", v)
+		}
+		dnat[v.To] += v.Chance
+	}
+	for ep, name := range w.names {
+		if math.Abs(dnat[ep]-1.0/3) > 0.01 {
+			t.Errorf("share of new connections to %s (%s): got %.3f, want 1/3 (all verdicts %v)", ep, name, dnat[ep], dnat)
+		}
+		if c := x.Services[0].Service.NextForClient; !strings.Contains(c.Reason, ep+" 33%") {
+			t.Errorf("next for client: got %q, want %s with 33%%", c.Reason, ep)
+		}
+	}
 }
 
 // TestExplainIPTablesMode: explain against the iptables kernel mode names the
