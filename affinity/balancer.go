@@ -267,6 +267,9 @@ func (b *Balancer) live(lastUsed, now time.Time) bool {
 // tried gets that endpoint again and the entry's LastUsed slides to now; otherwise
 // the scheduler chooses and the entry is rewritten. The endpoint counts as active
 // until Release. Pick returns ErrNoEndpoints when there is no endpoint.
+//
+// The choice itself is decide's, which Explain and State call too: what they
+// say a client gets is what Pick gives it.
 func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPort, error) {
 	client = client.Unmap()
 	b.mu.Lock()
@@ -274,44 +277,30 @@ func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPo
 	if len(b.eps) == 0 {
 		return netip.AddrPort{}, ErrNoEndpoints
 	}
-	if b.allTried(tried) {
-		tried = nil
-	}
-	var (
-		now   time.Time
-		key   clientKey
-		pos   int32
-		found bool
-		skip  ejectFilter
-	)
-	if b.ejected > 0 {
+	var now time.Time
+	if b.ejected > 0 || b.affinity {
 		now = b.now()
+	}
+	if b.ejected > 0 {
 		b.expireEjections(now)
-		skip = b.ejectFilter(tried, now)
+	}
+	d := b.decide(client, tried, now, false)
+	if d.sticky {
+		b.entries[d.pos].lastUsed = now
+		b.eps[d.i].active++
+		b.counters.AffinityHits++
+		return b.eps[d.i].addr, nil
 	}
 	if b.affinity {
-		if now.IsZero() {
-			now = b.now()
-		}
-		key = keyOfClient(client)
-		pos, found = b.clients[key]
-		if found {
-			e := &b.entries[pos]
-			if !b.live(e.lastUsed, now) {
-				b.counters.AffinityExpired++
-			} else if ep := &b.eps[e.ep]; !slices.Contains(tried, ep.addr) && !skip.skips(ep) {
-				e.lastUsed = now
-				ep.active++
-				b.counters.AffinityHits++
-				return ep.addr, nil
-			}
+		if d.expired {
+			b.counters.AffinityExpired++
 		}
 		b.counters.AffinityMisses++
-		if !found && len(b.entries) >= b.sweepAt {
+		if !d.found && len(b.entries) >= b.sweepAt {
 			b.sweepLocked(now) // moves entries, but client has none
 		}
 	}
-	i := b.schedule(client, tried, skip)
+	i := d.i
 	b.next = i + 1
 	if b.next == len(b.eps) {
 		b.next = 0
@@ -319,14 +308,64 @@ func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPo
 	b.eps[i].active++
 	if b.affinity {
 		e := entry{client: client, ep: int32(i), lastUsed: now}
-		if found {
-			b.entries[pos] = e
+		if d.found {
+			b.entries[d.pos] = e
 		} else {
-			b.clients[key] = int32(len(b.entries))
+			b.clients[keyOfClient(client)] = int32(len(b.entries))
 			b.entries = append(b.entries, e)
 		}
 	}
 	return b.eps[i].addr, nil
+}
+
+// decision is the choice of a Pick, worked out without changing anything.
+type decision struct {
+	// i is the chosen endpoint's index in eps.
+	i int
+	// sticky: the client's affinity entry chose it.
+	sticky bool
+	// found: the client has an affinity entry, at pos in entries; expired:
+	// that entry is past its timeout; ejectedEntry: it names an ejected
+	// endpoint, so the scheduler chose instead.
+	found, expired, ejectedEntry bool
+	pos                          int32
+	// skip is the ejection filter the scheduler ran with.
+	skip ejectFilter
+}
+
+// decide works out what Pick does for client at now, having tried tried: Pick
+// carries the decision out, Explain and State word it, so that a view of the
+// next choice cannot differ from the choice. newClient asks for a client
+// without an affinity entry (client is then not looked up). It changes no
+// state. b.mu must be held and eps not empty; now must be set when endpoints
+// are ejected or affinity is on.
+func (b *Balancer) decide(client netip.Addr, tried []netip.AddrPort, now time.Time, newClient bool) decision {
+	if b.allTried(tried) {
+		tried = nil
+	}
+	var d decision
+	if b.ejected > 0 {
+		d.skip = b.ejectFilter(tried, now)
+	}
+	if b.affinity && !newClient {
+		d.pos, d.found = b.clients[keyOfClient(client)]
+		if d.found {
+			e := &b.entries[d.pos]
+			ep := &b.eps[e.ep]
+			switch {
+			case !b.live(e.lastUsed, now):
+				d.expired = true
+			case slices.Contains(tried, ep.addr):
+			case d.skip.skips(ep):
+				d.ejectedEntry = true
+			default:
+				d.i, d.sticky = int(e.ep), true
+				return d
+			}
+		}
+	}
+	d.i = b.schedule(client, tried, d.skip)
+	return d
 }
 
 // allTried reports whether tried covers every endpoint. It cannot when it is shorter
@@ -451,33 +490,35 @@ func (b *Balancer) Explain(client netip.Addr) (Choice, error) {
 		return Choice{}, ErrNoEndpoints
 	}
 	now := b.now()
-	skip := b.ejectFilter(nil, now)
+	return b.word(b.decide(client, nil, now, false), client, now), nil
+}
+
+// word says why d chose its endpoint for client (the zero Addr: a new client).
+func (b *Balancer) word(d decision, client netip.Addr, now time.Time) Choice {
+	ep := &b.eps[d.i]
 	var note string
-	if b.affinity {
-		if pos, ok := b.clients[keyOfClient(client)]; ok {
-			e := b.entries[pos]
-			ep := &b.eps[e.ep]
-			switch {
-			case !b.live(e.lastUsed, now):
-				note = fmt.Sprintf("affinity entry for %s (endpoint %s) expired; ", client, ep.addr)
-			case skip.skips(ep):
-				note = fmt.Sprintf("affinity entry for %s names %s, which is ejected until %s; ", client, ep.addr, ep.ejectedUntil.Format(time.RFC3339))
-			default:
-				left := b.timeout - now.Sub(e.lastUsed)
-				return Choice{Endpoint: ep.addr, Sticky: true, Reason: fmt.Sprintf(
-					"ClientIP affinity: %s is pinned to %s (last used %s ago, entry expires in %s unless used again)",
-					client, ep.addr, now.Sub(e.lastUsed).Round(time.Millisecond), left.Round(time.Millisecond))}, nil
-			}
-		} else {
+	if b.affinity && client.IsValid() {
+		switch {
+		case d.sticky:
+			lastUsed := b.entries[d.pos].lastUsed
+			left := b.timeout - now.Sub(lastUsed)
+			return Choice{Endpoint: ep.addr, Sticky: true, Reason: fmt.Sprintf(
+				"ClientIP affinity: %s is pinned to %s (last used %s ago, entry expires in %s unless used again)",
+				client, ep.addr, now.Sub(lastUsed).Round(time.Millisecond), left.Round(time.Millisecond))}
+		case d.expired:
+			note = fmt.Sprintf("affinity entry for %s (endpoint %s) expired; ", client, b.eps[b.entries[d.pos].ep].addr)
+		case d.ejectedEntry:
+			pinned := &b.eps[b.entries[d.pos].ep]
+			note = fmt.Sprintf("affinity entry for %s names %s, which is ejected until %s; ", client, pinned.addr, pinned.ejectedUntil.Format(time.RFC3339))
+		case !d.found:
 			note = fmt.Sprintf("no affinity entry for %s yet; ", client)
 		}
 	}
-	i := b.schedule(client, nil, skip)
-	reason := note + b.scheduleReason(i, client)
-	if skip.on {
+	reason := note + b.scheduleReason(d.i, client)
+	if d.skip.on {
 		var ej []string
 		for j := range b.eps {
-			if skip.skips(&b.eps[j]) {
+			if d.skip.skips(&b.eps[j]) {
 				ej = append(ej, b.eps[j].addr.String())
 			}
 		}
@@ -485,7 +526,7 @@ func (b *Balancer) Explain(client netip.Addr) (Choice, error) {
 	} else if b.countEjected(now) > 0 {
 		reason += "; every endpoint is ejected, so ejection is ignored"
 	}
-	return Choice{Endpoint: b.eps[i].addr, Reason: reason}, nil
+	return Choice{Endpoint: ep.addr, Reason: reason}
 }
 
 // scheduleReason words why the scheduler chose eps[i].
@@ -531,9 +572,12 @@ type Counters struct {
 type State struct {
 	Scheduler string          `json:"scheduler"`
 	Endpoints []EndpointState `json:"endpoints"`
-	// Next is the endpoint where the scheduler's rotation resumes (rr's next choice
-	// when nothing is tried); zero when there are no endpoints.
+	// Next is the endpoint the next new client (one without an affinity entry)
+	// gets, by the decision Pick makes (ejected endpoints skipped), and
+	// NextReason says why; both zero when there are no endpoints, or with the sh
+	// scheduler, where the choice hangs on the client's address.
 	Next                   netip.AddrPort `json:"next"`
+	NextReason             string         `json:"nextReason,omitempty"`
 	ClientIPAffinity       bool           `json:"clientIPAffinity"`
 	AffinityTimeoutSeconds float64        `json:"affinityTimeoutSeconds,omitempty"`
 	// Affinity holds the live entries, ordered by client.
@@ -592,8 +636,9 @@ func (b *Balancer) State() State {
 		ClientIPAffinity: b.affinity,
 		Counters:         b.counters,
 	}
-	if len(b.eps) > 0 {
-		s.Next = b.eps[b.next].addr
+	if len(b.eps) > 0 && b.sched != sourceHashing {
+		c := b.word(b.decide(netip.Addr{}, nil, now, true), netip.Addr{}, now)
+		s.Next, s.NextReason = c.Endpoint, c.Reason
 	}
 	if b.affinity {
 		s.AffinityTimeoutSeconds = b.timeout.Seconds()

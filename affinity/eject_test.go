@@ -363,3 +363,42 @@ func TestEjectionObserverCalledUnlocked(t *testing.T) {
 		t.Errorf("state seen by the observer: got %+v, want %s ejected", log.seen, epA)
 	}
 }
+
+// State's Next is what the next new client gets: the decision Pick makes, with
+// ejected endpoints skipped and affinity entries of other clients not in the
+// way, in every scheduler where a new client's choice does not hang on its
+// address (sh has no Next).
+func TestStateNextIsPick(t *testing.T) {
+	for _, sched := range Schedulers {
+		t.Run(sched, func(t *testing.T) {
+			eps := endpoints(3)
+			b, clock := mkBalancer(t, sched, eps, true, time.Minute)
+			b.SetEjection(Ejection{After: 1, Base: time.Hour})
+			b.DialFailed(eps[1], errDial) // ejected for the whole test
+			for i := range 30 {
+				st := b.State()
+				c := clientAddr(100 + i) // a new client every time
+				got := mustPick(t, b, c, nil)
+				if got == eps[1] {
+					t.Fatalf("pick %d: got the ejected %v", i, got)
+				}
+				if sched == "sh" {
+					if st.Next.IsValid() || st.NextReason != "" {
+						t.Fatalf("sample %d: got Next %v (%q), want none: sh's choice hangs on the client's address", i, st.Next, st.NextReason)
+					}
+					continue
+				}
+				if st.Next != got {
+					t.Fatalf("sample %d: State said the next new client gets %v (%s), Pick gave %v", i, st.Next, st.NextReason, got)
+				}
+				if !strings.Contains(st.NextReason, "scheduler "+sched) || !strings.Contains(st.NextReason, "skipping ejected "+eps[1].String()) {
+					t.Errorf("sample %d: NextReason %q, want the scheduler %s and the ejected %v named", i, st.NextReason, sched, eps[1])
+				}
+				if i%2 == 0 {
+					b.Release(got)
+				}
+				clock.advance(time.Second)
+			}
+		})
+	}
+}

@@ -132,6 +132,9 @@ type rulePath struct {
 }
 
 type ruleStep struct {
+	// Table is set for an element of an nftables table ("inet uproxy"):
+	// Chain is then its map and Text the element; Rule and Line are 0.
+	Table string `json:"table,omitempty"`
 	Chain string `json:"chain"`
 	// Rule is the rule's number in its chain (as `iptables -t nat -L CHAIN
 	// --line-numbers` counts); Line its line in the iptables-save output.
@@ -225,42 +228,6 @@ func Run(w io.Writer, destination string, o Options) error {
 		x.Notes = append(x.Notes, fmt.Sprintf("no Service port of the running proxy has %s/%s (as a ClusterIP, ExternalIP, LoadBalancer IP, NodePort or proxy port)", dst, proto))
 	}
 
-	save, err := o.readRules(dst.Addr().Is6())
-	if err != nil {
-		x.RulesError = err.Error()
-	} else {
-		t := parseNAT(save)
-		filter := parseFilter(save)
-		pkt := packet{dst: dst, proto: strings.ToLower(proto), client: client, local: local, recent: recentLists(o.RecentDir)}
-		hooks := []string{"PREROUTING", "OUTPUT"}
-		if client.IsValid() {
-			// A client on this node goes through OUTPUT, any other through PREROUTING.
-			hooks = hooks[:1]
-			if local[client.Unmap()] {
-				hooks = []string{"OUTPUT"}
-			}
-		}
-		for _, h := range hooks {
-			rp := t.trace(h, pkt)
-			x.Rules = append(x.Rules, rp)
-			if rewritesSurely(rp) {
-				continue // the filter table sees another destination
-			}
-			fh := h // OUTPUT: the node's own packet
-			if h == "PREROUTING" {
-				fh = "FORWARD"
-				if onNode(dst, local) {
-					fh = "INPUT"
-				}
-			}
-			if fp := filter.trace(fh, pkt); decides(fp) {
-				x.FilterRules = append(x.FilterRules, fp)
-			}
-		}
-		if client.IsValid() {
-			x.kernelChoices()
-		}
-	}
 	if x.Mode == "userspace" {
 		if err := x.findNFTPortals(o, dst, proto, local[dst.Addr()] || dst.Addr().IsLoopback()); err != nil {
 			x.Notes = append(x.Notes, "nftables portals unreadable: "+err.Error())
@@ -270,6 +237,48 @@ func Run(w io.Writer, destination string, o Options) error {
 		if err := x.findNFTKernel(o, dst, proto, local[dst.Addr()] || dst.Addr().IsLoopback()); err != nil {
 			x.Notes = append(x.Notes, "nftables kernel mode's table unreadable: "+err.Error())
 		}
+	}
+	hooks := []string{"PREROUTING", "OUTPUT"}
+	if client.IsValid() {
+		// A client on this node goes through OUTPUT, any other through PREROUTING.
+		hooks = hooks[:1]
+		if local[client.Unmap()] {
+			hooks = []string{"OUTPUT"}
+		}
+	}
+	pkt := packet{dst: dst, proto: strings.ToLower(proto), client: client, local: local, recent: recentLists(o.RecentDir)}
+	save, err := o.readRules(dst.Addr().Is6())
+	if err != nil {
+		x.RulesError = err.Error()
+	} else {
+		t := parseNAT(save)
+		for _, h := range hooks {
+			x.Rules = append(x.Rules, t.trace(h, pkt))
+		}
+	}
+	// The nftables elements decide beside the iptables rules: on the same
+	// paths, before the filter trace and the kernel's choice read them.
+	x.nftPaths(hooks)
+	if err == nil {
+		filter := parseFilter(save)
+		for _, rp := range x.Rules {
+			if rewritesSurely(rp) {
+				continue // the filter table sees another destination
+			}
+			fh := rp.Hook // OUTPUT: the node's own packet
+			if fh == "PREROUTING" {
+				fh = "FORWARD"
+				if onNode(dst, local) {
+					fh = "INPUT"
+				}
+			}
+			if fp := filter.trace(fh, pkt); decides(fp) {
+				x.FilterRules = append(x.FilterRules, fp)
+			}
+		}
+	}
+	if client.IsValid() {
+		x.kernelChoices()
 	}
 	if (err == nil || len(x.NFTPortals) > 0) && x.Mode == "userspace" && !x.anyRewrite() {
 		for _, sm := range x.Services {

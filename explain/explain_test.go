@@ -339,6 +339,18 @@ func TestExplainUserspace(t *testing.T) {
 		if strings.Contains(out, "no portal rule") || strings.Contains(out, "10.96.0.53") {
 			t.Errorf("output: says there is no portal, or shows another Service's element\n%s", out)
 		}
+		// The nat paths follow the element, from pods and from the node.
+		for _, want := range []string{
+			fmt.Sprintf("=> always REDIRECT to local port %d, the proxy port of shop/web:http (nftables inet uproxy, service-ips4)", pp),
+			fmt.Sprintf("=> always DNAT to this node's address:%d, the proxy port of shop/web:http (nftables inet uproxy, service-ips4)", pp),
+		} {
+			if !strings.Contains(out, want) {
+				t.Errorf("output: missing %q\n%s", want, out)
+			}
+		}
+		if strings.Contains(out, "no rule rewrites it") {
+			t.Errorf("output: says no rule rewrites the destination, which the portals' element steers\n%s", out)
+		}
 	})
 
 	t.Run("proxy port itself", func(t *testing.T) {
@@ -540,7 +552,11 @@ func TestExplainNFTablesMode(t *testing.T) {
 	}
 	web := &service.Port{Name: service.PortName{Namespace: "shop", Name: "web", Port: "http"}, Protocol: service.TCP, Port: 80,
 		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
-		Endpoints:  []service.Endpoint{{Addr: netip.MustParseAddrPort("10.244.1.5:8080"), Ready: true, Serving: true}}}
+		Endpoints: []service.Endpoint{
+			{Addr: netip.MustParseAddrPort("10.244.1.5:8080"), Ready: true, Serving: true},
+			{Addr: netip.MustParseAddrPort("10.244.1.6:8080"), Ready: true, Serving: true},
+			{Addr: netip.MustParseAddrPort("10.244.1.7:8080"), Ready: true, Serving: true},
+		}}
 	if err := mode.Sync(&service.Snapshot{Ports: []*service.Port{web}}); err != nil {
 		t.Fatal(err)
 	}
@@ -552,12 +568,22 @@ func TestExplainNFTablesMode(t *testing.T) {
 	for _, want := range []string{
 		"Proxy mode: nftables",
 		"nftables kernel mode (table inet uproxy-kernel):",
-		"backends4-1: 10.96.0.10 . tcp . 80 . 0 : 10.244.1.5 . 8080 (shop/web:http)",
+		"backends4-3: 10.96.0.10 . tcp . 80 . 0 : 10.244.1.5 . 8080 (shop/web:http)",
 		"=> DNAT to this endpoint, one slot of the random pick",
+		"=> sometimes DNAT to 10.244.1.6:8080 (nftables inet uproxy-kernel, backends4-3, 33% of new connections)",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output: missing %q\n%s", want, out)
 		}
+	}
+	if strings.Contains(out, "no rule rewrites it") {
+		t.Errorf("output: says no rule rewrites the destination, which the mode's elements DNAT\n%s", out)
+	}
+	// The client's next choice is the elements' random pick.
+	out = runExplain(t, "10.96.0.10:80", Options{MetricsAddress: addr, IPTablesSave: bare, NFTKernel: k, Client: "192.0.2.7"})
+	want := "Next for client 192.0.2.7: the kernel picks at random for each new connection (numgen random, one slot per endpoint): 10.244.1.5:8080 33%, 10.244.1.6:8080 33%, 10.244.1.7:8080 33%."
+	if !strings.Contains(out, want) {
+		t.Errorf("output with a client: missing %q\n%s", want, out)
 	}
 	out = runExplain(t, "10.96.0.99:80", Options{MetricsAddress: addr, IPTablesSave: bare, NFTKernel: k})
 	if !strings.Contains(out, "no element of table inet uproxy-kernel concerns 10.96.0.99:80/TCP") {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -32,6 +33,8 @@ func (x *explanation) describe(v verdict) string {
 	port := v.To
 	if ap, err := netip.ParseAddrPort(v.To); err == nil {
 		port = strconv.Itoa(int(ap.Port()))
+	} else if i := strings.LastIndexByte(v.To, ':'); i >= 0 {
+		port = v.To[i+1:] // "this node's address:PORT" (nftables portals)
 	}
 	for _, sm := range x.Services {
 		if pp := sm.Service.ProxyPort; pp != 0 && strconv.Itoa(pp) == port {
@@ -136,7 +139,13 @@ func (x *explanation) writeText(w io.Writer) error {
 				p("  Its dial goes from the node's address: %s.\n", c.SourceReason)
 			}
 		case st.NextEndpoint != "":
-			p("  Next new client: %s (the scheduler's rotation; give --client IP for a given client's choice).\n", st.NextEndpoint)
+			because := ""
+			if st.NextReason != "" {
+				because = ", because " + st.NextReason
+			}
+			p("  Next new client: %s%s (give --client IP for a given client's choice).\n", st.NextEndpoint, because)
+		case st.ProxyPort != 0 && st.Scheduler == "sh" && len(st.Endpoints) > 0:
+			p("  Next new client: hangs on its address (scheduler sh); give --client IP for its choice.\n")
 		}
 		if st.AffinityCounters != nil && st.SessionAffinity == "ClientIP" {
 			c := st.AffinityCounters
@@ -168,7 +177,7 @@ func (x *explanation) writeText(w io.Writer) error {
 			p("  %s: %s%s (%s)\n    => %s\n", e.Set, e.Key, v, e.Service, e.Meaning)
 		}
 	}
-	p("\nRules (nat table):\n")
+	p("\nRules (nat table%s):\n", x.natSources())
 	if x.RulesError != "" {
 		p("  unavailable: %s\n", x.RulesError)
 	}
@@ -225,6 +234,10 @@ func (x *explanation) writePaths(p func(string, ...any), paths []rulePath, filte
 			if s.Maybe {
 				mark = " [sometimes: " + s.Note + "]"
 			}
+			if s.Table != "" {
+				p("    nftables %s, %s element%s:\n      %s\n", s.Table, s.Chain, mark, s.Text)
+				continue
+			}
 			p("    %s rule %d (line %d)%s:\n      %s\n", s.Chain, s.Rule, s.Line, mark, s.Text)
 		}
 		for i, v := range rp.Verdicts {
@@ -245,6 +258,10 @@ func (x *explanation) writePaths(p func(string, ...any), paths []rulePath, filte
 				if v.Chance > 0 && v.Chance < 1 {
 					share = fmt.Sprintf(", %.0f%% of new connections", 100*v.Chance)
 				}
+				if s := rp.Steps[v.Via]; s.Table != "" {
+					p("    => %s %s (nftables %s, %s%s)\n", how, x.describe(v), s.Table, s.Chain, share)
+					continue
+				}
 				p("    => %s %s (%s rule %d%s)\n", how, x.describe(v), rp.Steps[v.Via].Chain, rp.Steps[v.Via].Rule, share)
 			}
 		}
@@ -258,4 +275,21 @@ func ejectedFor(until string) string {
 		return " until " + until
 	}
 	return fmt.Sprintf(" for another %s (until %s)", time.Until(t).Round(100*time.Millisecond), t.Local().Format("15:04:05"))
+}
+
+// natSources names the nftables tables whose elements the nat paths show
+// beside iptables' rules.
+func (x *explanation) natSources() string {
+	var ts []string
+	for _, rp := range x.Rules {
+		for _, s := range rp.Steps {
+			if s.Table != "" && !slices.Contains(ts, s.Table) {
+				ts = append(ts, s.Table)
+			}
+		}
+	}
+	if len(ts) == 0 {
+		return ""
+	}
+	return " of iptables, and nftables table " + strings.Join(ts, ", ")
 }

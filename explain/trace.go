@@ -367,6 +367,9 @@ func (x *explanation) kernelChoices() {
 				if v.Certain && len(split) == 0 {
 					c.Endpoint = v.To
 					c.Reason = fmt.Sprintf("%s rule %d sends every new connection there", rp.Steps[v.Via].Chain, rp.Steps[v.Via].Rule)
+					if s := rp.Steps[v.Via]; s.Table != "" {
+						c.Reason = fmt.Sprintf("the element of nftables %s, %s sends every new connection there", s.Table, s.Chain)
+					}
 					for _, s := range rp.Steps[:v.Via+1] {
 						if list := optionValue(iptables.Fields(s.Text), "--name"); list != "" && !s.Maybe && strings.Contains(s.Text, "--rcheck") {
 							c.Sticky = true
@@ -385,7 +388,14 @@ func (x *explanation) kernelChoices() {
 		switch {
 		case c.Endpoint != "":
 		case len(split) > 0:
-			c.Reason = "the kernel picks at random for each new connection (-m statistic): " + strings.Join(split, ", ")
+			how := "-m statistic"
+			if x.Mode == "nftables" {
+				how = "numgen random, one slot per endpoint"
+			}
+			c.Reason = "the kernel picks at random for each new connection (" + how + "): " + strings.Join(split, ", ")
+			if nftAffinity(x.Rules) {
+				c.Reason = "ClientIP affinity: a client the Service port's chain has seen within the timeout goes back to its endpoint; a new one: " + c.Reason
+			}
 		case x.Mode == "ipvs":
 			c.Reason = fmt.Sprintf("the kernel's IPVS scheduler %s picks for each new connection", st.Scheduler)
 		default:
@@ -393,4 +403,16 @@ func (x *explanation) kernelChoices() {
 		}
 		st.NextForClient = c
 	}
+}
+
+// nftAffinity reports whether a path passes an nftables affinity element.
+func nftAffinity(paths []rulePath) bool {
+	for _, rp := range paths {
+		for _, s := range rp.Steps {
+			if s.Table != "" && s.Maybe && strings.HasPrefix(s.Note, "ClientIP affinity") {
+				return true
+			}
+		}
+	}
+	return false
 }

@@ -6,8 +6,10 @@ import (
 	"math"
 	"net"
 	"os/exec"
+	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/uproxy/uproxy/testbed"
 )
@@ -261,6 +263,10 @@ func TestExplainUserspaceMode(t *testing.T) {
 		t.Errorf("recent failures: got %+v, want connections from %s retried after %s refused", x.RecentFailures, w.client, w.killed)
 	}
 
+	t.Run("the next new client: /debug/services and explain name what the next connection gets", func(t *testing.T) {
+		w.checkNextNewClient(t, "10.96.0.10:80", "it/web:p", 30)
+	})
+
 	t.Run("ClientIP affinity: the next connection gets the endpoint explain names", func(t *testing.T) {
 		first, _ := w.connect(t, "10.96.0.11:80", 1)
 		_, x := w.explain(t, "10.96.0.11:80")
@@ -302,6 +308,54 @@ func TestExplainNFTablesPortals(t *testing.T) {
 	for _, n := range x.Notes {
 		if strings.Contains(n, "no portal rule") {
 			t.Errorf("note %q: the nftables portals catch the destination", n)
+		}
+	}
+	// The nat path is the element's: to the proxy port, not "itself".
+	contains(t, text, fmt.Sprintf("=> always REDIRECT to local port %d, the proxy port of it/web:p (nftables inet uproxy, service-ips4)", pp))
+	if strings.Contains(text, "no rule rewrites it") {
+		t.Errorf("explain text: says no rule rewrites %s, which the portals' element steers to proxy port %d", "10.96.0.10:80", pp)
+	}
+	if len(x.Rules) != 1 || len(x.Rules[0].Verdicts) != 1 || x.Rules[0].Verdicts[0].Target != "REDIRECT" ||
+		x.Rules[0].Verdicts[0].To != fmt.Sprint(pp) || !x.Rules[0].Verdicts[0].Certain {
+		t.Errorf("json rules: got %+v, want one PREROUTING path to a certain REDIRECT to %d", x.Rules, pp)
+	}
+}
+
+// TestExplainNFTablesKernelMode: explain against the nftables kernel mode
+// shows the mode's DNAT elements as the nat path, a third of new
+// connections to each endpoint, and gives the client the kernel's random
+// pick among them, as the connections found it (the killed one refused).
+func TestExplainNFTablesKernelMode(t *testing.T) {
+	testbed.RequireNFTables(t)
+	w := newExplainWorld(t, "--proxy-mode", "nftables")
+	answered, refused := w.connect(t, "10.96.0.10:80", 12)
+	if refused == 0 || answered["web-2"] != 0 || len(answered) != 2 {
+		t.Fatalf("nftables mode with web-2 killed: got %v and %d refused, want some refused and the others answered by web-1 and web-3", answered, refused)
+	}
+	text, x := w.explain(t, "10.96.0.10:80/tcp")
+	contains(t, text, "Proxy mode: nftables", "nftables kernel mode (table inet uproxy-kernel):",
+		"Next for client "+w.client+": the kernel picks at random for each new connection (numgen random, one slot per endpoint): ")
+	for _, bad := range []string{"no rule rewrites it", "no rule sends it to an endpoint"} {
+		if strings.Contains(text, bad) {
+			t.Errorf("explain text: says %q beside the DNAT elements", bad)
+		}
+	}
+	if len(x.Services) != 1 || x.Services[0].Service.NextForClient == nil || len(x.Rules) != 1 {
+		t.Fatalf("json: got %d services, %d rule paths; want it/web:p with a next choice, PREROUTING", len(x.Services), len(x.Rules))
+	}
+	dnat := map[string]float64{}
+	for _, v := range x.Rules[0].Verdicts {
+		if v.Target != "DNAT" || v.Certain {
+			t.Errorf("verdict %+v: want a DNAT to an endpoint, one of a random pick", v)
+		}
+		dnat[v.To] += v.Chance
+	}
+	for ep, name := range w.names {
+		if math.Abs(dnat[ep]-1.0/3) > 0.01 {
+			t.Errorf("share of new connections to %s (%s): got %.3f, want 1/3 (all verdicts %v)", ep, name, dnat[ep], dnat)
+		}
+		if c := x.Services[0].Service.NextForClient; !strings.Contains(c.Reason, ep+" 33%") {
+			t.Errorf("next for client: got %q, want %s with 33%%", c.Reason, ep)
 		}
 	}
 }
@@ -393,4 +447,91 @@ func TestExplainIPTablesMode(t *testing.T) {
 			t.Errorf("next connection: answered by %v, refused %d; want it to go to %s (%s) as explain said", next, refusedNext, c.Endpoint, name)
 		}
 	})
+}
+
+// nextView is what /debug/services says of a Service port's next new client
+// and of the killed endpoint's ejection.
+type nextView struct {
+	next, reason string
+	ejected      bool
+	until        time.Time
+}
+
+func (w *explainWorld) nextView(t *testing.T, name string) nextView {
+	t.Helper()
+	body, err := w.px.get("/debug/services")
+	if err != nil {
+		t.Fatalf("GET /debug/services: %v", err)
+	}
+	var x struct {
+		Services []struct {
+			Name, NextEndpoint, NextReason string
+			Endpoints                      []struct {
+				Address      string
+				Ejected      bool
+				EjectedUntil time.Time
+			}
+		}
+	}
+	if err := json.Unmarshal([]byte(body), &x); err != nil {
+		t.Fatalf("decode /debug/services: %v\n%s", err, body)
+	}
+	for _, s := range x.Services {
+		if s.Name != name {
+			continue
+		}
+		v := nextView{next: s.NextEndpoint, reason: s.NextReason}
+		for _, e := range s.Endpoints {
+			if e.Address == w.killed {
+				v.ejected, v.until = e.Ejected, e.EjectedUntil
+			}
+		}
+		return v
+	}
+	t.Fatalf("/debug/services has no %s:\n%s", name, body)
+	return nextView{}
+}
+
+// checkNextNewClient samples, n times while the killed endpoint is ejected,
+// the next new client that /debug/services names (and every tenth time the
+// "Next new client" of `uproxy explain` without --client), then connects:
+// the connection must be answered by the endpoint named, and the ejected
+// endpoint is never named. Between samples, connections drive the killed
+// endpoint back into ejection when its period ends.
+func (w *explainWorld) checkNextNewClient(t *testing.T, vip, name string, n int) {
+	t.Helper()
+	nextRE := regexp.MustCompile(`Next new client: ([^\s,]+),? ([^\n]*)`)
+	deadline := time.Now().Add(60 * time.Second)
+	samples := 0
+	for samples < n && time.Now().Before(deadline) {
+		v := w.nextView(t, name)
+		if !v.ejected || time.Until(v.until) < 500*time.Millisecond {
+			w.connect(t, vip, 1) // on probation, one failed dial ejects it again
+			continue
+		}
+		next, reason, from := v.next, v.reason, "/debug/services"
+		if samples%10 == 0 {
+			args := []string{"netns", "exec", w.tp.NS(testbed.Node).Name, uproxyBin, "explain", vip, "--metrics-address", w.px.metrics}
+			text, err := exec.Command("ip", args...).Output()
+			if err != nil {
+				t.Fatalf("uproxy explain %s: %v: %s", vip, err, stderrOf(err))
+			}
+			m := nextRE.FindStringSubmatch(string(text))
+			if m == nil {
+				t.Fatalf("uproxy explain %s: no \"Next new client\" line:\n%s", vip, text)
+			}
+			next, reason, from = m[1], m[2], "uproxy explain"
+		}
+		samples++
+		if next == w.killed {
+			t.Errorf("sample %d: %s names the ejected %s as the next new client (%s)", samples, from, next, reason)
+		}
+		answered, refused := w.connect(t, vip, 1)
+		if answered[w.names[next]] != 1 {
+			t.Errorf("sample %d: %s named %s (%s, %s), the connection was answered by %v (%d refused)", samples, from, next, w.names[next], reason, answered, refused)
+		}
+	}
+	if samples < n {
+		t.Fatalf("took %d samples while %s was ejected in 60s, want %d", samples, w.killed, n)
+	}
 }

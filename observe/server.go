@@ -38,8 +38,12 @@ type ServiceState struct {
 	Scheduler         string          `json:"scheduler"`
 	Endpoints         []EndpointState `json:"endpoints"`
 	Affinity          []AffinityEntry `json:"affinity"`
-	// NextEndpoint is where the scheduler's rotation resumes.
+	// NextEndpoint is the endpoint the next new client (one without an
+	// affinity entry, of the first family with endpoints) gets, by the
+	// balancer's own decision, and NextReason says why; empty where that
+	// hangs on the client's address (sh) or no balancer chooses (kernel modes).
 	NextEndpoint     string            `json:"nextEndpoint,omitempty"`
+	NextReason       string            `json:"nextReason,omitempty"`
 	AffinityCounters *AffinityCounters `json:"affinityCounters,omitempty"`
 	ActiveClients    int               `json:"activeClients,omitempty"` // UDP client table size
 	// Ejection is the outlier ejection policy ("" when off), e.g. "after 3 consecutive failed dials".

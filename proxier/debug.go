@@ -106,7 +106,7 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 		})
 	}
 	if bs.Next.IsValid() {
-		st.NextEndpoint = bs.Next.String()
+		st.NextEndpoint, st.NextReason = bs.Next.String(), bs.NextReason
 	}
 	st.AffinityCounters = &observe.AffinityCounters{
 		Hits: bs.Counters.AffinityHits, Misses: bs.Counters.AffinityMisses,

@@ -193,16 +193,16 @@ func portStats(sp *servicePort) func() observe.BalancerStats {
 
 // state merges the states of every balancer of sp for /debug/services, in the
 // terms of one balancer: endpoints held twice are merged as in portStats,
-// affinity entries and counters are added up, and Next is the cluster
-// route's (IPv4 first).
+// affinity entries and counters are added up, and Next (with its reason) is
+// the cluster route's, of the first family with endpoints, IPv4 first.
 func (sp *servicePort) state() affinity.State {
 	var out affinity.State
 	at := map[netip.AddrPort]int{}
-	for _, b := range sp.balancers() {
+	for k, b := range sp.balancers() {
 		s := b.State()
 		out.Scheduler, out.ClientIPAffinity, out.AffinityTimeoutSeconds = s.Scheduler, s.ClientIPAffinity, s.AffinityTimeoutSeconds
-		if !out.Next.IsValid() {
-			out.Next = s.Next
+		if k < len(sp.cluster.picker.fam) && !out.Next.IsValid() && len(s.Endpoints) > 0 {
+			out.Next, out.NextReason = s.Next, s.NextReason
 		}
 		for _, e := range s.Endpoints {
 			i, ok := at[e.Addr]

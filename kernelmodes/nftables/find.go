@@ -25,6 +25,19 @@ type Element struct {
 	Service string `json:"service,omitempty"`
 	// Meaning says what the element does to the destination's traffic.
 	Meaning string `json:"meaning"`
+	// Endpoint is where an element of a count map sends a new connection
+	// (DNAT), and Share the part of new connections it gets: the rule draws
+	// numgen random mod the map's count, one slot per element.
+	Endpoint string  `json:"endpoint,omitempty"`
+	Share    float64 `json:"share,omitempty"`
+	// Local: the element is of a pick among this node's endpoints, which
+	// only traffic from outside to a Service port with externalTrafficPolicy
+	// Local reaches.
+	Local bool `json:"local,omitempty"`
+	// Affinity: the element sends the Service port's new connections to its
+	// own chain first, where a client seen within the timeout goes back to
+	// its endpoint.
+	Affinity bool `json:"affinity,omitempty"`
 }
 
 // ErrNoTable is Find's error when the mode's table is not there.
@@ -102,6 +115,25 @@ func Find(ctx context.Context, nft knftables.Interface, dst netip.AddrPort, prot
 				el := Element{Set: name, Key: k, Value: strings.Join(e.Value, " . "), Meaning: meaning}
 				if e.Comment != nil {
 					el.Service = *e.Comment
+				}
+				if pk, n, ok := parseCountMap(name, fam); ok {
+					// "ADDR . PORT", in one value or two, as nft lists it
+					// or as it was written.
+					ip, port, _ := strings.Cut(el.Value, " . ")
+					a, aerr := netip.ParseAddr(ip)
+					p, perr := strconv.ParseUint(port, 10, 16)
+					if aerr != nil || perr != nil {
+						return nil, fmt.Errorf("%s %s element %s: endpoint %q", kind, name, k, el.Value)
+					}
+					el.Endpoint = netip.AddrPortFrom(a, uint16(p)).String()
+					el.Share = 1 / float64(n)
+					el.Local = pk == pickLocal || pk == pickNPLocal
+				}
+				for pk := range numPicks {
+					if name == picks[pk].affinity+fam {
+						el.Affinity = true
+						el.Local = pk == pickLocal || pk == pickNPLocal
+					}
 				}
 				out = append(out, el)
 			}

@@ -116,6 +116,25 @@ func (f *family) countMap(k pick, n int) string {
 	return picks[k].maps + f.n + "-" + strconv.Itoa(n)
 }
 
+// parseCountMap is countMap backwards, for reading the table: the pick and
+// endpoint count of a count map of the family fam ("4" or "6").
+func parseCountMap(name, fam string) (k pick, n int, ok bool) {
+	i := strings.LastIndexByte(name, '-')
+	if i < 0 {
+		return 0, 0, false
+	}
+	n, err := strconv.Atoi(name[i+1:])
+	if err != nil || n <= 0 {
+		return 0, 0, false
+	}
+	for k := range numPicks {
+		if name[:i] == picks[k].maps+fam {
+			return k, n, true
+		}
+	}
+	return 0, 0, false
+}
+
 // addrKey and npKey are the lookup expressions of the two kinds of key.
 func (f *family) addrKey() string { return f.ip + " daddr . meta l4proto . th dport" }
 
