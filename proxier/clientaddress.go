@@ -99,11 +99,20 @@ func (p *Proxier) keepsClient(r *route, client netip.Addr) bool {
 }
 
 // shortCircuits reports whether a connection from client through route r goes
-// to the endpoints of the port's cluster route, as kube-proxy short-circuits
-// traffic to the NodePort, ExternalIPs and LoadBalancer IPs of an
-// externalTrafficPolicy Local Service: the node's own connections, and pods'
-// (from inside --cluster-cidr, when it is set), reach every endpoint, not
-// only this node's. The external route's Picker serves everyone else.
+// to the endpoints of the port's cluster route: the node's own connections to
+// the NodePort, ExternalIPs and LoadBalancer IPs of an externalTrafficPolicy
+// Local Service reach every endpoint, as kube-proxy routes LOCAL-source
+// traffic there. Pods' connections are not short-circuited. kube-proxy sends
+// those from inside its --cluster-cidr to every endpoint too, but only a pod
+// on this node gets an answer that way: a pod on another node is answered
+// by the endpoint directly and its connection fails, which is what upstream's
+// "should fallback to local terminating endpoints ... externalTrafficPolicy=
+// Local" test expects of it ("external, and there are no local endpoints").
+// A proxy that terminates the connection would instead make it succeed, so
+// every pod is treated as external here, and the two rules agree for every
+// client but a pod reaching its own node's external address, which upstream
+// leaves to each implementation. The external route's Picker serves everyone
+// but the node.
 func (p *Proxier) shortCircuits(r *route, client netip.Addr) bool {
 	if !r.external || !r.localPolicy.Load() {
 		return false
@@ -111,13 +120,6 @@ func (p *Proxier) shortCircuits(r *route, client netip.Addr) bool {
 	if client.IsLoopback() {
 		return true
 	}
-	if local := p.own.local.Load(); local != nil && (*local)[client] {
-		return true
-	}
-	for _, c := range p.clientAddr.clusterCIDRs {
-		if c.Contains(client) {
-			return true
-		}
-	}
-	return false
+	local := p.own.local.Load()
+	return local != nil && (*local)[client]
 }
