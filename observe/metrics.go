@@ -4,6 +4,7 @@ package observe
 
 import (
 	"errors"
+	"regexp"
 	"syscall"
 	"time"
 
@@ -135,7 +136,11 @@ var (
 
 func init() {
 	Registry.MustRegister(
-		collectors.NewGoCollector(),
+		// Beside the memstats: the live heap the last GC marked
+		// (go_gc_heap_live_bytes), which after a forced one (with --profiling,
+		// /debug/pprof/heap?gc=1) is what the Services held cost.
+		collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(
+			collectors.GoRuntimeMetricsRule{Matcher: regexp.MustCompile(`^/gc/heap/live:bytes$`)})),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		SyncDuration, SyncLastTimestamp, SyncLastQueuedTimestamp, NetworkProgrammingDuration,
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,

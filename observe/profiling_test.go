@@ -4,6 +4,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -32,6 +33,16 @@ func TestProfilingHandlers(t *testing.T) {
 		}
 		if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "# HeapAlloc = ") {
 			t.Errorf("with profiling: got status %d and %.200q, want 200 and a heap profile with its MemStats", resp.StatusCode, body)
+		}
+		// The live heap that GC marked is among the metrics.
+		resp, err = http.Get(srv.URL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ = io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if !regexp.MustCompile(`(?m)^go_gc_heap_live_bytes [1-9]`).Match(body) {
+			t.Errorf("/metrics: no go_gc_heap_live_bytes above zero")
 		}
 	}
 }
