@@ -2,6 +2,7 @@ package file
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -83,7 +84,7 @@ type object struct {
 // namespace get "default", as kubectl would give them. Every error is a
 // *DocumentError naming name, the document and its line.
 func Decode(name string, data []byte) (svcs []*v1.Service, slices []*discoveryv1.EndpointSlice, errs []error) {
-	objs, errs, _ := decodeFile(name, data)
+	objs, errs, _ := decodeFile(name, data, nil)
 	for _, o := range objs {
 		if o.svc != nil {
 			svcs = append(svcs, o.svc)
@@ -97,9 +98,35 @@ func Decode(name string, data []byte) (svcs []*v1.Service, slices []*discoveryv1
 // decodeFile is Decode keeping each object's location. broken is true when some
 // document could not be decoded at all (as opposed to being of an unsupported kind):
 // the file's content as a whole is then not to be trusted.
-func decodeFile(name string, data []byte) (objs []object, errs []error, broken bool) {
-	for _, d := range splitDocuments(data) {
+//
+// A document whose text prev (the decoded of the file's previous content;
+// nil: none) holds is not decoded again: it keeps its objects, the same
+// pointers, at its new place. A file of many Services written anew with one
+// of them changed then costs the decoding of one document, and the objects of
+// the others stay the ones service.Builder knows, so neither it nor the proxy
+// mode does anything for them.
+func decodeFile(name string, data []byte, prev *decoded) (objs []object, errs []error, broken bool) {
+	docs := splitDocuments(data)
+	next := &decoded{docs: make(map[docDigest]docObjects, len(docs))}
+	for _, d := range docs {
 		at := DocumentError{File: name, Doc: d.index, Line: d.line}
+		digest := docDigest(sha256.Sum256(d.text))
+		if prev != nil {
+			if kept, ok := prev.docs[digest]; ok {
+				// Taken once: a second copy of the document in the file is
+				// decoded, into objects of its own, as without prev.
+				delete(prev.docs, digest)
+				start := len(objs)
+				for _, o := range prev.objs[kept.start:kept.end] {
+					o.at.Doc, o.at.Line = at.Doc, at.Line
+					objs = append(objs, o)
+				}
+				if _, dup := next.docs[digest]; !dup {
+					next.docs[digest] = docObjects{start, len(objs)}
+				}
+				continue
+			}
+		}
 		js, err := toJSON(d)
 		if err == nil && js == nil {
 			continue // a YAML document that is only "null" or "~"
@@ -107,6 +134,11 @@ func decodeFile(name string, data []byte) (objs []object, errs []error, broken b
 		if err == nil {
 			var items []object
 			items, err = decodeObject(js, at, true)
+			if err == nil {
+				if _, dup := next.docs[digest]; !dup {
+					next.docs[digest] = docObjects{len(objs), len(objs) + len(items)}
+				}
+			}
 			objs = append(objs, items...)
 		}
 		if err == nil {
@@ -124,8 +156,24 @@ func decodeFile(name string, data []byte) (objs []object, errs []error, broken b
 			errs = append(errs, de)
 		}
 	}
+	if prev != nil {
+		*prev = decoded{objs: objs, docs: next.docs}
+	}
 	return objs, errs, broken
 }
+
+// docDigest is the SHA-256 of a document's text.
+type docDigest [sha256.Size]byte
+
+// decoded is what the last decoding of one file found: its objects in file
+// order, and which of them each document that decoded whole gave.
+type decoded struct {
+	objs []object
+	docs map[docDigest]docObjects
+}
+
+// docObjects are the objects of one document: objs[start:end].
+type docObjects struct{ start, end int }
 
 func unjoin(err error) []error {
 	if j, ok := err.(interface{ Unwrap() []error }); ok {

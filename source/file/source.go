@@ -14,8 +14,8 @@
 package file
 
 import (
-	"bytes"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -260,9 +260,15 @@ type loader struct {
 }
 
 type fileState struct {
-	data []byte   // content last read
+	// sum is the digest of the content last read; read is false when the
+	// last attempt read nothing (the file deleted or unreadable).
+	sum  [sha256.Size]byte
+	read bool
 	objs []object // objects of the last content that decoded
 	errs []error  // errors of the content last read
+	// decoded is what the last decoding found, by document: a document
+	// unchanged in the next content keeps its objects (decodeFile).
+	decoded decoded
 }
 
 func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
@@ -309,17 +315,21 @@ func (l *loader) load() *service.Snapshot {
 			delete(present, name) // removed since the listing
 			continue
 		case errors.Is(err, os.ErrNotExist):
-			st.data, st.errs = nil, []error{&DocumentError{File: name, Err: ErrDeleted}}
+			st.read, st.errs = false, []error{&DocumentError{File: name, Err: ErrDeleted}}
 			continue
 		case err != nil:
 			// Keep the last good objects of a file that cannot be read right now.
-			st.data, st.errs = nil, []error{&DocumentError{File: name, Err: fmt.Errorf("read: %w", err)}}
+			st.read, st.errs = false, []error{&DocumentError{File: name, Err: fmt.Errorf("read: %w", err)}}
 			continue
-		case st.data != nil && bytes.Equal(data, st.data):
+		}
+		// A digest rather than the content: the content would cost as much
+		// memory again as the objects decoded from it.
+		sum := sha256.Sum256(data)
+		if st.read && sum == st.sum {
 			continue // unchanged: keep its objects and errors
 		}
-		objs, derrs, broken := decodeFile(name, data)
-		st.data, st.errs = data, derrs
+		objs, derrs, broken := decodeFile(name, data, &st.decoded)
+		st.sum, st.read, st.errs = sum, true, derrs
 		if !broken {
 			st.objs = objs
 		}
@@ -327,7 +337,7 @@ func (l *loader) load() *service.Snapshot {
 	for name, st := range l.files {
 		if !present[name] {
 			delete(l.files, name)
-			if st.data != nil {
+			if st.read {
 				klog.InfoS("Manifest file deleted; its objects are gone", "file", name)
 			}
 		}
