@@ -2,6 +2,7 @@ package file
 
 import (
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -82,5 +83,46 @@ func TestReloadRepeatedDocument(t *testing.T) {
 	wantErr := path + ": document 2 (line 11): Service default/a: metadata.name: already defined in " + path + " document 1; this definition is ignored"
 	if got := errorStrings(second); !slices.Equal(got, []string{wantErr}) {
 		t.Errorf("errors: got %q, want %q", got, wantErr)
+	}
+}
+
+// Slices with the same labels share one map (a Go map costs far more than its
+// one or two entries); slices with other labels keep their own, however
+// their keys and values would read run together.
+func TestSlicesShareEqualLabels(t *testing.T) {
+	share := labelSets{}
+	a := share.share(map[string]string{"kubernetes.io/service-name": "web"})
+	b := share.share(map[string]string{"kubernetes.io/service-name": "web"})
+	c := share.share(map[string]string{"kubernetes.io/service-name": "db"})
+	if reflect.ValueOf(a).UnsafePointer() != reflect.ValueOf(b).UnsafePointer() {
+		t.Errorf("equal labels: two maps, want one")
+	}
+	if reflect.ValueOf(a).UnsafePointer() == reflect.ValueOf(c).UnsafePointer() || c["kubernetes.io/service-name"] != "db" {
+		t.Errorf("other labels: got %v, want their own map", c)
+	}
+	x := share.share(map[string]string{"a\x00b": "c"})
+	y := share.share(map[string]string{"a": "b\x00c"})
+	if len(y) != 1 || y["a"] != "b\x00c" || reflect.ValueOf(x).UnsafePointer() == reflect.ValueOf(y).UnsafePointer() {
+		t.Errorf("labels that read alike run together: got %q and %q, want each its own", x, y)
+	}
+	if m := share.share(nil); m != nil {
+		t.Errorf("no labels: got %v, want nil", m)
+	}
+
+	// Through a file: the two slices of web share theirs, and each keeps
+	// its Service.
+	path := filepath.Join(t.TempDir(), "svcs.yaml")
+	writeFile(t, path, strings.Join([]string{svcYAML("web", "10.96.0.10", 80),
+		sliceYAML("web-1", "web", 80, "10.0.0.1"), sliceYAML("web-2", "web", 80, "10.0.0.2"),
+		sliceYAML("db-1", "db", 80, "10.0.0.3")}, "---\n"))
+	l := newLoader(path, false, service.BuildOptions{})
+	snap := l.load()
+	objs := l.files[path].objs
+	if len(objs) != 4 || reflect.ValueOf(objs[1].slice.Labels).UnsafePointer() != reflect.ValueOf(objs[2].slice.Labels).UnsafePointer() ||
+		objs[3].slice.Labels["kubernetes.io/service-name"] != "db" {
+		t.Errorf("slices' labels after a load: %v, %v, %v; want web's two shared, db's its own", objs[1].slice.Labels, objs[2].slice.Labels, objs[3].slice.Labels)
+	}
+	if got := summary(snap); !slices.Equal(got, []string{"default/web:p80=80/TCP[10.0.0.1:8080 10.0.0.2:8080]"}) {
+		t.Errorf("Snapshot: got %v", got)
 	}
 }
