@@ -54,8 +54,9 @@ type PortObserver struct {
 	// noPortWarned is when warnNoLocalPort last logged (Unix nanoseconds).
 	noPortWarned atomic.Int64
 
-	// mu guards endpoints and the attempts arrays in them; an endpointMetrics'
-	// name and dial never change, so a reader may use them after unlocking.
+	// mu guards endpoints (nil until an endpoint's first attempt) and the
+	// attempts arrays in them; an endpointMetrics' name and dial never
+	// change, so a reader may use them after unlocking.
 	mu        sync.RWMutex
 	endpoints map[netip.AddrPort]*endpointMetrics
 }
@@ -102,12 +103,7 @@ type endpointMetrics struct {
 // NewPortObserver returns the observer for service (ns/name:port) and protocol
 // ("TCP" or "UDP"). events, if not nil, receives a record of every connection.
 func NewPortObserver(service, protocol string, events *Events) *PortObserver {
-	o := &PortObserver{
-		service:   service,
-		protocol:  protocol,
-		events:    events,
-		endpoints: make(map[netip.AddrPort]*endpointMetrics),
-	}
+	o := &PortObserver{service: service, protocol: protocol, events: events}
 	livePorts.Lock()
 	livePorts.m[o] = struct{}{}
 	livePorts.Unlock()
@@ -195,6 +191,9 @@ func (o *PortObserver) children(ep netip.AddrPort, r int) (*endpointMetrics, pro
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if em = o.endpoints[ep]; em == nil {
+		if o.endpoints == nil {
+			o.endpoints = make(map[netip.AddrPort]*endpointMetrics)
+		}
 		name := ep.String()
 		em = &endpointMetrics{name: name, dial: DialDuration.WithLabelValues(o.service, name)}
 		o.endpoints[ep] = em
