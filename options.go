@@ -55,6 +55,7 @@ type options struct {
 	cleanup            bool
 	cleanupOnExit      bool
 	debug              bool
+	profiling          bool
 	events             int
 	ejectAfter         int
 	eventLoops         int
@@ -141,6 +142,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit (as uproxy cleanup, which has --force for the rules of a running uproxy)")
 	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")
 	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve the /debug/ page, /debug/services and /debug/events on the metrics address")
+	f.BoolVar(&o.profiling, "profiling", o.profiling, "serve Go's profiles (CPU, heap, goroutines) under /debug/pprof/ on the metrics address, as kube-proxy")
 	f.StringVar(&o.kubeconfig, "kubeconfig", o.kubeconfig, "kubeconfig file of the API server to follow Services and EndpointSlices from (without --services; neither this nor --master: in-cluster config)")
 	f.StringVar(&o.master, "master", o.master, "address of the API server (overrides the kubeconfig's)")
 	f.Float32Var(&o.kubeAPIQPS, "kube-api-qps", o.kubeAPIQPS, "requests per second to the API server")

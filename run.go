@@ -164,7 +164,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	if m, ok := mode.(interface{ Intact() bool }); ok {
 		runner.Check = m.Intact
 	}
-	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug = modeName, mode, conflicts, events, health, o.debug
+	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug, srv.Profiling = modeName, mode, conflicts, events, health, o.debug, o.profiling
 	srv.Unserved = unserved
 	srv.Start()
 

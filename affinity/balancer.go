@@ -59,7 +59,8 @@ type Balancer struct {
 	// sched is the scheduler; SetScheduler changes it.
 	sched scheduler
 	// eps are the endpoints in the order Update gave them; index maps each address
-	// (as endpointKey) to its position. Addresses are unique.
+	// (as endpointKey) to its position, when there are indexMin or more (see
+	// position). Addresses are unique.
 	eps   []backend
 	index map[endpointKey]int32
 	// next is the index after the last endpoint chosen by the scheduler (not by
@@ -126,6 +127,26 @@ type (
 
 func keyOfClient(a netip.Addr) clientKey { return a.As16() }
 
+// indexMin is the fewest endpoints a Balancer keeps an index of: below it a
+// walk over them finds one as fast, and a map would cost more memory than
+// the endpoints themselves (most Service ports have a few).
+const indexMin = 9
+
+// position returns the position in eps of the endpoint of key k, through
+// index where there is one.
+func position(eps []backend, index map[endpointKey]int32, k endpointKey) (int32, bool) {
+	if index != nil {
+		i, ok := index[k]
+		return i, ok
+	}
+	for i := range eps {
+		if keyOfEndpoint(eps[i].addr) == k {
+			return int32(i), true
+		}
+	}
+	return 0, false
+}
+
 func keyOfEndpoint(ep netip.AddrPort) endpointKey {
 	var k endpointKey
 	a := ep.Addr().As16()
@@ -141,11 +162,12 @@ func NewBalancer(scheduler string) (*Balancer, error) {
 	if err != nil {
 		return nil, err
 	}
+	// index and clients stay nil until they have something to hold: most
+	// Service ports have no ClientIP affinity, and a dual-stack node's
+	// balancer of the family a Service has no endpoints in holds none.
 	return &Balancer{
 		sched:   s,
 		now:     time.Now,
-		index:   map[endpointKey]int32{},
-		clients: map[clientKey]int32{},
 		sweepAt: minSweep,
 	}, nil
 }
@@ -194,24 +216,32 @@ func (b *Balancer) Update(endpoints []netip.AddrPort, dst netip.Addr, clientIPAf
 	b.mu.Lock()
 	defer b.mu.Unlock()
 
-	eps := make([]backend, 0, len(endpoints))
-	index := make(map[endpointKey]int32, len(endpoints))
+	var eps []backend
+	var index map[endpointKey]int32
+	if len(endpoints) > 0 {
+		eps = make([]backend, 0, len(endpoints))
+	}
+	if len(endpoints) >= indexMin {
+		index = make(map[endpointKey]int32, len(endpoints))
+	}
 	for _, ep := range endpoints {
 		if !ep.IsValid() {
 			continue
 		}
 		k := keyOfEndpoint(ep)
-		if _, dup := index[k]; dup {
+		if _, dup := position(eps, index, k); dup {
 			continue
 		}
 		be := backend{addr: ep, weight: 1}
-		if i, ok := b.index[k]; ok {
+		if i, ok := position(b.eps, b.index, k); ok {
 			// Ejection state survives syncs: an endpoint that keeps failing stays
 			// known as such while its EndpointSlice still says ready.
 			old := &b.eps[i]
 			be.active, be.failures, be.ejections, be.ejectedUntil = old.active, old.failures, old.ejections, old.ejectedUntil
 		}
-		index[k] = int32(len(eps))
+		if index != nil {
+			index[k] = int32(len(eps))
+		}
 		eps = append(eps, be)
 	}
 	old := b.eps
@@ -236,14 +266,14 @@ func (b *Balancer) Update(endpoints []netip.AddrPort, dst netip.Addr, clientIPAf
 	b.affinity, b.timeout = clientIPAffinity, timeout
 	if !clientIPAffinity {
 		if len(b.entries) > 0 {
-			b.clients, b.entries = map[clientKey]int32{}, nil
+			b.clients, b.entries = nil, nil
 		}
 		b.sweepAt = minSweep
 		return
 	}
 	now := b.now()
 	b.compact(func(e *entry) bool {
-		i, ok := index[keyOfEndpoint(old[e.ep].addr)]
+		i, ok := position(eps, index, keyOfEndpoint(old[e.ep].addr))
 		if !ok {
 			return false
 		}
@@ -311,6 +341,9 @@ func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPo
 		if d.found {
 			b.entries[d.pos] = e
 		} else {
+			if b.clients == nil {
+				b.clients = map[clientKey]int32{}
+			}
 			b.clients[keyOfClient(client)] = int32(len(b.entries))
 			b.entries = append(b.entries, e)
 		}
@@ -389,7 +422,7 @@ func (b *Balancer) Release(ep netip.AddrPort) {
 	k := keyOfEndpoint(ep)
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if i, ok := b.index[k]; ok && b.eps[i].active > 0 {
+	if i, ok := position(b.eps, b.index, k); ok && b.eps[i].active > 0 {
 		b.eps[i].active--
 	}
 }

@@ -122,7 +122,7 @@ func (b *Balancer) DialSucceeded(ep netip.AddrPort) {
 // failed counts a failed dial of ep and returns how long ep is now ejected for (0
 // when this failure did not eject it). b.mu must be held.
 func (b *Balancer) failed(ep netip.AddrPort) time.Duration {
-	i, ok := b.index[keyOfEndpoint(ep)]
+	i, ok := position(b.eps, b.index, keyOfEndpoint(ep))
 	if !ok {
 		return 0
 	}
@@ -155,7 +155,7 @@ func (b *Balancer) failed(ep netip.AddrPort) time.Duration {
 // ejected or on probation, that is, whether this success re-admitted it. b.mu
 // must be held.
 func (b *Balancer) succeeded(ep netip.AddrPort) (readmitted bool) {
-	i, ok := b.index[keyOfEndpoint(ep)]
+	i, ok := position(b.eps, b.index, keyOfEndpoint(ep))
 	if !ok {
 		return false
 	}

@@ -30,6 +30,20 @@ type SyncResult struct {
 	// Service's endpoint then. Absent when the step did not finish (Error).
 	AddOneSyncSeconds   *float64 `json:"addOneSyncSeconds,omitempty"`
 	EndpointSyncSeconds *float64 `json:"endpointSyncSeconds,omitempty"`
+	// FileEndpointSyncSeconds and FileAddOneSyncSeconds are the same changes
+	// made in the file of the Ports, which is written anew whole: one
+	// endpoint of one of its Services moved, then one Service more in it.
+	FileEndpointSyncSeconds *float64 `json:"fileEndpointSyncSeconds,omitempty"`
+	FileAddOneSyncSeconds   *float64 `json:"fileAddOneSyncSeconds,omitempty"`
+	// HeapBytesPerPort is the growth of the live heap after a forced GC
+	// (go_gc_heap_live_bytes) from before the Ports were added to when they
+	// are programmed, per Service port; HeapBytes that live heap itself. A
+	// few Service ports move the heap by less than its noise: only many
+	// give a figure per port. HeapBytesPerPortAfterEdits is the growth
+	// once the changes above are made too, per Service port (two more).
+	HeapBytes                  int64    `json:"heapBytes,omitempty"`
+	HeapBytesPerPort           *float64 `json:"heapBytesPerPort,omitempty"`
+	HeapBytesPerPortAfterEdits *float64 `json:"heapBytesPerPortAfterEdits,omitempty"`
 	// RemoveSyncSeconds is the sync time of removing them all again; absent
 	// when the removal did not finish within the step's time limit (Error).
 	RemoveSyncSeconds *float64 `json:"removeSyncSeconds,omitempty"`
@@ -102,18 +116,31 @@ func runControl(ctx context.Context, p *path, sizes []int, changes int, limit ti
 }
 
 func (c *uproxyCtl) scaleSync(ctx context.Context, n int, limit time.Duration) (*SyncResult, error) {
-	var b bytes.Buffer
-	b.Grow(n * 1000)
 	eps := []netip.AddrPort{c.w.backendAddr(c.w.ports.Echo), c.w.backendAddr(c.w.ports.Echo2)}
-	for i := range n {
-		writeService(&b, fmt.Sprintf("scale-%d", i), "TCP", scaleVIP(i), eps...)
+	// moved is the Service whose second endpoint the file's edit moves.
+	moved := n / 2
+	scaleFile := func(services int, move bool) []byte {
+		var b bytes.Buffer
+		b.Grow(services * 1000)
+		for i := range services {
+			e := eps
+			if move && i == moved {
+				e = []netip.AddrPort{eps[0], c.w.backendAddr(c.w.ports.TagA)}
+			}
+			writeService(&b, fmt.Sprintf("scale-%d", i), "TCP", scaleVIP(i), e...)
+		}
+		return b.Bytes()
+	}
+	heap0, err := c.liveHeap()
+	if err != nil {
+		return nil, err
 	}
 	sum0, count0, err := c.syncMetric()
 	if err != nil {
 		return nil, err
 	}
 	start := time.Now()
-	if err := c.writeFile("scale.yaml", b.Bytes()); err != nil {
+	if err := c.writeFile("scale.yaml", scaleFile(n, false)); err != nil {
 		return nil, err
 	}
 	if err := c.w.waitTraffic(ctx, c.p, limit, target{"tcp", scaleVIP(n - 1)}); err != nil {
@@ -125,14 +152,20 @@ func (c *uproxyCtl) scaleSync(ctx context.Context, n int, limit time.Duration) (
 		return nil, fmt.Errorf("adding them: %w", err)
 	}
 	res := &SyncResult{Ports: n, SyncSeconds: sum1 - sum0, Syncs: count1 - count0, ToTrafficSeconds: toTraffic.Seconds()}
+	heap1, err := c.liveHeap()
+	if err != nil {
+		return res, err
+	}
+	res.HeapBytes, res.HeapBytesPerPort = heap1, ptr(float64(heap1-heap0)/float64(n))
 
 	// One more Service port, then one endpoint of another, with n programmed.
-	b.Reset()
-	writeService(&b, "scale-extra", "TCP", scaleVIP(n), eps...)
+	var b bytes.Buffer
+	// Address n goes to the Service added to the file below.
+	writeService(&b, "scale-extra", "TCP", scaleVIP(n+1), eps...)
 	if err := c.writeFile("extra.yaml", b.Bytes()); err != nil {
 		return res, err
 	}
-	if err := c.w.waitTraffic(ctx, c.p, limit, target{"tcp", scaleVIP(n)}); err != nil {
+	if err := c.w.waitTraffic(ctx, c.p, limit, target{"tcp", scaleVIP(n + 1)}); err != nil {
 		return res, fmt.Errorf("adding one more: %w", err)
 	}
 	sum2, count2, err := c.waitSynced(ctx, count1, limit)
@@ -149,17 +182,44 @@ func (c *uproxyCtl) scaleSync(ctx context.Context, n int, limit time.Duration) (
 	}
 	res.EndpointSyncSeconds = ptr(sum3 - sum2)
 
+	// The same two changes in the file of the n: rewritten whole, as an
+	// editor or a deploy tool writes it.
+	if err := c.writeFile("scale.yaml", scaleFile(n, true)); err != nil {
+		return res, err
+	}
+	sum4, count4, err := c.waitSynced(ctx, count3, limit)
+	if err != nil {
+		return res, fmt.Errorf("moving an endpoint in the file: %w", err)
+	}
+	res.FileEndpointSyncSeconds = ptr(sum4 - sum3)
+	if err := c.writeFile("scale.yaml", scaleFile(n+1, true)); err != nil {
+		return res, err
+	}
+	if err := c.w.waitTraffic(ctx, c.p, limit, target{"tcp", scaleVIP(n)}); err != nil {
+		return res, fmt.Errorf("adding one more to the file: %w", err)
+	}
+	sum5, count5, err := c.waitSynced(ctx, count4, limit)
+	if err != nil {
+		return res, fmt.Errorf("adding one more to the file: %w", err)
+	}
+	res.FileAddOneSyncSeconds = ptr(sum5 - sum4)
+	heap2, err := c.liveHeap()
+	if err != nil {
+		return res, err
+	}
+	res.HeapBytesPerPortAfterEdits = ptr(float64(heap2-heap0) / float64(n+2))
+
 	for _, f := range []string{"scale.yaml", "extra.yaml"} {
 		if err := os.Remove(filepath.Join(c.dir, f)); err != nil {
 			return res, err
 		}
 	}
-	sum4, _, err := c.waitSynced(ctx, count3, limit)
+	sum6, _, err := c.waitSynced(ctx, count5, limit)
 	if err != nil {
 		res.Error = fmt.Sprintf("removing them: %v", err)
 		return res, errors.New(res.Error)
 	}
-	res.RemoveSyncSeconds = ptr(sum4 - sum3)
+	res.RemoveSyncSeconds = ptr(sum6 - sum5)
 	return res, nil
 }
 

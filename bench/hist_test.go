@@ -146,6 +146,20 @@ kubeproxy_sync_proxy_rules_last_timestamp_seconds 1.7e+09
 	}
 }
 
+func TestParseGauge(t *testing.T) {
+	body := `# HELP go_gc_heap_live_bytes Heap memory occupied by live objects that were marked by the previous GC.
+# TYPE go_gc_heap_live_bytes gauge
+go_gc_heap_live_bytes_other 5
+go_gc_heap_live_bytes 1.2345e+06
+`
+	if got, err := parseGauge(strings.NewReader(body), "go_gc_heap_live_bytes"); err != nil || got != 1234500 {
+		t.Errorf("got %d (%v), want 1234500", got, err)
+	}
+	if _, err := parseGauge(strings.NewReader("other_metric 1\n"), "go_gc_heap_live_bytes"); err == nil {
+		t.Errorf("without the gauge: got no error")
+	}
+}
+
 // TestSummarizeBusyCPUs checks the busy figures: CPU seconds over the time
 // between the rounds' samples, all rounds together, and no proxy figure for a
 // path without a proxy.

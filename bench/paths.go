@@ -253,6 +253,8 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 		"--services", ctl.dir,
 		"--metrics-bind-address", ctl.metrics,
 		"--healthz-bind-address", "127.0.0.1:10256",
+		// The control-plane workload forces a GC to read the live heap.
+		"--profiling",
 		// Only changes sync: a periodic resync during a measurement would be noise.
 		"--sync-period", "1h",
 		"--min-sync-period", "0",
@@ -475,6 +477,49 @@ func (c *uproxyCtl) syncMetric() (sum float64, count uint64, err error) {
 	}
 	defer resp.Body.Close()
 	return parseSyncMetric(resp.Body)
+}
+
+// liveHeap forces a GC in the uproxy process (/debug/pprof/heap?gc=1, with
+// --profiling) and returns the heap that GC found live (go_gc_heap_live_bytes):
+// what the process holds, without the garbage a reading of the heap would
+// count beside it.
+func (c *uproxyCtl) liveHeap() (int64, error) {
+	resp, err := c.http.Get("http://" + c.metrics + "/debug/pprof/heap?gc=1")
+	if err != nil {
+		return 0, err
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("/debug/pprof/heap: %s (does uproxy take --profiling?)", resp.Status)
+	}
+	if resp, err = c.http.Get("http://" + c.metrics + "/metrics"); err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	return parseGauge(resp.Body, "go_gc_heap_live_bytes")
+}
+
+// parseGauge reads the value of the metric name, which has no labels, from a
+// /metrics page.
+func parseGauge(r io.Reader, name string) (int64, error) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		k, v, ok := strings.Cut(sc.Text(), " ")
+		if !ok || k != name {
+			continue
+		}
+		f, err := strconv.ParseFloat(v, 64)
+		if err != nil {
+			return 0, fmt.Errorf("%s: %w", sc.Text(), err)
+		}
+		return int64(f), nil
+	}
+	if err := sc.Err(); err != nil {
+		return 0, err
+	}
+	return 0, fmt.Errorf("no %s in /metrics", name)
 }
 
 func parseSyncMetric(r io.Reader) (sum float64, count uint64, err error) {

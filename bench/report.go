@@ -368,7 +368,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 	if len(r.Control) > 0 {
 		b.WriteString("\nControl plane (sync time from kubeproxy_sync_proxy_rules_duration_seconds; to traffic: manifest rename to first round trip through the last new Service)\n")
 		tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, "path\tService ports\tsync ms\tsyncs\tto traffic ms\t+1 Service ms\t1 endpoint ms\tremoval sync ms\t")
+		fmt.Fprintln(tw, "path\tService ports\tsync ms\tsyncs\tto traffic ms\t+1 Service ms\t1 endpoint ms\tfile: 1 endpoint ms\tfile: +1 Service ms\tremoval sync ms\theap KiB/port\tafter edits\t")
 		var changes []string
 		for _, c := range r.Control {
 			if c.Result == nil {
@@ -376,11 +376,14 @@ func (r *Report) WriteTable(w io.Writer) error {
 			}
 			for _, s := range c.Result.Syncs {
 				toTraffic, removal := fmt.Sprintf("%.1f", s.ToTrafficSeconds*1e3), msOrNotDone(s.RemoveSyncSeconds)
+				fileEndpoint, fileAdd := msOrNotDone(s.FileEndpointSyncSeconds), msOrNotDone(s.FileAddOneSyncSeconds)
+				heap, heapEdits := kibOrNotDone(s.HeapBytesPerPort), kibOrNotDone(s.HeapBytesPerPortAfterEdits)
 				if c.Path == KubeProxyLayout {
-					toTraffic, removal = "-", "-" // nft -f alone: no traffic, no removal
+					// nft -f alone: no traffic, no removal, no file, no process
+					toTraffic, removal, fileEndpoint, fileAdd, heap, heapEdits = "-", "-", "-", "-", "-", "-"
 				}
-				fmt.Fprintf(tw, "%s\t%d\t%.1f\t%d\t%s\t%s\t%s\t%s\t\n", c.Path, s.Ports, s.SyncSeconds*1e3, s.Syncs, toTraffic,
-					msOrNotDone(s.AddOneSyncSeconds), msOrNotDone(s.EndpointSyncSeconds), removal)
+				fmt.Fprintf(tw, "%s\t%d\t%.1f\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", c.Path, s.Ports, s.SyncSeconds*1e3, s.Syncs, toTraffic,
+					msOrNotDone(s.AddOneSyncSeconds), msOrNotDone(s.EndpointSyncSeconds), fileEndpoint, fileAdd, removal, heap, heapEdits)
 			}
 			for _, nr := range c.Result.NotRun {
 				changes = append(changes, fmt.Sprintf("  %s: %d Service ports: not run: %s", c.Path, nr.Ports, nr.Reason))
@@ -412,7 +415,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 		"+p50 is p50 minus direct's. Control-plane times through manifests include the file source's 100 ms\n" +
 		"debounce. kube-proxy-layout is kube-proxy's nftables layout (a chain per Service port and per\n" +
 		"endpoint) rendered by this benchmark and loaded by nft -f in a namespace of its own: the rule layer's\n" +
-		"time alone.\n")
+		"time alone. +1 Service and 1 endpoint come in a small file of their own; file: the same in the file\n" +
+		"of the Service ports, written anew whole. Heap: growth of the live heap after a forced GC\n" +
+		"(go_gc_heap_live_bytes) per Service port, with them programmed and after the edits.\n")
 	_, err := io.WriteString(w, b.String())
 	return err
 }
@@ -479,6 +484,13 @@ func pct(v *float64) string {
 
 // msOrNotDone renders seconds as milliseconds, or "not done" for a step that did
 // not finish.
+func kibOrNotDone(bytes *float64) string {
+	if bytes == nil {
+		return "not done"
+	}
+	return fmt.Sprintf("%.2f", *bytes/1024)
+}
+
 func msOrNotDone(sec *float64) string {
 	if sec == nil {
 		return "not done"

@@ -4,6 +4,7 @@ package observe
 
 import (
 	"errors"
+	"regexp"
 	"sync"
 	"syscall"
 	"time"
@@ -69,10 +70,6 @@ var (
 // matters, the endpoint: never the client, so the series count follows the
 // Services and their endpoints, not the traffic.
 var (
-	Connections = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "uproxy_connections_total",
-		Help: "Proxied TCP connections and UDP client sessions by Service port, protocol and outcome: success (first attempt), retried (served after failed attempts), failed (no endpoint answered).",
-	}, []string{"service", "protocol", "result"})
 	DialAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_attempts_total",
 		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other; hedge_lost: abandoned when another attempt of the connection, hedged, connected first; no_local_port: every local port toward the endpoint was taken, the node's shortage; own_socket: not dialed, the endpoint is one of uproxy's own proxy sockets).",
@@ -82,35 +79,6 @@ var (
 		Help:    "How long dial attempts took, successful or not, by Service port and endpoint (a timed-out attempt lasts its timeout).",
 		Buckets: prometheus.ExponentialBuckets(0.0001, 3, 11), // 100µs .. ~6s
 	}, []string{"service", "endpoint"})
-	Retries = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "uproxy_retries_total",
-		Help: "Dial attempts of a connection after its first (retries after a failure, and hedges), by Service port.",
-	}, []string{"service"})
-	RetryBudgetRefusals = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "uproxy_retry_budget_refusals_total",
-		Help: "TCP connections the retry budget refused a further attempt (a retry or a hedge), by Service port.",
-	}, []string{"service"})
-	ActiveConnections = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "uproxy_active_connections",
-		Help: "Open proxied TCP connections (including those still dialing) and UDP client sessions, by Service port.",
-	}, []string{"service"})
-	ConnectionDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name:    "uproxy_connection_duration_seconds",
-		Help:    "Lifetime of proxied TCP connections and UDP client sessions (including dialing), by Service port.",
-		Buckets: prometheus.ExponentialBuckets(0.001, 4, 12), // 1ms .. ~70min
-	}, []string{"service"})
-	Bytes = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "uproxy_bytes_total",
-		Help: "Bytes proxied by Service port and direction (in: client to backend, out: backend to client; UDP: payload bytes).",
-	}, []string{"service", "direction"})
-	UDPExpiries = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "uproxy_udp_client_expiries_total",
-		Help: "UDP client sessions that ended by idling out (--udp-timeout), by Service port.",
-	}, []string{"service"})
-	UDPEndpointRemovals = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "uproxy_udp_clients_moved_total",
-		Help: "UDP client sessions ended because their endpoint left the Service (the client's next datagram picks a usable one), by Service port.",
-	}, []string{"service"})
 	Ejections = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_endpoint_ejections_total",
 		Help: "Times an endpoint was ejected by passive outlier detection (consecutive failed dials), by Service port and endpoint.",
@@ -125,20 +93,12 @@ var (
 		Name: "uproxy_endpoint_readmissions_total",
 		Help: "Times an ejected endpoint was re-admitted by a successful dial, by Service port and endpoint.",
 	}, []string{"service", "endpoint"})
-	IdleTimeouts = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "uproxy_idle_timeouts_total",
-		Help: "TCP connections reset after no byte moved either way for --tcp-idle-timeout, by Service port.",
-	}, []string{"service"})
 	// DialSources has no Service label: which address a dial goes from is the
 	// node's policy (kube-proxy's masquerading), the same for every Service port.
 	DialSources = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_sources_total",
 		Help: "Dial attempts to endpoints by source address: client (transparent: the endpoint sees the client, where kube-proxy would not masquerade), node (where it would), hairpin (the node's, for a client reaching itself), fallback (the node's, after the kernel refused a transparent socket).",
 	}, []string{"source"})
-	ProxyPortReopens = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "uproxy_proxy_port_reopens_total",
-		Help: "Times a sync reopened a Service port's proxy socket after it failed for good, by Service port.",
-	}, []string{"service"})
 )
 
 // LocalhostNodePortsAccepted is kube-proxy's
@@ -189,28 +149,65 @@ func (c *KernelCounter) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
+// The series of each Service port. Its PortObserver counts them in plain
+// atomics and portsCollector exports them at scrape time: a metric vector's
+// children (label pairs, a created timestamp and a histogram each) cost about
+// 6 KiB per Service port, every Service port, whether or not it carries
+// traffic.
+var (
+	descConnections = prometheus.NewDesc("uproxy_connections_total",
+		"Proxied TCP connections and UDP client sessions by Service port, protocol and outcome: success (first attempt), retried (served after failed attempts), failed (no endpoint answered).",
+		[]string{"service", "protocol", "result"}, nil)
+	descRetries = prometheus.NewDesc("uproxy_retries_total",
+		"Dial attempts of a connection after its first (retries after a failure, and hedges), by Service port.",
+		[]string{"service"}, nil)
+	descRetryBudgetRefusals = prometheus.NewDesc("uproxy_retry_budget_refusals_total",
+		"TCP connections the retry budget refused a further attempt (a retry or a hedge), by Service port.",
+		[]string{"service"}, nil)
+	descActiveConnections = prometheus.NewDesc("uproxy_active_connections",
+		"Open proxied TCP connections (including those still dialing) and UDP client sessions, by Service port.",
+		[]string{"service"}, nil)
+	descConnectionDuration = prometheus.NewDesc("uproxy_connection_duration_seconds",
+		"Lifetime of proxied TCP connections and UDP client sessions (including dialing), by Service port.",
+		[]string{"service"}, nil)
+	descBytes = prometheus.NewDesc("uproxy_bytes_total",
+		"Bytes proxied by Service port and direction (in: client to backend, out: backend to client; UDP: payload bytes).",
+		[]string{"service", "direction"}, nil)
+	descUDPExpiries = prometheus.NewDesc("uproxy_udp_client_expiries_total",
+		"UDP client sessions that ended by idling out (--udp-timeout), by Service port.",
+		[]string{"service"}, nil)
+	descUDPEndpointRemovals = prometheus.NewDesc("uproxy_udp_clients_moved_total",
+		"UDP client sessions ended because their endpoint left the Service (the client's next datagram picks a usable one), by Service port.",
+		[]string{"service"}, nil)
+	descIdleTimeouts = prometheus.NewDesc("uproxy_idle_timeouts_total",
+		"TCP connections reset after no byte moved either way for --tcp-idle-timeout, by Service port.",
+		[]string{"service"}, nil)
+	descProxyPortReopens = prometheus.NewDesc("uproxy_proxy_port_reopens_total",
+		"Times a sync reopened a Service port's proxy socket after it failed for good, by Service port.",
+		[]string{"service"}, nil)
+	// connectionDurationBuckets are the upper bounds of
+	// uproxy_connection_duration_seconds: 1ms .. ~70min.
+	connectionDurationBuckets = prometheus.ExponentialBuckets(0.001, 4, numDurationBuckets)
+)
+
+const numDurationBuckets = 12
+
 func init() {
 	Registry.MustRegister(
-		LocalhostNodePortsAccepted,
-		collectors.NewGoCollector(),
+		// Beside the memstats: the live heap the last GC marked
+		// (go_gc_heap_live_bytes), which after a forced one (with --profiling,
+		// /debug/pprof/heap?gc=1) is what the Services held cost.
+		collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(
+			collectors.GoRuntimeMetricsRule{Matcher: regexp.MustCompile(`^/gc/heap/live:bytes$`)})),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		SyncDuration, SyncLastTimestamp, SyncLastQueuedTimestamp, NetworkProgrammingDuration,
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
 		IPTablesRestoreFailures, ServicePortConflicts,
-		Connections, DialAttempts, DialDuration, Retries, RetryBudgetRefusals, ActiveConnections, ConnectionDuration,
-		Bytes, UDPExpiries, UDPEndpointRemovals, IdleTimeouts, Ejections, Readmissions, AcceptBackoffs, ProxyPortReopens, DialSources,
+		DialAttempts, DialDuration, Ejections, Readmissions, AcceptBackoffs, DialSources,
+		LocalhostNodePortsAccepted,
 		portsCollector{},
 	)
 }
-
-// dialSources are DialSources' children by record.Source, made once so that a
-// dial costs no label lookup.
-var dialSources = func() (c [record.SourceFallback + 1]prometheus.Counter) {
-	for s := range c {
-		c[s] = DialSources.WithLabelValues(record.Source(s).String())
-	}
-	return c
-}()
 
 // Dial results, the values of the result label of uproxy_dial_attempts_total.
 const (
@@ -284,3 +281,12 @@ func SyncObserved(start time.Time, took time.Duration, err error) {
 		SyncLastTimestamp.Set(float64(start.Add(took).UnixNano()) / 1e9)
 	}
 }
+
+// dialSources are DialSources' children by record.Source, made once so that a
+// dial costs no label lookup.
+var dialSources = func() (c [record.SourceFallback + 1]prometheus.Counter) {
+	for s := range c {
+		c[s] = DialSources.WithLabelValues(record.Source(s).String())
+	}
+	return c
+}()

@@ -3,7 +3,10 @@ package observe
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net/netip"
+	"slices"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,43 +19,75 @@ import (
 )
 
 // PortObserver records the traffic of one Service port: it is the port's
-// socket.Observer and the EjectionObserver of its balancer. It keeps the metric
-// children of its Service port, and those of each endpoint from the endpoint's
-// first attempt on, so a connection costs no label lookup; it records every
-// connection, ejection and re-admission in the Events ring and logs them (-v=2,
-// -v=1). It decides nothing: the balancer ejects endpoints whether or not anyone
+// socket.Observer and the EjectionObserver of its balancer. It counts the
+// port's series itself (portsCollector exports them at scrape time), and
+// keeps the metric children of each endpoint from the endpoint's first attempt
+// on, so a connection costs no label lookup; it records every connection,
+// ejection and re-admission in the Events ring and logs them (-v=2, -v=1). It
+// decides nothing: the balancer ejects endpoints whether or not anyone
 // observes.
 type PortObserver struct {
 	service  string
 	protocol string
 	events   *Events // may be nil
 
-	active      prometheus.Gauge
-	bytesIn     prometheus.Counter
-	bytesOut    prometheus.Counter
-	connOK      prometheus.Counter
-	connRetried prometheus.Counter
-	connFailed  prometheus.Counter
-	duration    prometheus.Observer
-	reopens     prometheus.Counter
-	// A port has the series of its protocol only: retries, refusals and idle
-	// are nil for UDP (a session has one attempt and idles out by design),
-	// expiries and moved nil for TCP.
-	retries, refusals, idle prometheus.Counter
-	expiries, moved         prometheus.Counter
+	// The port's series, from NewPortObserver to Forget.
+	active      atomic.Int64
+	retries     atomic.Uint64
+	refusals    atomic.Uint64
+	bytesIn     atomic.Uint64
+	bytesOut    atomic.Uint64
+	connOK      atomic.Uint64
+	connRetried atomic.Uint64
+	connFailed  atomic.Uint64
+	duration    durations
+	expiries    atomic.Uint64
+	moved       atomic.Uint64
+	idle        atomic.Uint64
+	reopens     atomic.Uint64
 
-	// stats and udpClients are set by Attach before the port serves, and read
-	// without a lock afterwards.
+	// stats and udpClients are set by Attach before the port serves; they
+	// are read under livePorts' lock.
 	stats      func() BalancerStats
 	udpClients func() int
 
 	// noPortWarned is when warnNoLocalPort last logged (Unix nanoseconds).
 	noPortWarned atomic.Int64
 
-	// mu guards endpoints and the attempts arrays in them; an endpointMetrics'
-	// name and dial never change, so a reader may use them after unlocking.
+	// mu guards endpoints (nil until an endpoint's first attempt) and the
+	// attempts arrays in them; an endpointMetrics' name and dial never
+	// change, so a reader may use them after unlocking.
 	mu        sync.RWMutex
 	endpoints map[netip.AddrPort]*endpointMetrics
+}
+
+// durations is the histogram of uproxy_connection_duration_seconds for one
+// Service port: counts[i] are the observations in bucket i alone (the last:
+// above every bound), sum their total in seconds as float64 bits.
+type durations struct {
+	counts [numDurationBuckets + 1]atomic.Uint64
+	sum    atomic.Uint64
+}
+
+func (h *durations) observe(v float64) {
+	// The first bound at or above v, as Prometheus' own histograms count.
+	h.counts[sort.SearchFloat64s(connectionDurationBuckets, v)].Add(1)
+	for {
+		old := h.sum.Load()
+		if h.sum.CompareAndSwap(old, math.Float64bits(math.Float64frombits(old)+v)) {
+			return
+		}
+	}
+}
+
+// add adds h's counts into cumulative buckets (by upper bound) and returns
+// h's count and sum.
+func (h *durations) add(buckets map[float64]uint64) (count uint64, sum float64) {
+	for i, b := range connectionDurationBuckets {
+		count += h.counts[i].Load()
+		buckets[b] += count
+	}
+	return count + h.counts[len(connectionDurationBuckets)].Load(), math.Float64frombits(h.sum.Load())
 }
 
 type endpointMetrics struct {
@@ -68,28 +103,10 @@ type endpointMetrics struct {
 // NewPortObserver returns the observer for service (ns/name:port) and protocol
 // ("TCP" or "UDP"). events, if not nil, receives a record of every connection.
 func NewPortObserver(service, protocol string, events *Events) *PortObserver {
-	o := &PortObserver{
-		service:     service,
-		protocol:    protocol,
-		events:      events,
-		active:      ActiveConnections.WithLabelValues(service),
-		bytesIn:     Bytes.WithLabelValues(service, "in"),
-		bytesOut:    Bytes.WithLabelValues(service, "out"),
-		connOK:      Connections.WithLabelValues(service, protocol, "success"),
-		connRetried: Connections.WithLabelValues(service, protocol, "retried"),
-		connFailed:  Connections.WithLabelValues(service, protocol, "failed"),
-		duration:    ConnectionDuration.WithLabelValues(service),
-		reopens:     ProxyPortReopens.WithLabelValues(service),
-		endpoints:   make(map[netip.AddrPort]*endpointMetrics),
-	}
-	if protocol == "UDP" {
-		o.expiries = UDPExpiries.WithLabelValues(service)
-		o.moved = UDPEndpointRemovals.WithLabelValues(service)
-	} else {
-		o.retries = Retries.WithLabelValues(service)
-		o.refusals = RetryBudgetRefusals.WithLabelValues(service)
-		o.idle = IdleTimeouts.WithLabelValues(service)
-	}
+	o := &PortObserver{service: service, protocol: protocol, events: events}
+	livePorts.Lock()
+	livePorts.m[o] = struct{}{}
+	livePorts.Unlock()
 	return o
 }
 
@@ -112,13 +129,12 @@ type EndpointStats struct {
 // counters, udpClients (nil for TCP) the UDP client table size. Call it once,
 // before the port serves; Forget detaches.
 func (o *PortObserver) Attach(stats func() BalancerStats, udpClients func() int) {
-	o.stats, o.udpClients = stats, udpClients
 	livePorts.Lock()
-	livePorts.m[o] = struct{}{}
+	o.stats, o.udpClients = stats, udpClients
 	livePorts.Unlock()
 }
 
-func (o *PortObserver) ConnOpened(service, protocol string) { o.active.Inc() }
+func (o *PortObserver) ConnOpened(service, protocol string) { o.active.Add(1) }
 
 // BackedOff counts a pause of the port's accepting or reading after a shortage.
 func (o *PortObserver) BackedOff(service string, err error, delay time.Duration) {
@@ -178,6 +194,9 @@ func (o *PortObserver) children(ep netip.AddrPort, r int) (*endpointMetrics, pro
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if em = o.endpoints[ep]; em == nil {
+		if o.endpoints == nil {
+			o.endpoints = make(map[netip.AddrPort]*endpointMetrics)
+		}
 		name := ep.String()
 		em = &endpointMetrics{name: name, dial: DialDuration.WithLabelValues(o.service, name)}
 		o.endpoints[ep] = em
@@ -217,44 +236,44 @@ func (o *PortObserver) Readmitted(ep netip.AddrPort) {
 // Reopened records that the port's proxy socket, on proxy port from, failed for
 // good with failure and was reopened on proxy port to.
 func (o *PortObserver) Reopened(from, to int, failure error) {
-	o.reopens.Inc()
+	o.reopens.Add(1)
 	klog.InfoS("Reopened proxy port", "service", o.service, "protocol", o.protocol, "proxyPort", to, "previousProxyPort", from, "failure", failure)
 }
 
 func (o *PortObserver) ConnClosed(c *record.Conn) {
-	o.active.Dec()
+	o.active.Add(-1)
 	n := len(c.Attempts)
-	if n > 1 && o.retries != nil {
-		o.retries.Add(float64(n - 1))
+	if n > 1 {
+		o.retries.Add(uint64(n - 1))
 	}
-	if c.RetryRefused && o.refusals != nil {
-		o.refusals.Inc()
+	if c.RetryRefused {
+		o.refusals.Add(1)
 	}
 	if c.BytesIn > 0 {
-		o.bytesIn.Add(float64(c.BytesIn))
+		o.bytesIn.Add(uint64(c.BytesIn))
 	}
 	if c.BytesOut > 0 {
-		o.bytesOut.Add(float64(c.BytesOut))
+		o.bytesOut.Add(uint64(c.BytesOut))
 	}
 	switch {
 	case !c.Endpoint.IsValid():
-		o.connFailed.Inc()
+		o.connFailed.Add(1)
 	case n > 1:
-		o.connRetried.Inc()
+		o.connRetried.Add(1)
 	default:
-		o.connOK.Inc()
+		o.connOK.Add(1)
 	}
-	o.duration.Observe(c.Duration.Seconds())
-	if o.expiries != nil && c.Endpoint.IsValid() && c.Err == nil {
+	o.duration.observe(c.Duration.Seconds())
+	if c.Protocol == "UDP" && c.Endpoint.IsValid() && c.Err == nil {
 		// A UDP session that ends without error idled out (or its Service
 		// port closed, which ends every session at once).
-		o.expiries.Inc()
+		o.expiries.Add(1)
 	}
-	if o.idle != nil && c.IdledOut() {
-		o.idle.Inc()
+	if c.IdledOut() {
+		o.idle.Add(1)
 	}
-	if o.moved != nil && errors.Is(c.Err, record.ErrEndpointRemoved) {
-		o.moved.Inc()
+	if c.Protocol == "UDP" && errors.Is(c.Err, record.ErrEndpointRemoved) {
+		o.moved.Add(1)
 	}
 	if o.events != nil {
 		o.events.Add(c)
@@ -326,19 +345,6 @@ func (o *PortObserver) Forget() {
 	livePorts.Lock()
 	delete(livePorts.m, o)
 	livePorts.Unlock()
-	ActiveConnections.DeleteLabelValues(o.service)
-	Retries.DeleteLabelValues(o.service)
-	RetryBudgetRefusals.DeleteLabelValues(o.service)
-	Bytes.DeleteLabelValues(o.service, "in")
-	Bytes.DeleteLabelValues(o.service, "out")
-	for _, outcome := range []string{"success", "retried", "failed"} {
-		Connections.DeleteLabelValues(o.service, o.protocol, outcome)
-	}
-	ConnectionDuration.DeleteLabelValues(o.service)
-	UDPExpiries.DeleteLabelValues(o.service)
-	UDPEndpointRemovals.DeleteLabelValues(o.service)
-	IdleTimeouts.DeleteLabelValues(o.service)
-	ProxyPortReopens.DeleteLabelValues(o.service)
 	o.mu.Lock()
 	for _, em := range o.endpoints {
 		o.deleteEndpointSeries(em.name)
@@ -347,7 +353,9 @@ func (o *PortObserver) Forget() {
 	o.mu.Unlock()
 }
 
-// livePorts are the attached PortObservers, read by portsCollector at scrape time.
+// livePorts are the PortObservers from NewPortObserver to Forget, read by
+// portsCollector at scrape time; the lock also guards their stats and
+// udpClients.
 var livePorts = struct {
 	sync.Mutex
 	m map[*PortObserver]struct{}
@@ -378,26 +386,48 @@ var (
 
 func (portsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descEndpointActive, descEndpointEjected, descEndpointFailures,
-		descAffinityHits, descAffinityMisses, descAffinityResets, descAffinityExpired, descUDPClients} {
+		descAffinityHits, descAffinityMisses, descAffinityResets, descAffinityExpired, descUDPClients,
+		descConnections, descRetries, descRetryBudgetRefusals, descActiveConnections, descConnectionDuration,
+		descBytes, descUDPExpiries, descUDPEndpointRemovals, descIdleTimeouts, descProxyPortReopens} {
 		ch <- d
 	}
 }
 
+// attached is a PortObserver with what Attach gave it, read under the lock.
+type attached struct {
+	o          *PortObserver
+	stats      func() BalancerStats
+	udpClients func() int
+}
+
 func (portsCollector) Collect(ch chan<- prometheus.Metric) {
 	livePorts.Lock()
-	ports := make([]*PortObserver, 0, len(livePorts.m))
+	ports := make([]attached, 0, len(livePorts.m))
 	for o := range livePorts.m {
-		ports = append(ports, o)
+		ports = append(ports, attached{o, o.stats, o.udpClients})
 	}
 	livePorts.Unlock()
-	for _, o := range ports {
-		if o.udpClients != nil {
-			ch <- prometheus.MustNewConstMetric(descUDPClients, prometheus.GaugeValue, float64(o.udpClients()), o.service)
+	// Two observers of one Service port (a test's proxiers, or one being
+	// replaced) make one set of series, their counts added up: a series may
+	// be exported once per scrape.
+	slices.SortFunc(ports, func(a, b attached) int { return strings.Compare(a.o.service, b.o.service) })
+	for i := 0; i < len(ports); {
+		j := i + 1
+		for j < len(ports) && ports[j].o.service == ports[i].o.service {
+			j++
 		}
-		if o.stats == nil {
+		collectCounts(ch, ports[i:j])
+		i = j
+	}
+	for _, a := range ports {
+		o := a.o
+		if a.udpClients != nil {
+			ch <- prometheus.MustNewConstMetric(descUDPClients, prometheus.GaugeValue, float64(a.udpClients()), o.service)
+		}
+		if a.stats == nil {
 			continue
 		}
-		st := o.stats()
+		st := a.stats()
 		for _, e := range st.Endpoints {
 			ep := e.Addr.String()
 			ejected := 0.0
@@ -414,4 +444,68 @@ func (portsCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descAffinityResets, prometheus.CounterValue, float64(c.Resets), o.service)
 		ch <- prometheus.MustNewConstMetric(descAffinityExpired, prometheus.CounterValue, float64(c.Expired), o.service)
 	}
+}
+
+// collectCounts exports the series the observers of one Service port count.
+func collectCounts(ch chan<- prometheus.Metric, ports []attached) {
+	svc := ports[0].o.service
+	var active int64
+	var retries, refusals, bytesIn, bytesOut, expiries, moved, idle, reopens, count uint64
+	var sum float64
+	buckets := make(map[float64]uint64, len(connectionDurationBuckets))
+	// Connections by protocol, in the order first seen.
+	type outcomes struct{ ok, retried, failed uint64 }
+	var protocols []string
+	conns := map[string]*outcomes{}
+	for _, a := range ports {
+		o := a.o
+		active += o.active.Load()
+		retries += o.retries.Load()
+		refusals += o.refusals.Load()
+		bytesIn += o.bytesIn.Load()
+		bytesOut += o.bytesOut.Load()
+		expiries += o.expiries.Load()
+		moved += o.moved.Load()
+		idle += o.idle.Load()
+		reopens += o.reopens.Load()
+		c, s := o.duration.add(buckets)
+		count, sum = count+c, sum+s
+		oc := conns[o.protocol]
+		if oc == nil {
+			oc = &outcomes{}
+			conns[o.protocol] = oc
+			protocols = append(protocols, o.protocol)
+		}
+		oc.ok += o.connOK.Load()
+		oc.retried += o.connRetried.Load()
+		oc.failed += o.connFailed.Load()
+	}
+	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), append([]string{svc}, labels...)...)
+	}
+	ch <- prometheus.MustNewConstMetric(descActiveConnections, prometheus.GaugeValue, float64(active), svc)
+	// A port has the series of its protocol only: retries, refusals and idle
+	// timeouts for TCP (a UDP session has one attempt and idles out by
+	// design), expiries and moves for UDP.
+	_, tcp := conns["TCP"]
+	_, udp := conns["UDP"]
+	if tcp {
+		counter(descRetries, retries)
+		counter(descRetryBudgetRefusals, refusals)
+		counter(descIdleTimeouts, idle)
+	}
+	if udp {
+		counter(descUDPExpiries, expiries)
+		counter(descUDPEndpointRemovals, moved)
+	}
+	counter(descBytes, bytesIn, "in")
+	counter(descBytes, bytesOut, "out")
+	for _, p := range protocols {
+		oc := conns[p]
+		counter(descConnections, oc.ok, p, "success")
+		counter(descConnections, oc.retried, p, "retried")
+		counter(descConnections, oc.failed, p, "failed")
+	}
+	ch <- prometheus.MustNewConstHistogram(descConnectionDuration, count, sum, buckets, svc)
+	counter(descProxyPortReopens, reopens)
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -228,7 +229,8 @@ type ChoiceView interface {
 }
 
 // Server serves the metrics address (/metrics, /debug/services, /debug/events,
-// /proxyMode) and the healthz address (/healthz, /livez).
+// /proxyMode, and /debug/pprof/ with Profiling) and the healthz address
+// (/healthz, /livez).
 type Server struct {
 	// MetricsListener and HealthzListener are the bound addresses to serve; nil
 	// disables one. The program binds them before anything else, so a taken port
@@ -250,6 +252,9 @@ type Server struct {
 	Health   *Health
 	// Debug enables the /debug/ handlers (default on via the flag).
 	Debug bool
+	// Profiling serves Go's profiles under /debug/pprof/ (kube-proxy's
+	// --profiling): CPU, heap after a forced GC (heap?gc=1), goroutines.
+	Profiling bool
 
 	servers []*http.Server
 }
@@ -272,6 +277,13 @@ func (s *Server) MetricsHandler() http.Handler {
 		mux.HandleFunc("/debug/memory", serveMemory)
 		mux.HandleFunc("/debug/{$}", servePage)
 		mux.Handle("/debug", http.RedirectHandler("/debug/", http.StatusMovedPermanently))
+	}
+	if s.Profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	}
 	return mux
 }

@@ -71,6 +71,32 @@ func counterValue(t *testing.T, c interface{ Write(*dto.Metric) error }) float64
 	return m.GetCounter().GetValue()
 }
 
+// seriesValue reads the counter name of the series with labels from uproxy's
+// metrics, as a scrape would; it fails the test when there is none.
+func seriesValue(t *testing.T, name string, labels map[string]string) float64 {
+	t.Helper()
+	// Proxiers of tests running at once may serve Service ports of the same
+	// name, whose scrape-time series (affinity, UDP clients) then collide:
+	// Gather reports those and still returns every family.
+	families, _ := observe.Registry.Gather()
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if v, ok := labels[l.GetName()]; !ok || v != l.GetValue() {
+					continue metrics
+				}
+			}
+			return m.GetCounter().GetValue()
+		}
+	}
+	t.Fatalf("no %s%v among the metrics", name, labels)
+	return 0
+}
+
 // debugState returns the /debug/services view of the one Service port of p.
 func debugState(t *testing.T, p *Proxier) observe.ServiceState {
 	t.Helper()
@@ -99,7 +125,7 @@ func TestSyncReopensAFailedProxySocket(t *testing.T) {
 			a := w.tcpBackend("a", "127.0.0.2")
 			p := newProxier(t, Config{})
 			svc := port(fmt.Sprintf("web%d", i), service.TCP, a)
-			reopens := observe.ProxyPortReopens.WithLabelValues(svc.Name.String())
+			reopens := map[string]string{"service": svc.Name.String()}
 			snap := snapshot(svc)
 			mustSync(t, p, snap)
 			pp := p.ProxyPort(svc.Name)
@@ -130,7 +156,7 @@ func TestSyncReopensAFailedProxySocket(t *testing.T) {
 				}
 				defer ln.Close()
 			}
-			before := counterValue(t, reopens)
+			before := seriesValue(t, "uproxy_proxy_port_reopens_total", reopens)
 
 			mustSync(t, p, snap)
 			got := p.ProxyPort(svc.Name)
@@ -147,7 +173,7 @@ func TestSyncReopensAFailedProxySocket(t *testing.T) {
 				t.Errorf("/debug/services after the reopen: got down %v, %d reopens, error %q, proxy port %d; want up, 1, EINVAL's, %d",
 					st.ListenerDown, st.Reopens, st.ListenerError, st.ProxyPort, got)
 			}
-			if n := counterValue(t, reopens) - before; n != 1 {
+			if n := seriesValue(t, "uproxy_proxy_port_reopens_total", reopens) - before; n != 1 {
 				t.Errorf("uproxy_proxy_port_reopens_total: went up by %v, want 1", n)
 			}
 		})

@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -507,14 +506,14 @@ func TestUDPClientMovesOffARemovedEndpoint(t *testing.T) {
 	if first == "y" {
 		remaining, removed = x, "y"
 	}
-	before := counterValue(t, observe.UDPEndpointRemovals.WithLabelValues("default/dns:p"))
+	before := seriesValue(t, "uproxy_udp_clients_moved_total", map[string]string{"service": "default/dns:p"})
 	mustSync(t, p, snapshot(port("dns", service.UDP, remaining)))
 	for i := range 3 {
 		if got := ask(); got == removed {
 			t.Fatalf("datagram %d after %s left the Service: still answered by it", i, removed)
 		}
 	}
-	if got := counterValue(t, observe.UDPEndpointRemovals.WithLabelValues("default/dns:p")) - before; got != 1 {
+	if got := seriesValue(t, "uproxy_udp_clients_moved_total", map[string]string{"service": "default/dns:p"}) - before; got != 1 {
 		t.Errorf("uproxy_udp_clients_moved_total grew by %v, want 1", got)
 	}
 }

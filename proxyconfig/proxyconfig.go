@@ -168,7 +168,7 @@ var schema = map[string]any{
 	"featureGates":                field{kind: ignored},
 	"logging":                     field{kind: ignored},
 	"bindAddressHardFail":         field{kind: ignored},
-	"enableProfiling":             field{kind: ignored},
+	"enableProfiling":             field{kind: boolean, flag: "profiling", zero: "false"},
 	"showHiddenMetricsForVersion": field{kind: ignored},
 	"winkernel":                   field{kind: ignored},
 	"detectLocalMode":             field{kind: ignored},

@@ -28,6 +28,7 @@ var defaults = map[string]string{
 	"conntrack.tcpEstablishedTimeout": "--conntrack-tcp-timeout-established=24h0m0s",
 	"conntrack.udpStreamTimeout":      "--conntrack-udp-timeout-stream=0s",
 	"conntrack.udpTimeout":            "--conntrack-udp-timeout=0s",
+	"enableProfiling":                 "--profiling=false",
 	"healthzBindAddress":              "--healthz-bind-address=0.0.0.0:10256",
 	"hostnameOverride":                "--hostname-override=",
 	"iptables.localhostNodePorts":     "--iptables-localhost-nodeports=true",
@@ -87,6 +88,7 @@ portRange: 30000-31000
 configSyncPeriod: 10m
 clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
 conntrack: {maxPerCore: 65536, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWaitTimeout: 30m, tcpBeLiberal: true, udpTimeout: 45s, udpStreamTimeout: 3m}
+enableProfiling: true
 `,
 		want: []string{
 			"bindAddress -> --bind-address=127.0.0.1",
@@ -103,6 +105,7 @@ conntrack: {maxPerCore: 65536, min: 1000, tcpEstablishedTimeout: 2h, tcpCloseWai
 			"conntrack.tcpEstablishedTimeout -> --conntrack-tcp-timeout-established=2h0m0s",
 			"conntrack.udpStreamTimeout -> --conntrack-udp-timeout-stream=3m0s",
 			"conntrack.udpTimeout -> --conntrack-udp-timeout=45s",
+			"enableProfiling -> --profiling=true",
 			"healthzBindAddress -> --healthz-bind-address=0.0.0.0:10256",
 			"hostnameOverride -> --hostname-override=node-1",
 			"iptables.localhostNodePorts -> --iptables-localhost-nodeports=true",

@@ -111,8 +111,8 @@ type Builder struct {
 	// svcs and slices hold what is known of every object of the previous Build.
 	// Holding the pointers keeps the objects alive, so an address cannot be reused
 	// by another object while it is a key here.
-	svcs   map[*v1.Service]*objectState
-	slices map[*discoveryv1.EndpointSlice]*objectState
+	svcs   map[*v1.Service]*svcState
+	slices map[*discoveryv1.EndpointSlice]*sliceState
 	// sliceNames records the last Build that took a slice of each name, to find
 	// repeated ones.
 	sliceNames map[objectKey]*nameState
@@ -125,23 +125,40 @@ type Builder struct {
 	conflicts *conflicts
 }
 
-// objectState is what Build learnt of one object.
+// objectState is what Build learnt of one object: of a Service (svcState)
+// or a slice (sliceState), each of which is kept for every object of every
+// Build, so kept small: the keys of an object (its Service's, a slice's own)
+// are read from the object when needed, not copied.
 type objectState struct {
 	gen  uint64
 	errs []error // validation errors; nil when valid
 	// skip is true for the Services and slices Build leaves out silently.
 	skip bool
+	// ss caches the state of the Service the object is or belongs to, to
+	// save the lookup by key; a state that was dropped is looked up again.
+	ss *serviceState
+}
+
+// svcState is what Build learnt of a Service object.
+type svcState struct {
+	objectState
 	// policy is a valid Service's own policy. servedErrs are its problems that
 	// leave it served all the same (annotations that did not parse, no cluster
 	// IP): they go to Snapshot.Errors.
 	policy     Policy
 	servedErrs []error
-	// service is the Service the object is or belongs to; name is a slice's own key.
-	service, name objectKey
-	// ss and ns cache the states of service and name, to save the lookups by
-	// key; a state that was dropped is looked up again.
-	ss *serviceState
+}
+
+// sliceState is what Build learnt of an EndpointSlice object.
+type sliceState struct {
+	objectState
+	// ns caches the state of the slice's own name, as ss does.
 	ns *nameState
+}
+
+// serviceKey is the Service an EndpointSlice belongs to.
+func serviceKey(s *discoveryv1.EndpointSlice) objectKey {
+	return objectKey{s.Namespace, s.Labels[discoveryv1.LabelServiceName]}
 }
 
 // nameState records the last Build that took a slice of one name.
@@ -173,8 +190,8 @@ type serviceState struct {
 func NewBuilder(opts BuildOptions) *Builder {
 	return &Builder{
 		opts:       opts,
-		svcs:       make(map[*v1.Service]*objectState),
-		slices:     make(map[*discoveryv1.EndpointSlice]*objectState),
+		svcs:       make(map[*v1.Service]*svcState),
+		slices:     make(map[*discoveryv1.EndpointSlice]*sliceState),
 		sliceNames: make(map[objectKey]*nameState),
 		services:   make(map[objectKey]*serviceState),
 		conflicts:  &conflicts{},
@@ -213,9 +230,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		}
 		st := b.slices[s]
 		if st == nil {
-			st = &objectState{skip: s.AddressType == discoveryv1.AddressTypeFQDN,
-				service: objectKey{s.Namespace, s.Labels[discoveryv1.LabelServiceName]},
-				name:    objectKey{s.Namespace, s.Name}}
+			st = &sliceState{objectState: objectState{skip: s.AddressType == discoveryv1.AddressTypeFQDN}}
 			if !st.skip {
 				st.errs = ValidateEndpointSlice(s)
 			}
@@ -233,9 +248,10 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 			continue
 		}
 		if st.ns == nil || st.ns.dropped {
-			if st.ns = b.sliceNames[st.name]; st.ns == nil {
+			name := objectKey{s.Namespace, s.Name}
+			if st.ns = b.sliceNames[name]; st.ns == nil {
 				st.ns = &nameState{}
-				b.sliceNames[st.name] = st.ns
+				b.sliceNames[name] = st.ns
 			}
 		}
 		if st.ns.gen == gen {
@@ -244,7 +260,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		}
 		st.ns.gen = gen
 		usedNames++
-		svc := b.service(st, &usedServices)
+		svc := b.service(&st.objectState, serviceKey(s), &usedServices)
 		if svc.slicesGen != gen {
 			svc.slices, svc.slicesGen = svc.slices[:0], gen
 		}
@@ -258,7 +274,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		}
 		st := b.svcs[svc]
 		if st == nil {
-			st = &objectState{errs: ValidateService(svc), service: objectKey{svc.Namespace, svc.Name}}
+			st = &svcState{objectState: objectState{errs: ValidateService(svc)}}
 			st.skip = len(st.errs) == 0 && skipService(svc)
 			if len(st.errs) == 0 && !st.skip {
 				st.policy, st.servedErrs = ParsePolicy(svc)
@@ -279,7 +295,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 		if st.skip {
 			continue
 		}
-		ss := b.service(st, &usedServices)
+		ss := b.service(&st.objectState, objectKey{svc.Namespace, svc.Name}, &usedServices)
 		if ss.svcGen == gen {
 			snap.Errors = append(snap.Errors, duplicate("Service", svc.Namespace, svc.Name))
 			continue
@@ -354,13 +370,13 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 	return snap
 }
 
-// service returns the state of the Service that st is or belongs to, counting it
+// service returns the state of the Service of key, which st is or belongs to, counting it
 // as used by this Build the first time it is asked for.
-func (b *Builder) service(st *objectState, used *int) *serviceState {
+func (b *Builder) service(st *objectState, key objectKey, used *int) *serviceState {
 	if st.ss == nil || st.ss.dropped {
-		if st.ss = b.services[st.service]; st.ss == nil {
+		if st.ss = b.services[key]; st.ss == nil {
 			st.ss = &serviceState{}
-			b.services[st.service] = st.ss
+			b.services[key] = st.ss
 		}
 	}
 	ss := st.ss
@@ -387,10 +403,10 @@ func (b *Builder) sameServices(taken []*serviceState) bool {
 // forget drops the states this Build did not use, unless every one was used.
 func (b *Builder) forget(usedSvcs, usedSlices, usedNames, usedServices int) {
 	if usedSvcs != len(b.svcs) {
-		maps.DeleteFunc(b.svcs, func(_ *v1.Service, st *objectState) bool { return st.gen != b.gen })
+		maps.DeleteFunc(b.svcs, func(_ *v1.Service, st *svcState) bool { return st.gen != b.gen })
 	}
 	if usedSlices != len(b.slices) {
-		maps.DeleteFunc(b.slices, func(_ *discoveryv1.EndpointSlice, st *objectState) bool { return st.gen != b.gen })
+		maps.DeleteFunc(b.slices, func(_ *discoveryv1.EndpointSlice, st *sliceState) bool { return st.gen != b.gen })
 	}
 	if usedNames != len(b.sliceNames) {
 		maps.DeleteFunc(b.sliceNames, func(_ objectKey, ns *nameState) bool {

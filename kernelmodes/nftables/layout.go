@@ -6,6 +6,8 @@ import (
 	"strings"
 
 	"sigs.k8s.io/knftables"
+
+	"github.com/uproxy/uproxy/netfilter/nftables"
 )
 
 // Base chains. The nat chains hook at dstnat (-100) and srcnat (100), as
@@ -381,3 +383,39 @@ func (l *tableLayout) parseCountMap(name string) (f *family, k pick, n int, ok b
 }
 
 func isHairpin(set string) bool { return set == "hairpin4" || set == "hairpin6" }
+
+// elementType is the type of the elements of set, for writing them over
+// netlink; false for the sets and maps whose elements go through nft only
+// (intervals, verdicts), and for names the layout does not have.
+func (l *tableLayout) elementType(set string) (nftables.ElementType, bool) {
+	if f, k, _, ok := l.parseCountMap(set); ok {
+		key := []nftables.Field{nftables.InetProto, nftables.InetService, nftables.Integer}
+		if !picks[k].nodePort {
+			key = append([]nftables.Field{f.addrField()}, key...)
+		}
+		return nftables.ElementType{Key: key, Value: []nftables.Field{f.addrField(), nftables.InetService}}, true
+	}
+	for _, f := range l.fams {
+		if set == f.name("hairpin") {
+			return nftables.ElementType{Key: []nftables.Field{f.addrField(), f.addrField()}}, true
+		}
+		for _, s := range keySets {
+			if set != f.name(s.name) {
+				continue
+			}
+			if s.nodePort {
+				return nftables.ElementType{Key: []nftables.Field{nftables.InetProto, nftables.InetService}}, true
+			}
+			return nftables.ElementType{Key: []nftables.Field{f.addrField(), nftables.InetProto, nftables.InetService}}, true
+		}
+	}
+	return nftables.ElementType{}, false
+}
+
+// addrField is the type of the family's addresses in a key or value.
+func (f *family) addrField() nftables.Field {
+	if f.v6 {
+		return nftables.IPv6Addr
+	}
+	return nftables.IPv4Addr
+}

@@ -1,8 +1,11 @@
 package nftables
 
 import (
+	"context"
+	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -10,6 +13,7 @@ import (
 
 	"sigs.k8s.io/knftables"
 
+	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/service/servicetest"
 	"github.com/uproxy/uproxy/testbed"
@@ -433,6 +437,58 @@ func TestRealNFTablesMode(t *testing.T) {
 		check(t, testbed.Pod, "10.96.0.10:80", w.extV4)
 	})
 
+	t.Run("element changes over netlink leave what nft would have written", func(t *testing.T) {
+		// Every kind of element a partial sync changes: count maps of both
+		// families and of NodePorts, key sets (masquerade, Local policy,
+		// reject, drop), hairpin pairs; each deleted and added again, with
+		// the endpoint counts the table has maps for (a new one goes through
+		// nft, with its rule). A second table, written whole by nft at every
+		// step, must hold the same elements.
+		moved := *w.web
+		moved.Endpoints = append([]service.Endpoint{ep(w.podEP, true)}, w.web.Endpoints[1:]...)
+		filled := *w.empty
+		filled.Endpoints = []service.Endpoint{ep(w.extV4[1], false)}
+		emptied := *w.internal
+		emptied.Endpoints = nil
+		steps := [][]*service.Port{
+			{&moved, w.sticky, w.dns, &filled, w.local, w.lb, w.self, w.noLocal, &emptied},
+			{&moved, w.sticky, &filled, w.lb, w.self, &emptied}, // dns, local and no-local gone
+			w.ports(),
+		}
+		var whole *Proxier
+		if err := tp.Run(testbed.Node, func() (err error) {
+			whole, err = New(Config{ChainPrefix: "UPXCHK", IPv6: true, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		defer tp.Run(testbed.Node, whole.Cleanup)
+		before := p.cfg.NFTables
+		counting := &countingKernel{Kernel: before}
+		p.cfg.NFTables = counting
+		defer func() { p.cfg.NFTables = before }()
+		for i, ports := range steps {
+			w.sync(t, p, snapshot(ports...))
+			if p.lastWasFull {
+				t.Fatalf("step %d: got a whole write, want a partial one", i)
+			}
+			whole.mu.Lock()
+			whole.written = nil
+			whole.mu.Unlock()
+			w.sync(t, whole, snapshot(ports...))
+			if got, want := elementsIn(t, tp, "uproxy-kernel"), elementsIn(t, tp, "upxchk-kernel"); got != want {
+				t.Errorf("step %d: elements after the partial write:\n%s\nwritten whole by nft:\n%s", i, got, want)
+			}
+		}
+		if counting.elementWrites != len(steps) {
+			t.Errorf("WriteElements: got %d calls, want %d (one per partial sync)", counting.elementWrites, len(steps))
+		}
+		if err := tp.Run(testbed.Node, whole.Cleanup); err != nil {
+			t.Fatal(err)
+		}
+		check(t, testbed.Pod, "10.96.0.10:80", w.extV4)
+	})
+
 	for _, flush := range []struct {
 		name string
 		cmd  []string
@@ -483,4 +539,58 @@ func TestRealNFTablesMode(t *testing.T) {
 			}
 		}
 	})
+}
+
+// countingKernel counts the element writes that went through netlink.
+type countingKernel struct {
+	nftables.Kernel
+	elementWrites int
+}
+
+func (k *countingKernel) WriteElements(ctx context.Context, changes nftables.ElementChanges) error {
+	k.elementWrites++
+	return k.Kernel.WriteElements(ctx, changes)
+}
+
+// elementsIn lists every element of every set and map of table (as nft reads
+// them back, comments included), sorted: the kernel's order of a hash set's
+// elements is its own. The affinity sets, which the kernel fills with
+// clients, are left out.
+func elementsIn(t *testing.T, tp *testbed.Topology, table string) string {
+	t.Helper()
+	var lines []string
+	err := tp.Run(testbed.Node, func() error {
+		nft, err := knftables.New(knftables.InetFamily, table)
+		if err != nil {
+			return err
+		}
+		for _, kind := range []string{"set", "map"} {
+			names, err := nft.List(t.Context(), kind+"s")
+			if err != nil {
+				return err
+			}
+			for _, name := range names {
+				if strings.HasPrefix(name, "aff") && kind == "set" {
+					continue
+				}
+				elems, err := nft.ListElements(t.Context(), kind, name)
+				if err != nil {
+					return err
+				}
+				for _, e := range elems {
+					comment := ""
+					if e.Comment != nil {
+						comment = *e.Comment
+					}
+					lines = append(lines, fmt.Sprintf("%s %s: %v -> %v (%s)", kind, name, e.Key, e.Value, comment))
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(lines)
+	return strings.Join(lines, "\n")
 }

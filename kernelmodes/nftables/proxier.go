@@ -120,6 +120,10 @@ type Proxier struct {
 	// udp is the UDP conntrack view of each family after the last sync that
 	// cleared stale flows (nil: unknown).
 	udp [2]map[portKey]conntrack.UDPPort
+	// synced are the ports of the last sync that wrote what it had to, in
+	// the Snapshot's order: the ones written holds renderings of (nil:
+	// unknown).
+	synced []*service.Port
 	// last is the last Snapshot synced, for DebugServices.
 	last        *service.Snapshot
 	lastWasFull bool
@@ -208,16 +212,50 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	// re-renders every port.
 	zoneChanged := s.Zone != p.r.zone
 	p.r.zone = s.Zone
-	// A Snapshot's ports are immutable and a source reuses the unchanged
-	// ones, so an identical pointer needs no rendering.
+	cur, was, touched := p.changes(ports, zoneChanged)
+	p.synced = nil
+	if err := p.write(ctx, cur, was, touched); err != nil {
+		errs = append(errs, err)
+	} else {
+		p.synced = ports
+		if err := p.syncConntrack(was, cur, touched); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	p.last = s
+	return multierror.Append(nil, errs...).ErrorOrNil()
+}
+
+// changes returns the renderings the table is to hold (cur), the ports
+// rendered anew or gone (touched, in name order: all a partial sync needs to
+// look at) and what the table held for those before (was; nil when the
+// table's content is unknown).
+//
+// A Snapshot's ports are immutable and a source reuses the unchanged ones,
+// so an identical pointer needs no rendering. When the last sync's ports are
+// known, one walk beside them in name order finds the others and cur is the
+// written state changed in place: a sync that changes one Service port of
+// 10k costs one rendering and a few map operations, not a map of 10k.
+func (p *Proxier) changes(ports []*service.Port, zoneChanged bool) (cur, was map[portKey]*rendered, touched []portKey) {
 	var prev map[portKey]*rendered
 	if p.written != nil {
 		prev = p.written.ports
 	}
-	cur := make(map[portKey]*rendered, len(ports))
-	// touched are the ports rendered anew and those gone: all a partial
-	// sync needs to look at.
-	var touched []portKey
+	if prev != nil && !zoneChanged && p.synced != nil {
+		if keys, now, ok := changedPorts(p.synced, ports); ok {
+			was = make(map[portKey]*rendered, len(keys))
+			for i, k := range keys {
+				was[k] = prev[k]
+				if now[i] != nil {
+					prev[k] = p.r.port(now[i])
+				} else {
+					delete(prev, k)
+				}
+			}
+			return prev, was, keys
+		}
+	}
+	cur = make(map[portKey]*rendered, len(ports))
 	for _, sp := range ports {
 		k := portKey{sp.Name, sp.Protocol}
 		if old := prev[k]; old != nil && old.port == sp && !zoneChanged {
@@ -235,26 +273,67 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 		}
 	}
 	slices.SortFunc(touched, comparePortKeys)
-	if err := p.write(ctx, cur, touched); err != nil {
-		errs = append(errs, err)
-	} else if err := p.syncConntrack(prev, cur, touched); err != nil {
-		errs = append(errs, err)
+	return cur, prev, touched
+}
+
+// changedPorts walks old and now, both in name order (as Build makes a
+// Snapshot), and returns the keys of the ports that differ: added, removed,
+// or another Port (a pointer other than old's), each with its Port in now
+// (nil: removed). ok is false when either is not in strict name order, and
+// then nothing can be told from the walk.
+func changedPorts(old, now []*service.Port) (keys []portKey, ports []*service.Port, ok bool) {
+	key := func(sp *service.Port) portKey { return portKey{sp.Name, sp.Protocol} }
+	i, j := 0, 0
+	for i < len(old) || j < len(now) {
+		if i > 0 && i < len(old) && comparePortKeys(key(old[i-1]), key(old[i])) >= 0 ||
+			j > 0 && j < len(now) && comparePortKeys(key(now[j-1]), key(now[j])) >= 0 {
+			return nil, nil, false
+		}
+		var c int
+		switch {
+		case i == len(old):
+			c = 1
+		case j == len(now):
+			c = -1
+		default:
+			c = comparePortKeys(key(old[i]), key(now[j]))
+		}
+		switch {
+		case c < 0:
+			keys, ports = append(keys, key(old[i])), append(ports, nil)
+			i++
+		case c > 0:
+			keys, ports = append(keys, key(now[j])), append(ports, now[j])
+			j++
+		default:
+			if old[i] != now[j] {
+				keys, ports = append(keys, key(now[j])), append(ports, now[j])
+			}
+			i++
+			j++
+		}
 	}
-	p.last = s
-	return multierror.Append(nil, errs...).ErrorOrNil()
+	return keys, ports, true
 }
 
 // write makes the table hold cur: all of it when its state is unknown, else
-// the changes since the last write; nothing when nothing changed.
-func (p *Proxier) write(ctx context.Context, cur map[portKey]*rendered, touched []portKey) error {
+// the changes since the last write (touched, which held was); nothing when
+// nothing changed.
+//
+// A change that only adds and deletes elements of the sets and maps the table
+// has (an endpoint moved, a Service port added or removed) goes to the kernel
+// over netlink (nftables.Kernel.WriteElements); anything else, and a change
+// too big for one netlink message per set, goes through nft.
+func (p *Proxier) write(ctx context.Context, cur, was map[portKey]*rendered, touched []portKey) error {
 	k := p.cfg.NFTables
 	tx := k.NewTransaction()
 	full := p.written == nil
 	var next *state
+	var elems nftables.ElementChanges
 	if full {
 		next = p.writeAll(tx, cur)
 	} else {
-		next = p.writeChanges(tx, cur, touched)
+		next, elems = p.writeChanges(tx, cur, was, touched)
 		if tx.NumOperations() == 0 {
 			p.written.ports = cur
 			p.lastWasFull = false
@@ -262,14 +341,21 @@ func (p *Proxier) write(ctx context.Context, cur map[portKey]*rendered, touched 
 		}
 	}
 	p.written = nil
-	if err := k.Run(ctx, tx); err != nil {
+	netlink := elems != nil && len(elems) <= nftables.MaxElementChanges
+	var err error
+	if netlink {
+		err = k.WriteElements(ctx, elems)
+	} else {
+		err = k.Run(ctx, tx)
+	}
+	if err != nil {
 		return fmt.Errorf("write nftables table %s: %w", p.table, err)
 	}
 	p.written, p.lastWasFull = next, full
 	if full {
 		p.handles = p.readHandles(ctx)
 	}
-	klog.V(3).InfoS("Wrote nftables-mode table", "table", p.table, "full", full, "ports", len(cur), "operations", tx.NumOperations())
+	klog.V(3).InfoS("Wrote nftables-mode table", "table", p.table, "full", full, "ports", len(cur), "operations", tx.NumOperations(), "netlink", netlink)
 	return nil
 }
 
@@ -318,22 +404,24 @@ func (p *Proxier) writeAll(tx *knftables.Transaction, cur map[portKey]*rendered)
 // the state after it. The order keeps every step valid: new maps, sets and
 // chains first; then the element deletions (a verdict map's element before
 // the chain it jumps to); chains rewritten, then stale ones and their sets
-// deleted; the element additions last.
-func (p *Proxier) writeChanges(tx *knftables.Transaction, cur map[portKey]*rendered, touched []portKey) *state {
+// deleted; the element additions last. When tx holds nothing but element
+// changes of sets and maps with an elementType, they are returned too, in
+// tx's order, for WriteElements; else elems is nil.
+func (p *Proxier) writeChanges(tx *knftables.Transaction, cur, was map[portKey]*rendered, touched []portKey) (next *state, elems nftables.ElementChanges) {
 	old := p.written
-	next := &state{ports: cur, elems: old.elems, maps: old.maps}
+	next = &state{ports: cur, elems: old.elems, maps: old.maps}
 	type change struct{ was, now *rendered }
 	// touched is in name order, so the transaction is the same for the same change.
 	var changes []change
 	for _, k := range touched {
-		was, now := old.ports[k], cur[k]
+		was, now := was[k], cur[k]
 		if was != nil && now != nil && was.equalContent(now) {
 			continue
 		}
 		changes = append(changes, change{was, now})
 	}
 	if len(changes) == 0 {
-		return next
+		return next, nil
 	}
 
 	// Elements: drop every reference of the old renderings, then take those of
@@ -418,7 +506,7 @@ func (p *Proxier) writeChanges(tx *knftables.Transaction, cur map[portKey]*rende
 		}
 	}
 
-	p.addCountMaps(tx, next, adds)
+	onlyElements := p.addCountMaps(tx, next, adds) == 0 && len(newSets)+len(newChains)+len(rewritten)+len(staleChains)+len(staleSets) == 0
 	for _, s := range newSets {
 		tx.Add(setObject(s))
 	}
@@ -430,6 +518,7 @@ func (p *Proxier) writeChanges(tx *knftables.Transaction, cur map[portKey]*rende
 			e := element(id, deleted[id].value)
 			e.Value = nil
 			tx.Delete(e)
+			elems = p.appendChange(elems, &onlyElements, id, nil)
 		}
 	}
 	for _, c := range rewritten {
@@ -449,13 +538,40 @@ func (p *Proxier) writeChanges(tx *knftables.Transaction, cur map[portKey]*rende
 	}
 	for _, id := range adds {
 		tx.Add(next.elems[id].object(id))
+		elems = p.appendChange(elems, &onlyElements, id, next.elems[id])
 	}
-	return next
+	if !onlyElements {
+		return next, nil
+	}
+	return next, elems
+}
+
+// appendChange appends to elems the deletion of element id (ref nil) or its
+// addition with ref's value; ok turns false, and stays so, when id's set has
+// no elementType.
+func (p *Proxier) appendChange(elems nftables.ElementChanges, ok *bool, id elemID, ref *elemRef) nftables.ElementChanges {
+	if !*ok {
+		return nil
+	}
+	typ, known := p.l.elementType(id.set)
+	if !known {
+		*ok = false
+		return nil
+	}
+	c := nftables.ElementChange{Delete: ref == nil, Set: id.set, Type: typ, Key: id.key}
+	if ref != nil {
+		e := ref.object(id)
+		c.Value = ref.value
+		if e.Comment != nil {
+			c.Comment = *e.Comment
+		}
+	}
+	return append(elems, c)
 }
 
 // addCountMaps declares the count maps that elements ids need and the table
-// lacks, each with its rule.
-func (p *Proxier) addCountMaps(tx *knftables.Transaction, st *state, ids []elemID) {
+// lacks, each with its rule, and returns how many.
+func (p *Proxier) addCountMaps(tx *knftables.Transaction, st *state, ids []elemID) int {
 	var added []string
 	for _, id := range ids {
 		if _, _, _, ok := p.l.parseCountMap(id.set); !ok || st.maps[id.set] {
@@ -470,6 +586,7 @@ func (p *Proxier) addCountMaps(tx *knftables.Transaction, st *state, ids []elemI
 		tx.Add(f.countMapObject(k, n))
 		tx.Add(f.countRule(k, n))
 	}
+	return len(added)
 }
 
 // element is the element id of a set or, with a value, of a map.
@@ -516,9 +633,9 @@ func comparePortKeys(a, b portKey) int {
 }
 
 // syncConntrack deletes the UDP flows the sync made stale, per family. prev
-// are the renderings the table held before (nil: unknown); only the touched
-// ports (rendered anew, or gone) are compared, so an unchanged Service costs
-// nothing.
+// are the renderings the table held before, of the touched ports at least
+// (nil: unknown); only the touched ports (rendered anew, or gone) are
+// compared, so an unchanged Service costs nothing.
 func (p *Proxier) syncConntrack(prev, cur map[portKey]*rendered, touched []portKey) error {
 	var errs []error
 	for fi, f := range p.l.fams {
@@ -613,7 +730,7 @@ func (p *Proxier) intact(ctx context.Context) bool {
 func (p *Proxier) Cleanup() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.written, p.handles, p.last = nil, nil, nil
+	p.written, p.handles, p.last, p.synced = nil, nil, nil, nil
 	p.udp = [2]map[portKey]conntrack.UDPPort{}
 	if err := nftables.DeleteTable(context.Background(), p.cfg.NFTables); err != nil {
 		return fmt.Errorf("delete nftables table %s: %w", p.table, err)

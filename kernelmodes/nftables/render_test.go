@@ -2,6 +2,7 @@ package nftables
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"slices"
@@ -235,12 +236,15 @@ func TestPartialSync(t *testing.T) {
 		name  string
 		ports []*service.Port
 		want  string // the transaction's lines, "" for none
+		// netlink: the elements alone changed, so they went through
+		// WriteElements rather than nft.
+		netlink bool
 	}{
-		{"identical: no transaction", []*service.Port{a, b}, ""},
+		{"identical: no transaction", []*service.Port{a, b}, "", false},
 		{"an endpoint replaced: its element and hairpin pair", []*service.Port{a, &moved}, `delete element inet uproxy-kernel backends4-2 { 10.96.0.2 . tcp . 80 . 1 }
 delete element inet uproxy-kernel hairpin4 { 10.244.2.2 . 10.244.2.2 }
 add element inet uproxy-kernel backends4-2 { 10.96.0.2 . tcp . 80 . 1 comment "ns/b" : 10.244.2.3 . 80 }
-add element inet uproxy-kernel hairpin4 { 10.244.2.3 . 10.244.2.3 }`},
+add element inet uproxy-kernel hairpin4 { 10.244.2.3 . 10.244.2.3 }`, true},
 		{"a new count: its map and rule, the port moves over", []*service.Port{a, &grown}, `add map inet uproxy-kernel backends4-3 { typeof ip daddr . meta l4proto . th dport . numgen random mod 3 : ip daddr . th dport ; }
 add rule inet uproxy-kernel services4 meta l4proto { tcp, udp, sctp } dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 3 map @backends4-3
 delete element inet uproxy-kernel backends4-2 { 10.96.0.2 . tcp . 80 . 0 }
@@ -248,7 +252,7 @@ delete element inet uproxy-kernel backends4-2 { 10.96.0.2 . tcp . 80 . 1 }
 add element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 0 comment "ns/b" : 10.244.2.1 . 80 }
 add element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 1 comment "ns/b" : 10.244.2.2 . 80 }
 add element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 2 comment "ns/b" : 10.244.2.3 . 80 }
-add element inet uproxy-kernel hairpin4 { 10.244.2.2 . 10.244.2.2 }`},
+add element inet uproxy-kernel hairpin4 { 10.244.2.2 . 10.244.2.2 }`, false},
 		{"a ClientIP-affinity port added: its sets, chain and verdict", []*service.Port{a, &grown, sticky}, `add set inet uproxy-kernel ` + aff("10.244.3.1:80") + ` { type ipv4_addr ; flags dynamic,timeout ; timeout 60s ; }
 add set inet uproxy-kernel ` + aff("10.244.3.2:80") + ` { type ipv4_addr ; flags dynamic,timeout ; timeout 60s ; }
 add chain inet uproxy-kernel ` + chain + `
@@ -258,7 +262,7 @@ add rule inet uproxy-kernel ` + chain + ` numgen random mod 2 0 update @` + aff(
 add rule inet uproxy-kernel ` + chain + ` update @` + aff("10.244.3.2:80") + ` { ip saddr } meta l4proto tcp dnat ip to 10.244.3.2:80
 add element inet uproxy-kernel affinity4 { 10.96.0.3 . tcp . 80 comment "ns/s" : goto ` + chain + ` }
 add element inet uproxy-kernel hairpin4 { 10.244.3.1 . 10.244.3.1 }
-add element inet uproxy-kernel hairpin4 { 10.244.3.2 . 10.244.3.2 }`},
+add element inet uproxy-kernel hairpin4 { 10.244.3.2 . 10.244.3.2 }`, false},
 		{"its endpoint replaced: the chain rewritten, the stale set deleted", []*service.Port{a, &grown, &stickyMoved}, `add set inet uproxy-kernel ` + aff("10.244.3.3:80") + ` { type ipv4_addr ; flags dynamic,timeout ; timeout 60s ; }
 delete element inet uproxy-kernel hairpin4 { 10.244.3.2 . 10.244.3.2 }
 flush chain inet uproxy-kernel ` + chain + `
@@ -267,14 +271,14 @@ add rule inet uproxy-kernel ` + chain + ` ip saddr @` + aff("10.244.3.3:80") + `
 add rule inet uproxy-kernel ` + chain + ` numgen random mod 2 0 update @` + aff("10.244.3.1:80") + ` { ip saddr } meta l4proto tcp dnat ip to 10.244.3.1:80
 add rule inet uproxy-kernel ` + chain + ` update @` + aff("10.244.3.3:80") + ` { ip saddr } meta l4proto tcp dnat ip to 10.244.3.3:80
 delete set inet uproxy-kernel ` + aff("10.244.3.2:80") + `
-add element inet uproxy-kernel hairpin4 { 10.244.3.3 . 10.244.3.3 }`},
+add element inet uproxy-kernel hairpin4 { 10.244.3.3 . 10.244.3.3 }`, false},
 		{"the affinity port removed: verdict, chain and sets deleted", []*service.Port{a, &grown}, `delete element inet uproxy-kernel affinity4 { 10.96.0.3 . tcp . 80 }
 delete element inet uproxy-kernel hairpin4 { 10.244.3.1 . 10.244.3.1 }
 delete element inet uproxy-kernel hairpin4 { 10.244.3.3 . 10.244.3.3 }
 flush chain inet uproxy-kernel ` + chain + `
 delete chain inet uproxy-kernel ` + chain + `
 delete set inet uproxy-kernel ` + aff("10.244.3.1:80") + `
-delete set inet uproxy-kernel ` + aff("10.244.3.3:80")},
+delete set inet uproxy-kernel ` + aff("10.244.3.3:80"), false},
 		{"a port removed: its elements deleted, a hairpin pair another port shares kept", []*service.Port{a, c}, `add map inet uproxy-kernel backends4-1 { typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport ; }
 add rule inet uproxy-kernel services4 meta l4proto { tcp, udp, sctp } dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 map @backends4-1
 delete element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 0 }
@@ -282,33 +286,93 @@ delete element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 1 }
 delete element inet uproxy-kernel backends4-3 { 10.96.0.2 . tcp . 80 . 2 }
 delete element inet uproxy-kernel hairpin4 { 10.244.2.2 . 10.244.2.2 }
 delete element inet uproxy-kernel hairpin4 { 10.244.2.3 . 10.244.2.3 }
-add element inet uproxy-kernel backends4-1 { 10.96.0.4 . tcp . 81 . 0 comment "ns/c" : 10.244.2.1 . 81 }`},
-		{"identical again", []*service.Port{a, c}, ""},
+add element inet uproxy-kernel backends4-1 { 10.96.0.4 . tcp . 81 . 0 comment "ns/c" : 10.244.2.1 . 81 }`, false},
+		{"identical again", []*service.Port{a, c}, "", false},
+		{"a port added: its elements alone", []*service.Port{a, b, c}, `add element inet uproxy-kernel backends4-2 { 10.96.0.2 . tcp . 80 . 0 comment "ns/b" : 10.244.2.1 . 80 }
+add element inet uproxy-kernel backends4-2 { 10.96.0.2 . tcp . 80 . 1 comment "ns/b" : 10.244.2.2 . 80 }
+add element inet uproxy-kernel hairpin4 { 10.244.2.2 . 10.244.2.2 }`, true},
+		{"a port removed", []*service.Port{a, c}, `delete element inet uproxy-kernel backends4-2 { 10.96.0.2 . tcp . 80 . 0 }
+delete element inet uproxy-kernel backends4-2 { 10.96.0.2 . tcp . 80 . 1 }
+delete element inet uproxy-kernel hairpin4 { 10.244.2.2 . 10.244.2.2 }`, true},
 	}
-	p, k, _ := newFake(t, Config{})
-	mustSync(t, p, snapshot(a, b))
-	for _, st := range steps {
-		n := len(k.Transactions)
-		mustSync(t, p, snapshot(st.ports...))
-		if p.lastWasFull {
-			t.Fatalf("%s: got a whole write, want a partial one", st.name)
-		}
-		got := ""
-		if len(k.Transactions) > n {
-			got = strings.TrimSpace(k.Transactions[n])
-		}
-		if len(k.Transactions) > n+1 {
-			t.Errorf("%s: %d transactions, want at most one", st.name, len(k.Transactions)-n)
-		}
-		if got != st.want {
-			t.Errorf("%s:\ngot:\n%s\nwant:\n%s", st.name, got, st.want)
-		}
+	// In name order, as Build makes Snapshots, a walk beside the last sync's
+	// ports finds the changes; in any other order, a map of them all does.
+	// Both make the same transactions.
+	for _, order := range []string{"name order", "reversed"} {
+		t.Run(order, func(t *testing.T) {
+			snap := func(ports ...*service.Port) *service.Snapshot {
+				s := snapshot(ports...)
+				if order == "reversed" {
+					slices.Reverse(s.Ports)
+				}
+				return s
+			}
+			p, k, _ := newFake(t, Config{})
+			mustSync(t, p, snap(a, b))
+			for _, st := range steps {
+				n, writes := len(k.Transactions), k.ElementWrites
+				mustSync(t, p, snap(slices.Clone(st.ports)...))
+				if p.lastWasFull {
+					t.Fatalf("%s: got a whole write, want a partial one", st.name)
+				}
+				got := ""
+				if len(k.Transactions) > n {
+					got = strings.TrimSpace(k.Transactions[n])
+				}
+				if len(k.Transactions) > n+1 {
+					t.Errorf("%s: %d transactions, want at most one", st.name, len(k.Transactions)-n)
+				}
+				if got != st.want {
+					t.Errorf("%s:\ngot:\n%s\nwant:\n%s", st.name, got, st.want)
+				}
+				if netlink := k.ElementWrites > writes; netlink != st.netlink {
+					t.Errorf("%s: through WriteElements %v, want %v", st.name, netlink, st.netlink)
+				}
+			}
+			// The fake's table now equals a whole write of the last snapshot.
+			fresh, fk, _ := newFake(t, Config{})
+			mustSync(t, fresh, snapshot(a, c))
+			if got, want := elementsOf(t, k), elementsOf(t, fk); got != want {
+				t.Errorf("elements after the partial syncs:\n%s\nwant those of a whole write:\n%s", got, want)
+			}
+		})
 	}
-	// The fake's table now equals a whole write of the last snapshot.
-	fresh, fk, _ := newFake(t, Config{})
-	mustSync(t, fresh, snapshot(a, c))
-	if got, want := elementsOf(t, k), elementsOf(t, fk); got != want {
-		t.Errorf("elements after the partial syncs:\n%s\nwant those of a whole write:\n%s", got, want)
+}
+
+func TestChangedPorts(t *testing.T) {
+	a := svcPort("ns", "a", "", service.TCP, 80)
+	b := svcPort("ns", "b", "", service.TCP, 80)
+	bUDP := svcPort("ns", "b", "", service.UDP, 80)
+	b2 := *b
+	c := svcPort("ns", "c", "", service.TCP, 80)
+	name := func(keys []portKey, ports []*service.Port) string {
+		var out []string
+		for i, k := range keys {
+			out = append(out, fmt.Sprintf("%s/%s:%v", k.name, k.proto, ports[i] != nil))
+		}
+		return strings.Join(out, " ")
+	}
+	for _, tt := range []struct {
+		name     string
+		old, now []*service.Port
+		want     string // key/protocol:still there, ...
+		ok       bool
+	}{
+		{"same pointers: nothing", []*service.Port{a, b, c}, []*service.Port{a, b, c}, "", true},
+		{"another Port of the same name, however equal", []*service.Port{a, b, c}, []*service.Port{a, &b2, c}, "ns/b/TCP:true", true},
+		{"added and removed at either end", []*service.Port{b, c}, []*service.Port{a, b}, "ns/a/TCP:true ns/c/TCP:false", true},
+		{"the same name in another protocol", []*service.Port{b}, []*service.Port{b, bUDP}, "ns/b/UDP:true", true},
+		{"from nothing", nil, []*service.Port{a}, "ns/a/TCP:true", true},
+		{"new ones out of order", []*service.Port{a, b}, []*service.Port{b, a}, "", false},
+		{"old ones out of order", []*service.Port{c, a}, []*service.Port{a, c}, "", false},
+		{"a name twice", []*service.Port{a}, []*service.Port{a, a}, "", false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			keys, ports, ok := changedPorts(tt.old, tt.now)
+			if got := name(keys, ports); ok != tt.ok || ok && got != tt.want {
+				t.Errorf("got %q, %v; want %q, %v", got, ok, tt.want, tt.ok)
+			}
+		})
 	}
 }
 

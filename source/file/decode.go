@@ -2,9 +2,12 @@ package file
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 
 	v1 "k8s.io/api/core/v1"
@@ -70,11 +73,32 @@ var readKinds = map[schema.GroupVersionKind]bool{
 	discoveryv1.SchemeGroupVersion.WithKind("EndpointSliceList"): true,
 }
 
-// object is one decoded Service or EndpointSlice and where it came from.
+// object is one decoded Service or EndpointSlice and where it came from. A
+// file of 10k Services holds 30k of them: they are kept small.
 type object struct {
 	svc   *v1.Service
 	slice *discoveryv1.EndpointSlice
-	at    DocumentError // location only; Err is nil
+	// doc and line locate the object's document in its file (its 1-based
+	// index and first line); item is its index in a List, -1 outside one.
+	doc, line, item int32
+	// validated is set once errs holds the object's validation errors.
+	validated bool
+	errs      []error
+}
+
+// newObject returns the object of svc or slice found at (in List item
+// item, or -1).
+func newObject(svc *v1.Service, slice *discoveryv1.EndpointSlice, at DocumentError, item int) object {
+	return object{svc: svc, slice: slice, doc: int32(at.Doc), line: int32(at.Line), item: int32(item)}
+}
+
+// at is where o is in file, as a DocumentError without Err.
+func (o *object) at(file string) DocumentError {
+	at := DocumentError{File: file, Doc: int(o.doc), Line: int(o.line)}
+	if o.item >= 0 {
+		at = withItem(at, int(o.item))
+	}
+	return at
 }
 
 // Decode reads the Services and EndpointSlices of one manifest file: multi-document
@@ -83,7 +107,7 @@ type object struct {
 // namespace get "default", as kubectl would give them. Every error is a
 // *DocumentError naming name, the document and its line.
 func Decode(name string, data []byte) (svcs []*v1.Service, slices []*discoveryv1.EndpointSlice, errs []error) {
-	objs, errs, _ := decodeFile(name, data)
+	objs, errs, _ := decodeFile(name, data, nil)
 	for _, o := range objs {
 		if o.svc != nil {
 			svcs = append(svcs, o.svc)
@@ -97,9 +121,42 @@ func Decode(name string, data []byte) (svcs []*v1.Service, slices []*discoveryv1
 // decodeFile is Decode keeping each object's location. broken is true when some
 // document could not be decoded at all (as opposed to being of an unsupported kind):
 // the file's content as a whole is then not to be trusted.
-func decodeFile(name string, data []byte) (objs []object, errs []error, broken bool) {
-	for _, d := range splitDocuments(data) {
+//
+// A document whose text prev (the decoded of the file's previous content;
+// nil: none) holds is not decoded again: it keeps its objects, the same
+// pointers, at its new place. A file of many Services written anew with one
+// of them changed then costs the decoding of one document, and the objects of
+// the others stay the ones service.Builder knows, so neither it nor the proxy
+// mode does anything for them.
+func decodeFile(name string, data []byte, prev *decoded) (objs []object, errs []error, broken bool) {
+	docs := splitDocuments(data)
+	// kept are the documents of prev by digest, each taken once: a second
+	// copy of a document in the file is decoded, into objects of its own, as
+	// without prev.
+	var kept map[docDigest]docObjects
+	if prev != nil && len(prev.docs) > 0 {
+		kept = make(map[docDigest]docObjects, len(prev.docs))
+		for _, d := range prev.docs {
+			if _, dup := kept[d.digest]; !dup {
+				kept[d.digest] = d
+			}
+		}
+	}
+	var decodedDocs []docObjects
+	labels := labelSets{}
+	for _, d := range docs {
 		at := DocumentError{File: name, Doc: d.index, Line: d.line}
+		digest := docDigest(sha256.Sum256(d.text))
+		if k, ok := kept[digest]; ok {
+			delete(kept, digest)
+			start := len(objs)
+			for _, o := range prev.objs[k.start:k.end] {
+				o.doc, o.line = int32(at.Doc), int32(at.Line)
+				objs = append(objs, o)
+			}
+			decodedDocs = append(decodedDocs, docObjects{digest, int32(start), int32(len(objs))})
+			continue
+		}
 		js, err := toJSON(d)
 		if err == nil && js == nil {
 			continue // a YAML document that is only "null" or "~"
@@ -107,6 +164,14 @@ func decodeFile(name string, data []byte) (objs []object, errs []error, broken b
 		if err == nil {
 			var items []object
 			items, err = decodeObject(js, at, true)
+			for _, o := range items {
+				if o.slice != nil {
+					o.slice.Labels = labels.share(o.slice.Labels)
+				}
+			}
+			if err == nil {
+				decodedDocs = append(decodedDocs, docObjects{digest, int32(len(objs)), int32(len(objs) + len(items))})
+			}
 			objs = append(objs, items...)
 		}
 		if err == nil {
@@ -124,7 +189,52 @@ func decodeFile(name string, data []byte) (objs []object, errs []error, broken b
 			errs = append(errs, de)
 		}
 	}
+	// Without the spare room appending left: a loader keeps these.
+	objs = slices.Clone(objs)
+	if prev != nil {
+		*prev = decoded{objs: objs, docs: slices.Clone(decodedDocs)}
+	}
 	return objs, errs, broken
+}
+
+// labelSets are the label maps of the slices decoded so far, by content.
+type labelSets map[string]map[string]string
+
+// share returns the map of an earlier slice with the same labels as m, or m:
+// the slices of one Service carry the same labels (its name, what manages
+// them), and a Go map costs 300 bytes or more however few its entries. The
+// maps are never modified once decoded, as no object is.
+func (ls labelSets) share(m map[string]string) map[string]string {
+	if len(m) == 0 {
+		return m
+	}
+	var b strings.Builder
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		// Lengths first: a key or value may hold any byte.
+		fmt.Fprintf(&b, "%d:%s%d:%s", len(k), k, len(m[k]), m[k])
+	}
+	key := b.String()
+	if shared, ok := ls[key]; ok {
+		return shared
+	}
+	ls[key] = m
+	return m
+}
+
+// docDigest is the SHA-256 of a document's text.
+type docDigest [sha256.Size]byte
+
+// decoded is what the last decoding of one file found: its objects in file
+// order, and which of them each document that decoded whole gave.
+type decoded struct {
+	objs []object
+	docs []docObjects
+}
+
+// docObjects are the objects of the document of digest: objs[start:end].
+type docObjects struct {
+	digest     docDigest
+	start, end int32
 }
 
 func unjoin(err error) []error {
@@ -274,22 +384,22 @@ func decodeObject(js []byte, at DocumentError, allowList bool) ([]object, error)
 	switch o := obj.(type) {
 	case *v1.Service:
 		defaultNamespace(&o.ObjectMeta)
-		return []object{{svc: o, at: at}}, nil
+		return []object{newObject(o, nil, at, -1)}, nil
 	case *discoveryv1.EndpointSlice:
 		defaultNamespace(&o.ObjectMeta)
-		return []object{{slice: o, at: at}}, nil
+		return []object{newObject(nil, o, at, -1)}, nil
 	case *v1.ServiceList:
 		var objs []object
 		for i := range o.Items {
 			defaultNamespace(&o.Items[i].ObjectMeta)
-			objs = append(objs, object{svc: &o.Items[i], at: withItem(at, i)})
+			objs = append(objs, newObject(&o.Items[i], nil, at, i))
 		}
 		return objs, nil
 	case *discoveryv1.EndpointSliceList:
 		var objs []object
 		for i := range o.Items {
 			defaultNamespace(&o.Items[i].ObjectMeta)
-			objs = append(objs, object{slice: &o.Items[i], at: withItem(at, i)})
+			objs = append(objs, newObject(nil, &o.Items[i], at, i))
 		}
 		return objs, nil
 	case *v1.List:
@@ -302,6 +412,9 @@ func decodeObject(js []byte, at DocumentError, allowList bool) ([]object, error)
 				itemAt.Err = err
 				errs = append(errs, &itemAt)
 				continue
+			}
+			for j := range got {
+				got[j].item = int32(i)
 			}
 			objs = append(objs, got...)
 		}

@@ -194,7 +194,7 @@ func TestDecodeFileBroken(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, broken := decodeFile("f.yaml", []byte(tt.data))
+			_, _, broken := decodeFile("f.yaml", []byte(tt.data), nil)
 			if broken != tt.wantBroken {
 				t.Errorf("got broken %v, want %v", broken, tt.wantBroken)
 			}

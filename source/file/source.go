@@ -14,8 +14,8 @@
 package file
 
 import (
-	"bytes"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -246,12 +246,10 @@ type loader struct {
 	// change are the same objects on every reload, and a reread file's objects are
 	// new ones, never modified, which is what service.Builder relies on.
 	snaps *service.Builder
-	// svcErrs and sliceErrs are the validation errors of the objects of the
-	// previous load, by object, so that unchanged objects are not validated again.
-	svcErrs    map[*v1.Service][]error
-	sliceErrs  map[*discoveryv1.EndpointSlice][]error
-	goodSvcs   map[objectKey]*v1.Service
-	goodSlices map[objectKey]*discoveryv1.EndpointSlice
+	// svcs and slices are what the previous load built from: the last valid
+	// version of each object.
+	svcs   []*v1.Service
+	slices []*discoveryv1.EndpointSlice
 	// logged holds the errors of the previous load, each with what it is about
 	// (problemSubject), so that a broken file is logged when it breaks, when
 	// it is fixed and when another problem of the same object replaces it, not
@@ -260,20 +258,24 @@ type loader struct {
 }
 
 type fileState struct {
-	data []byte   // content last read
+	// sum is the digest of the content last read; read is false when the
+	// last attempt read nothing (the file deleted or unreadable).
+	sum  [sha256.Size]byte
+	read bool
 	objs []object // objects of the last content that decoded
 	errs []error  // errors of the content last read
+	// decoded is what the last decoding found, by document: a document
+	// unchanged in the next content keeps its objects (decodeFile).
+	decoded decoded
 }
 
 func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
 	return &loader{
-		path:       path,
-		isDir:      isDir,
-		files:      make(map[string]*fileState),
-		snaps:      service.NewBuilder(opts),
-		goodSvcs:   make(map[objectKey]*v1.Service),
-		goodSlices: make(map[objectKey]*discoveryv1.EndpointSlice),
-		logged:     make(map[string]string),
+		path:   path,
+		isDir:  isDir,
+		files:  make(map[string]*fileState),
+		snaps:  service.NewBuilder(opts),
+		logged: make(map[string]string),
 	}
 }
 
@@ -309,17 +311,21 @@ func (l *loader) load() *service.Snapshot {
 			delete(present, name) // removed since the listing
 			continue
 		case errors.Is(err, os.ErrNotExist):
-			st.data, st.errs = nil, []error{&DocumentError{File: name, Err: ErrDeleted}}
+			st.read, st.errs = false, []error{&DocumentError{File: name, Err: ErrDeleted}}
 			continue
 		case err != nil:
 			// Keep the last good objects of a file that cannot be read right now.
-			st.data, st.errs = nil, []error{&DocumentError{File: name, Err: fmt.Errorf("read: %w", err)}}
+			st.read, st.errs = false, []error{&DocumentError{File: name, Err: fmt.Errorf("read: %w", err)}}
 			continue
-		case st.data != nil && bytes.Equal(data, st.data):
+		}
+		// A digest rather than the content: the content would cost as much
+		// memory again as the objects decoded from it.
+		sum := sha256.Sum256(data)
+		if st.read && sum == st.sum {
 			continue // unchanged: keep its objects and errors
 		}
-		objs, derrs, broken := decodeFile(name, data)
-		st.data, st.errs = data, derrs
+		objs, derrs, broken := decodeFile(name, data, &st.decoded)
+		st.sum, st.read, st.errs = sum, true, derrs
 		if !broken {
 			st.objs = objs
 		}
@@ -327,7 +333,7 @@ func (l *loader) load() *service.Snapshot {
 	for name, st := range l.files {
 		if !present[name] {
 			delete(l.files, name)
-			if st.data != nil {
+			if st.read {
 				klog.InfoS("Manifest file deleted; its objects are gone", "file", name)
 			}
 		}
@@ -408,87 +414,90 @@ func isManifest(name string) bool {
 }
 
 // validObjects picks the objects to build from, in file order: the first definition
-// of each object, its current version when valid, else its last valid one. It
-// returns where each object is first defined too. Errors name the file and
-// document of the offending definition.
+// of each object, its current version when valid, else its last valid one (the
+// one the previous load built from). It returns where each object is first
+// defined too. Errors name the file and document of the offending definition.
 func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Service, []*discoveryv1.EndpointSlice, map[objectKey]DocumentError, []error) {
 	var svcs []*v1.Service
 	var epSlices []*discoveryv1.EndpointSlice
 	var errs []error
 	first := make(map[objectKey]DocumentError)
-	svcErrs := make(map[*v1.Service][]error, len(l.svcErrs))
-	sliceErrs := make(map[*discoveryv1.EndpointSlice][]error, len(l.sliceErrs))
+	// The last valid versions, looked up only when an object is invalid.
+	var goodSvcs map[objectKey]*v1.Service
+	var goodSlices map[objectKey]*discoveryv1.EndpointSlice
 	for _, name := range names {
 		st := l.files[name]
 		if st == nil || !present[name] {
 			continue
 		}
-		for _, o := range st.objs {
+		for i := range st.objs {
+			o := &st.objs[i]
 			k := o.key()
 			// Nameless objects are all invalid; validation reports them, not this.
 			if prev, dup := first[k]; dup && k.name != "" {
-				at := o.at
+				at := o.at(name)
 				at.Err = &service.FieldError{Kind: k.kind, Namespace: k.namespace, Name: k.name, Field: "metadata.name",
 					Msg: fmt.Sprintf("already defined in %s document %d; this definition is ignored", prev.File, prev.Doc)}
 				errs = append(errs, &at)
 				continue
 			}
-			first[k] = o.at
+			first[k] = o.at(name)
 
-			var verrs []error
-			if o.svc != nil {
-				var ok bool
-				if verrs, ok = l.svcErrs[o.svc]; !ok {
-					verrs = service.ValidateService(o.svc)
+			// An object is never modified: its errors hold for as long as
+			// it is kept (decodeFile keeps those of unchanged documents).
+			if !o.validated {
+				if o.svc != nil {
+					o.errs = service.ValidateService(o.svc)
+				} else {
+					o.errs = service.ValidateEndpointSlice(o.slice)
 				}
-				svcErrs[o.svc] = verrs
-			} else {
-				var ok bool
-				if verrs, ok = l.sliceErrs[o.slice]; !ok {
-					verrs = service.ValidateEndpointSlice(o.slice)
-				}
-				sliceErrs[o.slice] = verrs
+				o.validated = true
 			}
-			for _, err := range verrs {
-				at := o.at
+			for _, err := range o.errs {
+				at := o.at(name)
 				at.Err = err
 				errs = append(errs, &at)
 			}
 			switch {
-			case o.svc != nil && len(verrs) == 0:
-				l.goodSvcs[k] = o.svc
+			case o.svc != nil && len(o.errs) == 0:
 				svcs = append(svcs, o.svc)
 			case o.svc != nil:
-				if good := l.goodSvcs[k]; good != nil {
+				if goodSvcs == nil {
+					goodSvcs = keyed(l.svcs, func(s *v1.Service) objectKey { return objectKey{"Service", s.Namespace, s.Name} })
+				}
+				if good := goodSvcs[k]; good != nil {
 					svcs = append(svcs, good)
 				}
-			case len(verrs) == 0:
-				l.goodSlices[k] = o.slice
+			case len(o.errs) == 0:
 				epSlices = append(epSlices, o.slice)
 			default:
-				if good := l.goodSlices[k]; good != nil {
+				if goodSlices == nil {
+					goodSlices = keyed(l.slices, func(s *discoveryv1.EndpointSlice) objectKey {
+						return objectKey{"EndpointSlice", s.Namespace, s.Name}
+					})
+				}
+				if good := goodSlices[k]; good != nil {
 					epSlices = append(epSlices, good)
 				}
 			}
 		}
 	}
-	l.svcErrs, l.sliceErrs = svcErrs, sliceErrs
-	// An object that is gone is forgotten: should it come back invalid, there is no
-	// earlier version of it to fall back to.
-	for k := range l.goodSvcs {
-		if _, ok := first[k]; !ok {
-			delete(l.goodSvcs, k)
-		}
-	}
-	for k := range l.goodSlices {
-		if _, ok := first[k]; !ok {
-			delete(l.goodSlices, k)
-		}
-	}
+	// An object that is gone is forgotten: should it come back invalid, there
+	// is no earlier version of it to fall back to, as it is not among these.
+	l.svcs, l.slices = svcs, epSlices
 	return svcs, epSlices, first, errs
 }
 
-func (o object) key() objectKey {
+// keyed maps each of objs by its key.
+func keyed[T any](objs []T, key func(T) objectKey) map[objectKey]T {
+	m := make(map[objectKey]T, len(objs))
+	for _, o := range objs {
+		m[key(o)] = o
+	}
+	return m
+}
+
+func (o *object) key() objectKey {
 	if o.svc != nil {
 		return objectKey{"Service", o.svc.Namespace, o.svc.Name}
 	}

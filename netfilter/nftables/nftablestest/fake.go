@@ -19,8 +19,11 @@ import (
 // Fake is an nftables.Kernel in memory for one table.
 type Fake struct {
 	*knftables.Fake
-	// Transactions holds the nft input of every Run that succeeded, in order.
+	// Transactions holds the nft input of every Run that succeeded, in order,
+	// and that of the same changes for every WriteElements that succeeded.
 	Transactions []string
+	// ElementWrites counts the WriteElements that succeeded.
+	ElementWrites int
 	// failNext is returned by the next Run, which then changes nothing.
 	failNext error
 }
@@ -43,7 +46,26 @@ func (f *Fake) Run(ctx context.Context, tx *knftables.Transaction) error {
 	return nil
 }
 
-// FailNextRun makes the next Run return err without changing anything.
+// WriteElements implements nftables.Kernel: the changes as one Run would
+// make them, once they pass the real kernel's check of their keys and values.
+func (f *Fake) WriteElements(ctx context.Context, changes nftables.ElementChanges) error {
+	if err := changes.Check(); err != nil {
+		return err
+	}
+	if len(changes) == 0 {
+		return nil
+	}
+	tx := f.NewTransaction()
+	changes.Transaction(tx)
+	if err := f.Run(ctx, tx); err != nil {
+		return err
+	}
+	f.ElementWrites++
+	return nil
+}
+
+// FailNextRun makes the next Run (or WriteElements) return err without
+// changing anything.
 func (f *Fake) FailNextRun(err error) { f.failNext = err }
 
 // RuleHandles implements nftables.Kernel.
