@@ -82,9 +82,8 @@ type NFTables struct {
 	udp     [2]staleFlows
 	// reply is the policy route of the replies to transparent dials, and
 	// repliesOK whether the last Sync left it and the table in place.
-	reply       replyRoute
-	replyFailed bool
-	repliesOK   atomic.Bool
+	reply     replyRoute
+	repliesOK atomic.Bool
 }
 
 // NewNFTables returns the nftables Portals for cfg. It changes nothing in the
@@ -139,8 +138,11 @@ func (p *NFTables) Sync(portals []Portal) error {
 		klog.InfoS("Portal table was flushed or deleted by someone else; rewriting it", "table", p.table)
 		p.written, p.entries = nil, nil
 	}
-	errs = append(errs, p.ensureReplies()...)
-	defer func() { p.repliesOK.Store(p.reply.mark != 0 && p.written != nil && !p.replyFailed) }()
+	replyErr := p.reply.ensure()
+	if replyErr != nil {
+		errs = append(errs, replyErr)
+	}
+	defer func() { p.repliesOK.Store(p.reply.mark != 0 && p.written != nil && replyErr == nil) }()
 	if p.written != nil && p.entries != nil && equalEntries(p.entries, entries) {
 		return multierror.Append(nil, append(errs, p.dups...)...).ErrorOrNil()
 	}
@@ -203,17 +205,6 @@ func (p *NFTables) readHandles(ctx context.Context) map[string][]int {
 		handles[c] = h
 	}
 	return handles
-}
-
-// ensureReplies puts the policy route of the replies to transparent dials in
-// place (when the portals have one), noting whether it failed.
-func (p *NFTables) ensureReplies() []error {
-	p.replyFailed = false
-	if err := p.reply.ensure(); err != nil {
-		p.replyFailed = true
-		return []error{err}
-	}
-	return nil
 }
 
 // RepliesToClientAddress implements Portals.

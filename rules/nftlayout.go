@@ -185,7 +185,7 @@ func (l *nftLayout) rules(tx *knftables.Transaction) {
 		tx.Add(&knftables.Rule{Chain: chain, Rule: knftables.Concat(rule...), Comment: knftables.PtrTo(comment)})
 	}
 	if l.dialMark != 0 {
-		m := "0x" + strconv.FormatUint(uint64(l.dialMark), 16)
+		m := markHex(l.dialMark)
 		add(nftOutput, "uproxy dials to endpoints skip the portals", "meta mark &", m, "!= 0 return")
 	}
 	for _, fam := range l.fams {
@@ -229,7 +229,7 @@ func (l *nftLayout) refuseRules(add func(chain, comment string, rule ...any)) {
 		add(c, "a connection's first packet: refused when its Service port has no endpoints", "ct state new jump", nftNoEndpoints)
 	}
 	if l.dialMark != 0 {
-		m := "0x" + strconv.FormatUint(uint64(l.dialMark), 16)
+		m := markHex(l.dialMark)
 		add(nftNoEndpoints, "uproxy dials to endpoints skip the portals", "meta mark &", m, "!= 0 return")
 	}
 	for _, fam := range l.fams {

@@ -243,7 +243,7 @@ func (r *renderer) ownDials(out []byte, chain string) []byte {
 	if r.dialMark == 0 {
 		return out
 	}
-	m := "0x" + strconv.FormatUint(uint64(r.dialMark), 16)
+	m := markHex(r.dialMark)
 	return append(out, "-A "+chain+" -m mark --mark "+m+"/"+m+` -m comment --comment "uproxy dials to endpoints skip the portals" -j RETURN`+"\n"...)
 }
 
