@@ -28,7 +28,8 @@ func newBenchCommand() *cobra.Command {
 same workloads over every available path, interleaved round by round: TCP bulk
 throughput, short connections, request/response latency on a persistent
 connection, UDP request/response, memory per idle connection, and the control
-plane (sync time at many Service ports, endpoint change to traffic).
+plane (sync time at many Service ports, heap per Service port, endpoint change
+to traffic).
 
 Every figure comes with the proxy's own CPU per unit of work, read from /proc,
 and ratios against the direct path and the best of HAProxy and nginx. Paths

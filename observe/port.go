@@ -40,11 +40,13 @@ type PortObserver struct {
 	connOK      atomic.Uint64
 	connRetried atomic.Uint64
 	connFailed  atomic.Uint64
-	duration    durations
-	expiries    atomic.Uint64
-	moved       atomic.Uint64
-	idle        atomic.Uint64
-	reopens     atomic.Uint64
+	// duration is made by the first connection to end: most Service ports
+	// of a big cluster carry none through this node.
+	duration atomic.Pointer[durations]
+	expiries atomic.Uint64
+	moved    atomic.Uint64
+	idle     atomic.Uint64
+	reopens  atomic.Uint64
 
 	// stats and udpClients are set by Attach before the port serves; they
 	// are read under livePorts' lock.
@@ -68,6 +70,10 @@ type durations struct {
 	counts [numDurationBuckets + 1]atomic.Uint64
 	sum    atomic.Uint64
 }
+
+// noDurations is the histogram of a port no connection has ended on yet;
+// nothing writes to it.
+var noDurations durations
 
 func (h *durations) observe(v float64) {
 	// The first bound at or above v, as Prometheus' own histograms count.
@@ -263,7 +269,12 @@ func (o *PortObserver) ConnClosed(c *record.Conn) {
 	default:
 		o.connOK.Add(1)
 	}
-	o.duration.observe(c.Duration.Seconds())
+	h := o.duration.Load()
+	if h == nil {
+		o.duration.CompareAndSwap(nil, new(durations))
+		h = o.duration.Load()
+	}
+	h.observe(c.Duration.Seconds())
 	if c.Protocol == "UDP" && c.Endpoint.IsValid() && c.Err == nil {
 		// A UDP session that ends without error idled out (or its Service
 		// port closed, which ends every session at once).
@@ -468,7 +479,11 @@ func collectCounts(ch chan<- prometheus.Metric, ports []attached) {
 		moved += o.moved.Load()
 		idle += o.idle.Load()
 		reopens += o.reopens.Load()
-		c, s := o.duration.add(buckets)
+		h := o.duration.Load()
+		if h == nil {
+			h = &noDurations // every bucket, at zero
+		}
+		c, s := h.add(buckets)
 		count, sum = count+c, sum+s
 		oc := conns[o.protocol]
 		if oc == nil {

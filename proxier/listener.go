@@ -70,7 +70,9 @@ func (p *Proxier) listen(sp *servicePort, r *route, pp int) (*serving, error) {
 			ln.Close()
 			return nil, err
 		}
-		go p.serve(sp, sv, func() error { return r.tcp.Serve(ln) })
+		if err := r.tcp.Start(ln, func(err error) { p.served(sp, sv, err) }); err != nil {
+			p.served(sp, sv, err)
+		}
 	} else {
 		pc, err := new(net.ListenConfig).ListenPacket(context.Background(), "udp", addr)
 		if err != nil {
@@ -80,7 +82,9 @@ func (p *Proxier) listen(sp *servicePort, r *route, pp int) (*serving, error) {
 			pc.Close()
 			return nil, err
 		}
-		go p.serve(sp, sv, func() error { return r.udp.Serve(pc.(*net.UDPConn)) })
+		if err := r.udp.Start(pc.(*net.UDPConn), func(err error) { p.served(sp, sv, err) }); err != nil {
+			p.served(sp, sv, err)
+		}
 	}
 	p.own.add(sp.protocol, pp)
 	return sv, nil
@@ -140,9 +144,11 @@ func (p *Proxier) listenAnywhere(sp *servicePort, r *route) (*listenerState, err
 	return ls, nil
 }
 
-// serve runs one Serve of sp's proxy (run) and records how it ended.
-func (p *Proxier) serve(sp *servicePort, sv *serving, run func() error) {
-	if err := run(); err != nil && !errors.Is(err, net.ErrClosed) {
+// served records how serving sp's proxy socket ended: err is what Serve
+// would have returned. Sockets are served with Start, not a goroutine each in
+// Serve: 10k Service ports would hold 10k goroutines, each with its stack.
+func (p *Proxier) served(sp *servicePort, sv *serving, err error) {
+	if err != nil && !errors.Is(err, net.ErrClosed) {
 		klog.ErrorS(err, "Proxy socket failed; the next sync reopens it", "service", sp.name)
 		sv.err = err
 	}

@@ -204,6 +204,19 @@ func (p *TCPProxy) keepAliveSecs() int {
 // for good. Serve takes ln's socket over: ln itself is closed at once, and the
 // socket when Serve returns. Use Listen to create ln.
 func (p *TCPProxy) Serve(ln *net.TCPListener) error {
+	errc := make(chan error, 1)
+	if err := p.Start(ln, func(err error) { errc <- err }); err != nil {
+		return err
+	}
+	return <-errc
+}
+
+// Start is Serve without the wait: it returns Serve's error when ln cannot be
+// served, and otherwise nil at once, with done called later, once, with what
+// Serve would have returned. No goroutine waits in the meantime (a proxy of 10k
+// Service ports would hold 10k, each with its stack); done runs on a goroutine
+// of its own.
+func (p *TCPProxy) Start(ln *net.TCPListener, done func(error)) error {
 	p.init()
 	if p.Loops == nil {
 		ln.Close()
@@ -213,10 +226,25 @@ func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 	if err != nil {
 		return fmt.Errorf("serve %s: %w", p.Service, err)
 	}
+	// Set before anyone can close tl: register, or Close once tl is listed.
+	tl.finished = func() {
+		p.mu.Lock()
+		delete(p.listeners, tl)
+		p.serving--
+		p.checkDrainedLocked()
+		closed := p.closed
+		p.mu.Unlock()
+		if tl.err != nil && !closed {
+			done(fmt.Errorf("accept on %s for %s: %w", tl.addr, p.Service, tl.err))
+			return
+		}
+		done(nil)
+	}
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
 		unix.Close(tl.fd)
+		go done(nil)
 		return nil
 	}
 	p.listeners[tl] = struct{}{}
@@ -224,17 +252,6 @@ func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 	p.mu.Unlock()
 
 	tl.register(p.Loops.Loops())
-	<-tl.done
-
-	p.mu.Lock()
-	delete(p.listeners, tl)
-	p.serving--
-	p.checkDrainedLocked()
-	closed := p.closed
-	p.mu.Unlock()
-	if tl.err != nil && !closed {
-		return fmt.Errorf("accept on %s for %s: %w", tl.addr, p.Service, tl.err)
-	}
 	return nil
 }
 
@@ -383,6 +400,9 @@ type tcpListener struct {
 	done chan struct{}
 	// err is why accepting stopped for good (nil after Close); set before done closes.
 	err error
+	// finished ends Start's serving of the socket, on a goroutine of its own
+	// once done is closed: it is set before the socket can be closed.
+	finished func()
 
 	// mu orders register and close: a listener is never watched after close began.
 	mu      sync.Mutex
@@ -442,6 +462,7 @@ func (tl *tcpListener) close() error {
 	}
 	err := unix.Close(tl.fd)
 	close(tl.done)
+	go tl.finished()
 	if err != nil {
 		return os.NewSyscallError("close", err)
 	}

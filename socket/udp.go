@@ -126,6 +126,9 @@ type udpSocket struct {
 	done    chan struct{}
 	err     error
 	stopped bool
+	// finished ends Start's serving of the socket, on a goroutine of its own
+	// once done is closed: it is set before the socket can stop.
+	finished func()
 	backoffWatch
 }
 
@@ -134,6 +137,18 @@ type udpSocket struct {
 // fails for good. Serve takes conn's socket over: conn itself is closed at once, and
 // the socket when Serve returns.
 func (p *UDPProxy) Serve(conn *net.UDPConn) error {
+	errc := make(chan error, 1)
+	if err := p.Start(conn, func(err error) { errc <- err }); err != nil {
+		return err
+	}
+	return <-errc
+}
+
+// Start is Serve without the wait: it returns Serve's error when conn cannot
+// be served, and otherwise nil at once, with done called later, once, with
+// what Serve would have returned. No goroutine waits in the meantime; done
+// runs on a goroutine of its own.
+func (p *UDPProxy) Start(conn *net.UDPConn, done func(error)) error {
 	p.init()
 	if p.initErr != nil {
 		conn.Close()
@@ -148,10 +163,22 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 	}
 	enableGRO(fd)
 	s.backoffWatch = newBackoffWatch(fd, unix.EPOLLIN|unix.EPOLLET, s)
+	// Set before the socket can stop.
+	s.finished = func() {
+		p.mu.Lock()
+		delete(p.sockets, s)
+		p.mu.Unlock()
+		if s.err != nil {
+			done(fmt.Errorf("read from %s for %s: %w", s.addr, p.Service, s.err))
+			return
+		}
+		done(nil)
+	}
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
 		unix.Close(fd)
+		go done(nil)
 		return nil
 	}
 	p.sockets[s] = struct{}{}
@@ -170,13 +197,6 @@ func (p *UDPProxy) Serve(conn *net.UDPConn) error {
 		delete(p.sockets, s)
 		p.mu.Unlock()
 		return fmt.Errorf("serve %s: %w", p.Service, poll.ErrClosed)
-	}
-	<-s.done
-	p.mu.Lock()
-	delete(p.sockets, s)
-	p.mu.Unlock()
-	if s.err != nil {
-		return fmt.Errorf("read from %s for %s: %w", s.addr, p.Service, s.err)
 	}
 	return nil
 }
@@ -263,6 +283,7 @@ func (s *udpSocket) stop(l *loop, err error) {
 		}
 	}
 	close(s.done)
+	go s.finished()
 }
 
 // forward sends one datagram from client to its entry's endpoint, creating the entry

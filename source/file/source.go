@@ -445,21 +445,26 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 
 			// An object is never modified: its errors hold for as long as
 			// it is kept (decodeFile keeps those of unchanged documents).
-			if !o.validated {
+			if o.checked == nil {
+				var verrs []error
 				if o.svc != nil {
-					o.errs = service.ValidateService(o.svc)
+					verrs = service.ValidateService(o.svc)
 				} else {
-					o.errs = service.ValidateEndpointSlice(o.slice)
+					verrs = service.ValidateEndpointSlice(o.slice)
 				}
-				o.validated = true
+				o.checked = valid
+				if len(verrs) > 0 {
+					o.checked = &validation{errs: verrs}
+				}
 			}
-			for _, err := range o.errs {
+			verrs := o.checked.errs
+			for _, err := range verrs {
 				at := o.at(name)
 				at.Err = err
 				errs = append(errs, &at)
 			}
 			switch {
-			case o.svc != nil && len(o.errs) == 0:
+			case o.svc != nil && len(verrs) == 0:
 				svcs = append(svcs, o.svc)
 			case o.svc != nil:
 				if goodSvcs == nil {
@@ -468,7 +473,7 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 				if good := goodSvcs[k]; good != nil {
 					svcs = append(svcs, good)
 				}
-			case len(o.errs) == 0:
+			case len(verrs) == 0:
 				epSlices = append(epSlices, o.slice)
 			default:
 				if goodSlices == nil {
