@@ -149,7 +149,8 @@ func (p *IPTables) syncFamily(fam *family, entries []entry) error {
 				return err
 			}
 		}
-		fam.written, fam.spans = text, spans
+		// Kept until the next change: without the estimate's spare room.
+		fam.written, fam.spans = bytes.Clone(text), spans
 	}
 
 	if err := fam.udp.sync(p.cfg.Conntrack, entries, fam.f); err != nil {

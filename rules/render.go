@@ -110,13 +110,17 @@ type textSpan struct {
 // buffer: with 10k portals it runs on every sync.
 func (r *renderer) render(entries []entry) ([]byte, []textSpan) {
 	parts := make([]ruleParts, len(entries))
+	n := 0
 	for i := range entries {
 		if entries[i].families[r.family] {
 			parts[i] = r.ruleParts(&entries[i])
+			n++
 		}
 	}
 	// Each rule is about 150 bytes; the estimate saves most of the regrowth.
-	out := make([]byte, 0, 1024+len(entries)*400)
+	// It counts the family's entries only: the text is kept until the next
+	// change, and a single-stack cluster's other family writes none.
+	out := make([]byte, 0, 1024+n*400)
 	out = r.clientAddress(out)
 	out = append(out, "*filter\n"...)
 	for _, c := range r.chains.filter() {
