@@ -12,8 +12,10 @@ import (
 
 // Report is the outcome of a Run.
 type Report struct {
-	Started   time.Time        `json:"started"`
-	Seconds   float64          `json:"seconds"`
+	Started time.Time `json:"started"`
+	Seconds float64   `json:"seconds"`
+	// Command is the command line that made the report, set by its caller.
+	Command   string           `json:"command,omitempty"`
 	Machine   Machine          `json:"machine"`
 	Settings  Settings         `json:"settings"`
 	Paths     []PathStatus     `json:"paths"`
@@ -24,8 +26,13 @@ type Report struct {
 // Machine describes where the run happened.
 type Machine struct {
 	CPUs      int    `json:"cpus"`
+	CPUModel  string `json:"cpuModel,omitempty"`
 	Kernel    string `json:"kernel"`
 	GoVersion string `json:"go"`
+	// LoadBefore and LoadAfter are the 1-, 5- and 15-minute load averages
+	// when the run began and ended: the machine may be shared.
+	LoadBefore string `json:"loadBefore,omitempty"`
+	LoadAfter  string `json:"loadAfter,omitempty"`
 }
 
 // Settings are the resolved Config.
