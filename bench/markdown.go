@@ -155,14 +155,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 
 	b.WriteString("\n## Paths\n\n| path | version | status |\n|---|---|---|\n")
 	for _, p := range r.Paths {
-		status := "ok"
-		switch {
-		case !p.Available:
-			status = "unavailable: " + p.Reason
-		case p.Error != "":
-			status = "FAILED: " + p.Error
-		}
-		fmt.Fprintf(&b, "| %s | %s | %s |\n", p.Name, cell(p.Version), cell(status))
+		fmt.Fprintf(&b, "| %s | %s | %s |\n", p.Name, cell(p.Version), cell(p.status()))
 	}
 
 	for _, wr := range r.Workloads {

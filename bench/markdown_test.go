@@ -12,10 +12,10 @@ import (
 // renderer has never heard of included, with only the columns its paths fill.
 func TestMarkdownRendersEveryWorkloadFromJSON(t *testing.T) {
 	rep := &Report{
-		Started: time.Date(2026, 11, 28, 1, 2, 3, 0, time.UTC),
-		Seconds: 42,
-		Command: "uproxy bench --quick=true --output=json",
-		Machine: Machine{CPUs: 2, CPUModel: "Test CPU @ 2.0GHz", Kernel: "6.1.0", GoVersion: "go1.26.8", LoadBefore: "0.50 0.40 0.30", LoadAfter: "1.50 1.00 0.70"},
+		Started:  time.Date(2026, 11, 28, 1, 2, 3, 0, time.UTC),
+		Seconds:  42,
+		Command:  "uproxy bench --quick=true --output=json",
+		Machine:  Machine{CPUs: 2, CPUModel: "Test CPU @ 2.0GHz", Kernel: "6.1.0", GoVersion: "go1.26.8", LoadBefore: "0.50 0.40 0.30", LoadAfter: "1.50 1.00 0.70"},
 		Settings: Settings{Rounds: 2, DurationSeconds: 0.5, IdleConns: 1000, UDPClients: 4, ConnClients: 4, SyncSizes: []int{1000}},
 		Paths: []PathStatus{
 			{Name: Direct, Available: true, Version: "kernel forwarding"},

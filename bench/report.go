@@ -266,6 +266,17 @@ func ratios(wr *WorkloadResult, withDirect bool) {
 	}
 }
 
+// status is "ok", or why the path did not run.
+func (p PathStatus) status() string {
+	switch {
+	case !p.Available:
+		return "unavailable: " + p.Reason
+	case p.Error != "":
+		return "FAILED: " + p.Error
+	}
+	return "ok"
+}
+
 // WriteJSON writes the report as indented JSON.
 func (r *Report) WriteJSON(w io.Writer) error {
 	enc := json.NewEncoder(w)
@@ -285,14 +296,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "path\tversion\tstatus")
 	for _, p := range r.Paths {
-		status := "ok"
-		switch {
-		case !p.Available:
-			status = "unavailable: " + p.Reason
-		case p.Error != "":
-			status = "FAILED: " + oneLine(p.Error)
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\n", p.Name, p.Version, status)
+		fmt.Fprintf(tw, "%s\t%s\t%s\n", p.Name, p.Version, oneLine(p.status()))
 	}
 	tw.Flush()
 
