@@ -132,7 +132,11 @@ make perf-doc runs the bench and this command into docs/performance.md.`,
 func commandLine(cmd *cobra.Command) string {
 	parts := []string{cmd.CommandPath()}
 	cmd.Flags().Visit(func(f *pflag.Flag) {
-		parts = append(parts, "--"+f.Name+"="+f.Value.String())
+		v := f.Value.String()
+		if s, ok := f.Value.(pflag.SliceValue); ok {
+			v = strings.Join(s.GetSlice(), ",")
+		}
+		parts = append(parts, "--"+f.Name+"="+v)
 	})
 	return strings.Join(parts, " ")
 }

@@ -194,7 +194,7 @@ func writeWorkload(b *strings.Builder, wr WorkloadResult) {
 		fmt.Fprintf(b, " %s |", c.head)
 	}
 	b.WriteString("\n|---|" + strings.Repeat("---:|", len(cols)) + "\n")
-	var notes []string
+	var notes []note
 	for _, pr := range wr.Results {
 		fmt.Fprintf(b, "| %s |", pr.Path)
 		if pr.Skipped != "" || pr.Error != "" {
@@ -210,7 +210,7 @@ func writeWorkload(b *strings.Builder, wr WorkloadResult) {
 				}
 			}
 			b.WriteString("\n")
-			notes = append(notes, fmt.Sprintf("%s: %s: %s", pr.Path, mark, msg))
+			notes = append(notes, note{pr.Path, fmt.Sprintf("%s: %s", mark, msg)})
 			continue
 		}
 		for _, c := range cols {
@@ -218,15 +218,10 @@ func writeWorkload(b *strings.Builder, wr WorkloadResult) {
 		}
 		b.WriteString("\n")
 		if pr.Idle != nil && pr.Idle.Note != "" {
-			notes = append(notes, fmt.Sprintf("%s: %s", pr.Path, pr.Idle.Note))
+			notes = append(notes, note{pr.Path, pr.Idle.Note})
 		}
 	}
-	if len(notes) > 0 {
-		b.WriteString("\n")
-		for _, n := range notes {
-			fmt.Fprintf(b, "- %s\n", cell(n))
-		}
-	}
+	writeNotes(b, notes)
 }
 
 func writeControl(b *strings.Builder, control []ControlEntry) {
@@ -238,13 +233,13 @@ func writeControl(b *strings.Builder, control []ControlEntry) {
 		"programmed and after the edits.\n\n")
 	b.WriteString("| path | Service ports | sync ms | syncs | to traffic ms | +1 Service ms | 1 endpoint ms | file: 1 endpoint ms | file: +1 Service ms | removal ms | heap KiB/port | after edits |\n")
 	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-	var notes []string
+	var notes []note
 	for _, c := range control {
 		switch {
 		case c.Error != "":
-			notes = append(notes, fmt.Sprintf("%s: FAILED: %s", c.Path, c.Error))
+			notes = append(notes, note{c.Path, fmt.Sprintf("FAILED: %s", c.Error)})
 		case c.Skipped != "":
-			notes = append(notes, fmt.Sprintf("%s: n/a: %s", c.Path, c.Skipped))
+			notes = append(notes, note{c.Path, fmt.Sprintf("n/a: %s", c.Skipped)})
 		}
 		if c.Result == nil {
 			continue
@@ -261,22 +256,40 @@ func writeControl(b *strings.Builder, control []ControlEntry) {
 			}
 			fmt.Fprintf(b, "| %s | %d | %s |\n", c.Path, s.Ports, strings.Join(cells, " | "))
 			if s.Error != "" {
-				notes = append(notes, fmt.Sprintf("%s: %d Service ports: %s", c.Path, s.Ports, s.Error))
+				notes = append(notes, note{c.Path, fmt.Sprintf("%d Service ports: %s", s.Ports, s.Error)})
 			}
 		}
 		for _, nr := range c.Result.NotRun {
-			notes = append(notes, fmt.Sprintf("%s: %d Service ports: not run: %s", c.Path, nr.Ports, nr.Reason))
+			notes = append(notes, note{c.Path, fmt.Sprintf("%d Service ports: not run: %s", nr.Ports, nr.Reason)})
 		}
 		if len(c.Result.EndpointChangeMs) > 0 {
-			notes = append(notes, fmt.Sprintf("%s: endpoint change to traffic: median %.1f ms, max %.1f ms over %d changes",
-				c.Path, c.Result.EndpointChangeMedian, c.Result.EndpointChangeMax, len(c.Result.EndpointChangeMs)))
+			notes = append(notes, note{c.Path, fmt.Sprintf("endpoint change to traffic: median %.1f ms, max %.1f ms over %d changes",
+				c.Result.EndpointChangeMedian, c.Result.EndpointChangeMax, len(c.Result.EndpointChangeMs))})
 		}
 	}
-	if len(notes) > 0 {
-		b.WriteString("\n")
-		for _, n := range notes {
-			fmt.Fprintf(b, "- %s\n", cell(n))
+	writeNotes(b, notes)
+}
+
+// note is what a table says below it of one path.
+type note struct{ path, text string }
+
+// writeNotes lists the notes below a table, one line per text naming every
+// path it is about, in the order they came.
+func writeNotes(b *strings.Builder, notes []note) {
+	if len(notes) == 0 {
+		return
+	}
+	var texts []string
+	paths := map[string][]string{}
+	for _, n := range notes {
+		if _, seen := paths[n.text]; !seen {
+			texts = append(texts, n.text)
 		}
+		paths[n.text] = append(paths[n.text], n.path)
+	}
+	b.WriteString("\n")
+	for _, t := range texts {
+		fmt.Fprintf(b, "- %s: %s\n", strings.Join(paths[t], ", "), cell(t))
 	}
 }
 
@@ -285,7 +298,9 @@ const readingTheTables = `
 ## Reading the tables
 
 - **Paths.** ` + "`direct`" + ` goes straight to a backend; ` + "`userspace`" + ` through the userspace mode's
-  ClusterIP portal (iptables portals), ` + "`userspace-nft`" + ` the same with nftables portals;
+  ClusterIP portal (iptables portals), ` + "`userspace-nft`" + ` the same with nftables portals
+  (dialing endpoints from the client pod's address, the default), ` + "`userspace-nft-node`" + `
+  the same dialing from the node's address (` + "`--preserve-client-address=false`" + `);
   ` + "`iptables`" + `, ` + "`nftables`" + `, ` + "`ipvs`" + ` through the kernel modes; ` + "`haproxy`" + ` (tcp mode,
   forced splice) and ` + "`nginx`" + ` (` + "`stream`" + `, ` + "`proxy_half_close on`" + `) are the peers on the node.
   The ` + "`lo-`" + ` paths run client, proxy and backends in one namespace on 127.0.0.1, each proxy

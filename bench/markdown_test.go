@@ -28,6 +28,7 @@ func TestMarkdownRendersEveryWorkloadFromJSON(t *testing.T) {
 					{Path: Direct, Value: ptr(900), Rounds: []Round{{Value: 900}}},
 					{Path: Userspace, Value: ptr(600), VsDirect: ptr(0.667), Rounds: []Round{{Value: 600}}, Errors: 2, Lost: 1},
 					{Path: HAProxy, Skipped: "path unavailable"},
+					{Path: LoHAProxy, Skipped: "path unavailable"},
 				}},
 			{Name: Idle, Title: "Idle connections", Unit: "KiB/conn",
 				Results: []PathResult{
@@ -64,7 +65,7 @@ func TestMarkdownRendersEveryWorkloadFromJSON(t *testing.T) {
 		"| path | conn/s | ×direct | errors |",
 		"| userspace | 600.0 | 0.67 | 2 (1 lost) |",
 		"| haproxy | n/a | - | - |",
-		"- haproxy: n/a: path unavailable",
+		"- haproxy, lo-haproxy: n/a: path unavailable",
 		"| path | KiB/conn | heap KiB/conn | RSS before MiB | RSS after MiB | errors |",
 		"| userspace | 0.700 | 0.680 | 40.0 | 41.0 | 0 |",
 		"| nftables | 1000 | 56.0 | 1 | 200.0 |",
