@@ -150,7 +150,9 @@ func TestConformance(t *testing.T) {
 	table := Table(results)
 	t.Logf("nodes: %d, suites: %s\n%s", *nodesFlag, strings.Join(focus, " | "), table)
 	if *reportFlag != "" {
-		header := fmt.Sprintf("Nodes: %d. Suites: `%s`, skipping `%s`.\n\n", *nodesFlag, strings.Join(focus, "|"), skip)
+		// A document under docs/ names its reader first (docs_test.go).
+		header := fmt.Sprintf("# Conformance table (for people comparing the proxies in the last make conformance run)\n\n"+
+			"Nodes: %d. Suites: `%s`, skipping `%s`.\n\n", *nodesFlag, strings.Join(focus, "|"), skip)
 		if err := os.WriteFile(*reportFlag, []byte(header+table), 0o644); err != nil {
 			t.Error(err)
 		}
