@@ -11,7 +11,7 @@ PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
 TESTFLAGS ?= -race -count=1 -timeout 10m
 
-.PHONY: all build run demo demo-retry test unit lint deps kube-bins cluster-bins conformance conformance-down bench bench-deps microbench soak clean
+.PHONY: all build run demo demo-retry test unit lint deps kube-bins cluster-bins conformance conformance-down bench bench-deps perf-doc microbench soak clean
 
 all: build
 
@@ -103,6 +103,13 @@ bench-deps:
 BENCHFLAGS ?=
 bench: build deps bench-deps
 	$(UPROXY) bench $(BENCHFLAGS) --chart bench.svg
+
+# docs/performance.md from one bench run (root): the JSON stays in bench.json, and
+# `bin/uproxy bench report bench.json > docs/performance.md` renders it again.
+PERFFLAGS ?= --duration 2s --rounds 3 --idle-connections 8000 --sync-sizes 1000,10000
+perf-doc: build deps bench-deps
+	$(UPROXY) bench $(PERFFLAGS) -o json > bench.json
+	$(UPROXY) bench report bench.json > docs/performance.md
 
 # Mixed TCP/UDP load with checksums while endpoints churn, backends die and the rules are flushed (root).
 SOAK ?= 60s

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/uproxy/uproxy/bench"
 )
@@ -71,6 +73,7 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 			if err != nil {
 				return fmt.Errorf("bench: %w", err)
 			}
+			rep.Command = commandLine(cmd)
 			if err := printReport(cmd, rep, output, chart); err != nil {
 				return err
 			}
@@ -94,7 +97,48 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 	f.IntVar(&cfg.ConnClients, "connection-clients", 0, "clients of the short-connection workload, each with one connection open (default 4)")
 	f.StringVar(&proxyCPUs, "proxy-cpus", "", "run every proxy on these CPUs (a list such as 1 or 2-3) and the load generators and backends on the others; the peers run one worker per CPU in it (default: every process on every CPU)")
 	f.StringVar(&cfg.Uproxy, "uproxy", "", "uproxy binary for the uproxy paths (default this executable)")
+	cmd.AddCommand(newBenchReportCommand())
 	return cmd
+}
+
+// newBenchReportCommand is `uproxy bench report FILE`: the Markdown page of
+// docs/performance.md from a saved `uproxy bench -o json`.
+func newBenchReportCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "report FILE.json",
+		Short: "Write the Markdown performance page (docs/performance.md) from the output of uproxy bench -o json",
+		Long: `report reads what uproxy bench -o json wrote and prints a Markdown page: when
+and on what machine it ran (CPU model, CPUs, kernel, load average), the command,
+and one table per workload and for the control plane. Every workload the file
+holds is rendered; the columns are those its paths have figures for.
+make perf-doc runs the bench and this command into docs/performance.md.`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			f, err := os.Open(args[0])
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			rep, err := bench.ReadReport(f)
+			if err != nil {
+				return fmt.Errorf("%s: %w", args[0], err)
+			}
+			return rep.WriteMarkdown(cmd.OutOrStdout())
+		},
+	}
+}
+
+// commandLine spells the command as it ran: its path and the flags set.
+func commandLine(cmd *cobra.Command) string {
+	parts := []string{cmd.CommandPath()}
+	cmd.Flags().Visit(func(f *pflag.Flag) {
+		v := f.Value.String()
+		if s, ok := f.Value.(pflag.SliceValue); ok {
+			v = strings.Join(s.GetSlice(), ",")
+		}
+		parts = append(parts, "--"+f.Name+"="+v)
+	})
+	return strings.Join(parts, " ")
 }
 
 func splitList(s string) []string {

@@ -27,3 +27,27 @@ func TestBenchCommandRejectsBadFlags(t *testing.T) {
 		})
 	}
 }
+
+// The command line a report records parses back to the same settings: a list
+// flag is written as the flag takes it, not as Go prints a slice.
+func TestBenchCommandLineParsesBack(t *testing.T) {
+	args := []string{"--sync-sizes", "1000,10000", "--quick", "-o", "json", "--paths", "direct,userspace"}
+	cmd := newBenchCommand()
+	if err := cmd.ParseFlags(args); err != nil {
+		t.Fatal(err)
+	}
+	line := commandLine(cmd)
+	name, flags, _ := strings.Cut(line, " ")
+	if name != "bench" {
+		t.Errorf("command line %q: want it to begin with the command, bench", line)
+	}
+	again := newBenchCommand()
+	if err := again.ParseFlags(strings.Fields(flags)); err != nil {
+		t.Fatalf("command line %q does not parse back: %v", line, err)
+	}
+	for _, f := range []string{"sync-sizes", "quick", "output", "paths"} {
+		if got, want := again.Flags().Lookup(f).Value.String(), cmd.Flags().Lookup(f).Value.String(); got != want {
+			t.Errorf("--%s from %q: got %s, want %s", f, line, got, want)
+		}
+	}
+}

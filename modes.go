@@ -235,7 +235,8 @@ func buildMode(name string, o *options, cfg *config, events *observe.Events, ips
 // (--event-loops; 0: poll.DefaultLoops) and makes sure there is a P (GOMAXPROCS)
 // more than loops. A loop spends its idle time blocked in epoll_wait, holding a
 // scheduler slot (P) that the runtime takes back only when no P is idle - and then
-// on nearly every event, with its monitor thread polling every 20µs. So there is
+// on nearly every event, with its monitor thread polling ever more often
+// (docs/decisions/2026-11-22-event-loops-and-the-go-scheduler.md). So there is
 // always one P more than loops, which also runs the control plane.
 func reserveEventLoopProcs(loops int) int {
 	if loops <= 0 {

@@ -227,6 +227,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, err
 	}
 	rep.Seconds = time.Since(rep.Started).Seconds()
+	rep.Machine.LoadAfter = loadAverage()
 	return rep, nil
 }
 
@@ -492,7 +493,30 @@ func machineInfo() Machine {
 	if b, err := os.ReadFile("/proc/sys/kernel/osrelease"); err == nil {
 		m.Kernel = strings.TrimSpace(string(b))
 	}
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if k, v, ok := strings.Cut(l, ":"); ok && strings.TrimSpace(k) == "model name" {
+				m.CPUModel = strings.TrimSpace(v)
+				break
+			}
+		}
+	}
+	m.LoadBefore = loadAverage()
 	return m
+}
+
+// loadAverage returns the 1-, 5- and 15-minute load averages from
+// /proc/loadavg, or "" where it cannot be read.
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return ""
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return ""
+	}
+	return strings.Join(f[:3], " ")
 }
 
 func ptr(v float64) *float64 { return &v }

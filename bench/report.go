@@ -12,8 +12,10 @@ import (
 
 // Report is the outcome of a Run.
 type Report struct {
-	Started   time.Time        `json:"started"`
-	Seconds   float64          `json:"seconds"`
+	Started time.Time `json:"started"`
+	Seconds float64   `json:"seconds"`
+	// Command is the command line that made the report, set by its caller.
+	Command   string           `json:"command,omitempty"`
 	Machine   Machine          `json:"machine"`
 	Settings  Settings         `json:"settings"`
 	Paths     []PathStatus     `json:"paths"`
@@ -24,8 +26,13 @@ type Report struct {
 // Machine describes where the run happened.
 type Machine struct {
 	CPUs      int    `json:"cpus"`
+	CPUModel  string `json:"cpuModel,omitempty"`
 	Kernel    string `json:"kernel"`
 	GoVersion string `json:"go"`
+	// LoadBefore and LoadAfter are the 1-, 5- and 15-minute load averages
+	// when the run began and ended: the machine may be shared.
+	LoadBefore string `json:"loadBefore,omitempty"`
+	LoadAfter  string `json:"loadAfter,omitempty"`
 }
 
 // Settings are the resolved Config.
@@ -259,6 +266,17 @@ func ratios(wr *WorkloadResult, withDirect bool) {
 	}
 }
 
+// status is "ok", or why the path did not run.
+func (p PathStatus) status() string {
+	switch {
+	case !p.Available:
+		return "unavailable: " + p.Reason
+	case p.Error != "":
+		return "FAILED: " + p.Error
+	}
+	return "ok"
+}
+
 // WriteJSON writes the report as indented JSON.
 func (r *Report) WriteJSON(w io.Writer) error {
 	enc := json.NewEncoder(w)
@@ -278,14 +296,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "path\tversion\tstatus")
 	for _, p := range r.Paths {
-		status := "ok"
-		switch {
-		case !p.Available:
-			status = "unavailable: " + p.Reason
-		case p.Error != "":
-			status = "FAILED: " + oneLine(p.Error)
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\n", p.Name, p.Version, status)
+		fmt.Fprintf(tw, "%s\t%s\t%s\n", p.Name, p.Version, oneLine(p.status()))
 	}
 	tw.Flush()
 

@@ -50,7 +50,7 @@ func proxyNames() []string { return proxyOrder }
 // passes, each for a documented reason (docs/conformance.md).
 var expectedFailures = map[string]map[string]string{
 	// None today: the userspace mode's client-address tests pass since it
-	// dials from the client's address (README, "Client address").
+	// dials from the client's address (docs/userspace-mode.md, "Client address").
 }
 
 // notApplicable are the tests that skip themselves under a uproxy mode as they do
@@ -70,7 +70,7 @@ var notApplicable = map[string]map[string]string{
 const nfacctTest = "[sig-network] KubeProxy should update metric for tracking accepted packets destined for localhost nodeports [Feature:KubeProxyNFAcct]"
 
 const nfacctElsewhere = "not applicable, skipped as under kube-proxy-nftables: the test judges the iptables mode's nfacct count and route_localnet; " +
-	"this mode answers /proxyMode with its own name and serves 127.0.0.1:NODEPORT without either (README: Localhost NodePorts)"
+	"this mode answers /proxyMode with its own name and serves 127.0.0.1:NODEPORT without either (docs/configuration.md: Localhost NodePorts)"
 
 // TestConformance builds a cluster per proxy, runs upstream's suite against it and
 // fails when a uproxy mode fails a test that kube-proxy passes in the same run, or,
@@ -150,7 +150,9 @@ func TestConformance(t *testing.T) {
 	table := Table(results)
 	t.Logf("nodes: %d, suites: %s\n%s", *nodesFlag, strings.Join(focus, " | "), table)
 	if *reportFlag != "" {
-		header := fmt.Sprintf("Nodes: %d. Suites: `%s`, skipping `%s`.\n\n", *nodesFlag, strings.Join(focus, "|"), skip)
+		// A document under docs/ names its reader first (docs_test.go).
+		header := fmt.Sprintf("# Conformance table (for people comparing the proxies in the last make conformance run)\n\n"+
+			"Nodes: %d. Suites: `%s`, skipping `%s`.\n\n", *nodesFlag, strings.Join(focus, "|"), skip)
 		if err := os.WriteFile(*reportFlag, []byte(header+table), 0o644); err != nil {
 			t.Error(err)
 		}

@@ -2,8 +2,9 @@
 # bench-batch-load: uproxy bench with its load generators and backend process at
 # SCHED_BATCH and every proxy at SCHED_OTHER. A batch task that wakes does not
 # preempt the task running on its CPU, so the proxy under test is not preempted by
-# the clients and backends its own writes wake (docs/data-path.md, section 13). A
-# diagnostic: the bench's default leaves every process at SCHED_OTHER.
+# the clients and backends its own writes wake
+# (docs/decisions/2026-11-24-loop-waits-for-cpu.md). A diagnostic: the bench's
+# default leaves every process at SCHED_OTHER.
 # Usage: hack/bench-batch-load.sh [path/to/uproxy] [uproxy bench flags...]
 #   e.g. hack/bench-batch-load.sh bin/uproxy --paths lo-userspace,lo-nginx --workloads connections
 # Needs root (as uproxy bench does) and chrt (util-linux).

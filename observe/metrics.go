@@ -151,9 +151,9 @@ func (c *KernelCounter) Collect(ch chan<- prometheus.Metric) {
 
 // The series of each Service port. Its PortObserver counts them in plain
 // atomics and portsCollector exports them at scrape time: a metric vector's
-// children (label pairs, a created timestamp and a histogram each) cost about
-// 6 KiB per Service port, every Service port, whether or not it carries
-// traffic.
+// children (label pairs, a created timestamp and a histogram each) cost
+// kilobytes per Service port, every Service port, whether or not it carries
+// traffic (docs/decisions/2026-11-27-control-plane-at-scale.md).
 var (
 	descConnections = prometheus.NewDesc("uproxy_connections_total",
 		"Proxied TCP connections and UDP client sessions by Service port, protocol and outcome: success (first attempt), retried (served after failed attempts), failed (no endpoint answered).",

@@ -70,8 +70,9 @@ type allocator struct {
 
 // newAllocator returns an allocator over r; the zero PortRange means the kernel's
 // ephemeral range. Ports are chosen here rather than by binding port 0: the
-// kernel's search for a free port gets slower with every port held (10k proxy
-// ports took 10-20 s to open that way, against 1.4 s with explicit ports).
+// kernel's search for a free port gets slower with every port held, so that
+// opening many proxy ports by port 0 takes many times as long (BenchmarkSync
+// opens them at 10k Service ports).
 func newAllocator(r PortRange) *allocator {
 	if r.First == 0 {
 		r = ephemeralRange()

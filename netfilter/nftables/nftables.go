@@ -88,8 +88,9 @@ type kernel struct {
 	// mu guards conn, a netlink connection kept open in the network
 	// namespace whose inode is netns. Closing a netfilter netlink socket
 	// makes the kernel finish freeing what earlier transactions deleted
-	// first (it waits for an RCU grace period, 7 to 30 ms on a busy two-CPU
-	// node, holding the lock every transaction takes): nft pays that at its
+	// first (it waits for an RCU grace period, milliseconds on a busy node,
+	// holding the lock every transaction takes; docs/decisions has the
+	// measurement, 2026-11-27-control-plane-at-scale): nft pays that at its
 	// exit after every transaction that deletes something, which is most of
 	// what moving one endpoint cost through it. A connection kept open pays
 	// it never.
