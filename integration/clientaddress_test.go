@@ -1,7 +1,9 @@
 package integration
 
 import (
+	"bufio"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"strings"
@@ -224,5 +226,106 @@ func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
 	// The node's address does not pass the remote pod's policy.
 	if e, c, err := askWho(tp, "TCP", testbed.External, hostPort(nodeIP.String(), 30035)); err == nil {
 		t.Errorf("outside to an externalTrafficPolicy Cluster NodePort: endpoint %v saw %v through the remote pod's policy; want the node's address, dropped", e, c)
+	}
+}
+
+// TestPodReusesAKeptDialsPort: a dial from a pod's address leaves nothing on
+// the node that takes that pod's own later connections. The pod reaches an
+// endpoint through a ClusterIP and closes first, so the dial to the endpoint
+// ends on the node (the side that sent the first FIN). The pod then connects
+// to the endpoint directly from the address and port that dial had. A socket
+// the node still held for that pair (TIME_WAIT) would be matched to the
+// endpoint's replies before routing, and the kernel drops a forwarded packet
+// that a local socket claimed: the pod's connection would never complete.
+func TestPodReusesAKeptDialsPort(t *testing.T) {
+	for _, c := range []struct {
+		rules string
+		v6    bool
+	}{{"nftables", false}, {"iptables", false}, {"nftables", true}} {
+		family, vip, cidr := "IPv4", "10.96.0.40", "10.244.0.0/16"
+		if c.v6 {
+			family, vip, cidr = "IPv6", "fd00:96::40", "fd00:244::/32"
+		}
+		rules := c.rules
+		t.Run(rules+"/"+family, func(t *testing.T) {
+			if rules == "nftables" {
+				testbed.RequireNFTables(t)
+			}
+			opts := []topology.Option{testbed.WithSecondNode()}
+			if c.v6 {
+				opts = append(opts, testbed.WithIPv6())
+			}
+			tp := testbed.New(t, opts...)
+			podIP, epIP := tp.NS(testbed.Pod).IPv4, tp.NS(testbed.Pod2).IPv4
+			if c.v6 {
+				podIP, epIP = tp.NS(testbed.Pod).IPv6, tp.NS(testbed.Pod2).IPv6
+			}
+			// The endpoint writes the client address it saw, then waits for
+			// the client's end before its own.
+			ln := tp.Listen(testbed.Pod2, "tcp", netip.AddrPortFrom(epIP, 0).String())
+			go func() {
+				for {
+					c, err := ln.Accept()
+					if err != nil {
+						return
+					}
+					go func() {
+						defer c.Close()
+						fmt.Fprintf(c, "%s\n", c.RemoteAddr())
+						io.Copy(io.Discard, c)
+					}()
+				}
+			}()
+			epPort := ln.Addr().(*net.TCPAddr).Port
+			svc := fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: reuse, namespace: it}\nspec:\n  clusterIP: %s\n  clusterIPs: [%s]\n  ipFamilies: [%s]\n  ports:\n  - {name: p, protocol: TCP, port: 80}\n", vip, vip, family)
+			runUproxy(t, tp, join(svc, slice("reuse-0", "reuse", family, "TCP", ep{addr: epIP.String(), port: epPort, node: "it-node"})),
+				launch{want: 1, flags: []string{"--rules", rules, "--hostname-override", "it-node", "--cluster-cidr", cidr}})
+
+			// seen connects from role (from local when valid), reads the
+			// client address the endpoint saw, and closes first.
+			seen := func(addr string, local netip.AddrPort) (netip.AddrPort, error) {
+				var saw netip.AddrPort
+				err := tp.Run(testbed.Pod, func() error {
+					d := net.Dialer{Timeout: 3 * time.Second}
+					if local.IsValid() {
+						d.LocalAddr = net.TCPAddrFromAddrPort(local)
+					}
+					c, err := d.Dial("tcp", addr)
+					if err != nil {
+						return err
+					}
+					defer c.Close()
+					c.SetDeadline(time.Now().Add(3 * time.Second))
+					line, err := bufio.NewReader(c).ReadString('\n')
+					if err != nil {
+						return err
+					}
+					if saw, err = netip.ParseAddrPort(strings.TrimSpace(line)); err != nil {
+						return err
+					}
+					c.(*net.TCPConn).CloseWrite()
+					_, err = io.Copy(io.Discard, c)
+					return err
+				})
+				return saw, err
+			}
+			direct := netip.AddrPortFrom(epIP, uint16(epPort)).String()
+			for i := range 3 {
+				kept, err := seen(net.JoinHostPort(vip, "80"), netip.AddrPort{})
+				if err != nil {
+					t.Fatalf("pod to the ClusterIP: %v", err)
+				}
+				if kept.Addr() != podIP {
+					t.Fatalf("pod to the ClusterIP: the endpoint saw %v; want the pod's address %v", kept, podIP)
+				}
+				got, err := seen(direct, kept)
+				if err != nil {
+					t.Fatalf("round %d: the pod to the endpoint directly from %v, the address and port of the dial before: %v", i, kept, err)
+				}
+				if got != kept {
+					t.Errorf("round %d: the endpoint saw the pod's direct connection from %v; want %v", i, got, kept)
+				}
+			}
+		})
 	}
 }

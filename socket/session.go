@@ -109,6 +109,9 @@ type tcpSide struct {
 	fd                   int
 	readable, writable   bool
 	finQueued, errQueued bool
+	// finSent: the proxy half-closed this socket (its FIN went first).
+	// fromClient: the backend socket was dialed from the client's address.
+	finSent, fromClient bool
 }
 
 func (sd *tcpSide) Handle(ev uint32) {
@@ -461,7 +464,7 @@ func (s *tcpSession) connectEvent(d *dialAttempt, ev uint32) {
 	p.observer().AttemptDone(p.Service, a)
 	s.picker().DialSucceeded(a.Endpoint)
 	// The socket becomes the backend's; its events go there from now on.
-	s.backend = tcpSide{s: s, fd: d.fd}
+	s.backend = tcpSide{s: s, fd: d.fd, fromClient: d.source == record.SourceClient}
 	s.l.Rehandle(d.fd, &s.backend)
 	s.rec.Endpoint = d.ep
 	s.done(d)
@@ -664,6 +667,7 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 			if !other.done {
 				// An error means dst is gone; the other direction finds out.
 				unix.Shutdown(dst.fd, unix.SHUT_WR)
+				dst.finSent = true
 			}
 			return nil
 		}
@@ -813,7 +817,18 @@ func (d *tcpDirection) fill(l *loop, src *tcpSide) error {
 // finish ends a session both of whose directions ended cleanly.
 func (s *tcpSession) finish() {
 	s.client.close(s.l, false)
+	// A dial from the client's address whose FIN went first leaves its
+	// TIME_WAIT on the node; it is ended (timewait.go).
+	var local netip.AddrPort
+	if s.backend.fromClient && s.backend.finSent {
+		if sa, err := unix.Getsockname(s.backend.fd); err == nil {
+			local = sockaddrAddrPort(sa)
+		}
+	}
 	s.backend.close(s.l, false)
+	if local.IsValid() {
+		endTimeWait(local, s.rec.Endpoint)
+	}
 	s.picker().Release(s.rec.Endpoint)
 	s.end(nil)
 }
