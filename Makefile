@@ -107,7 +107,7 @@ bench: build deps bench-deps
 # Mixed TCP/UDP load with checksums while endpoints churn, backends die and the rules are flushed (root).
 SOAK ?= 60s
 soak: deps
-	$(GO) test -count=1 -timeout 20m -run '^TestSoak$$' -v ./soak -soak.duration=$(SOAK)
+	$(GO) test -count=1 -timeout 20m -run '^TestSoak$$' -v ./measure/soak -soak.duration=$(SOAK)
 
 # Go microbenchmarks of the packages.
 microbench: build
