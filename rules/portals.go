@@ -146,7 +146,7 @@ type Config struct {
 	// nftables table's IPv6 maps).
 	IPv6 bool
 	// DialMark is the packet mark of the proxy's own connections to endpoints
-	// (socket.SetDialMark); the portals of the node's own connections (the
+	// (socket.TCPProxy.DialMark); the portals of the node's own connections (the
 	// HOST chains, the nftables output chain) return at once for packets
 	// carrying it rather than trying every portal. 0: no such rule.
 	DialMark uint32
