@@ -103,7 +103,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	conflicts := &observe.Conflicts{}
 	unserved := &observe.Unserved{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
-	hc := &kube.HealthCheckServer{IPs: nodePortIPs(cfg.common.NodePortAddresses), Healthy: func() bool {
+	hc := &observe.HealthCheckServer{IPs: nodePortIPs(cfg.common.NodePortAddresses), Healthy: func() bool {
 		ok, _ := health.Healthy(time.Now())
 		return ok
 	}}
