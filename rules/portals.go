@@ -4,7 +4,10 @@
 // It has two backends behind one interface, Portals: IPTables (a rule per
 // Service port, as the legacy userspace proxy had) and NFTables (one nftables
 // table whose maps hold the Service ports, so neither a new connection nor a
-// sync costs more with more Services; see NFTables for its layout).
+// sync costs more with more Services; see NFTables for its layout), and None
+// for --rules none; New builds the one a Backend names. The nftables layout
+// mirrors the nftables kernel mode's on purpose (nftlayout.go, nftlookup.go
+// beside kernelmodes/nftables/layout.go, find.go): each its own table.
 //
 // A Service port's addresses of one family whose balancer has no endpoint of
 // that family (Portal.Refuse, from RefusalOf) are not steered but refused, as

@@ -3,7 +3,7 @@
 // table that DNATs straight to an endpoint, so no uproxy process sits on the
 // data path.
 //
-//	p, err := nftables.New(nftables.Config{IPv6: true})
+//	p, err := nftables.New(nftables.Config{Common: proxymode.Common{IPv6: true}})
 //	...
 //	err = p.Sync(snapshot) // from the sync loop, on every change
 //
