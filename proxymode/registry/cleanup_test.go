@@ -123,6 +123,11 @@ func TestModeSwitches(t *testing.T) {
 			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": false, nftKernel: true, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
 		{"start in userspace mode", func() error { return CleanupOthers(proxymode.Userspace, "", "") },
 			map[string]bool{"UPROXY-PORTALS-CONTAINER": true, nftPortals: true, "UPROXY-SERVICES": false, nftKernel: false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+		// The portals of the other backend go too.
+		{"start in userspace mode with nftables portals", func() error { return CleanupOthers(proxymode.Userspace, rules.BackendNFTables, "") },
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: true, "UPROXY-SERVICES": false, nftKernel: false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
+		{"start in userspace mode with iptables portals", func() error { return CleanupOthers(proxymode.Userspace, rules.BackendIPTables, "") },
+			map[string]bool{"UPROXY-PORTALS-CONTAINER": true, nftPortals: false, "UPROXY-SERVICES": false, nftKernel: false, "UPROXY-IPVS-SERVICES": false, "UPROXY-IPVS-FILTER": false}},
 		{"start in ipvs mode", func() error { return CleanupOthers(proxymode.IPVS, "", "") },
 			map[string]bool{"UPROXY-PORTALS-CONTAINER": false, nftPortals: false, "UPROXY-SERVICES": false, nftKernel: false, "UPROXY-IPVS-SERVICES": true, "UPROXY-IPVS-FILTER": true}},
 	}
