@@ -2,6 +2,7 @@
 GO       ?= go
 BIN      := bin
 UPROXY   := $(BIN)/uproxy
+STATICCHECK := $(BIN)/staticcheck
 # The version uproxy reports: git describe (a tag, else the commit, -dirty with
 # uncommitted changes), or dev outside a git checkout. The binary is stripped
 # (-s -w) and holds no local paths (-trimpath), as the image's.
@@ -53,10 +54,15 @@ conformance-down:
 unit:
 	$(GO) test -count=1 -short $(PKGS)
 
-lint:
+# go vet, gofmt and staticcheck (pinned by tools/staticcheck, built into bin/).
+lint: $(STATICCHECK)
 	$(GO) vet $(PKGS)
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(STATICCHECK) $(PKGS)
+
+$(STATICCHECK): tools/staticcheck/go.mod tools/staticcheck/go.sum
+	$(GO) -C tools/staticcheck build -o $(CURDIR)/$(STATICCHECK) honnef.co/go/tools/cmd/staticcheck
 
 # iptables, nftables, iproute2 and conntrack for the integration tests, containerd, runc, the
 # CNI plugins and debootstrap for the conformance cluster (idempotent; root only).
@@ -114,7 +120,7 @@ perf-doc: build deps bench-deps
 # Mixed TCP/UDP load with checksums while endpoints churn, backends die and the rules are flushed (root).
 SOAK ?= 60s
 soak: deps
-	$(GO) test -count=1 -timeout 20m -run '^TestSoak$$' -v ./soak -soak.duration=$(SOAK)
+	$(GO) test -count=1 -timeout 20m -run '^TestSoak$$' -v ./measure/soak -soak.duration=$(SOAK)
 
 # Go microbenchmarks of the packages.
 microbench: build

@@ -12,7 +12,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/uproxy/uproxy/ab"
+	"github.com/uproxy/uproxy/measure/ab"
 )
 
 // newABCommand is `uproxy ab`: the A/B latency comparison of package ab.

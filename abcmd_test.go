@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/ab"
+	"github.com/uproxy/uproxy/measure/ab"
 )
 
 // runCommand runs the root command with args, as the binary would, and

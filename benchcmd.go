@@ -10,7 +10,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/uproxy/uproxy/bench"
+	"github.com/uproxy/uproxy/measure/bench"
 )
 
 // newBenchCommand is `uproxy bench`: the A/B benchmark of the bench package.

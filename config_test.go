@@ -131,8 +131,8 @@ func TestConfigFileMasquerading(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%q: %v", tt.fields, err)
 		}
-		if c.masqueradeAll != tt.want || len(c.clusterCIDRs) != 2 || c.clusterCIDRs[1].String() != "fd00:10:244::/56" {
-			t.Errorf("%q: got masquerade all %v, cluster CIDRs %v; want %v and both of the file's", tt.fields, c.masqueradeAll, c.clusterCIDRs, tt.want)
+		if c.common.MasqueradeAll != tt.want || len(c.common.ClusterCIDRs) != 2 || c.common.ClusterCIDRs[1].String() != "fd00:10:244::/56" {
+			t.Errorf("%q: got masquerade all %v, cluster CIDRs %v; want %v and both of the file's", tt.fields, c.common.MasqueradeAll, c.common.ClusterCIDRs, tt.want)
 		}
 	}
 }

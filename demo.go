@@ -16,7 +16,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/uproxy/uproxy/kernelmodes"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -182,14 +182,14 @@ func runDemo(cmd *cobra.Command, opts *options) error {
 	opts.services = path
 	// The demo's rules send the Service addresses to backends that stop with
 	// it: they go with it too.
-	opts.cleanupOnExit = opts.proxyMode != kernelmodes.Userspace || opts.rules != "none"
+	opts.cleanupOnExit = opts.proxyMode != proxymode.Userspace || opts.rules != "none"
 	out := cmd.OutOrStdout()
 	var once sync.Once
 	return runProxy(cmd.Context(), opts, func(r running, s *service.Snapshot) {
 		once.Do(func() {
-			v := demoView{mode: r.mode, rules: r.rules, chainPrefix: opts.chainPrefix, path: path, metrics: opts.metricsBindAddress}
-			if r.px != nil {
-				v.proxyPort = r.px.ProxyPort
+			v := demoView{mode: r.name, rules: string(r.rules), chainPrefix: opts.chainPrefix, path: path, metrics: opts.metricsBindAddress}
+			if m, ok := r.mode.(interface{ ProxyPort(service.PortName) int }); ok {
+				v.proxyPort = m.ProxyPort
 			}
 			printDemo(out, v, s)
 		})
@@ -273,9 +273,9 @@ func printKernelDemo(w io.Writer, v demoView) {
 	fmt.Fprintf(w, "(--proxy-mode %s: the kernel sends the Service addresses to the endpoints; there are no proxy ports)\n", v.mode)
 	var rules string
 	switch v.mode {
-	case kernelmodes.IPTables:
+	case proxymode.IPTables:
 		rules = "iptables-save -t nat | grep " + v.chainPrefix
-	case kernelmodes.NFTables:
+	case proxymode.NFTables:
 		rules = "nft list table inet " + strings.ToLower(v.chainPrefix) + "-kernel"
 	default:
 		rules = "ipvsadm -Ln"
@@ -297,7 +297,7 @@ Manifests: %[3]s (edit it: uproxy reloads it). Ctrl-C stops%[4]s.
 
 // stopsWhat completes "Ctrl-C stops" with what else stopping does.
 func stopsWhat(v demoView) string {
-	if v.mode == kernelmodes.Userspace && v.rules == "none" {
+	if v.mode == proxymode.Userspace && v.rules == "none" {
 		return ""
 	}
 	return " and removes the rules"

@@ -11,7 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
-	"github.com/uproxy/uproxy/kernelmodes"
+	"github.com/uproxy/uproxy/proxymode"
 )
 
 // modeFlag is a flag that only some proxy modes use.
@@ -25,8 +25,8 @@ type modeFlag struct {
 }
 
 var (
-	userspaceOnly    = []string{kernelmodes.Userspace}
-	userspaceAndIPVS = []string{kernelmodes.Userspace, kernelmodes.IPVS}
+	userspaceOnly    = []string{proxymode.Userspace}
+	userspaceAndIPVS = []string{proxymode.Userspace, proxymode.IPVS}
 	modeFlags        = []modeFlag{
 		{name: "rules", modes: userspaceOnly},
 		{name: "proxy-port-range", modes: userspaceOnly, warn: true},
@@ -48,7 +48,7 @@ var (
 		// kube-proxy takes --ipvs-scheduler in every mode.
 		{name: "scheduler", modes: userspaceAndIPVS, warn: true},
 		// kube-proxy takes it in every mode, and uses it in its iptables mode.
-		{name: "iptables-localhost-nodeports", modes: []string{kernelmodes.IPTables}, warn: true},
+		{name: "iptables-localhost-nodeports", modes: []string{proxymode.IPTables}, warn: true},
 	}
 )
 
@@ -73,7 +73,7 @@ func (o *options) checkModeFlags(mode string) error {
 	if o.flags == nil {
 		return nil
 	}
-	auto := o.proxyMode == "" || o.proxyMode == kernelmodes.Auto
+	auto := o.proxyMode == "" || o.proxyMode == proxymode.Auto
 	var refused []string
 	for _, f := range modeFlags {
 		if !o.flags.Changed(f.name) || o.configFields[f.name] != "" || slices.Contains(f.modes, mode) {

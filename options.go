@@ -15,12 +15,13 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/affinity"
-	"github.com/uproxy/uproxy/kernelmodes"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxyconfig"
+	"github.com/uproxy/uproxy/proxymode"
+	"github.com/uproxy/uproxy/proxymode/registry"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket"
@@ -162,33 +163,22 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.IntVar(&o.ejectAfter, "eject-after", o.ejectAfter, "consecutive failed dials that eject an endpoint from new picks for a while (1s, doubling up to 30s while it keeps failing; never the last endpoint); 0: off")
 }
 
-// config is the validated form of options.
+// config is the validated form of options: what every mode takes, each mode's
+// own section, and what the program itself needs.
 type config struct {
-	proxier proxier.Config
-	rules   string // "nftables", "iptables", "none", or "auto" (as root: resolved by chooseRules)
-	// prefixes are --nodeport-addresses; with primaryNodePorts (primary, or
-	// left empty in the nftables mode) newProxyMode makes them the node IPs.
-	prefixes         []netip.Prefix
-	primaryNodePorts bool
-	// localhostRelay says which loopback address (IPv4, IPv6) serves NodePorts
-	// through the userspace relay (package localnodeports): the nftables
-	// mode's, whose rules cannot (resolveNodePortAddresses decides).
-	localhostRelay [2]bool
-	// localhostNodePorts is --iptables-localhost-nodeports.
-	localhostNodePorts bool
-	// clusterCIDRs (--cluster-cidr, at most one per family) and masqueradeAll
-	// (--masquerade-all) are the kernel modes' masquerading of cluster IP traffic.
-	clusterCIDRs  []netip.Prefix
-	masqueradeAll bool
-	nodeName      string
-	zone          string // from --node-labels
-	metricsAddr   string
-	healthzAddr   string
-	eventLoops    int
-	dialMark      uint32 // from --dial-mark-bit; 0: none
-	// clientMark is the mark of the replies to dials from a client's address
-	// (--client-address-mark-bit); 0 when --preserve-client-address is off.
-	clientMark uint32
+	// common has the flags' part of what every mode takes (--chain-prefix,
+	// --nodeport-addresses CIDRs, --cluster-cidr, --masquerade-all); the
+	// node's IPs and primary NodePorts are added at start (startMode).
+	common proxymode.Common
+	// specific has each mode's own flags; the userspace mode's --rules is
+	// auto only as root, resolved at start.
+	specific registry.Specific
+	// nodePorts says --nodeport-addresses is the word primary.
+	nodePorts   registry.NodePorts
+	nodeName    string
+	zone        string // from --node-labels
+	metricsAddr string
+	healthzAddr string
 	// conntrack are the sysctls set at start where rules are programmed.
 	conntrack conntrack.Sysctls
 }
@@ -210,47 +200,48 @@ const (
 func (o *options) validate() (*config, error) {
 	c := &config{metricsAddr: o.metricsBindAddress, healthzAddr: o.healthzBindAddress}
 	var err error
-	if c.proxier.BindAddress, err = netip.ParseAddr(o.bindAddress); err != nil {
+	if c.specific.Userspace.BindAddress, err = netip.ParseAddr(o.bindAddress); err != nil {
 		return nil, fmt.Errorf("--bind-address %q: not an IP address", o.bindAddress)
 	}
-	if c.proxier.PortRange, err = proxier.ParsePortRange(o.proxyPortRange); err != nil {
+	if c.specific.Userspace.PortRange, err = proxier.ParsePortRange(o.proxyPortRange); err != nil {
 		return nil, fmt.Errorf("--proxy-port-range: %w", err)
 	}
 	if o.udpTimeout <= 0 {
 		return nil, fmt.Errorf("--udp-timeout %v: must be positive", o.udpTimeout)
 	}
-	c.proxier.UDPTimeout = o.udpTimeout
+	c.specific.Userspace.UDPTimeout = o.udpTimeout
 	if o.udpMaxClients <= 0 {
 		return nil, fmt.Errorf("--udp-max-clients %d: must be positive", o.udpMaxClients)
 	}
-	c.proxier.UDPMaxClients = o.udpMaxClients
-	if c.proxier.DialTimeouts, err = service.ParseDialTimeouts(o.dialTimeouts); err != nil {
+	c.specific.Userspace.UDPMaxClients = o.udpMaxClients
+	if c.specific.Userspace.DialTimeouts, err = service.ParseDialTimeouts(o.dialTimeouts); err != nil {
 		return nil, fmt.Errorf("--dial-timeouts: %w", err)
 	}
 	switch {
 	case o.tcpKeepAlive == 0:
-		c.proxier.TCPKeepAlive = -1 // off; the Config's zero is the default
+		c.specific.Userspace.TCPKeepAlive = -1 // off; the Config's zero is the default
 	case o.tcpKeepAlive < time.Second || o.tcpKeepAlive > 32767*time.Second:
 		return nil, fmt.Errorf("--tcp-keepalive %v: want 0 (off) or 1s to 32767s, the kernel's bounds", o.tcpKeepAlive)
 	case o.tcpKeepAlive%time.Second != 0:
 		return nil, fmt.Errorf("--tcp-keepalive %v: want whole seconds (the kernel counts keepalive times in seconds)", o.tcpKeepAlive)
 	default:
-		c.proxier.TCPKeepAlive = o.tcpKeepAlive
+		c.specific.Userspace.TCPKeepAlive = o.tcpKeepAlive
 	}
 	if o.tcpIdleTimeout < 0 {
 		return nil, fmt.Errorf("--tcp-idle-timeout %v: must not be negative (0: never)", o.tcpIdleTimeout)
 	}
-	c.proxier.TCPIdleTimeout = o.tcpIdleTimeout
+	c.specific.Userspace.TCPIdleTimeout = o.tcpIdleTimeout
 	if !slices.Contains(affinity.Schedulers, o.scheduler) && !slices.Contains(ipvs.Schedulers, o.scheduler) {
 		return nil, fmt.Errorf("--scheduler %q: want one of %s (ipvs mode: also wrr, wlc)", o.scheduler, strings.Join(affinity.Schedulers, ", "))
 	}
-	c.proxier.Scheduler = o.scheduler
+	c.specific.Userspace.Scheduler = o.scheduler
+	c.specific.IPVS.Scheduler = o.scheduler
 	switch o.proxyMode {
-	case kernelmodes.Userspace:
-		if err := checkUserspaceScheduler(o.scheduler); err != nil {
+	case proxymode.Userspace:
+		if err := registry.CheckScheduler(proxymode.Userspace, o.scheduler); err != nil {
 			return nil, err
 		}
-	case kernelmodes.Auto, "", kernelmodes.IPTables, kernelmodes.NFTables, kernelmodes.IPVS:
+	case proxymode.Auto, "", proxymode.IPTables, proxymode.NFTables, proxymode.IPVS:
 	default:
 		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables, nftables or ipvs", o.proxyMode)
 	}
@@ -278,31 +269,32 @@ func (o *options) validate() (*config, error) {
 	if err := checkChainPrefix(o.chainPrefix); err != nil {
 		return nil, err
 	}
-	if c.prefixes, c.primaryNodePorts, err = parseNodePortAddresses(o.nodePortAddresses); err != nil {
+	c.common.ChainPrefix = o.chainPrefix
+	if c.common.NodePortAddresses, c.nodePorts.Primary, err = parseNodePortAddresses(o.nodePortAddresses); err != nil {
 		return nil, err
 	}
-	c.localhostNodePorts = o.localhostNodePorts
-	if c.clusterCIDRs, err = parseClusterCIDRs(o.clusterCIDR); err != nil {
+	c.specific.IPTables.LocalhostNodePorts = o.localhostNodePorts
+	if c.common.ClusterCIDRs, err = parseClusterCIDRs(o.clusterCIDR); err != nil {
 		return nil, err
 	}
-	c.masqueradeAll = o.masqueradeAll
+	c.common.MasqueradeAll = o.masqueradeAll
 	if o.ejectAfter < 0 {
 		return nil, fmt.Errorf("--eject-after %d: must not be negative", o.ejectAfter)
 	}
-	c.proxier.EjectAfter = o.ejectAfter
+	c.specific.Userspace.EjectAfter = o.ejectAfter
 	if o.dialHedge < 0 {
 		return nil, fmt.Errorf("--dial-hedge %v: must not be negative (0: off)", o.dialHedge)
 	}
-	c.proxier.DialHedge = o.dialHedge
+	c.specific.Userspace.DialHedge = o.dialHedge
 	if o.retryBudget != "" {
-		if c.proxier.RetryBudget, err = service.ParseRetryBudget(o.retryBudget); err != nil {
+		if c.specific.Userspace.RetryBudget, err = service.ParseRetryBudget(o.retryBudget); err != nil {
 			return nil, fmt.Errorf("--retry-budget: %w", err)
 		}
 	}
 	if o.eventLoops < 0 || o.eventLoops > maxEventLoops {
 		return nil, fmt.Errorf("--event-loops %d: want 0 (automatic) to %d", o.eventLoops, maxEventLoops)
 	}
-	c.eventLoops = o.eventLoops
+	c.specific.Userspace.EventLoops = o.eventLoops
 	if o.dialMarkBit < -1 || o.dialMarkBit > 31 {
 		return nil, fmt.Errorf("--dial-mark-bit %d: want a bit number from 0 to 31, or -1 for none", o.dialMarkBit)
 	}
@@ -311,7 +303,7 @@ func (o *options) validate() (*config, error) {
 			o.dialMarkBit, kubeProxyMasqueradeBit, kubeProxyDropBit)
 	}
 	if o.dialMarkBit >= 0 {
-		c.dialMark = 1 << o.dialMarkBit
+		c.specific.Userspace.DialMark = 1 << o.dialMarkBit
 	}
 	if o.clientMarkBit < -1 || o.clientMarkBit > 31 {
 		return nil, fmt.Errorf("--client-address-mark-bit %d: want a bit number from 0 to 31, or -1 for none", o.clientMarkBit)
@@ -324,7 +316,7 @@ func (o *options) validate() (*config, error) {
 		return nil, fmt.Errorf("--client-address-mark-bit %d: --dial-mark-bit uses that bit; choose another", o.clientMarkBit)
 	}
 	if o.keepClientAddress && o.clientMarkBit >= 0 {
-		c.clientMark = 1 << o.clientMarkBit
+		c.specific.Userspace.ClientAddressMark = 1 << o.clientMarkBit
 	}
 	if o.shutdownGrace < 0 {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)
@@ -332,17 +324,13 @@ func (o *options) validate() (*config, error) {
 	if c.conntrack, err = o.conntrack.sysctls(); err != nil {
 		return nil, err
 	}
-	switch o.rules {
-	case rules.BackendNFTables, rules.BackendIPTables, "none":
-		c.rules = o.rules
-	case "auto", "":
-		// As root the kernel decides, when the proxy starts (chooseRules).
-		c.rules = "none"
-		if os.Geteuid() == 0 {
-			c.rules = "auto"
-		}
-	default:
-		return nil, fmt.Errorf("--rules %q: want nftables, iptables, none or auto", o.rules)
+	if c.specific.Userspace.Rules, err = rules.ParseBackend(o.rules); err != nil {
+		return nil, err
+	}
+	if c.specific.Userspace.Rules == rules.BackendAuto && os.Geteuid() != 0 {
+		// Only root can have portals; as root the kernel decides, when the
+		// proxy starts (rules.ChooseBackend).
+		c.specific.Userspace.Rules = rules.BackendNone
 	}
 	if err := kube.ValidateProxyName(o.serviceProxyName); err != nil {
 		return nil, fmt.Errorf("--service-proxy-name: %w", err)

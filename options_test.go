@@ -15,7 +15,9 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/proxymode"
+	"github.com/uproxy/uproxy/proxymode/registry"
+	"github.com/uproxy/uproxy/rules"
 )
 
 // validateArgs parses args as the command line and validates the options.
@@ -88,28 +90,28 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 	}
 	c, err := validateArgs(t, "--cluster-cidr= 10.244.1.7/16 , fd00:10:244::/56", "--masquerade-all")
 	if want := []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:10:244::/56")}; err != nil ||
-		fmt.Sprint(c.clusterCIDRs) != fmt.Sprint(want) || !c.masqueradeAll {
+		fmt.Sprint(c.common.ClusterCIDRs) != fmt.Sprint(want) || !c.common.MasqueradeAll {
 		t.Errorf("validate with a dual-stack --cluster-cidr and --masquerade-all: got %+v, %v; want %v and masquerade all", c, err, want)
 	}
 	c, err = validateArgs(t, "--event-loops=3")
-	if err != nil || c.eventLoops != 3 {
+	if err != nil || c.specific.Userspace.EventLoops != 3 {
 		t.Errorf("validate with --event-loops=3: got %v, %v; want 3 event loops", c, err)
 	}
-	if c, err := validateArgs(t, "--dial-hedge=30ms", "--retry-budget=20%"); err != nil || c.proxier.DialHedge != 30*time.Millisecond || c.proxier.RetryBudget != 20 {
+	if c, err := validateArgs(t, "--dial-hedge=30ms", "--retry-budget=20%"); err != nil || c.specific.Userspace.DialHedge != 30*time.Millisecond || c.specific.Userspace.RetryBudget != 20 {
 		t.Errorf("validate with --dial-hedge=30ms --retry-budget=20%%: got %+v, %v; want hedge 30ms and budget 20", c, err)
 	}
-	if c, err := validateArgs(t); err != nil || c.proxier.DialHedge != 0 || c.proxier.RetryBudget != 0 {
+	if c, err := validateArgs(t); err != nil || c.specific.Userspace.DialHedge != 0 || c.specific.Userspace.RetryBudget != 0 {
 		t.Errorf("validate with no policy flag: got %+v, %v; want no hedge and no budget", c, err)
 	}
 	for bit, want := range map[string]uint32{"13": 0x2000, "0": 1, "31": 0x80000000, "-1": 0} {
-		if c, err := validateArgs(t, "--dial-mark-bit="+bit); err != nil || c.dialMark != want {
+		if c, err := validateArgs(t, "--dial-mark-bit="+bit); err != nil || c.specific.Userspace.DialMark != want {
 			t.Errorf("validate with --dial-mark-bit=%s: got %+v, %v; want dial mark %#x", bit, c, err, want)
 		}
 	}
 }
 
-// --nodeport-addresses takes CIDRs or the word primary, which newProxyMode
-// resolves to the node IPs; left empty it is every address, except in the
+// --nodeport-addresses takes CIDRs or the word primary, which the registry
+// resolves to the node IPs at start; left empty it is every address, except in the
 // nftables mode, where it is primary, as kube-proxy's defaults are.
 func TestNodePortAddresses(t *testing.T) {
 	ips := []netip.Addr{netip.MustParseAddr("192.168.50.1"), netip.MustParseAddr("fd00:50::1")}
@@ -145,15 +147,20 @@ func TestNodePortAddresses(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			err = resolveNodePortAddresses(c, tc.mode, tc.ips, tc.ips)
+			// No portals to choose: this is about NodePorts.
+			c.specific.Userspace.Rules = rules.BackendNone
+			c.common.IPv6 = proxymode.HasIPv6(tc.ips)
+			c.nodePorts.PrimaryIPs = tc.ips
+			err = registry.Resolve(tc.mode, &c.common, &c.specific, &c.nodePorts)
 			if tc.err != "" {
 				if err == nil || !strings.HasPrefix(err.Error(), tc.err) {
 					t.Errorf("got %v, want an error starting with %q", err, tc.err)
 				}
 				return
 			}
-			if err != nil || fmt.Sprint(c.prefixes) != fmt.Sprint(tc.want) || c.primaryNodePorts != tc.primary || c.localhostRelay != tc.relay {
-				t.Errorf("got %v primary=%v relay=%v (%v), want %v primary=%v relay=%v", c.prefixes, c.primaryNodePorts, c.localhostRelay, err, tc.want, tc.primary, tc.relay)
+			relay := c.specific.NFTables.LoopbackNodePorts
+			if err != nil || fmt.Sprint(c.common.NodePortAddresses) != fmt.Sprint(tc.want) || c.nodePorts.Primary != tc.primary || relay != tc.relay {
+				t.Errorf("got %v primary=%v relay=%v (%v), want %v primary=%v relay=%v", c.common.NodePortAddresses, c.nodePorts.Primary, relay, err, tc.want, tc.primary, tc.relay)
 			}
 		})
 	}
@@ -161,57 +168,26 @@ func TestNodePortAddresses(t *testing.T) {
 	if got := primaryIPs(bind, ips); !slices.Equal(got, []netip.Addr{bind}) {
 		t.Errorf("primary IPs with --bind-address %s: got %v, want it alone", bind, got)
 	}
-	if c, err := validateArgs(t); err != nil || !c.localhostNodePorts {
-		t.Errorf("--iptables-localhost-nodeports by default: got %v (%v), want true, as kube-proxy", c.localhostNodePorts, err)
+	if c, err := validateArgs(t); err != nil || !c.specific.IPTables.LocalhostNodePorts {
+		t.Errorf("--iptables-localhost-nodeports by default: got %v (%v), want true, as kube-proxy", c.specific.IPTables.LocalhostNodePorts, err)
 	}
-	if c, err := validateArgs(t, "--iptables-localhost-nodeports=false"); err != nil || c.localhostNodePorts {
-		t.Errorf("--iptables-localhost-nodeports=false: got %v (%v), want false", c.localhostNodePorts, err)
+	if c, err := validateArgs(t, "--iptables-localhost-nodeports=false"); err != nil || c.specific.IPTables.LocalhostNodePorts {
+		t.Errorf("--iptables-localhost-nodeports=false: got %v (%v), want false", c.specific.IPTables.LocalhostNodePorts, err)
 	}
 }
 
 // --rules takes each backend by name; auto leaves the choice to the start,
 // where the kernel is probed, unless the proxy cannot touch the kernel at all.
 func TestValidateRules(t *testing.T) {
-	autoWant := "none"
+	autoWant := rules.BackendNone
 	if os.Geteuid() == 0 {
-		autoWant = "auto"
+		autoWant = rules.BackendAuto
 	}
-	for flag, want := range map[string]string{"nftables": "nftables", "iptables": "iptables", "none": "none", "auto": autoWant} {
-		if c, err := validateArgs(t, "--rules="+flag); err != nil || c.rules != want {
+	for flag, want := range map[string]rules.Backend{"nftables": rules.BackendNFTables, "iptables": rules.BackendIPTables, "none": rules.BackendNone, "auto": autoWant} {
+		if c, err := validateArgs(t, "--rules="+flag); err != nil || c.specific.Userspace.Rules != want {
 			t.Errorf("validate with --rules=%s: got %+v, %v; want rules %q", flag, c, err, want)
 		}
 	}
-}
-
-var nodeIPv4 = []netip.Addr{netip.MustParseAddr("192.0.2.10")}
-
-// chooseRules keeps an explicit backend and, for auto, takes nftables where
-// the kernel and nft run the portals' layout, else iptables.
-func TestChooseRules(t *testing.T) {
-	for _, r := range []string{"nftables", "iptables", "none"} {
-		if got := chooseRules(r, "UPROXY", nodeIPv4); got != r {
-			t.Errorf("chooseRules(%q): got %q, want it kept", r, got)
-		}
-	}
-	t.Run("no IPv4 node address", func(t *testing.T) {
-		for _, ips := range [][]netip.Addr{nil, {netip.MustParseAddr("fd00::1")}, {netip.MustParseAddr("127.0.0.1")}} {
-			if got := chooseRules("auto", "UPROXY", ips); got != "none" {
-				t.Errorf("chooseRules(auto) with node IPs %v: got %q, want none (the node's own portals need an IPv4 address)", ips, got)
-			}
-		}
-	})
-	t.Run("nft missing", func(t *testing.T) {
-		t.Setenv("PATH", t.TempDir())
-		if got := chooseRules("auto", "UPROXY", nodeIPv4); got != "iptables" {
-			t.Errorf("chooseRules(auto) without nft: got %q, want iptables", got)
-		}
-	})
-	t.Run("nft and the kernel support it", func(t *testing.T) {
-		testbed.RequireNFTables(t)
-		if got := chooseRules("auto", "UPROXY", nodeIPv4); got != "nftables" {
-			t.Errorf("chooseRules(auto) as root with nft: got %q, want nftables", got)
-		}
-	})
 }
 
 // A taken --metrics-bind-address or --healthz-bind-address port fails the start
@@ -314,9 +290,9 @@ func TestTCPLivenessFlags(t *testing.T) {
 		if err != nil {
 			t.Fatalf("validate with %v: %v", tt.args, err)
 		}
-		if c.proxier.TCPKeepAlive != tt.wantKeepAlive || c.proxier.TCPIdleTimeout != tt.wantIdle {
+		if c.specific.Userspace.TCPKeepAlive != tt.wantKeepAlive || c.specific.Userspace.TCPIdleTimeout != tt.wantIdle {
 			t.Errorf("validate with %v: got keepalive %v, idle timeout %v; want %v, %v",
-				tt.args, c.proxier.TCPKeepAlive, c.proxier.TCPIdleTimeout, tt.wantKeepAlive, tt.wantIdle)
+				tt.args, c.specific.Userspace.TCPKeepAlive, c.specific.Userspace.TCPIdleTimeout, tt.wantKeepAlive, tt.wantIdle)
 		}
 	}
 }

@@ -15,10 +15,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
-	"github.com/uproxy/uproxy/localnodeports"
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
-	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket"
@@ -29,13 +28,15 @@ import (
 
 // running is what runProxy tells its synced hook of the proxy it runs.
 type running struct {
-	mode  string           // the proxy mode, resolved (auto is never one)
-	rules string           // the userspace mode's portals, resolved: nftables, iptables or none
-	px    *proxier.Proxier // the userspace mode's proxier; nil in a kernel mode
+	name  string         // the proxy mode's name, resolved (auto is never one)
+	rules rules.Backend  // the userspace mode's portals, resolved: nftables, iptables or none
+	mode  proxymode.Mode // the mode
 }
 
-// runProxy runs the proxy in the mode of o until SIGINT/SIGTERM. synced, if not
-// nil, is called after every sync (the demo uses it to print its Services).
+// runProxy runs the proxy in the mode of o until SIGINT/SIGTERM: flags ->
+// config -> HTTP listeners -> source -> mode (from the registry) -> sync loop.
+// synced, if not nil, is called after every sync (the demo uses it to print
+// its Services).
 func runProxy(ctx context.Context, o *options, synced func(running, *service.Snapshot)) error {
 	if err := o.applyConfigFile(); err != nil {
 		return err
@@ -53,7 +54,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn, MetricsAddress: cfg.metricsAddr, HealthzAddress: cfg.healthzAddr}
 	defer srv.Stop(context.Background())
 	// So are the proxy ports' address and the manifests.
-	if err := checkBindAddress(cfg.proxier.BindAddress); err != nil {
+	if err := checkBindAddress(cfg.specific.Userspace.BindAddress); err != nil {
 		return o.configFieldError(err)
 	}
 	if err := o.checkServicesPath(); err != nil {
@@ -83,7 +84,8 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	if o.events > 0 {
 		events = observe.NewEvents(o.events)
 	}
-	modeName, mode, px, lock, err := newProxyMode(o, cfg, events)
+	cfg.specific.Userspace.Events = events
+	modeName, mode, lock, err := startMode(o, cfg)
 	if err != nil {
 		return err
 	}
@@ -97,27 +99,11 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 		}
 	}
 
-	// The nftables mode's loopback NodePorts are served from user space.
-	var relay *localnodeports.Relay
-	if cfg.localhostRelay[0] || cfg.localhostRelay[1] {
-		if relay, err = localnodeports.New(localnodeports.Config{IPv4: cfg.localhostRelay[0], IPv6: cfg.localhostRelay[1]}); err != nil {
-			return err
-		}
-		klog.InfoS("NodePorts answer on loopback through a relay to the ClusterIP", "mode", modeName, "ipv4", cfg.localhostRelay[0], "ipv6", cfg.localhostRelay[1])
-		defer func() {
-			ctx, cancel := context.WithTimeout(context.Background(), o.shutdownGrace)
-			defer cancel()
-			if err := relay.Close(ctx); err != nil {
-				klog.ErrorS(err, "Closing the localhost NodePorts")
-			}
-		}()
-	}
-
 	changes := &observe.Changes{}
 	conflicts := &observe.Conflicts{}
 	unserved := &observe.Unserved{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
-	hc := &kube.HealthCheckServer{IPs: nodePortIPs(cfg.prefixes), Healthy: func() bool {
+	hc := &observe.HealthCheckServer{IPs: nodePortIPs(cfg.common.NodePortAddresses), Healthy: func() bool {
 		ok, _ := health.Healthy(time.Now())
 		return ok
 	}}
@@ -129,13 +115,6 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 		Hooks: syncloop.Hooks{
 			Queued: health.Queued,
 			Synced: func(start time.Time, took time.Duration, s *service.Snapshot, err error) {
-				// Before the sync is reported done: a client that waits for
-				// that finds the loopback NodePorts listening too.
-				if err == nil && relay != nil {
-					if rerr := relay.Sync(s); rerr != nil {
-						klog.ErrorS(rerr, "Localhost NodePorts")
-					}
-				}
 				observe.SyncObserved(start, took, err)
 				if err == nil {
 					health.Synced(start)
@@ -146,7 +125,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 
 				}
 				if synced != nil {
-					synced(running{mode: modeName, rules: cfg.rules, px: px}, s)
+					synced(running{name: modeName, rules: cfg.specific.Userspace.Rules, mode: mode}, s)
 				}
 			},
 		},
@@ -170,11 +149,11 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 
 	start := []any{"version", version, "mode", modeName}
 	if usesFlag(modeName, "rules") {
-		start = append(start, "rules", cfg.rules)
+		start = append(start, "rules", cfg.specific.Userspace.Rules)
 	}
 	start = append(start, "services", srcName)
 	if usesFlag(modeName, "scheduler") {
-		start = append(start, "scheduler", cfg.proxier.Scheduler)
+		start = append(start, "scheduler", o.scheduler)
 	}
 	klog.InfoS("Starting uproxy", start...)
 	srcErr := make(chan error, 1)
@@ -206,8 +185,8 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	}
 	stop()
 	var shutdown func(context.Context) error
-	if px != nil {
-		shutdown = px.Shutdown
+	if m, ok := mode.(interface{ Shutdown(context.Context) error }); ok {
+		shutdown = m.Shutdown
 	}
 	finish(syncDone, shutdown, o.shutdownGrace, mode, o.cleanupOnExit)
 	return err
@@ -215,8 +194,9 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 
 // finish ends a run whose context is done: it waits for the sync loop to return
 // (a sync in flight completes first), so that no sync can rewrite what the
-// cleanup below removes; then it shuts the userspace proxier down (shutdown, nil
-// for a kernel mode) within grace, and removes the mode's rules if cleanupOnExit.
+// cleanup below removes; then it shuts the mode down (shutdown: the userspace
+// mode's connections, the nftables mode's loopback relay; nil for a mode
+// with nothing to drain) within grace, and removes the mode's rules if cleanupOnExit.
 func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grace time.Duration, mode interface{ Cleanup() error }, cleanupOnExit bool) {
 	<-syncDone
 	if shutdown != nil {
@@ -258,119 +238,6 @@ func bindHTTP(cfg *config) (metrics, healthz net.Listener, err error) {
 		}
 	}
 	return metrics, healthz, nil
-}
-
-// chooseRules resolves --rules auto (as root): nftables where nft and the
-// kernel take the portals' whole layout, else iptables; none when the node has
-// no IPv4 address for the portals of its own connections (ips: nodeIPs). It logs
-// the choice and why.
-func chooseRules(requested, prefix string, ips []netip.Addr) string {
-	if requested != "auto" {
-		return requested
-	}
-	if err := rules.CheckNodeIPs(ips); err != nil {
-		klog.InfoS("Portal rules", "rules", "none", "reason", "auto: "+err.Error()+"; clients reach Services on their proxy ports")
-		return "none"
-	}
-	if err := rules.ProbeNFTables(prefix); err != nil {
-		klog.InfoS("Portal rules", "rules", rules.BackendIPTables, "reason", "auto: "+err.Error())
-		return rules.BackendIPTables
-	}
-	klog.InfoS("Portal rules", "rules", rules.BackendNFTables, "reason", "auto: nft and the kernel support the nftables portals")
-	return rules.BackendNFTables
-}
-
-// newPortals builds the portals of cfg.rules, resolved by chooseRules.
-func newPortals(cfg *config, prefix string, ips []netip.Addr) (rules.Portals, error) {
-	if cfg.rules == "none" {
-		return rules.None{}, nil
-	}
-	mark := cfg.dialMark
-	if err := socket.SetDialMark(mark); err != nil {
-		// Connections still work; each of the proxy's own pays for the portal lookups.
-		klog.ErrorS(err, "Proxy connections to endpoints go through the portals", "flag", "--dial-mark-bit")
-		mark = 0
-	}
-	bind := cfg.proxier.BindAddress
-	rc := rules.Config{
-		ChainPrefix:        prefix,
-		NodeIPs:            ips,
-		NodePortAddresses:  cfg.prefixes,
-		IPv6:               hasIPv6(ips),
-		DialMark:           mark,
-		ClientAddressMark:  keepClientAddress(cfg, mark),
-		ProxyPortsOnNodeIP: bind.IsValid() && !bind.IsUnspecified(),
-	}
-	if rc.ProxyPortsOnNodeIP {
-		other := "IPv6"
-		if bind.Is6() {
-			other = "IPv4"
-		}
-		klog.InfoS("Proxy ports listen on --bind-address only: the portals DNAT to it, and Service addresses of the other family get none",
-			"bindAddress", bind, "withoutPortals", other)
-	}
-	var p rules.Portals
-	var err error
-	if cfg.rules == rules.BackendNFTables {
-		p, err = rules.NewNFTables(rc)
-	} else {
-		p, err = rules.NewIPTables(rc)
-	}
-	if _, ok := errors.AsType[*rules.NoNodeIPError](err); ok {
-		return nil, fmt.Errorf("--rules %s: %w (give an interface an address, set --bind-address to the node IP, or run with --rules none)", cfg.rules, err)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("--rules %s: %w", cfg.rules, err)
-	}
-	return p, nil
-}
-
-// keepClientAddress returns the mark of the portals' rules for the replies to
-// dials from a client's address, 0 (and cfg.clientMark cleared, with the
-// reason logged) when client addresses cannot be kept: no dial mark for the
-// rules to tell the proxy's own connections by, or a kernel or a process
-// that refuses transparent sockets.
-func keepClientAddress(cfg *config, dialMark uint32) uint32 {
-	if cfg.clientMark == 0 {
-		return 0
-	}
-	var why string
-	if dialMark == 0 {
-		why = "the rules tell uproxy's own connections by the dial mark, and there is none (--dial-mark-bit)"
-	} else if err := socket.CheckTransparent(); err != nil {
-		why = err.Error()
-	}
-	if why != "" {
-		klog.InfoS("Endpoints see the node's address, not the client's, on every connection", "flag", "--preserve-client-address", "reason", why)
-		cfg.clientMark = 0
-		return 0
-	}
-	klog.InfoS("Endpoints see the client's address where kube-proxy would keep it", "flag", "--preserve-client-address",
-		"mark", fmt.Sprintf("%#x", cfg.clientMark), "routeTable", rules.ClientAddressTable)
-	return cfg.clientMark
-}
-
-func hasIPv6(ips []netip.Addr) bool {
-	for _, ip := range ips {
-		if ip.Is6() {
-			return true
-		}
-	}
-	return false
-}
-
-// nodeIPs returns the addresses the HOST portals DNAT to: the bind address when
-// one is given, else the first global unicast address of each family.
-func nodeIPs(bind netip.Addr) []netip.Addr {
-	if bind.IsValid() && !bind.IsUnspecified() {
-		return []netip.Addr{bind}
-	}
-	addrs, err := nodeaddr.List()
-	if err != nil {
-		klog.ErrorS(err, "Listing node addresses")
-		return nil
-	}
-	return nodeaddr.Primary(addrs)
 }
 
 // newKubeSource connects to the API server that the flags (or the Pod) name and

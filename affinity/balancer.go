@@ -1,5 +1,7 @@
-// Package affinity chooses the backend endpoint for each new connection to a Service
-// port, with IPVS's scheduler semantics and Kubernetes' ClientIP session affinity.
+// Package affinity is the userspace mode's balancer: it chooses the backend
+// endpoint for each new connection to a Service port (IPVS's scheduler
+// semantics), keeps Kubernetes' ClientIP session affinity, and ejects
+// endpoints whose dials keep failing.
 //
 // One Balancer serves one Service port; the proxier updates it on every sync and the
 // proxy sockets pick through it:

@@ -37,7 +37,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/uproxy/uproxy/topology"
+	"github.com/uproxy/uproxy/measure/topology"
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"

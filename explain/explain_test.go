@@ -19,7 +19,7 @@ import (
 	"sigs.k8s.io/knftables"
 
 	knft "github.com/uproxy/uproxy/kernelmodes/nftables"
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
@@ -546,7 +546,7 @@ func TestExplainNFTablesMode(t *testing.T) {
 		t.Fatal(err)
 	}
 	k := nftablestest.New(table)
-	mode, err := knft.New(knft.Config{NFTables: k, Conntrack: &conntrack.Recorder{}})
+	mode, err := knft.New(knft.Config{NFTables: k, Conntrack: &conntracktest.Recorder{}})
 	if err != nil {
 		t.Fatal(err)
 	}

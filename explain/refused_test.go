@@ -11,7 +11,7 @@ import (
 
 	"sigs.k8s.io/knftables"
 
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
@@ -32,11 +32,11 @@ func TestExplainRefused(t *testing.T) {
 		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.12")}}
 	withEndpoint := *empty
 	withEndpoint.Endpoints = []service.Endpoint{{Addr: netip.MustParseAddrPort("127.0.0.2:8080"), Ready: true, Serving: true}}
-	portalsCfg := rules.Config{NodeIPs: []netip.Addr{netip.MustParseAddr("192.0.2.10")}, Conntrack: &conntrack.Recorder{},
+	portalsCfg := rules.Config{NodeIPs: []netip.Addr{netip.MustParseAddr("192.0.2.10")}, Conntrack: &conntracktest.Recorder{},
 		Listen: func(string, string) (io.Closer, error) { return io.NopCloser(nil), nil }}
 
-	for _, backend := range []string{rules.BackendIPTables, rules.BackendNFTables} {
-		t.Run(backend, func(t *testing.T) {
+	for _, backend := range []rules.Backend{rules.BackendIPTables, rules.BackendNFTables} {
+		t.Run(string(backend), func(t *testing.T) {
 			ipt := iptablestest.New()
 			nftTable, err := rules.NFTPortalTable("")
 			if err != nil {

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/ab"
+	"github.com/uproxy/uproxy/measure/ab"
 	"github.com/uproxy/uproxy/testbed"
 )
 

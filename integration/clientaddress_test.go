@@ -10,8 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/measure/topology"
 	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/topology"
 )
 
 // whoSaw is an identity endpoint: the namespace it runs in and its TCP and UDP

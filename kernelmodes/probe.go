@@ -1,11 +1,11 @@
-// Package kernelmodes chooses and cleans up uproxy's proxy modes: it probes what
-// the running kernel offers (IPVS, dummy links, nftables, iptables), picks a mode for
-// --proxy-mode auto, refuses an explicit mode the kernel cannot run with one
-// message naming what is missing, and removes the state other modes left.
+// Package kernelmodes is what the kernel offers the kernel modes: it probes
+// the running kernel (IPVS, dummy links, nftables, iptables), picks a mode for
+// --proxy-mode auto, and refuses an explicit mode the kernel cannot run with
+// one message naming what is missing. The modes themselves are its
+// subpackages iptables, nftables and ipvs.
 //
 //	mode, reason, err := kernelmodes.Choose(requested, scheduler)
 //	if err != nil { exit non-zero with err }
-//	kernelmodes.CleanupOthers(mode, prefix)
 package kernelmodes
 
 import (
@@ -21,15 +21,7 @@ import (
 
 	"github.com/uproxy/uproxy/kernelmodes/nftables"
 	"github.com/uproxy/uproxy/netfilter/iptables"
-)
-
-// Mode names, as --proxy-mode spells them.
-const (
-	Auto      = "auto"
-	Userspace = "userspace"
-	IPTables  = "iptables"
-	NFTables  = "nftables"
-	IPVS      = "ipvs"
+	"github.com/uproxy/uproxy/proxymode"
 )
 
 // probeLink is the dummy link the probe creates and deletes at once.
@@ -212,9 +204,9 @@ func probeIPTables() []string {
 // caller to exit non-zero with. scheduler is the IPVS scheduler ("" for rr).
 func Choose(requested, scheduler string) (mode, reason string, err error) {
 	switch requested {
-	case Userspace:
-		return Userspace, "requested", nil
-	case "", Auto, IPVS, NFTables, IPTables:
+	case proxymode.Userspace:
+		return proxymode.Userspace, "requested", nil
+	case "", proxymode.Auto, proxymode.IPVS, proxymode.NFTables, proxymode.IPTables:
 	default:
 		return "", "", fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables, nftables or ipvs", requested)
 	}
@@ -227,32 +219,32 @@ func Choose(requested, scheduler string) (mode, reason string, err error) {
 // choose decides from a verdict; Choose probes first.
 func choose(requested string, v Verdict) (mode, reason string, err error) {
 	switch requested {
-	case IPVS:
+	case proxymode.IPVS:
 		if err := v.IPVSError(); err != nil {
 			return "", "", err
 		}
-		return IPVS, "requested", nil
-	case NFTables:
+		return proxymode.IPVS, "requested", nil
+	case proxymode.NFTables:
 		if err := v.NFTablesError(); err != nil {
 			return "", "", err
 		}
-		return NFTables, "requested", nil
-	case IPTables:
+		return proxymode.NFTables, "requested", nil
+	case proxymode.IPTables:
 		if err := v.IPTablesError(); err != nil {
 			return "", "", err
 		}
-		return IPTables, "requested", nil
+		return proxymode.IPTables, "requested", nil
 	}
 	if v.IPVS() {
-		return IPVS, "auto: the kernel offers IPVS and dummy links", nil
+		return proxymode.IPVS, "auto: the kernel offers IPVS and dummy links", nil
 	}
 	why := "auto: " + strings.Join(v.IPVSMissing, ", ")
 	if v.NFTables() {
-		return NFTables, why + "; nftables works", nil
+		return proxymode.NFTables, why + "; nftables works", nil
 	}
 	why += "; " + strings.Join(v.NFTablesMissing, ", ")
 	if v.IPTables() {
-		return IPTables, why + "; iptables works", nil
+		return proxymode.IPTables, why + "; iptables works", nil
 	}
-	return Userspace, why + "; " + strings.Join(v.IPTablesMissing, ", "), nil
+	return proxymode.Userspace, why + "; " + strings.Join(v.IPTablesMissing, ", "), nil
 }

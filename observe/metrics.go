@@ -1,5 +1,9 @@
-// Package observe makes uproxy visible: Prometheus metrics, health endpoints, the
-// ring of recent connection events, and the /debug views of every Service port.
+// Package observe makes uproxy visible and runs its every HTTP server:
+// Prometheus metrics, /healthz and /livez, the health-check node ports of
+// externalTrafficPolicy Local Services, the ring of recent connection events,
+// and the /debug views of every Service port. It is told what happened; no
+// part of the data path reads it back. Health is a report (to kubelet and
+// load balancers, as kube-proxy's healthz server), not a decision of uproxy's.
 package observe
 
 import (

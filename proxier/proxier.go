@@ -33,6 +33,7 @@ import (
 
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket"
@@ -41,6 +42,11 @@ import (
 
 // Config configures a Proxier. Zero values give the documented defaults.
 type Config struct {
+	// Common is what every mode takes. The proxier itself reads ClusterCIDRs
+	// and MasqueradeAll (which decide whose address a dial carries, with
+	// KeepClientAddress); the rest is its portals' (rules.Config), built with
+	// it by the mode registry.
+	proxymode.Common
 	// BindAddress is where proxy listeners bind. Unset or unspecified (0.0.0.0, ::)
 	// binds every address of both families, which REDIRECT portals need.
 	BindAddress netip.Addr
@@ -69,11 +75,14 @@ type Config struct {
 	Portals rules.Portals
 	// KeepClientAddress dials endpoints from the client's address where
 	// kube-proxy would not masquerade the connection, while the Portals bring
-	// the replies back (clientaddress.go); ClusterCIDRs and MasqueradeAll are
-	// kube-proxy's --cluster-cidr and --masquerade-all, which decide where.
+	// the replies back (clientaddress.go); Common.ClusterCIDRs and
+	// MasqueradeAll, kube-proxy's --cluster-cidr and --masquerade-all,
+	// decide where.
 	KeepClientAddress bool
-	ClusterCIDRs      []netip.Prefix
-	MasqueradeAll     bool
+	// DialMark is the packet mark of every socket dialed to an endpoint
+	// (socket.TCPProxy.DialMark), by which the Portals let the proxy's own
+	// connections pass (rules.Config.DialMark); 0: none.
+	DialMark uint32
 	// Events, if set, records every connection and every ejection.
 	Events *observe.Events
 	// EjectAfter is how many consecutive failed dials eject an endpoint from new
@@ -625,6 +634,7 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port, external bool) (
 			OwnSocket:    func(ep netip.AddrPort) bool { return p.own.reaches(service.TCP, ep) },
 
 			KeepClientAddress: keep,
+			DialMark:          p.cfg.DialMark,
 			ShortCircuit:      short,
 			ShortCircuits:     shorts,
 		}
@@ -639,6 +649,7 @@ func (p *Proxier) newRoute(sp *servicePort, port *service.Port, external bool) (
 			OwnSocket:  func(ep netip.AddrPort) bool { return p.own.reaches(service.UDP, ep) },
 
 			KeepClientAddress: keep,
+			DialMark:          p.cfg.DialMark,
 			ShortCircuit:      short,
 			ShortCircuits:     shorts,
 		}
@@ -800,3 +811,8 @@ func (p *Proxier) Unserved() []service.Unserved { return unserved }
 
 // Intact reports whether the portals the last sync wrote are still in place.
 func (p *Proxier) Intact() bool { return p.cfg.Portals.Intact() }
+
+// EventLoops is how many event loops carry the Service ports' connections and
+// flows (Config.EventLoops, or poll.DefaultLoops for 0): the program keeps a P
+// (GOMAXPROCS) more than that.
+func (p *Proxier) EventLoops() int { return len(p.loops.Loops()) }

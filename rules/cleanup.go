@@ -10,12 +10,6 @@ import (
 	"github.com/uproxy/uproxy/netfilter/nftables"
 )
 
-// Backends of the portals, as --rules names them.
-const (
-	BackendIPTables = "iptables"
-	BackendNFTables = "nftables"
-)
-
 // Cleanup removes the portals of every backend with this chain prefix (the
 // iptables chains and jumps of both families, and the nftables table) through
 // the real commands. What is already gone, including a missing ip6tables or nft,
@@ -24,8 +18,9 @@ func Cleanup(prefix string) error { return CleanupExcept("", prefix) }
 
 // CleanupExcept removes the portals of every backend but active: call it when
 // the portals start with backend active, so a switch of --rules leaves no
-// stale portals behind. The backends' errors are collected.
-func CleanupExcept(active, prefix string) error {
+// stale portals behind; BackendNone (or "") removes every backend's. The
+// backends' errors are collected.
+func CleanupExcept(active Backend, prefix string) error {
 	prefix, err := iptables.ChainPrefix(prefix)
 	if err != nil {
 		return err
@@ -41,7 +36,7 @@ func CleanupExcept(active, prefix string) error {
 			errs = append(errs, err)
 		}
 	}
-	if active == "" {
+	if active == "" || active == BackendNone {
 		// Either backend's policy route of the replies to transparent dials.
 		if err := removeReplyRoutes(); err != nil {
 			errs = append(errs, err)

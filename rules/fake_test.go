@@ -4,7 +4,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 )
 
@@ -13,7 +13,7 @@ import (
 // NodePorts are held for real (Config.Listen stays nil).
 type fakeKernel struct {
 	*iptablestest.Fake
-	ct conntrack.Recorder
+	ct conntracktest.Recorder
 }
 
 func newFakeKernel() *fakeKernel { return &fakeKernel{Fake: iptablestest.New()} }

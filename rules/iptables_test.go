@@ -16,7 +16,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"sigs.k8s.io/knftables"
 
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
 	"github.com/uproxy/uproxy/service"
@@ -556,28 +556,28 @@ func flow(dst string, dport, replySport uint16) *netlink.ConntrackFlow {
 func TestStaleUDPFlows(t *testing.T) {
 	backends := []struct {
 		name  string
-		build func(t *testing.T, ct *conntrack.Recorder) Portals
+		build func(t *testing.T, ct *conntracktest.Recorder) Portals
 	}{
-		{"iptables", func(t *testing.T, ct *conntrack.Recorder) Portals {
+		{"iptables", func(t *testing.T, ct *conntracktest.Recorder) Portals {
 			k := newFakeKernel()
 			p := newTestIPTables(t, k, Config{})
 			p.cfg.Conntrack = ct
 			return p
 		}},
-		{"nftables", func(t *testing.T, ct *conntrack.Recorder) Portals {
+		{"nftables", func(t *testing.T, ct *conntracktest.Recorder) Portals {
 			p, _ := newTestNFTables(t, Config{Conntrack: ct})
 			return p
 		}},
 	}
 	for _, b := range backends {
 		t.Run(b.name, func(t *testing.T) {
-			ct := &conntrack.Recorder{}
+			ct := &conntracktest.Recorder{}
 			testStaleUDPFlows(t, b.build(t, ct), ct)
 		})
 	}
 }
 
-func testStaleUDPFlows(t *testing.T, p Portals, ct *conntrack.Recorder) {
+func testStaleUDPFlows(t *testing.T, p Portals, ct *conntracktest.Recorder) {
 	np := freePort(t, "udp4")
 	dns := port("ns", "dns", "", service.UDP, 53)
 	dns.ClusterIPs = ips("10.96.0.53")

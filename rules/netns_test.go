@@ -108,7 +108,7 @@ func (k *countingNFT) Run(ctx context.Context, tx *knftables.Transaction) error 
 	return k.Kernel.Run(ctx, tx)
 }
 
-// testDialMark stands for the proxy's dial mark (socket.SetDialMark).
+// testDialMark stands for the proxy's dial mark (socket.TCPProxy.DialMark).
 const testDialMark = 0x2000
 
 // realBackend is one Portals implementation as the namespace tests drive it.

@@ -11,7 +11,7 @@ import (
 	"github.com/hashicorp/go-multierror"
 	"sigs.k8s.io/knftables"
 
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
@@ -27,7 +27,7 @@ func newTestNFTables(t *testing.T, cfg Config) (*NFTables, *nftablestest.Fake) {
 	k := nftablestest.New(nftables.Table{Family: knftables.InetFamily, Name: name})
 	cfg.NFTables = k
 	if cfg.Conntrack == nil {
-		cfg.Conntrack = &conntrack.Recorder{}
+		cfg.Conntrack = &conntracktest.Recorder{}
 	}
 	return newTestPortals(t, cfg, NewNFTables), k
 }

@@ -4,7 +4,10 @@
 // It has two backends behind one interface, Portals: IPTables (a rule per
 // Service port, as the legacy userspace proxy had) and NFTables (one nftables
 // table whose maps hold the Service ports, so neither a new connection nor a
-// sync costs more with more Services; see NFTables for its layout).
+// sync costs more with more Services; see NFTables for its layout), and None
+// for --rules none; New builds the one a Backend names. The nftables layout
+// mirrors the nftables kernel mode's on purpose (nftlayout.go, nftlookup.go
+// beside kernelmodes/nftables/layout.go, find.go): each its own table.
 //
 // A Service port's addresses of one family whose balancer has no endpoint of
 // that family (Portal.Refuse, from RefusalOf) are not steered but refused, as
@@ -146,7 +149,7 @@ type Config struct {
 	// nftables table's IPv6 maps).
 	IPv6 bool
 	// DialMark is the packet mark of the proxy's own connections to endpoints
-	// (socket.SetDialMark); the portals of the node's own connections (the
+	// (socket.TCPProxy.DialMark); the portals of the node's own connections (the
 	// HOST chains, the nftables output chain) return at once for packets
 	// carrying it rather than trying every portal. 0: no such rule.
 	DialMark uint32

@@ -13,15 +13,13 @@ import (
 // proxy opens one for every connection it proxies. Its own connections go to
 // endpoints, never to virtual IPs, so the portal chains return at once for packets
 // carrying the dial mark (rules.Config.DialMark), which the proxy sets on every
-// socket it dials (SO_MARK, which needs CAP_NET_ADMIN).
+// socket it dials (TCPProxy.DialMark, UDPProxy.DialMark: SO_MARK, which needs
+// CAP_NET_ADMIN).
 
-// dialMark is the SO_MARK of backend sockets; 0 sets none.
-var dialMark uint32
-
-// SetDialMark makes every later backend socket carry mark (0: none). It checks
-// first that the process may set it and returns the error if not, leaving the
-// mark unset.
-func SetDialMark(mark uint32) error {
+// CheckDialMark says whether this process may put mark on its sockets (nil
+// when it may, or when mark is 0, none): the check to make before giving a
+// proxy a DialMark, whose every dial would otherwise fail.
+func CheckDialMark(mark uint32) error {
 	if mark != 0 {
 		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
@@ -32,7 +30,6 @@ func SetDialMark(mark uint32) error {
 			return fmt.Errorf("set SO_MARK %#x on backend sockets: %w", mark, err)
 		}
 	}
-	dialMark = mark
 	return nil
 }
 

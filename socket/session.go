@@ -245,7 +245,7 @@ func (s *tcpSession) dialNext(lastErr error) {
 			err = record.ErrOwnSocket
 		} else {
 			var fellBack error
-			if fd, fellBack, err = s.l.dial(ep, unix.SOCK_STREAM, src); fellBack != nil {
+			if fd, fellBack, err = s.l.dial(ep, unix.SOCK_STREAM, src, p.DialMark); fellBack != nil {
 				d.source = record.SourceFallback
 				p.fallback.refused(p.Service, clientIP, fellBack)
 			}
@@ -374,13 +374,13 @@ func (s *tcpSession) armDialTimer() {
 }
 
 // dial opens a non-blocking socket of sotype (SOCK_STREAM or SOCK_DGRAM) to ep,
-// with the dial mark, and connects it: from src when it is valid (a transparent
+// with the dial mark mark (0: none), and connects it: from src when it is valid (a transparent
 // dial, source.go), else from the node. A TCP socket also gets TCP_NODELAY (its
 // keepalive comes later, if the connection lasts: see keepAliveDue); a nil
 // error means its connect is in progress (or done): the socket's first output
 // event ends it. A UDP connect only sets the peer. fellBack is the kernel's
 // refusal of a transparent socket, after which the dial went from the node.
-func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr) (fd int, fellBack, err error) {
+func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr, mark uint32) (fd int, fellBack, err error) {
 	family, sa := l.sockaddr(ep)
 	fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -396,14 +396,14 @@ func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr) (fd int, fell
 			return -1, nil, os.NewSyscallError("setsockopt", err)
 		}
 	}
-	if err := setMark(fd, dialMark); err != nil {
+	if err := setMark(fd, mark); err != nil {
 		unix.Close(fd)
 		return -1, nil, err
 	}
 	if src.IsValid() {
 		if err := transparent(fd, sotype, src); err != nil {
 			unix.Close(fd)
-			fd, _, rerr := l.dial(ep, sotype, netip.Addr{})
+			fd, _, rerr := l.dial(ep, sotype, netip.Addr{}, mark)
 			return fd, err, rerr
 		}
 	}

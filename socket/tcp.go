@@ -114,6 +114,10 @@ type TCPProxy struct {
 	// the node's (source.go). It is asked once per connection, on its event
 	// loop: it must be cheap and safe for concurrent use. nil: never.
 	KeepClientAddress func(client netip.Addr) bool
+	// DialMark is the packet mark (SO_MARK) of every socket dialed to an
+	// endpoint, by which the portals let the proxy's own connections pass
+	// (mark.go); setting it needs CAP_NET_ADMIN (CheckDialMark). 0: none.
+	DialMark uint32
 	// fallback logs the first transparent dial the kernel refused.
 	fallback fallbackLog
 	// ShortCircuit, when set, is the Picker of the connections from the

@@ -65,6 +65,8 @@ type UDPProxy struct {
 	// entry's socket to the endpoint then sends from the client's address
 	// (on a port of the node's choosing).
 	KeepClientAddress func(client netip.Addr) bool
+	// DialMark is as TCPProxy's, on every entry's socket to its endpoint.
+	DialMark uint32
 	// fallback logs the first transparent socket the kernel refused.
 	fallback fallbackLog
 	// ShortCircuit and ShortCircuits are as TCPProxy's, asked once per
@@ -344,7 +346,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	var fellBack error
 	if p.OwnSocket != nil && p.OwnSocket(ep) {
 		err = record.ErrOwnSocket
-	} else if fd, fellBack, err = l.dial(ep, unix.SOCK_DGRAM, src); err == nil {
+	} else if fd, fellBack, err = l.dial(ep, unix.SOCK_DGRAM, src, p.DialMark); err == nil {
 		enableGRO(fd)
 		if err = l.Watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
 			unix.Close(fd)

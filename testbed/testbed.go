@@ -13,7 +13,7 @@ import (
 	"os"
 	"testing"
 
-	"github.com/uproxy/uproxy/topology"
+	"github.com/uproxy/uproxy/measure/topology"
 )
 
 // Roles of the namespaces, as in package topology.

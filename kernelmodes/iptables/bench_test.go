@@ -6,7 +6,7 @@ import (
 	"strconv"
 	"testing"
 
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/testbed"
@@ -92,7 +92,7 @@ func BenchmarkRender(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		b.Run(fmt.Sprintf("ports=%d", n), func(b *testing.B) {
 			s := benchSnapshot(n)
-			p, err := New(Config{IPTables: iptablestest.New(), Conntrack: &conntrack.Recorder{}})
+			p, err := New(Config{IPTables: iptablestest.New(), Conntrack: &conntracktest.Recorder{}})
 			if err != nil {
 				b.Fatal(err)
 			}

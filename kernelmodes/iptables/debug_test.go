@@ -5,8 +5,9 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -68,7 +69,7 @@ func TestDebugServicesCounters(t *testing.T) {
 					sep(web, "10.244.1.2:8080"), sep(web, "10.244.2.3:8080"), sep(dns, "10.244.1.2:53")), nil
 			}
 			var err error
-			p, err = New(Config{IPv6: true, IPTables: countersKernel{iptablestest.New(), save}, Conntrack: &conntrack.Recorder{}})
+			p, err = New(Config{Common: proxymode.Common{IPv6: true}, IPTables: countersKernel{iptablestest.New(), save}, Conntrack: &conntracktest.Recorder{}})
 			if err != nil {
 				t.Fatal(err)
 			}

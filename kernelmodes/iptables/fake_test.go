@@ -7,7 +7,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 )
 
@@ -15,7 +15,7 @@ import (
 // what iptables refuses, and a conntrack that records the stale-flow filters.
 type fakeKernel struct {
 	*iptablestest.Fake
-	ct conntrack.Recorder
+	ct conntracktest.Recorder
 }
 
 func newFakeKernel() *fakeKernel { return &fakeKernel{Fake: iptablestest.New()} }

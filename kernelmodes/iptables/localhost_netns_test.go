@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/testbed"
 )
 
@@ -32,7 +33,7 @@ func TestRealLocalhostNodePorts(t *testing.T) {
 	}
 	var p *Proxier
 	if err := tp.Run(testbed.Node, func() (err error) {
-		p, err = New(Config{IPv6: true, LocalhostNodePorts: true})
+		p, err = New(Config{Common: proxymode.Common{IPv6: true}, LocalhostNodePorts: true})
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -117,7 +118,7 @@ func TestRealLocalhostNodePorts(t *testing.T) {
 	t.Run("a restarted mode takes its rules and count over", func(t *testing.T) {
 		var again *Proxier
 		if err := tp.Run(testbed.Node, func() (err error) {
-			again, err = New(Config{IPv6: true, LocalhostNodePorts: true})
+			again, err = New(Config{Common: proxymode.Common{IPv6: true}, LocalhostNodePorts: true})
 			return err
 		}); err != nil {
 			t.Fatal(err)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/netfilter/nfacct"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -222,9 +223,9 @@ func TestLocalhostNodePortsOff(t *testing.T) {
 		jump, gone string
 	}{
 		{"--iptables-localhost-nodeports=false", Config{}, notLoV4, allLocal},
-		{"NodePortAddresses without loopback", Config{LocalhostNodePorts: true, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}},
+		{"NodePortAddresses without loopback", Config{Common: proxymode.Common{NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}}, LocalhostNodePorts: true},
 			`-A UPROXY-SERVICES -d 10.0.0.0/8 -m comment --comment "uproxy service nodeports; NOTE: this must be the last rule in this chain" -j UPROXY-NODEPORTS`, allLocal},
-		{"a loopback NodePortAddress without localhost NodePorts serves nothing", Config{NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("10.0.0.0/8")}},
+		{"a loopback NodePortAddress without localhost NodePorts serves nothing", Config{Common: proxymode.Common{NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("10.0.0.0/8")}}},
 			`-A UPROXY-SERVICES -d 10.0.0.0/8 -m comment --comment "uproxy service nodeports; NOTE: this must be the last rule in this chain" -j UPROXY-NODEPORTS`,
 			`-A UPROXY-SERVICES -d 127.0.0.0/8 -m comment --comment "uproxy service nodeports; NOTE: this must be the last rule in this chain" -j UPROXY-NODEPORTS`},
 	} {
@@ -249,7 +250,7 @@ func TestLocalhostNodePortsOff(t *testing.T) {
 		})
 	}
 	t.Run("a loopback NodePortAddress with localhost NodePorts", func(t *testing.T) {
-		w := newLocalhostWorld(t, Config{LocalhostNodePorts: true, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}})
+		w := newLocalhostWorld(t, Config{Common: proxymode.Common{NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("127.0.0.1/32")}}, LocalhostNodePorts: true})
 		if err := w.sync(t); err != nil {
 			t.Fatal(err)
 		}

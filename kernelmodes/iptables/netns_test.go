@@ -9,6 +9,7 @@ import (
 	"time"
 
 	ipt "github.com/uproxy/uproxy/netfilter/iptables"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/service/servicetest"
 	"github.com/uproxy/uproxy/testbed"
@@ -129,7 +130,7 @@ func TestRealIPTablesMode(t *testing.T) {
 	tp := w.tp
 	var p *Proxier
 	if err := tp.Run(testbed.Node, func() (err error) {
-		p, err = New(Config{IPv6: true})
+		p, err = New(Config{Common: proxymode.Common{IPv6: true}})
 		return err
 	}); err != nil {
 		t.Fatal(err)

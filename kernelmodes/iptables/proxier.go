@@ -2,7 +2,7 @@
 // programs every Service port as nat rules that DNAT straight to an endpoint,
 // so no uproxy process sits on the data path.
 //
-//	p, err := iptables.New(iptables.Config{IPv6: true})
+//	p, err := iptables.New(iptables.Config{Common: proxymode.Common{IPv6: true}})
 //	...
 //	err = p.Sync(snapshot) // from the sync loop, on every change
 //
@@ -56,6 +56,7 @@ import (
 	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/netfilter/nfacct"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -65,20 +66,9 @@ const DefaultMasqueradeBit = 14
 // Config configures the iptables mode. The zero value programs IPv4 with
 // NodePorts on every local address.
 type Config struct {
-	// ChainPrefix names the chains; iptables.DefaultChainPrefix when empty.
-	ChainPrefix string
-	// IPv6 also programs ip6tables with the Services' IPv6 addresses.
-	IPv6 bool
-	// NodePortAddresses limits NodePorts to destinations inside these prefixes
-	// (--nodeport-addresses); empty means every local address but loopback. A
-	// family with no prefix here gets no NodePorts.
-	NodePortAddresses []netip.Prefix
-	// ClusterCIDRs are the pod networks: ClusterIP traffic from outside them is
-	// masqueraded, and pods reach external destinations ignoring
-	// externalTrafficPolicy. Empty: neither.
-	ClusterCIDRs []netip.Prefix
-	// MasqueradeAll masquerades all ClusterIP traffic.
-	MasqueradeAll bool
+	// Common is what every mode takes (prefix, families, NodePort addresses,
+	// masquerading); NodeIPs are not used.
+	proxymode.Common
 	// MasqueradeBit is the mark bit (0-31) for masquerading; 0 means
 	// DefaultMasqueradeBit.
 	MasqueradeBit int

@@ -11,6 +11,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -175,7 +176,7 @@ func TestRenderPort(t *testing.T) {
 		},
 		{
 			name: "NodePortAddresses (the jump itself: TestNodePortAddresses)",
-			cfg:  Config{NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.0/24"), netip.MustParsePrefix("fd00::/64")}},
+			cfg:  Config{Common: proxymode.Common{NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.0/24"), netip.MustParsePrefix("fd00::/64")}}},
 			port: func(p *service.Port) {
 				p.Endpoints = three[:1]
 				p.NodePort = 30080
@@ -230,7 +231,7 @@ func TestRenderPort(t *testing.T) {
 		},
 		{
 			name: "externalTrafficPolicy Local: SVL for external traffic, node traffic masqueraded to SVC",
-			cfg:  Config{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}},
+			cfg:  Config{Common: proxymode.Common{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}},
 			port: func(p *service.Port) {
 				p.Endpoints = []service.Endpoint{ep("10.244.1.2:8080", true), ep("10.244.2.3:8080", false)}
 				p.NodePort = 30080
@@ -259,7 +260,7 @@ func TestRenderPort(t *testing.T) {
 		},
 		{
 			name: "externalTrafficPolicy Local without a local endpoint: the node's and pods' traffic still reach every endpoint (the rest is dropped in filter)",
-			cfg:  Config{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}},
+			cfg:  Config{Common: proxymode.Common{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}},
 			port: func(p *service.Port) {
 				p.Endpoints = []service.Endpoint{ep("10.244.2.3:8080", false)}
 				p.NodePort = 30080
@@ -305,7 +306,7 @@ func TestRenderPort(t *testing.T) {
 		},
 		{
 			name: "IPv6: its own addresses and endpoints, a /128 host mask",
-			cfg:  Config{IPv6: true},
+			cfg:  Config{Common: proxymode.Common{IPv6: true}},
 			v6:   true,
 			port: func(p *service.Port) {
 				p.ClusterIPs = addrs("10.96.0.10", "fd00:96::10")
@@ -357,7 +358,7 @@ func TestRenderPort(t *testing.T) {
 
 func TestNodePortAddresses(t *testing.T) {
 	k := newFakeKernel()
-	p, err := New(Config{IPv6: true, IPTables: k.Fake, Conntrack: &k.ct, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.7/24")}})
+	p, err := New(Config{Common: proxymode.Common{IPv6: true, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.7/24")}}, IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
 		t.Fatal(err)
 	}

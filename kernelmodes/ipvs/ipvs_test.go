@@ -14,6 +14,7 @@ import (
 	"github.com/moby/ipvs"
 
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -251,7 +252,7 @@ func TestVirtualServers(t *testing.T) {
 	}{
 		{
 			name: "IPv4, wlc, NodePorts on the node IPs",
-			cfg:  Config{Scheduler: "wlc", NodeIPs: []netip.Addr{netip.MustParseAddr("192.168.50.1")}},
+			cfg:  Config{Common: proxymode.Common{NodeIPs: []netip.Addr{netip.MustParseAddr("192.168.50.1")}}, Scheduler: "wlc"},
 			want: []string{
 				"10.96.0.10:80/TCP wlc: 10.244.1.2:8080=1 10.244.2.3:8080=1",
 				"10.96.0.11:443/TCP wlc persistent 10800s: 10.244.1.2:8443=1",
@@ -266,8 +267,7 @@ func TestVirtualServers(t *testing.T) {
 		},
 		{
 			name: "dual stack, NodePortAddresses excluding one node IP",
-			cfg: Config{IPv6: true, NodeIPs: []netip.Addr{netip.MustParseAddr("192.168.50.1"), netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("fd00:50::1")},
-				NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.0/24"), netip.MustParsePrefix("fd00:50::/64")}},
+			cfg:  Config{Common: proxymode.Common{IPv6: true, NodeIPs: []netip.Addr{netip.MustParseAddr("192.168.50.1"), netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("fd00:50::1")}, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.0/24"), netip.MustParsePrefix("fd00:50::/64")}}},
 			want: []string{
 				"10.96.0.10:80/TCP rr: 10.244.1.2:8080=1 10.244.2.3:8080=1",
 				"10.96.0.11:443/TCP rr persistent 10800s: 10.244.1.2:8443=1",
@@ -398,7 +398,7 @@ func TestServiceChangesAndRemoval(t *testing.T) {
 }
 
 func TestRules(t *testing.T) {
-	p, _, r := newProxier(t, Config{NodeIPs: []netip.Addr{netip.MustParseAddr("192.168.50.1")}, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+	p, _, r := newProxier(t, Config{Common: proxymode.Common{NodeIPs: []netip.Addr{netip.MustParseAddr("192.168.50.1")}, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}})
 	web := port("web", service.TCP, 80, "10.96.0.10", "10.244.1.2:8080")
 	web.NodePort = 30080
 	web.LoadBalancerIPs = []netip.Addr{netip.MustParseAddr("198.51.100.7")}

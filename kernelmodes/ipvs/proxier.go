@@ -3,7 +3,7 @@
 // real servers are the endpoints, and the Service IPs live on a dummy
 // interface so the node accepts their traffic.
 //
-//	p, err := ipvs.New(ipvs.Config{Scheduler: "rr", NodeIPs: nodeIPs})
+//	p, err := ipvs.New(ipvs.Config{Common: proxymode.Common{NodeIPs: nodeIPs}, Scheduler: "rr"})
 //	...
 //	err = p.Sync(snapshot)
 //
@@ -38,6 +38,7 @@ import (
 
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -53,20 +54,11 @@ const flagPersistent = 0x1
 // Config configures the IPVS mode. The zero value programs IPv4 with the rr
 // scheduler and no NodePorts (NodeIPs is empty).
 type Config struct {
-	// ChainPrefix names the iptables chains; iptables.DefaultChainPrefix when empty.
-	ChainPrefix string
+	// Common is what every mode takes; NodePorts get a virtual server on each
+	// of its NodeIPs inside NodePortAddresses (all of them when that is empty).
+	proxymode.Common
 	// Scheduler is the IPVS scheduler of every virtual server; "rr" when empty.
 	Scheduler string
-	// IPv6 also programs the Services' IPv6 addresses.
-	IPv6 bool
-	// NodeIPs are the node's addresses; NodePorts get a virtual server on each
-	// one inside NodePortAddresses (all of them when that is empty).
-	NodeIPs           []netip.Addr
-	NodePortAddresses []netip.Prefix
-	// ClusterCIDRs and MasqueradeAll decide which ClusterIP traffic is
-	// masqueraded, as in the iptables mode.
-	ClusterCIDRs  []netip.Prefix
-	MasqueradeAll bool
 	// MasqueradeBit is the mark bit (0-31); 0 means 14.
 	MasqueradeBit int
 	// Kernel is IPVS and netlink; nil opens the real one (NewNetlinkKernel).

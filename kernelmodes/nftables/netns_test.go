@@ -14,6 +14,7 @@ import (
 	"sigs.k8s.io/knftables"
 
 	"github.com/uproxy/uproxy/netfilter/nftables"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/service/servicetest"
 	"github.com/uproxy/uproxy/testbed"
@@ -171,7 +172,7 @@ func TestRealNFTablesMode(t *testing.T) {
 	tp := w.tp
 	var p *Proxier
 	if err := tp.Run(testbed.Node, func() (err error) {
-		p, err = New(Config{IPv6: true, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+		p, err = New(Config{Common: proxymode.Common{IPv6: true, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}})
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -457,7 +458,7 @@ func TestRealNFTablesMode(t *testing.T) {
 		}
 		var whole *Proxier
 		if err := tp.Run(testbed.Node, func() (err error) {
-			whole, err = New(Config{ChainPrefix: "UPXCHK", IPv6: true, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+			whole, err = New(Config{Common: proxymode.Common{ChainPrefix: "UPXCHK", IPv6: true, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}})
 			return err
 		}); err != nil {
 			t.Fatal(err)

@@ -3,7 +3,7 @@
 // table that DNATs straight to an endpoint, so no uproxy process sits on the
 // data path.
 //
-//	p, err := nftables.New(nftables.Config{IPv6: true})
+//	p, err := nftables.New(nftables.Config{Common: proxymode.Common{IPv6: true}})
 //	...
 //	err = p.Sync(snapshot) // from the sync loop, on every change
 //
@@ -62,6 +62,7 @@ import (
 	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -75,21 +76,10 @@ const TableSuffix = "-kernel"
 // Config configures the nftables mode. The zero value programs IPv4 with
 // NodePorts on every local address but loopback.
 type Config struct {
-	// ChainPrefix names the table (lower-cased, plus TableSuffix);
-	// iptables.DefaultChainPrefix when empty.
-	ChainPrefix string
-	// IPv6 also programs the Services' IPv6 addresses.
-	IPv6 bool
-	// NodePortAddresses limits NodePorts to local destinations inside these
-	// prefixes (--nodeport-addresses); empty means every local address but
-	// loopback. A family with no prefix here gets no NodePorts.
-	NodePortAddresses []netip.Prefix
-	// ClusterCIDRs are the pod networks: ClusterIP traffic from outside them is
-	// masqueraded, and pods reach external destinations ignoring
-	// externalTrafficPolicy. Empty: neither.
-	ClusterCIDRs []netip.Prefix
-	// MasqueradeAll masquerades all ClusterIP traffic.
-	MasqueradeAll bool
+	// Common is what every mode takes (prefix, families, NodePort addresses,
+	// masquerading); the table is the prefix lower-cased plus TableSuffix.
+	// NodeIPs are not used.
+	proxymode.Common
 	// MasqueradeBit is the mark bit (0-31) for masquerading; 0 means
 	// DefaultMasqueradeBit.
 	MasqueradeBit int
@@ -796,7 +786,8 @@ func Probe() error {
 	cidr := []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:244::/48")}
 	p := &Proxier{}
 	p.l.mark = "0x4000"
-	for _, cfg := range []Config{{ClusterCIDRs: cidr}, {ClusterCIDRs: cidr, NodePortAddresses: cidr}} {
+	for _, c := range []proxymode.Common{{ClusterCIDRs: cidr}, {ClusterCIDRs: cidr, NodePortAddresses: cidr}} {
+		cfg := Config{Common: c}
 		p.l.fams = []*family{newFamily(false, cfg), newFamily(true, cfg)}
 		p.r = renderer{l: &p.l}
 		// Documentation addresses: only the syntax and the kernel's support count.

@@ -13,9 +13,10 @@ import (
 	"github.com/vishvananda/netlink"
 	"sigs.k8s.io/knftables"
 
-	"github.com/uproxy/uproxy/netfilter/conntrack"
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -36,10 +37,10 @@ func localEps(ss ...string) []service.Endpoint {
 	return out
 }
 
-func newFake(t testing.TB, cfg Config) (*Proxier, *nftablestest.Fake, *conntrack.Recorder) {
+func newFake(t testing.TB, cfg Config) (*Proxier, *nftablestest.Fake, *conntracktest.Recorder) {
 	t.Helper()
 	k := nftablestest.New(nftables.Table{Family: knftables.InetFamily, Name: "uproxy-kernel"})
-	ct := &conntrack.Recorder{}
+	ct := &conntracktest.Recorder{}
 	cfg.NFTables, cfg.Conntrack = k, ct
 	p, err := New(cfg)
 	if err != nil {
@@ -117,7 +118,7 @@ func TestElements(t *testing.T) {
 	internal.InternalPolicyLocal = true
 	internal.Endpoints = eps("10.244.2.6:80")
 
-	p, k, _ := newFake(t, Config{IPv6: true, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+	p, k, _ := newFake(t, Config{Common: proxymode.Common{IPv6: true, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}})
 	mustSync(t, p, snapshot(web, empty, local, internal))
 	want := `add element inet uproxy-kernel backends4-2 { 10.250.0.5 . tcp . 80 . 0 comment "shop/web:http" : 10.244.1.2 . 8080 }
 add element inet uproxy-kernel backends4-2 { 10.250.0.5 . tcp . 80 . 1 comment "shop/web:http" : 10.244.2.3 . 8080 }
@@ -187,7 +188,7 @@ func TestNodePortAddresses(t *testing.T) {
 	web.ClusterIPs = addrs("10.96.0.10", "fd00:96::10")
 	web.NodePort = 30080
 	web.Endpoints = eps("10.244.1.2:8080", "[fd00:244::2]:8080")
-	p, k, _ := newFake(t, Config{IPv6: true, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.1.0/24"), netip.MustParsePrefix("127.0.0.0/8")}})
+	p, k, _ := newFake(t, Config{Common: proxymode.Common{IPv6: true, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.1.0/24"), netip.MustParsePrefix("127.0.0.0/8")}}})
 	mustSync(t, p, snapshot(web))
 	tx := k.Transactions[0]
 	for _, want := range []string{
@@ -536,7 +537,7 @@ func TestFind(t *testing.T) {
 	web.Endpoints = eps("10.244.1.2:8080", "10.244.1.3:8080")
 	empty := svcPort("shop", "empty", "", service.TCP, 80)
 	empty.ClusterIPs = addrs("10.96.0.12")
-	p, k, _ := newFake(t, Config{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}})
+	p, k, _ := newFake(t, Config{Common: proxymode.Common{ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}})
 	if _, err := Find(t.Context(), k, netip.MustParseAddrPort("10.96.0.10:80"), "tcp", false); !errors.Is(err, ErrNoTable) {
 		t.Errorf("Find before any sync: got %v, want ErrNoTable", err)
 	}

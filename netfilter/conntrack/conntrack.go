@@ -96,23 +96,6 @@ func (s StaleUDP) Delete(d Deleter, v6 bool) error {
 	return nil
 }
 
-// Recorder is a Deleter for unit tests: it deletes nothing and keeps the filters
-// of every call, by family.
-type Recorder struct {
-	// Filters holds the filters given for IPv4 ([0]) and IPv6 ([1]), in order.
-	Filters [2][]netlink.CustomConntrackFilter
-}
-
-// ConntrackDeleteFilters implements Deleter.
-func (r *Recorder) ConntrackDeleteFilters(_ netlink.ConntrackTableType, family netlink.InetFamily, filters ...netlink.CustomConntrackFilter) (uint, error) {
-	i := 0
-	if family == unix.AF_INET6 {
-		i = 1
-	}
-	r.Filters[i] = append(r.Filters[i], filters...)
-	return 0, nil
-}
-
 // UDPPort is where the traffic of one UDP Service port may go after a sync of a
 // mode that DNATs to endpoints: its destinations and the endpoints the rules
 // send them to. A mode keeps one view (a map by Service port) per family.

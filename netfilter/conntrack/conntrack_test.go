@@ -9,6 +9,8 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 )
 
 // flow is a conntrack flow: original destination dst, reply source reply (what
@@ -72,7 +74,7 @@ func (failing) ConntrackDeleteFilters(netlink.ConntrackTableType, netlink.InetFa
 
 func TestDelete(t *testing.T) {
 	s := StaleUDP{NodePorts: map[uint16]Replies{30053: {}}}
-	var r Recorder
+	var r conntracktest.Recorder
 	for _, v6 := range []bool{false, true, true} {
 		if err := s.Delete(&r, v6); err != nil {
 			t.Fatal(err)

@@ -17,7 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/uproxy/uproxy/topology"
+	"github.com/uproxy/uproxy/measure/topology"
 )
 
 // Roles of the benchmark's namespaces, mapped onto the topology's: the client

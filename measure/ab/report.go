@@ -11,7 +11,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/uproxy/uproxy/chart"
+	"github.com/uproxy/uproxy/measure/chart"
 )
 
 // Percentiles are the quantiles every metric reports, in the order of its rows.

@@ -3,7 +3,7 @@ package bench
 import (
 	"io"
 
-	"github.com/uproxy/uproxy/chart"
+	"github.com/uproxy/uproxy/measure/chart"
 )
 
 var pathColors = map[string]string{

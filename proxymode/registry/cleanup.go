@@ -1,4 +1,4 @@
-package kernelmodes
+package registry
 
 import (
 	"fmt"
@@ -8,32 +8,36 @@ import (
 	"github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/kernelmodes/nftables"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/rules"
 )
 
 // cleaners remove one mode's kernel state for a chain prefix; a var so tests
 // can watch which run.
 var cleaners = map[string]func(prefix string) error{
-	Userspace: rules.Cleanup,
-	IPTables:  iptables.Cleanup,
-	NFTables:  nftables.Cleanup,
-	IPVS:      ipvs.Cleanup,
+	proxymode.Userspace: rules.Cleanup,
+	proxymode.IPTables:  iptables.Cleanup,
+	proxymode.NFTables:  nftables.Cleanup,
+	proxymode.IPVS:      ipvs.Cleanup,
 }
-
-// modes in cleanup order. The userspace mode's cleaner removes the portals of
-// both backends; which backend a userspace run keeps is the portals' own
-// concern (rules.CleanupExcept).
-var modes = []string{Userspace, IPTables, NFTables, IPVS}
 
 // CleanupOthers removes what every mode but active left in the kernel with
 // this chain prefix: call it when starting in mode active, so a switch of
-// modes leaves no stale rules, links or virtual servers behind. Every mode is
-// tried; the errors are collected.
-func CleanupOthers(active, prefix string) error {
+// modes leaves no stale rules, links or virtual servers behind. In the
+// userspace mode with portals it also removes the other portal backend's
+// (portals: the backend it runs, rules.BackendNone or "" for none). Every
+// mode is tried; the errors are collected.
+func CleanupOthers(active string, portals rules.Backend, prefix string) error {
 	if _, ok := cleaners[active]; !ok {
 		return fmt.Errorf("cleanup for mode %q: want userspace, iptables, nftables or ipvs", active)
 	}
-	return cleanupExcept(active, prefix)
+	err := cleanupExcept(active, prefix)
+	if active == proxymode.Userspace && portals != "" && portals != rules.BackendNone {
+		if perr := rules.CleanupExcept(portals, prefix); perr != nil {
+			err = multierror.Append(err, fmt.Errorf("remove the other portal backend's leftovers: %w", perr)).ErrorOrNil()
+		}
+	}
+	return err
 }
 
 // CleanupAll removes every mode's state (`uproxy --cleanup`): the userspace
@@ -44,7 +48,7 @@ func CleanupAll(prefix string) error { return cleanupExcept("", prefix) }
 
 func cleanupExcept(active, prefix string) error {
 	var errs []error
-	for _, m := range modes {
+	for _, m := range proxymode.Names {
 		if m == active {
 			continue
 		}

@@ -5,7 +5,7 @@ import (
 	"math/bits"
 	"time"
 
-	"github.com/uproxy/uproxy/chart"
+	"github.com/uproxy/uproxy/measure/chart"
 )
 
 // subBits sets the histogram's precision: every power-of-two range of durations is

@@ -29,7 +29,7 @@ func TestTinyRun(t *testing.T) {
 		testbed.Skip(t, "-short: this test builds uproxy and runs every proxy")
 	}
 	bin := filepath.Join(t.TempDir(), "uproxy")
-	build := exec.Command("go", "build", "-o", bin, "..")
+	build := exec.Command("go", "build", "-o", bin, "../..")
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("go build uproxy: %v\n%s", err, out)
 	}
@@ -397,7 +397,7 @@ func TestIdleMemoryOfHeldConnections(t *testing.T) {
 		testbed.Skip(t, "-short: this test builds uproxy and runs it")
 	}
 	bin := filepath.Join(t.TempDir(), "uproxy")
-	if out, err := exec.Command("go", "build", "-o", bin, "..").CombinedOutput(); err != nil {
+	if out, err := exec.Command("go", "build", "-o", bin, "../..").CombinedOutput(); err != nil {
 		t.Fatalf("go build uproxy: %v\n%s", err, out)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)

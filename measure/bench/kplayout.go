@@ -11,7 +11,7 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/uproxy/uproxy/topology"
+	"github.com/uproxy/uproxy/measure/topology"
 )
 
 // KubeProxyLayout names the control-plane row of the reference layout: the

@@ -114,7 +114,7 @@ func TestProxyCPUs(t *testing.T) {
 	rest := mine
 	rest.Clear(last)
 	bin := filepath.Join(t.TempDir(), "uproxy")
-	if out, err := exec.Command("go", "build", "-o", bin, "..").CombinedOutput(); err != nil {
+	if out, err := exec.Command("go", "build", "-o", bin, "../..").CombinedOutput(); err != nil {
 		t.Fatalf("go build uproxy: %v\n%s", err, out)
 	}
 
