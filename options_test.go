@@ -207,7 +207,7 @@ func TestChooseRules(t *testing.T) {
 		}
 	})
 	t.Run("nft and the kernel support it", func(t *testing.T) {
-		testbed.RequireNFTables(t)
+		testbed.Needs(t, testbed.NFTables)
 		if got := chooseRules("auto", "UPROXY", nodeIPv4); got != "nftables" {
 			t.Errorf("chooseRules(auto) as root with nft: got %q, want nftables", got)
 		}

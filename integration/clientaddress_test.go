@@ -93,7 +93,7 @@ func TestUserspaceKeepsClientAddress(t *testing.T) {
 			}
 			t.Run(rules+"/"+family, func(t *testing.T) {
 				if rules == "nftables" {
-					testbed.RequireNFTables(t)
+					testbed.Needs(t, testbed.NFTables)
 				}
 				testKeepsClientAddress(t, rules, v6)
 			})

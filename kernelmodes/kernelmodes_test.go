@@ -56,7 +56,7 @@ func kernelConfig(t *testing.T) map[string]string {
 // with (or, without a config file, against /proc/net/ip_vs, which exists
 // exactly when IPVS is there), in a fresh network namespace.
 func TestProbeMatchesKernel(t *testing.T) {
-	testbed.Require(t)
+	testbed.Needs(t, testbed.Netns)
 	cfg := kernelConfig(t)
 	var wantIPVS, wantDummy bool
 	if cfg != nil {
@@ -170,10 +170,7 @@ func TestChoose(t *testing.T) {
 // leftovers of the IPVS mode's chains in one namespace, then checks that
 // CleanupOthers removes exactly the other modes' state and CleanupAll all of it.
 func TestModeSwitches(t *testing.T) {
-	testbed.Require(t)
-	if _, err := exec.LookPath("iptables-restore"); err != nil {
-		testbed.Skip(t, err)
-	}
+	testbed.Needs(t, testbed.Netns, testbed.Commands("iptables-restore"))
 	tp := testbed.New(t)
 	must := func(t *testing.T, args ...string) {
 		t.Helper()
@@ -186,7 +183,7 @@ func TestModeSwitches(t *testing.T) {
 		must(t, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
 		must(t, ipt, "-t", "filter", "-A", "INPUT", "-j", "ACCEPT")
 	}
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	// kube-proxy's nftables table, which no cleanup may touch.
 	must(t, "nft", "add table inet kube-proxy")
 	must(t, "nft", "add chain inet kube-proxy services { type nat hook prerouting priority dstnat; }")

@@ -124,7 +124,7 @@ func (p proc) goroutines() int {
 }
 
 func TestSoak(t *testing.T) {
-	testbed.Require(t)
+	testbed.Needs(t, testbed.Netns, testbed.Build)
 	bin := filepath.Join(t.TempDir(), "uproxy")
 	if out, err := exec.Command("go", "build", "-o", bin, "..").CombinedOutput(); err != nil {
 		t.Fatalf("build uproxy: %v\n%s", err, out)

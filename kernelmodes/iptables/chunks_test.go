@@ -232,7 +232,7 @@ func TestManyPortsWrittenInChunks(t *testing.T) {
 // three chunks, reaches the first and the last port through them, and deletes
 // all but one.
 func TestRealIPTablesManyPorts(t *testing.T) {
-	testbed.RequireIPTables(t)
+	testbed.Needs(t, testbed.IPTables)
 	w := newWorld(t)
 	var p *Proxier
 	if err := w.tp.Run(testbed.Node, func() (err error) {

@@ -5,9 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"os"
-	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -247,70 +244,6 @@ func TestKubeconfigReachesServer(t *testing.T) {
 	}
 	if got, want := svc.Spec.ClusterIP, "10.96.0.1"; got != want {
 		t.Errorf("default/kubernetes ClusterIP: got %s, want %s", got, want)
-	}
-}
-
-// recordingTB stands in for a test inside requireBinaries, recording whether
-// it was skipped or failed; both end the goroutine as the real ones do.
-type recordingTB struct {
-	testing.TB
-	outcome string
-}
-
-func (r *recordingTB) Helper() {}
-func (r *recordingTB) Fatal(args ...any) {
-	r.outcome = "fatal: " + fmt.Sprint(args...)
-	runtime.Goexit()
-}
-func (r *recordingTB) Skip(args ...any) {
-	r.outcome = "skip: " + fmt.Sprint(args...)
-	runtime.Goexit()
-}
-
-func TestMissingBinaries(t *testing.T) {
-	complete := t.TempDir()
-	for _, name := range []string{"etcd", "kube-apiserver"} {
-		if err := os.WriteFile(filepath.Join(complete, name), []byte("#!/bin/sh\n"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	partial := t.TempDir()
-	if err := os.WriteFile(filepath.Join(partial, "etcd"), []byte("#!/bin/sh\n"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-
-	tests := []struct {
-		name        string
-		dir, ci     string
-		wantOutcome string // prefix of the outcome; "" means requireBinaries returned
-	}{
-		{"present", complete, "true", ""},
-		{"absent on a workstation", t.TempDir(), "", "skip: "},
-		{"absent in CI", t.TempDir(), "true", "fatal: "},
-		{"partial in CI", partial, "true", "fatal: "},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Setenv(BinDirEnv, tc.dir)
-			t.Setenv("CI", tc.ci)
-			rec := &recordingTB{TB: t}
-			var got string
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				got = requireBinaries(rec)
-			}()
-			<-done
-			if !strings.HasPrefix(rec.outcome, tc.wantOutcome) || (tc.wantOutcome == "") != (rec.outcome == "") {
-				t.Fatalf("outcome: got %q, want prefix %q", rec.outcome, tc.wantOutcome)
-			}
-			if tc.wantOutcome == "" && got != tc.dir {
-				t.Errorf("dir: got %q, want %q", got, tc.dir)
-			}
-			if tc.wantOutcome != "" && !strings.Contains(rec.outcome, "make kube-bins") {
-				t.Errorf("message %q does not say to run make kube-bins", rec.outcome)
-			}
-		})
 	}
 }
 
