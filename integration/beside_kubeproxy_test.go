@@ -331,24 +331,23 @@ func TestABBesideKubeProxy(t *testing.T) {
 // awaitEcho waits until a connection from the pod namespace to addr echoes.
 func awaitEcho(t *testing.T, tp *testbed.Topology, addr string) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	var last error
-	for time.Now().Before(deadline) {
+	testbed.AwaitNoError(t, 30*time.Second, addr+" to echo from the pod", func() error {
 		c, err := tp.Dial(testbed.Pod, "tcp", addr)
-		if err == nil {
-			c.SetDeadline(time.Now().Add(time.Second))
-			_, err = c.Write([]byte("ping"))
-			buf := make([]byte, 4)
-			if err == nil {
-				_, err = io.ReadFull(c, buf)
-			}
-			c.Close()
-			if err == nil && string(buf) == "ping" {
-				return
-			}
+		if err != nil {
+			return err
 		}
-		last = err
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatalf("%s never echoed from the pod: %v", addr, last)
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(time.Second))
+		if _, err := c.Write([]byte("ping")); err != nil {
+			return err
+		}
+		buf := make([]byte, 4)
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return err
+		}
+		if string(buf) != "ping" {
+			return fmt.Errorf("echo: got %q, want ping", buf)
+		}
+		return nil
+	})
 }

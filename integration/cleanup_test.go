@@ -169,7 +169,7 @@ func TestCleanupRefusedWhileUproxyRuns(t *testing.T) {
 		}
 	}
 	// The running uproxy notices and writes its rules back.
-	await(t, 20*time.Second, "the Service through the rules written back", func() bool {
+	testbed.Await(t, 20*time.Second, "the Service through the rules written back", func() bool {
 		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
 		return err == nil && strings.HasPrefix(name, "web-")
 	})

@@ -197,7 +197,7 @@ func closeWaitTimeout(t *testing.T, tp *testbed.Topology) time.Duration {
 
 	var timeout time.Duration
 	var last []string
-	await(t, 10*time.Second, "a conntrack entry in CLOSE_WAIT to "+server.String(), func() bool {
+	testbed.Await(t, 10*time.Second, "a conntrack entry in CLOSE_WAIT to "+server.String(), func() bool {
 		last = last[:0]
 		err := tp.Run(testbed.Node, func() error {
 			flows, err := netlink.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)

@@ -144,17 +144,12 @@ func TestNFTablesModeEndToEnd(t *testing.T) {
 	if out, err := tp.Exec(testbed.Node, "nft", "delete", "table", "inet", "uproxy-kernel"); err != nil {
 		t.Fatalf("nft delete table: %v: %s", err, out)
 	}
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
-		if err == nil && strings.HasPrefix(name, "web-") {
-			break
+	testbed.AwaitNoError(t, 15*time.Second, "the deleted table repaired", func() error {
+		if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+			return fmt.Errorf("got %q, %v; want a web- backend", name, err)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after the table was deleted: got %q (%v) for 15s, want it repaired", name, err)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return nil
+	})
 
 	px.stop()
 	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {

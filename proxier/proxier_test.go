@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // world is a test's little universe: named TCP and UDP backends on loopback
@@ -427,13 +428,9 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(10 * time.Second))
-	deadline := time.Now().Add(10 * time.Second)
-	for p.DebugServices()[0].Endpoints[0].ActiveConnections != 1 {
-		if time.Now().After(deadline) {
-			t.Fatal("the connection did not become active")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testbed.Await(t, 10*time.Second, "the connection to become active", func() bool {
+		return p.DebugServices()[0].Endpoints[0].ActiveConnections == 1
+	})
 
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
@@ -443,7 +440,6 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Errorf("client after Shutdown: got %v, want its connection ended", err)
 	}
-	deadline = time.Now().Add(10 * time.Second)
 	// left counts our loop goroutines still running.
 	left := func(g map[string]bool) (n int) {
 		for id := range ours {
@@ -453,12 +449,12 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 		}
 		return n
 	}
-	for g, e := loopResources(t); left(g) != 0 || e != e0; g, e = loopResources(t) {
-		if time.Now().After(deadline) {
-			t.Fatalf("after Shutdown: %d of the loop goroutines and %d epoll descriptors, want 0 and %d as before New", left(g), e, e0)
+	testbed.AwaitNoError(t, 10*time.Second, "the loops to end after Shutdown", func() error {
+		if g, e := loopResources(t); left(g) != 0 || e != e0 {
+			return fmt.Errorf("%d of the loop goroutines and %d epoll descriptors, want 0 and %d as before New", left(g), e, e0)
 		}
-		time.Sleep(time.Millisecond)
-	}
+		return nil
+	})
 	if err := p.Sync(snapshot(held)); err == nil || !strings.Contains(err.Error(), "shut down") {
 		t.Errorf("Sync after Shutdown: got %v, want an error saying it is shut down", err)
 	}

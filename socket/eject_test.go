@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // ejectingBalancer returns a real Balancer over eps, in that order (rr), that
@@ -90,7 +91,7 @@ func TestEjectionWithoutObserver(t *testing.T) {
 		// unreachable until the entry ends and the next one picks live.
 		first := listenUDP(t, "127.0.0.1")
 		msg := []byte("anyone there?")
-		await(t, "a reply to the first client", func() bool {
+		testbed.Await(t, awaitTimeout, "a reply to the first client", func() bool {
 			_, _, err := exchange(first, svc, msg, 50*time.Millisecond)
 			return err == nil
 		})

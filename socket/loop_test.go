@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/socket/poll/polltest"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // Backend sockets carry the dial mark, which needs CAP_NET_ADMIN: without it
@@ -60,7 +61,7 @@ func TestTCPDialTimeoutFollowsTheLoopClock(t *testing.T) {
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(eps...), Observer: rec,
 		DialTimeouts: []time.Duration{time.Second, time.Second}, Loops: loops}
 	client := dialProxy(t, startTCPProxy(t, p))
-	await(t, "the connection accepted", func() bool { return p.Active() == 1 })
+	testbed.Await(t, awaitTimeout, "the connection accepted", func() bool { return p.Active() == 1 })
 	// The handler that accepted it has armed the dial timer once the loop has
 	// moved on to a posted function.
 	loops.Next().PostWait(func() {})
@@ -172,7 +173,7 @@ func TestAcceptBackoffResumesOnTheLoopClock(t *testing.T) {
 	st := starveDescriptors(t)
 	st.fill()
 	connectRaw(t, clientFD, addr)
-	await(t, "an accept backoff", func() bool {
+	testbed.Await(t, awaitTimeout, "an accept backoff", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(delays) > 0
@@ -209,7 +210,7 @@ func listenHandleOf(t *testing.T, p *TCPProxy) *listenHandle {
 	t.Helper()
 	p.init() // Serve may not have made p.listeners yet
 	var h *listenHandle
-	await(t, "the listener's handle", func() bool {
+	testbed.Await(t, awaitTimeout, "the listener's handle", func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		for tl := range p.listeners {

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // A TCP endpoint that is one of the proxy's own sockets is never dialed: the
@@ -187,7 +188,7 @@ func TestTCPProxyLeavesTheReserve(t *testing.T) {
 		c.Close()
 	}
 	held = nil
-	await(t, "a connection served once the others closed", func() bool {
+	testbed.Await(t, awaitTimeout, "a connection served once the others closed", func() bool {
 		c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(addr))
 		if err != nil {
 			return false

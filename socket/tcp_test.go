@@ -638,13 +638,13 @@ func TestTCPProxyShutdown(t *testing.T) {
 				}
 				clients = append(clients, c)
 			}
-			await(t, "every connection active", func() bool { return p.Active() == conns })
+			testbed.Await(t, awaitTimeout, "every connection active", func() bool { return p.Active() == conns })
 
 			ctx, cancel := context.WithTimeout(context.Background(), tt.grace)
 			defer cancel()
 			done := make(chan error, 1)
 			go func() { done <- p.Shutdown(ctx) }()
-			await(t, "the proxy to close", p.isClosed)
+			testbed.Await(t, awaitTimeout, "the proxy to close", p.isClosed)
 			if c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(addr)); err == nil {
 				c.Close()
 				t.Errorf("dial after Shutdown began: got a connection, want refused")
@@ -777,7 +777,7 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	await(t, "no active connection", func() bool { return p.Active() == 0 })
+	testbed.Await(t, awaitTimeout, "no active connection", func() bool { return p.Active() == 0 })
 	recs := rec.awaitClosed(t, clients)
 	perEndpoint := make(map[netip.AddrPort]int)
 	for _, c := range recs {
@@ -804,7 +804,7 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 	for _, s := range backends {
 		s.stop()
 	}
-	await(t, fmt.Sprintf("goroutines back to the baseline of %d", baseline), func() bool {
+	testbed.Await(t, awaitTimeout, fmt.Sprintf("goroutines back to the baseline of %d", baseline), func() bool {
 		return runtime.NumGoroutine() <= baseline
 	})
 }
@@ -872,7 +872,7 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	connectRaw(t, clientFD, addr)
 
 	const backoffs = 4
-	await(t, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
+	testbed.Await(t, awaitTimeout, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
 		st.take()
 		mu.Lock()
 		defer mu.Unlock()
@@ -1036,7 +1036,7 @@ func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
 	st.free() // for accept; the dial finds none
 	connectRaw(t, clientFD, addr)
 	closed := rec.awaitClosed(t, 2)
-	await(t, "an accept backoff", func() bool {
+	testbed.Await(t, awaitTimeout, "an accept backoff", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(backoffErrs) > 0

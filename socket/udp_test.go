@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // listenUDP opens an unconnected UDP socket on ip:0, closed at the end of the test.
@@ -203,7 +204,7 @@ func TestUDPProxyIdleExpiry(t *testing.T) {
 					firstReply = time.Now()
 				}
 			}
-			await(t, "the idle entry to expire", func() bool { return p.Clients() == 0 })
+			testbed.Await(t, awaitTimeout, "the idle entry to expire", func() bool { return p.Clients() == 0 })
 			c := rec.awaitClosed(t, 1)[0]
 			want := int64(sends * len(msg))
 			if c.BytesIn != want || c.BytesOut != want || c.Err != nil {
@@ -267,7 +268,7 @@ func TestUDPProxyDeadBackendRepick(t *testing.T) {
 	msg := []byte("anyone there?")
 	var got []byte
 	var from netip.AddrPort
-	await(t, "a reply", func() bool {
+	testbed.Await(t, awaitTimeout, "a reply", func() bool {
 		var err error
 		got, from, err = exchange(client, svc, msg, 50*time.Millisecond)
 		return err == nil
@@ -362,7 +363,7 @@ func TestUDPProxyManyClients(t *testing.T) {
 		t.Errorf("Pick without Release: %v", u)
 	}
 	// Only the two echo backends, ended by the test's cleanup, remain.
-	await(t, "the proxy's goroutines to end", func() bool { return runtime.NumGoroutine() <= baseline+2 })
+	testbed.Await(t, awaitTimeout, "the proxy's goroutines to end", func() bool { return runtime.NumGoroutine() <= baseline+2 })
 }
 
 // udpBind is a Service socket's network and bind, and the address a client

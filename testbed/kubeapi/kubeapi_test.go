@@ -2,7 +2,6 @@ package kubeapi
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -18,6 +17,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/uproxy/uproxy/testbed"
 )
 
 func testContext(t *testing.T) context.Context {
@@ -176,12 +177,10 @@ func TestServiceAccountTokenIsBoundByRBAC(t *testing.T) {
 	// The authorizer learns of the binding through a watch; once the granted
 	// list succeeds, it has the binding, and what is still refused is refused
 	// because it was never granted.
-	if err := await(ctx, func() error {
+	testbed.AwaitNoError(t, time.Minute, "the service account to list endpointslices in "+ns, func() error {
 		_, err := sa.DiscoveryV1().EndpointSlices(ns).List(ctx, metav1.ListOptions{})
 		return err
-	}); err != nil {
-		t.Fatalf("list endpointslices in %s as the service account: %v", ns, err)
-	}
+	})
 
 	refused := []struct {
 		name string
@@ -233,34 +232,12 @@ func TestKubeconfigReachesServer(t *testing.T) {
 	// first address of the service range, by a controller that may run a moment
 	// after /readyz first answers.
 	var svc *corev1.Service
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+	testbed.AwaitNoError(t, 30*time.Second, "default/kubernetes", func() (err error) {
 		svc, err = client.CoreV1().Services(metav1.NamespaceDefault).Get(ctx, "kubernetes", metav1.GetOptions{})
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("get default/kubernetes: %v", err)
-		}
-	}
+		return err
+	})
 	if got, want := svc.Spec.ClusterIP, "10.96.0.1"; got != want {
 		t.Errorf("default/kubernetes ClusterIP: got %s, want %s", got, want)
-	}
-}
-
-// await retries f until it succeeds or ctx ends.
-func await(ctx context.Context, f func() error) error {
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := f()
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return errors.Join(err, ctx.Err())
-		case <-tick.C:
-		}
 	}
 }
 
