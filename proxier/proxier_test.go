@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 	"github.com/uproxy/uproxy/testbed"
 )
 
@@ -73,22 +74,18 @@ func (w *world) udpBackend(name, ip string) netip.AddrPort {
 	return ap
 }
 
+// port is Service port default/name:p, port 80 of ClusterIP 10.96.0.1, with
+// ready endpoints at eps.
 func port(name string, proto service.Protocol, eps ...netip.AddrPort) *service.Port {
-	p := &service.Port{
-		Name:       service.PortName{Namespace: "default", Name: name, Port: "p"},
-		Protocol:   proto,
-		Port:       80,
-		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")},
-	}
+	p := servicetest.Port("default", name, "p", proto, 80)
+	p.ClusterIPs = servicetest.Addrs("10.96.0.1")
 	for _, ep := range eps {
-		p.Endpoints = append(p.Endpoints, service.Endpoint{Addr: ep, Ready: true, Serving: true})
+		p.Endpoints = append(p.Endpoints, servicetest.Endpoint(ep.String(), false))
 	}
 	return p
 }
 
-func snapshot(ports ...*service.Port) *service.Snapshot {
-	return &service.Snapshot{Ports: ports, Built: time.Now()}
-}
+var snapshot = servicetest.Snapshot
 
 func newProxier(t testing.TB, cfg Config) *Proxier {
 	t.Helper()

@@ -20,6 +20,7 @@ import (
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
 var (
@@ -27,17 +28,11 @@ var (
 	nodeIPv6 = netip.MustParseAddr("fd00::1")
 )
 
-func ips(s ...string) []netip.Addr {
-	out := make([]netip.Addr, len(s))
-	for i, a := range s {
-		out[i] = netip.MustParseAddr(a)
-	}
-	return out
-}
-
-func port(ns, name, portName string, proto service.Protocol, p int) *service.Port {
-	return &service.Port{Name: service.PortName{Namespace: ns, Name: name, Port: portName}, Protocol: proto, Port: p}
-}
+// The builders of the rules' tests, by their short names here.
+var (
+	port = servicetest.Port
+	ips  = servicetest.Addrs
+)
 
 // webPort is the TCP Service port most tests program: every kind of virtual
 // IP, in both families (LoadBalancer IPv4 only), and a NodePort.

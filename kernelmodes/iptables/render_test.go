@@ -12,6 +12,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
 // emptyV4 is the whole IPv4 restore input for a snapshot without Services: the
@@ -96,13 +97,7 @@ func expand(n names, p *service.Port, s string) string {
 	})
 }
 
-func eps(ss ...string) []service.Endpoint {
-	var out []service.Endpoint
-	for _, s := range ss {
-		out = append(out, ep(s, false))
-	}
-	return out
-}
+var eps = servicetest.Endpoints
 
 func TestRenderPort(t *testing.T) {
 	three := eps("10.244.1.2:8080", "10.244.2.3:8080", "10.244.3.4:8080")

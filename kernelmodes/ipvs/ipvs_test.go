@@ -15,6 +15,7 @@ import (
 
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
 // fakeKernel models IPVS and the dummy link as the kernel keeps them; IPVS
@@ -186,22 +187,15 @@ func (k *fakeKernel) servers() []string {
 	return out
 }
 
-func ep(s string) service.Endpoint {
-	return service.Endpoint{Addr: netip.MustParseAddrPort(s), Ready: true, Serving: true}
-}
-
+// port is a Service port of namespace shop with one ClusterIP and its endpoints.
 func port(name string, proto service.Protocol, p int, cluster string, eps ...string) *service.Port {
-	sp := &service.Port{Name: service.PortName{Namespace: "shop", Name: name}, Protocol: proto, Port: p, ClusterIPs: []netip.Addr{netip.MustParseAddr(cluster)}}
-	for _, e := range eps {
-		sp.Endpoints = append(sp.Endpoints, ep(e))
-	}
+	sp := servicetest.Port("shop", name, "", proto, p)
+	sp.ClusterIPs = servicetest.Addrs(cluster)
+	sp.Endpoints = servicetest.Endpoints(eps...)
 	return sp
 }
 
-func snap(ports ...*service.Port) *service.Snapshot {
-	sort.Slice(ports, func(i, j int) bool { return ports[i].Name.Less(ports[j].Name) })
-	return &service.Snapshot{Ports: ports}
-}
+var snap = servicetest.Snapshot
 
 func newProxier(t *testing.T, cfg Config) (*Proxier, *fakeKernel, *iptablestest.Fake) {
 	t.Helper()
@@ -239,8 +233,7 @@ func TestVirtualServers(t *testing.T) {
 	sticky.AffinityClientIP = true
 	sticky.AffinityTimeout = 3 * time.Hour
 	local := port("local", service.TCP, 80, "10.96.0.12")
-	local.Endpoints = []service.Endpoint{ep("10.244.1.2:80"), ep("10.244.2.3:80")}
-	local.Endpoints[0].Local = true
+	local.Endpoints = []service.Endpoint{servicetest.Endpoint("10.244.1.2:80", true), servicetest.Endpoint("10.244.2.3:80", false)}
 	local.NodePort = 30081
 	local.ExternalPolicyLocal = true
 

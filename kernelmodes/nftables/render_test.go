@@ -17,24 +17,13 @@ import (
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
-func eps(ss ...string) []service.Endpoint {
-	var out []service.Endpoint
-	for _, s := range ss {
-		out = append(out, ep(s, false))
-	}
-	return out
-}
-
-// localEps are endpoints on this node.
-func localEps(ss ...string) []service.Endpoint {
-	var out []service.Endpoint
-	for _, s := range ss {
-		out = append(out, ep(s, true))
-	}
-	return out
-}
+var (
+	eps      = servicetest.Endpoints
+	localEps = servicetest.LocalEndpoints
+)
 
 func newFake(t testing.TB, cfg Config) (*Proxier, *nftablestest.Fake, *conntrack.Recorder) {
 	t.Helper()
