@@ -40,6 +40,7 @@ func endpointState(t *testing.T, b *affinity.Balancer, ep netip.AddrPort) affini
 // Ejection is the balancer's decision, fed by the proxy's dial reports: it must
 // happen with no Observer at all.
 func TestEjectionWithoutObserver(t *testing.T) {
+	t.Parallel()
 	t.Run("TCP: refused dials eject the endpoint", func(t *testing.T) {
 		const after = 3
 		dead := refusedAddr(t, "127.0.0.3")

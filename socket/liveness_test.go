@@ -63,6 +63,7 @@ func sessionSockets(t *testing.T, p *TCPProxy) (client, backend int) {
 // connected before Serve began - and the backend's set once the connection has
 // been open for KeepAlive by the loop's clock, not before (see keepAliveDue).
 func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
+	t.Parallel()
 	noDelay := sockopts{noDelay: true}
 	tests := []struct {
 		name      string
@@ -209,6 +210,7 @@ type idleStep struct {
 // the loop's clock, not before; a byte either way starts the idle time again.
 // Both sides get a reset, and the record says why.
 func TestTCPIdleTimeoutFollowsTheLoopClock(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name  string
 		idle  time.Duration

@@ -54,6 +54,7 @@ func TestDialMark(t *testing.T) {
 // A dial attempt times out once the loop's clock reaches its timeout, not before,
 // and the next attempt goes to another endpoint.
 func TestTCPDialTimeoutFollowsTheLoopClock(t *testing.T) {
+	t.Parallel()
 	clock := polltest.NewClock()
 	loops := newLoops(t, 1, clock)
 	eps := []netip.AddrPort{unansweredAddr(t, "127.0.0.2"), startTCPServer(t, "127.0.0.3", echo).addr}
@@ -92,6 +93,7 @@ func TestTCPDialTimeoutFollowsTheLoopClock(t *testing.T) {
 // A UDP client entry expires once it has been idle for the timeout by the loop's
 // clock; a datagram in between starts the idle time again.
 func TestUDPClientExpiryFollowsTheLoopClock(t *testing.T) {
+	t.Parallel()
 	const timeout = 250 * time.Millisecond
 	clock := polltest.NewClock()
 	backend := startUDPEcho(t, "127.0.0.2")
@@ -229,6 +231,7 @@ func listenHandleOf(t *testing.T, p *TCPProxy) *listenHandle {
 // the queue empty; a burst queued while the loop was busy is served whole, the
 // budget doubling round after round until one accept finds the queue empty.
 func TestAcceptBudget(t *testing.T) {
+	t.Parallel()
 	loops := newLoops(t, 1, nil)
 	lp := loops.Next()
 	backend := startTCPServer(t, "127.0.0.2", echo)

@@ -48,6 +48,7 @@ func startUDPWhoAmI(t testing.TB, ip string) netip.AddrPort {
 // endpoint of the other family refuses the bind, without privilege
 // IP_TRANSPARENT itself is refused.
 func TestKeepClientAddress(t *testing.T) {
+	t.Parallel()
 	const client = "127.0.0.5"
 	root := os.Geteuid() == 0
 	clientSource := record.SourceClient

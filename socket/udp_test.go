@@ -125,6 +125,7 @@ func exchange(c *net.UDPConn, addr netip.AddrPort, msg []byte, wait time.Duratio
 }
 
 func TestUDPProxyRoundTrip(t *testing.T) {
+	t.Parallel()
 	for _, size := range []int{0, 1, 1472, 9000, 65507} {
 		t.Run(fmt.Sprintf("%d bytes", size), func(t *testing.T) {
 			backend := startUDPEcho(t, "127.0.0.2")
@@ -171,6 +172,7 @@ func TestUDPProxyRoundTrip(t *testing.T) {
 }
 
 func TestUDPProxyIdleExpiry(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name    string
 		timeout time.Duration
@@ -231,6 +233,7 @@ func TestUDPProxyIdleExpiry(t *testing.T) {
 }
 
 func TestUDPProxyTableBound(t *testing.T) {
+	t.Parallel()
 	backend := startUDPEcho(t, "127.0.0.2")
 	rec := &recorder{}
 	p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Observer: rec, MaxClients: 2, Timeout: time.Hour}
@@ -255,6 +258,7 @@ func TestUDPProxyTableBound(t *testing.T) {
 }
 
 func TestUDPProxyDeadBackendRepick(t *testing.T) {
+	t.Parallel()
 	dead := deadUDPAddr(t, "127.0.0.3")
 	live := startUDPEcho(t, "127.0.0.2")
 	rec := &recorder{}
@@ -385,6 +389,7 @@ var wildcardBinds = []udpBind{
 // kernel would answer from: the reply must still come from the address written
 // to, as conntrack and connected clients require.
 func TestUDPProxyWildcardRepliesFromDestination(t *testing.T) {
+	t.Parallel()
 	for _, tt := range wildcardBinds {
 		t.Run(tt.name, func(t *testing.T) {
 			backend := startUDPEcho(t, "127.0.0.2")
@@ -444,6 +449,7 @@ func TestUDPProxyOutOfFilesSparesTheEndpoint(t *testing.T) {
 // and the client's next datagram, from the same source port, goes to the
 // endpoint that remains.
 func TestUDPProxyRetainMovesClientsOffRemovedEndpoints(t *testing.T) {
+	t.Parallel()
 	a := startUDPEcho(t, "127.0.0.2")
 	b := startUDPEcho(t, "127.0.0.3")
 	rec := &recorder{}

@@ -44,6 +44,7 @@ COMMIT
 `
 
 func TestRenderEmpty(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -100,6 +101,7 @@ func expand(n names, p *service.Port, s string) string {
 var eps = servicetest.Endpoints
 
 func TestRenderPort(t *testing.T) {
+	t.Parallel()
 	three := eps("10.244.1.2:8080", "10.244.2.3:8080", "10.244.3.4:8080")
 	cases := []struct {
 		name string
@@ -351,6 +353,7 @@ func TestRenderPort(t *testing.T) {
 }
 
 func TestNodePortAddresses(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPv6: true, IPTables: k.Fake, Conntrack: &k.ct, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.7/24")}})
 	if err != nil {
@@ -369,6 +372,7 @@ func TestNodePortAddresses(t *testing.T) {
 }
 
 func TestChainNames(t *testing.T) {
+	t.Parallel()
 	name := service.PortName{Namespace: "a-very-long-namespace-name", Name: "and-an-even-longer-service-name", Port: "port"}
 	for _, prefix := range []string{"UPROXY", "U", "ABCDEFGHI"} {
 		n := namesOf(prefix)
@@ -400,6 +404,7 @@ func TestChainNames(t *testing.T) {
 }
 
 func TestPartialSync(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -492,6 +497,7 @@ func TestPartialSync(t *testing.T) {
 }
 
 func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -551,6 +557,7 @@ func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 }
 
 func TestStaleUDPFlows(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {

@@ -325,6 +325,7 @@ func benchLayout(b *testing.B, l layout, n int) {
 // hold floor(n/k) or ceil(n/k) each, so the busiest gets less than k/n more
 // than its share, and none when k divides n.
 func TestSlotSkew(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		n, k int
 		want float64
