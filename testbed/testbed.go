@@ -15,21 +15,28 @@
 //
 //   - Unit tests need nothing but the Go toolchain: no root, no namespace,
 //     real sockets on loopback, fakes only at the kernel boundary. They are
-//     what -short runs, as any user, in under a minute:
-//     go test -short ./...
-//   - Root and network namespaces (Needs(t, testbed.Netns) and what implies
-//     it: Root, IPTables, NFTables, Build): real rules in namespaces the test
-//     builds, uproxy run as a process. As root, without -short:
-//     sudo go test ./...
-//   - A cluster: a real kube-apiserver and etcd (Needs(t, testbed.APIServer),
-//     kubeapi.Start), kube-proxy beside uproxy (KubeBinaries), the conformance
-//     cluster. The binaries come from `make kube-bins` (`make cluster-bins` for
-//     the conformance cluster), found in bin/ or in $UPROXY_KUBE_BIN:
-//     sudo UPROXY_KUBE_BIN=$PWD/bin go test ./...
+//     what -short runs, as any user, in under a minute.
+//   - Root and network namespaces: Needs(t, testbed.Root), testbed.Netns (what
+//     New needs), testbed.IPTables or testbed.NFTables; real rules in
+//     namespaces the test builds, uproxy built (testbed.Build) and run as a
+//     process.
+//   - A cluster: a real kube-apiserver and etcd (Needs(t, testbed.APIServer);
+//     kubeapi.Start says it too), kube-proxy beside uproxy
+//     (testbed.KubeBinaries), the conformance cluster. The binaries come from
+//     `make kube-bins` (`make cluster-bins` for the conformance cluster), in
+//     bin/ at the repository's root or in $UPROXY_KUBE_BIN.
 //
-// Where a need is not met the test is skipped with the reason; under CI=true it
-// fails instead, so that `CI=true make test` runs every tier or fails. -short
-// skips the upper tiers even under CI=true: it asks for the unit tests alone.
+// From the repository's root:
+//
+//	go test -short ./...                   # unit tests, as any user
+//	sudo go test ./...                     # and root and namespaces
+//	make kube-bins && sudo go test ./...   # and the cluster tier
+//	CI=true make test                      # all three, never skipping
+//
+// Where a need is not met a test is skipped with the reason; under CI=true it
+// fails instead, so that CI never passes by skipping. -short skips the upper
+// tiers even under CI=true: it asks for the unit tests alone. A command a unit
+// test needs (testbed.Commands) is no tier: -short keeps it.
 package testbed
 
 import (
