@@ -28,9 +28,7 @@ import (
 // Both Services answer from a pod, and neither proxy's rules change while the
 // other restarts, follows an endpoint change, or (uproxy) cleans up.
 func TestBesideKubeProxy(t *testing.T) {
-	testbed.Needs(t, testbed.IPTables)
-	testbed.Needs(t, testbed.NFTables)
-	testbed.Needs(t, testbed.APIServer, testbed.KubeBinaries("kube-proxy")) // before any API server starts
+	testbed.Needs(t, testbed.IPTables, testbed.NFTables, testbed.APIServer, testbed.KubeBinaries("kube-proxy")) // before any API server starts
 	uproxyModes := []struct {
 		name  string
 		flags []string
@@ -274,9 +272,7 @@ func lineDiff(want, got string) string {
 // UPROXY_AB_SAMPLE=FILE it also writes the text report of a 5000-connection
 // run to FILE (the README's sample).
 func TestABBesideKubeProxy(t *testing.T) {
-	testbed.Needs(t, testbed.IPTables)
-	testbed.Needs(t, testbed.NFTables)
-	testbed.Needs(t, testbed.APIServer, testbed.KubeBinaries("kube-proxy"))
+	testbed.Needs(t, testbed.IPTables, testbed.NFTables, testbed.APIServer, testbed.KubeBinaries("kube-proxy"))
 	w := newKubeWorld(t)
 	c := newCluster(t, w.srv, "ab")
 	createNode(t, c.client, kubeNode, w.tp.NS(testbed.Node).IPv4)

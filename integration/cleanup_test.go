@@ -84,8 +84,7 @@ func exitCode(err error) int {
 // exactly as they were.
 func TestCleanupRefusesKubeProxysPrefix(t *testing.T) {
 	tp := testbed.New(t, testbed.WithIPv6())
-	testbed.Needs(t, testbed.IPTables)
-	testbed.Needs(t, testbed.NFTables)
+	testbed.Needs(t, testbed.IPTables, testbed.NFTables)
 	kubeProxyState(t, tp)
 	before4, before6, beforeNFT := tp.SavedRules(t, false), tp.SavedRules(t, true), tp.NFTRuleset(t)
 	for _, want := range []string{"KUBE-SERVICES", "KUBE-MARK-MASQ", "-A PREROUTING -j KUBE-SERVICES"} {

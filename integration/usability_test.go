@@ -72,8 +72,7 @@ func TestMakeBuild(t *testing.T) {
 func TestDemoInAKernelMode(t *testing.T) {
 	for _, mode := range []string{"iptables", "nftables"} {
 		t.Run(mode, func(t *testing.T) {
-			testbed.Needs(t, testbed.IPTables)
-			testbed.Needs(t, testbed.NFTables)
+			testbed.Needs(t, testbed.IPTables, testbed.NFTables)
 			tp := testbed.New(t)
 			iptablesBefore, nftBefore := tp.SavedRules(t, false), tp.NFTRuleset(t)
 			cmd := exec.Command("ip", "netns", "exec", tp.NS(testbed.Node).Name, uproxyBin, "demo",

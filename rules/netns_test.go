@@ -314,8 +314,7 @@ func TestRealPortals(t *testing.T) {
 // and returns them with the node's whole ruleset as it is before uproxy.
 func kubeNode(t *testing.T, b realBackend) (*testbed.Topology, string) {
 	t.Helper()
-	testbed.Needs(t, testbed.IPTables) // kube-proxy's chains are iptables
-	testbed.Needs(t, b.need)
+	testbed.Needs(t, testbed.IPTables, b.need) // kube-proxy's chains are iptables
 	tp := testbed.New(t, testbed.WithIPv6())
 	kubeChains(t, tp)
 	// kube-proxy's nftables tables too, where nft exists (the nftables backend
@@ -620,8 +619,7 @@ func testRealPortals(t *testing.T, b realBackend) {
 func TestRealStandaloneCleanup(t *testing.T) {
 	for _, b := range realBackends {
 		t.Run(b.name, func(t *testing.T) {
-			testbed.Needs(t, testbed.IPTables)
-			testbed.Needs(t, b.need)
+			testbed.Needs(t, testbed.IPTables, b.need)
 			tp := testbed.New(t)
 			kubeChains(t, tp)
 			if _, err := exec.LookPath("nft"); err == nil {
