@@ -32,11 +32,11 @@ type Need struct {
 
 func (n Need) String() string { return n.name }
 
-// The needs of the tiers above the unit tests. Each implies the ones it is
-// written after: NFTables needs Netns, which needs Root.
+// The needs of the tiers above the unit tests. IPTables and NFTables include
+// Netns, which includes Root.
 var (
-	// Root is the superuser, or CAP_NET_ADMIN for the socket options that
-	// need it (IP_TRANSPARENT, TCP_REPAIR, SO_MARK).
+	// Root is the superuser, for CAP_NET_ADMIN: the socket options that need
+	// it (IP_TRANSPARENT, TCP_REPAIR, SO_MARK).
 	Root = Need{name: "root", short: true, met: rootMet}
 	// Netns is root and a working `ip netns`: what New needs to build a
 	// topology.
@@ -59,7 +59,8 @@ var (
 )
 
 // KubeBinaries is the named binaries of `make kube-bins` or `make
-// cluster-bins`, in the directory KubeBinDir finds.
+// cluster-bins`, in $UPROXY_KUBE_BIN (KubeBinEnv) or bin/ at the repository's
+// root.
 func KubeBinaries(names ...string) Need {
 	return Need{name: strings.Join(names, ", "), short: true, met: func() error {
 		_, err := kubeBinDir(names)
