@@ -56,7 +56,38 @@ var (
 	// Build is the go command, for a test that builds uproxy and runs it as
 	// a process: seconds of compiling even with a warm cache, so not a unit test.
 	Build = Need{name: "a build of uproxy", short: true, met: commands("go")}
+	// Browser is a headless Chromium (BrowserPath), for a test of a page as a
+	// browser renders it: seconds of a browser's start, so not a unit test
+	// (`make deps` installs the Debian package chromium).
+	Browser = Need{name: "a browser", short: true, met: func() error {
+		_, err := browserPath()
+		return err
+	}}
 )
+
+// browsers are the names a headless-capable Chromium goes by.
+var browsers = []string{"chromium", "chromium-browser", "google-chrome"}
+
+// BrowserPath returns the path of the browser Browser needs, or ends the test
+// as Needs does.
+func BrowserPath(t testing.TB) string {
+	t.Helper()
+	Needs(t, Browser)
+	p, err := browserPath()
+	if err != nil { // gone since Needs looked
+		t.Fatal(err)
+	}
+	return p
+}
+
+func browserPath() (string, error) {
+	for _, name := range browsers {
+		if p, err := exec.LookPath(name); err == nil {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("none of %s in PATH", strings.Join(browsers, ", "))
+}
 
 // KubeBinaries is the named binaries of `make kube-bins` or `make
 // cluster-bins`, in $UPROXY_KUBE_BIN (KubeBinEnv) or bin/ at the repository's

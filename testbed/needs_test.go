@@ -62,6 +62,7 @@ func TestNeeds(t *testing.T) {
 		{name: "a command absent on a workstation", needs: []Need{Commands("uproxy-no-such-command")}, outcome: "skip: ", says: "uproxy-no-such-command"},
 		{name: "a command absent in CI", ci: "true", needs: []Need{Commands("uproxy-no-such-command")}, outcome: "fatal: ", says: "uproxy-no-such-command"},
 		{name: "a kernel need under -short", short: true, ci: "true", needs: []Need{Netns}, outcome: "skip: ", says: "network namespaces"},
+		{name: "a browser under -short", short: true, ci: "true", needs: []Need{Browser}, outcome: "skip: ", says: "-short: this test needs a browser"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

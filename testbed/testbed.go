@@ -33,6 +33,9 @@
 //	make kube-bins && sudo go test ./...   # and the cluster tier
 //	CI=true make test                      # all three, never skipping
 //
+// Build and Browser need no root, but seconds of a build or of a browser's
+// start: their tests run with the upper tiers, not under -short.
+//
 // Where a need is not met a test is skipped with the reason; under CI=true it
 // fails instead, so that CI never passes by skipping. -short skips the upper
 // tiers even under CI=true: it asks for the unit tests alone. A command a unit
