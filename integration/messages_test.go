@@ -118,6 +118,7 @@ func TestPortRangeOfOneServesTCPAndUDP(t *testing.T) {
 // TestExplainWithoutDestination: uproxy explain without its argument prints
 // its usage and says what it takes.
 func TestExplainWithoutDestination(t *testing.T) {
+	testbed.Needs(t, testbed.Build)
 	out, err := exec.Command(uproxyBin, "explain").CombinedOutput()
 	if exitCode(err) != 1 {
 		t.Errorf("uproxy explain: exit %v, want 1", err)
