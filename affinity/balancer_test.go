@@ -43,6 +43,7 @@ type affinityStep struct {
 }
 
 func TestAffinity(t *testing.T) {
+	t.Parallel()
 	const timeout = 10 * time.Second
 	abc := []string{epA, epB, epC}
 	for _, tc := range []struct {
@@ -186,6 +187,7 @@ func TestAffinity(t *testing.T) {
 }
 
 func TestUpdateKeepsActiveCounts(t *testing.T) {
+	t.Parallel()
 	b, _ := mkBalancer(t, "lc", addrs(epA, epB, epC), true, time.Minute)
 	for _, c := range []netip.Addr{clientA, clientB, clientC, clientAddr(4), clientAddr(5)} {
 		mustPick(t, b, c, nil) // a=2 b=2 c=1
@@ -216,6 +218,7 @@ func TestUpdateKeepsActiveCounts(t *testing.T) {
 }
 
 func TestAffinityToggle(t *testing.T) {
+	t.Parallel()
 	b, _ := mkBalancer(t, "rr", addrs(epA, epB), true, time.Minute)
 	mustPick(t, b, clientA, nil)
 	if got := len(b.State().Affinity); got != 1 {
@@ -242,6 +245,7 @@ func TestAffinityToggle(t *testing.T) {
 }
 
 func TestDefaultTimeout(t *testing.T) {
+	t.Parallel()
 	b, clock := mkBalancer(t, "rr", addrs(epA, epB), true, 0)
 	if got := b.State().AffinityTimeoutSeconds; got != 10800 {
 		t.Fatalf("timeout: got %vs, want 10800s", got)
@@ -254,6 +258,7 @@ func TestDefaultTimeout(t *testing.T) {
 }
 
 func TestAffinityState(t *testing.T) {
+	t.Parallel()
 	b, clock := mkBalancer(t, "rr", addrs(epA, epB), true, 10*time.Second)
 	mustPick(t, b, clientB, nil)
 	t1 := clock.now()
@@ -286,6 +291,7 @@ func TestAffinityState(t *testing.T) {
 }
 
 func TestSweep(t *testing.T) {
+	t.Parallel()
 	t.Run("explicit", func(t *testing.T) {
 		b, clock := mkBalancer(t, "rr", addrs(epA, epB), true, 10*time.Second)
 		for i := range 5 {
@@ -346,6 +352,7 @@ func TestSweep(t *testing.T) {
 // pick must come from one of the sets ever installed, and once all activity is
 // released every count must be back to zero.
 func TestConcurrent(t *testing.T) {
+	t.Parallel()
 	for _, sched := range Schedulers {
 		t.Run(sched, func(t *testing.T) {
 			b, err := NewBalancer(sched)
@@ -427,6 +434,7 @@ func TestConcurrent(t *testing.T) {
 // SetScheduler switches the scheduler under a running Balancer: endpoints,
 // their active counts and the affinity table stay.
 func TestSetScheduler(t *testing.T) {
+	t.Parallel()
 	b, err := NewBalancer("rr")
 	if err != nil {
 		t.Fatal(err)

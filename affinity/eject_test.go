@@ -62,6 +62,7 @@ type ejectStep struct {
 }
 
 func TestEjection(t *testing.T) {
+	t.Parallel()
 	policy := Ejection{After: 3, Base: time.Second, Max: 4 * time.Second}
 	fail3 := func(ep string, wantEject time.Duration) []ejectStep {
 		return []ejectStep{{fail: ep}, {fail: ep}, {fail: ep, wantEject: wantEject}}
@@ -212,6 +213,7 @@ func TestEjection(t *testing.T) {
 // neither ejected nor tried remains, and never eject the last one. No
 // EjectionObserver is set: ejection must not depend on one.
 func TestEjectionEveryScheduler(t *testing.T) {
+	t.Parallel()
 	eps := endpoints(5)
 	for _, sched := range Schedulers {
 		t.Run(sched, func(t *testing.T) {
@@ -310,6 +312,7 @@ func TestEjectionState(t *testing.T) {
 
 // Peek and Explain must still predict Pick while endpoints are ejected.
 func TestPeekPredictsPickWithEjection(t *testing.T) {
+	t.Parallel()
 	for _, sched := range Schedulers {
 		t.Run(sched, func(t *testing.T) {
 			b, clock := mkBalancer(t, sched, endpoints(5), true, 10*time.Second)
@@ -345,6 +348,7 @@ func (l *reentrantLog) Readmitted(netip.AddrPort)                    { _, l.seen
 // The observer is called after the Balancer's lock is released: one that reads
 // the Balancer back must neither deadlock nor see the state before the decision.
 func TestEjectionObserverCalledUnlocked(t *testing.T) {
+	t.Parallel()
 	b, _ := mkBalancer(t, "rr", addrs(epA, epB), false, 0)
 	b.SetEjection(Ejection{After: 1})
 	log := &reentrantLog{b: b}
@@ -369,6 +373,7 @@ func TestEjectionObserverCalledUnlocked(t *testing.T) {
 // way, in every scheduler where a new client's choice does not hang on its
 // address (sh has no Next).
 func TestStateNextIsPick(t *testing.T) {
+	t.Parallel()
 	for _, sched := range Schedulers {
 		t.Run(sched, func(t *testing.T) {
 			eps := endpoints(3)

@@ -15,6 +15,7 @@ import (
 // failures, ejection and affinity entries across an Update that reorders the
 // set and drops another endpoint.
 func TestEndpointLookupWithAndWithoutIndex(t *testing.T) {
+	t.Parallel()
 	for _, n := range []int{3, indexMin - 1, indexMin, 2 * indexMin} {
 		t.Run(fmt.Sprintf("%d endpoints", n), func(t *testing.T) {
 			var eps []netip.AddrPort

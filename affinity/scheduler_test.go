@@ -69,6 +69,7 @@ func mustPick(t testing.TB, b *Balancer, client netip.Addr, tried []netip.AddrPo
 }
 
 func TestValidScheduler(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name    string
 		wantErr bool
@@ -122,6 +123,7 @@ const (
 )
 
 func TestSchedulerSequence(t *testing.T) {
+	t.Parallel()
 	abc := []netip.AddrPort{netip.MustParseAddrPort(epA), netip.MustParseAddrPort(epB), netip.MustParseAddrPort(epC)}
 	for _, tc := range []struct {
 		name  string
@@ -215,6 +217,7 @@ func runSteps(t *testing.T, b *Balancer, steps []step) {
 }
 
 func TestSourceHashing(t *testing.T) {
+	t.Parallel()
 	eps := endpoints(4)
 	b, _ := mkBalancer(t, "sh", eps, false, 0)
 	const clients = 2000
@@ -273,6 +276,7 @@ func TestSourceHashing(t *testing.T) {
 }
 
 func TestDestinationHashing(t *testing.T) {
+	t.Parallel()
 	eps := endpoints(4)
 	b, err := NewBalancer("dh")
 	if err != nil {
@@ -311,6 +315,7 @@ func TestDestinationHashing(t *testing.T) {
 // return every endpoint exactly once before it may repeat one. At 300 endpoints this
 // also checks that sh and dh reach endpoints beyond a 256-bucket table.
 func TestTriedAvoidance(t *testing.T) {
+	t.Parallel()
 	for _, sched := range Schedulers {
 		for _, n := range []int{1, 2, 5, 300} {
 			t.Run(fmt.Sprintf("%s/%d", sched, n), func(t *testing.T) {
@@ -349,6 +354,7 @@ func TestTriedAvoidance(t *testing.T) {
 
 // Peek must predict Pick exactly and change nothing.
 func TestPeekPredictsPick(t *testing.T) {
+	t.Parallel()
 	for _, sched := range Schedulers {
 		t.Run(sched, func(t *testing.T) {
 			b, clock := mkBalancer(t, sched, endpoints(5), true, 10*time.Second)
@@ -380,6 +386,7 @@ func statesEqual(a, b State) bool {
 }
 
 func TestNoEndpoints(t *testing.T) {
+	t.Parallel()
 	for _, sched := range Schedulers {
 		t.Run(sched, func(t *testing.T) {
 			b, err := NewBalancer(sched)

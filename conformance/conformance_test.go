@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/testbed/kubeapi"
 )
 
 var (
@@ -76,21 +75,15 @@ const nfacctElsewhere = "not applicable, skipped as under kube-proxy-nftables: t
 // fails when a uproxy mode fails a test that kube-proxy passes in the same run, or,
 // when no kube-proxy ran, any test at all but the expected failures.
 func TestConformance(t *testing.T) {
-	if testing.Short() {
-		t.Skip("the conformance cluster is not a -short test")
-	}
-	testbed.Require(t)
+	testbed.Needs(t, testbed.Netns)
 	if *downFlag {
 		down(t)
 		return
 	}
-	binDir := kubeapi.RequireBinaries(t, "etcd", "kube-apiserver", "kube-proxy", "kubelet",
+	// make cluster-bins and make deps give what it needs.
+	binDir := testbed.KubeBin(t, "etcd", "kube-apiserver", "kube-proxy", "kubelet",
 		"kube-controller-manager", "kube-scheduler", "agnhost", "regression-issue-74839", "coredns", "ginkgo", "e2e-network.test")
-	for _, tool := range []string{"containerd", "ctr", "runc", "nsenter", "unshare", "debootstrap"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			testbed.Skip(t, tool+" is needed for the conformance cluster (make deps installs it):", err)
-		}
-	}
+	testbed.Needs(t, testbed.Commands("containerd", "ctr", "runc", "nsenter", "unshare", "debootstrap"))
 	if _, err := os.Stat("/usr/lib/cni/ptp"); err != nil {
 		testbed.Skip(t, "the CNI plugins are needed for the conformance cluster (make deps installs containernetworking-plugins):", err)
 	}

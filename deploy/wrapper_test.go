@@ -29,18 +29,22 @@ func newWrapperWorld(t *testing.T) *wrapperWorld {
 			t.Fatal(err)
 		}
 	}
+	var names []string
 	for _, family := range []string{"iptables", "ip6tables"} {
 		for _, backend := range []string{"legacy", "nft"} {
 			for _, suffix := range []string{"", "-save", "-restore"} {
-				name := family + "-" + backend + suffix
-				real, err := exec.LookPath(name)
-				if err != nil {
-					testbed.Skip(t, err)
-				}
-				if err := os.Symlink(real, filepath.Join(w.sbin, name)); err != nil {
-					t.Fatal(err)
-				}
+				names = append(names, family+"-"+backend+suffix)
 			}
+		}
+	}
+	testbed.Needs(t, testbed.Commands(names...))
+	for _, name := range names {
+		real, err := exec.LookPath(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(real, filepath.Join(w.sbin, name)); err != nil {
+			t.Fatal(err)
 		}
 	}
 	script, err := os.ReadFile("iptables-wrapper")
@@ -97,10 +101,7 @@ func (w *wrapperWorld) resolve(t *testing.T, name string) string {
 // The wrapper picks the backend that holds the node's rules, switches every
 // command to it, and runs the command it was called as through it.
 func TestIPTablesWrapperPicksTheNodesBackend(t *testing.T) {
-	testbed.Require(t)
-	if _, err := exec.LookPath("update-alternatives"); err != nil {
-		testbed.Skip(t, err)
-	}
+	testbed.Needs(t, testbed.Netns, testbed.Commands("update-alternatives"))
 	tests := []struct {
 		name  string
 		rules []string // shell commands run in the node namespace first
@@ -179,10 +180,7 @@ func TestIPTablesWrapperPicksTheNodesBackend(t *testing.T) {
 // Commands started together through the wrapper, as uproxy starts them, all
 // succeed: one switches the backend, the others wait and then run through it.
 func TestIPTablesWrapperConcurrentFirstRuns(t *testing.T) {
-	testbed.Require(t)
-	if _, err := exec.LookPath("update-alternatives"); err != nil {
-		testbed.Skip(t, err)
-	}
+	testbed.Needs(t, testbed.Netns, testbed.Commands("update-alternatives"))
 	tp := testbed.New(t)
 	for _, r := range []string{"iptables-legacy -N TEST-CHAIN", "iptables-legacy -A TEST-CHAIN -j RETURN"} {
 		if out, err := tp.Exec(testbed.Node, strings.Fields(r)...); err != nil {

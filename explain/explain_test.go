@@ -24,6 +24,7 @@ import (
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // explainWorld runs the userspace proxier on loopback with its metrics address,
@@ -108,13 +109,9 @@ func explainWorld(t *testing.T) (metricsAddr string, proxyPort int, live, refuse
 		}
 		c.Close()
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for len(events.Query(observe.Query{Kind: observe.KindConnection})) < 2 {
-		if time.Now().After(deadline) {
-			t.Fatal("timed out waiting for 2 connection events")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testbed.Await(t, 5*time.Second, "2 connection events", func() bool {
+		return len(events.Query(observe.Query{Kind: observe.KindConnection})) >= 2
+	})
 	return strings.TrimPrefix(srv.URL, "http://"), proxyPort, live, refused
 }
 

@@ -18,7 +18,6 @@ import (
 
 	"github.com/uproxy/uproxy/source/kube"
 	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/testbed/kubeapi"
 	"github.com/uproxy/uproxy/testbed/kubeproxy"
 )
 
@@ -29,9 +28,7 @@ import (
 // Both Services answer from a pod, and neither proxy's rules change while the
 // other restarts, follows an endpoint change, or (uproxy) cleans up.
 func TestBesideKubeProxy(t *testing.T) {
-	testbed.RequireIPTables(t)
-	testbed.RequireNFTables(t)
-	kubeapi.RequireBinaries(t, "kube-proxy") // before any API server starts
+	testbed.Needs(t, testbed.IPTables, testbed.NFTables, testbed.APIServer, testbed.KubeBinaries("kube-proxy")) // before any API server starts
 	uproxyModes := []struct {
 		name  string
 		flags []string
@@ -295,9 +292,7 @@ func lineDiff(want, got string) string {
 // UPROXY_AB_SAMPLE=FILE it also writes the text report of a 5000-connection
 // run to FILE (the README's sample).
 func TestABBesideKubeProxy(t *testing.T) {
-	testbed.RequireIPTables(t)
-	testbed.RequireNFTables(t)
-	kubeapi.RequireBinaries(t, "kube-proxy")
+	testbed.Needs(t, testbed.IPTables, testbed.NFTables, testbed.APIServer, testbed.KubeBinaries("kube-proxy"))
 	w := newKubeWorld(t)
 	c := newCluster(t, w.srv, "ab")
 	createNode(t, c.client, kubeNode, w.tp.NS(testbed.Node).IPv4)
@@ -352,24 +347,23 @@ func TestABBesideKubeProxy(t *testing.T) {
 // awaitEcho waits until a connection from the pod namespace to addr echoes.
 func awaitEcho(t *testing.T, tp *testbed.Topology, addr string) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	var last error
-	for time.Now().Before(deadline) {
+	testbed.AwaitNoError(t, 30*time.Second, addr+" to echo from the pod", func() error {
 		c, err := tp.Dial(testbed.Pod, "tcp", addr)
-		if err == nil {
-			c.SetDeadline(time.Now().Add(time.Second))
-			_, err = c.Write([]byte("ping"))
-			buf := make([]byte, 4)
-			if err == nil {
-				_, err = io.ReadFull(c, buf)
-			}
-			c.Close()
-			if err == nil && string(buf) == "ping" {
-				return
-			}
+		if err != nil {
+			return err
 		}
-		last = err
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatalf("%s never echoed from the pod: %v", addr, last)
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(time.Second))
+		if _, err := c.Write([]byte("ping")); err != nil {
+			return err
+		}
+		buf := make([]byte, 4)
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return err
+		}
+		if string(buf) != "ping" {
+			return fmt.Errorf("echo: got %q, want ping", buf)
+		}
+		return nil
+	})
 }

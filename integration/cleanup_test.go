@@ -84,8 +84,7 @@ func exitCode(err error) int {
 // exactly as they were.
 func TestCleanupRefusesKubeProxysPrefix(t *testing.T) {
 	tp := testbed.New(t, testbed.WithIPv6())
-	testbed.RequireIPTables(t)
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.IPTables, testbed.NFTables)
 	kubeProxyState(t, tp)
 	before4, before6, beforeNFT := tp.SavedRules(t, false), tp.SavedRules(t, true), tp.NFTRuleset(t)
 	for _, want := range []string{"KUBE-SERVICES", "KUBE-MARK-MASQ", "-A PREROUTING -j KUBE-SERVICES"} {
@@ -130,7 +129,7 @@ func TestCleanupRefusesKubeProxysPrefix(t *testing.T) {
 // running uproxy writes them back); once it has stopped, cleanup needs no force.
 func TestCleanupRefusedWhileUproxyRuns(t *testing.T) {
 	tp := testbed.New(t)
-	testbed.RequireIPTables(t)
+	testbed.Needs(t, testbed.IPTables)
 	px := startProxy(t, tp, webService(t, tp), 1)
 	if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
 		t.Fatalf("through the proxy: got %q (%v), want a web backend", name, err)
@@ -169,7 +168,7 @@ func TestCleanupRefusedWhileUproxyRuns(t *testing.T) {
 		}
 	}
 	// The running uproxy notices and writes its rules back.
-	await(t, 20*time.Second, "the Service through the rules written back", func() bool {
+	testbed.Await(t, 20*time.Second, "the Service through the rules written back", func() bool {
 		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
 		return err == nil && strings.HasPrefix(name, "web-")
 	})

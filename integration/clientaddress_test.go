@@ -95,7 +95,7 @@ func TestUserspaceKeepsClientAddress(t *testing.T) {
 			}
 			t.Run(rules+"/"+family, func(t *testing.T) {
 				if rules == "nftables" {
-					testbed.RequireNFTables(t)
+					testbed.Needs(t, testbed.NFTables)
 				}
 				testKeepsClientAddress(t, rules, v6)
 			})
@@ -249,7 +249,7 @@ func TestPodReusesAKeptDialsPort(t *testing.T) {
 		rules := c.rules
 		t.Run(rules+"/"+family, func(t *testing.T) {
 			if rules == "nftables" {
-				testbed.RequireNFTables(t)
+				testbed.Needs(t, testbed.NFTables)
 			}
 			opts := []topology.Option{testbed.WithSecondNode()}
 			if c.v6 {

@@ -27,7 +27,7 @@ func TestAddressConflict(t *testing.T) {
 	// "api" sorts before "web": by name alone, it would be the one served.
 	px.write("services.yaml", join(web, svc{name: "api", proto: "TCP", clusterIPs: []string{"10.96.0.10"}, port: 80}.yaml()))
 	problem := "it/api port p: 10.96.0.10:80/TCP is already served by it/web port p"
-	await(t, 15*time.Second, "the conflict logged", func() bool { return strings.Contains(px.logText(), problem) })
+	testbed.Await(t, 15*time.Second, "the conflict logged", func() bool { return strings.Contains(px.logText(), problem) })
 	px.waitSynced(time.Now())
 
 	for i := range 5 {

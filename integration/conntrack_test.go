@@ -58,9 +58,7 @@ func checkSysctls(t *testing.T, tp *testbed.Topology, want map[string]string) {
 // which no namespace but the initial one may set, stops the start naming the
 // flag, as it stops kube-proxy's.
 func TestConntrackSysctls(t *testing.T) {
-	if testing.Short() {
-		testbed.Skip(t, "-short: this test builds network namespaces")
-	}
+	testbed.Needs(t, testbed.Netns)
 
 	t.Run("userspace mode with portals: kube-proxy's defaults", func(t *testing.T) {
 		tp := testbed.New(t)
@@ -84,7 +82,7 @@ func TestConntrackSysctls(t *testing.T) {
 	})
 
 	t.Run("nftables mode: the configuration file", func(t *testing.T) {
-		testbed.RequireNFTables(t)
+		testbed.Needs(t, testbed.NFTables)
 		tp := testbed.New(t)
 		config := writeTestFile(t, "config.conf", "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\n"+
 			"conntrack: {maxPerCore: 0, tcpCloseWaitTimeout: 90m, udpTimeout: 40s}\n")
@@ -199,7 +197,7 @@ func closeWaitTimeout(t *testing.T, tp *testbed.Topology) time.Duration {
 
 	var timeout time.Duration
 	var last []string
-	await(t, 10*time.Second, "a conntrack entry in CLOSE_WAIT to "+server.String(), func() bool {
+	testbed.Await(t, 10*time.Second, "a conntrack entry in CLOSE_WAIT to "+server.String(), func() bool {
 		last = last[:0]
 		err := tp.Run(testbed.Node, func() error {
 			flows, err := netlink.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)

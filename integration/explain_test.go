@@ -287,7 +287,7 @@ func TestExplainUserspaceMode(t *testing.T) {
 // element that catches the destination (read from the kernel), and the
 // connection it describes is answered.
 func TestExplainNFTablesPortals(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	w := newExplainWorld(t, "--proxy-mode", "userspace", "--rules", "nftables", "--shutdown-grace", "1s")
 	if answered, _ := w.connect(t, "10.96.0.10:80", 3); len(answered) == 0 {
 		t.Fatalf("no connection through the nftables portals was answered")
@@ -326,7 +326,7 @@ func TestExplainNFTablesPortals(t *testing.T) {
 // connections to each endpoint, and gives the client the kernel's random
 // pick among them, as the connections found it (the killed one refused).
 func TestExplainNFTablesKernelMode(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	w := newExplainWorld(t, "--proxy-mode", "nftables")
 	answered, refused := w.connect(t, "10.96.0.10:80", 12)
 	if refused == 0 || answered["web-2"] != 0 || len(answered) != 2 {

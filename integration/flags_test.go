@@ -92,7 +92,7 @@ func TestEventsZeroKeepsNone(t *testing.T) {
 				t.Fatalf("through the proxy: got %q (%v), want a web backend", name, err)
 			}
 			var got struct{ Events []json.RawMessage }
-			await(t, 5*time.Second, "the connection's end", func() bool {
+			testbed.Await(t, 5*time.Second, "the connection's end", func() bool {
 				body, err := px.get("/debug/events")
 				if err != nil || json.Unmarshal([]byte(body), &got) != nil {
 					return false

@@ -5,6 +5,7 @@ package integration
 import (
 	"bufio"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -20,10 +21,16 @@ import (
 	"github.com/uproxy/uproxy/testbed"
 )
 
-// uproxyBin is the binary under test, built once by TestMain.
-var uproxyBin string
+// uproxyBin is the binary under test, built once by TestMain. Under -short
+// nothing is built: every test that runs it needs testbed.Build or a tier
+// above, and is skipped.
+var uproxyBin = "uproxy-not-built-under-short"
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	if testing.Short() {
+		os.Exit(m.Run())
+	}
 	dir, err := os.MkdirTemp("", "uproxy-integration-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

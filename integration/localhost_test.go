@@ -100,7 +100,7 @@ func TestLocalhostNodePorts(t *testing.T) {
 	for _, tc := range localhostCases {
 		t.Run(tc.name, func(t *testing.T) {
 			if tc.nft {
-				testbed.RequireNFTables(t)
+				testbed.Needs(t, testbed.NFTables)
 			}
 			tp := testbed.New(t, testbed.WithIPv6())
 			px := runUproxy(t, tp, localhostServices(t, tp), launch{want: tc.want, flags: append([]string{"--shutdown-grace", "1s"}, tc.flags...)})

@@ -79,9 +79,9 @@ func TestManifestProblemChanged(t *testing.T) {
 	}
 	px := runUproxy(t, tp, svcWithPort(80), launch{want: 1, flags: []string{"--rules", "none"}})
 	px.write("services.yaml", svcWithPort(70000))
-	await(t, 10*time.Second, "the problem", func() bool { return strings.Contains(px.logText(), "70000 is out of range") })
+	testbed.Await(t, 10*time.Second, "the problem", func() bool { return strings.Contains(px.logText(), "70000 is out of range") })
 	px.write("services.yaml", svcWithPort(70001))
-	await(t, 10*time.Second, "the next problem", func() bool { return strings.Contains(px.logText(), "70001 is out of range") })
+	testbed.Await(t, 10*time.Second, "the next problem", func() bool { return strings.Contains(px.logText(), "70001 is out of range") })
 	log := px.logText()
 	for _, want := range []string{`"Manifest problem changed"`, `err="` + px.dir + `/services.yaml: document 1 (line 1): Service it/web: spec.ports[0].port: 70001 is out of range 1-65535"`,
 		`was="` + px.dir + `/services.yaml: document 1 (line 1): Service it/web: spec.ports[0].port: 70000 is out of range 1-65535"`} {
@@ -117,6 +117,7 @@ func TestPortRangeOfOneServesTCPAndUDP(t *testing.T) {
 // TestExplainWithoutDestination: uproxy explain without its argument prints
 // its usage and says what it takes.
 func TestExplainWithoutDestination(t *testing.T) {
+	testbed.Needs(t, testbed.Build)
 	out, err := exec.Command(uproxyBin, "explain").CombinedOutput()
 	if exitCode(err) != 1 {
 		t.Errorf("uproxy explain: exit %v, want 1", err)

@@ -88,7 +88,7 @@ func TestKernelModesMasquerade(t *testing.T) {
 		} {
 			t.Run(mode+"/"+tc.name, func(t *testing.T) {
 				if mode == "nftables" {
-					testbed.RequireNFTables(t)
+					testbed.Needs(t, testbed.NFTables)
 				}
 				tp := testbed.New(t)
 				pod, ext := tp.NS(testbed.Pod), tp.NS(testbed.External)
@@ -126,7 +126,7 @@ func TestKernelModesMasquerade(t *testing.T) {
 // stopped; `uproxy cleanup` then leaves the ruleset as it found it, kube-proxy's
 // table included.
 func TestNFTablesModeEndToEnd(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	tp := testbed.New(t)
 	for _, cmd := range []string{"add table inet kube-proxy", "add chain inet kube-proxy services { type nat hook prerouting priority dstnat; }"} {
 		if out, err := tp.Exec(testbed.Node, "nft", cmd); err != nil {
@@ -144,17 +144,12 @@ func TestNFTablesModeEndToEnd(t *testing.T) {
 	if out, err := tp.Exec(testbed.Node, "nft", "delete", "table", "inet", "uproxy-kernel"); err != nil {
 		t.Fatalf("nft delete table: %v: %s", err, out)
 	}
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80")
-		if err == nil && strings.HasPrefix(name, "web-") {
-			break
+	testbed.AwaitNoError(t, 15*time.Second, "the deleted table repaired", func() error {
+		if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+			return fmt.Errorf("got %q, %v; want a web- backend", name, err)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after the table was deleted: got %q (%v) for 15s, want it repaired", name, err)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return nil
+	})
 
 	px.stop()
 	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {
@@ -170,7 +165,7 @@ func TestNFTablesModeEndToEnd(t *testing.T) {
 // mode, and back): each start removes what the others left, and cleanup
 // returns iptables-save and the list of nftables tables to what they were.
 func TestModeSwitchLeavesNoStaleState(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	tp := testbed.New(t)
 	// Create the (empty) tables, so the baseline has them as cleanup leaves them.
 	for _, table := range []string{"nat", "filter"} {

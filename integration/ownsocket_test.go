@@ -240,7 +240,7 @@ func TestControlPlaneKeepsItsReserve(t *testing.T) {
 	}
 	held = nil
 	mu.Unlock()
-	await(t, 20*time.Second, "a connection served once the others closed", func() bool {
+	testbed.Await(t, 20*time.Second, "a connection served once the others closed", func() bool {
 		name, err := whoTCP(tp, testbed.Pod, "10.96.0.12:80")
 		return err == nil && name == "hold-1"
 	})

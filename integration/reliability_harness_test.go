@@ -168,18 +168,6 @@ func (p *proxy) running() bool {
 	}
 }
 
-// await polls cond every 20ms until it holds or fails the test after within.
-func await(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("waiting %s for %s", within, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // echoTCP starts a backend in role's namespace that echoes every connection.
 func echoTCP(t *testing.T, tp *testbed.Topology, role, addr string) net.Listener {
 	ln := tp.Listen(role, "tcp", addr)

@@ -97,7 +97,7 @@ func overloadUnderFileLimit(t *testing.T, limit int) {
 		})
 	}
 	wg.Wait()
-	await(t, 20*time.Second, "an accept backoff in the log", func() bool { return backoffLine.MatchString(px.logText()) })
+	testbed.Await(t, 20*time.Second, "an accept backoff in the log", func() bool { return backoffLine.MatchString(px.logText()) })
 	if !px.running() {
 		t.Fatalf("uproxy exited under overload:\n%s", tail(px.logText(), 40))
 	}
@@ -126,7 +126,7 @@ func overloadUnderFileLimit(t *testing.T, limit int) {
 	for _, c := range held {
 		c.Close()
 	}
-	await(t, 30*time.Second, "a served connection after the load dropped", func() bool {
+	testbed.Await(t, 30*time.Second, "a served connection after the load dropped", func() bool {
 		return dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 4096) == nil
 	})
 	for i := range 20 {
@@ -175,7 +175,7 @@ func TestShutdownUnderLoad(t *testing.T) {
 		px := runUproxy(t, tp, manifests, launch{want: 1, flags: []string{"--rules", "iptables", "--shutdown-grace", "10m"}})
 		conns := openConns(t, 10)
 		px.signal(syscall.SIGTERM)
-		await(t, 10*time.Second, "new connections refused", func() bool {
+		testbed.Await(t, 10*time.Second, "new connections refused", func() bool {
 			c, err := tp.Dial(testbed.Pod, "tcp", "10.96.0.10:80")
 			if err == nil {
 				// Accepted before the listener closed: left open, it would
@@ -287,14 +287,14 @@ func TestRestartRefusalWindow(t *testing.T) {
 		}
 		return n
 	}
-	await(t, 10*time.Second, "traffic through the first uproxy", func() bool { return successesAfter(time.Time{}) >= 10 })
+	testbed.Await(t, 10*time.Second, "traffic through the first uproxy", func() bool { return successesAfter(time.Time{}) >= 10 })
 
 	stopped := time.Now()
 	first.stop()
 	exited := time.Now()
 	second := runUproxy(t, tp, manifests, launch{want: 1, flags: []string{"--rules", "iptables"}})
 	synced := time.Now() // the second process's first sync has completed
-	await(t, 10*time.Second, "traffic through the second uproxy", func() bool { return successesAfter(synced) >= 20 })
+	testbed.Await(t, 10*time.Second, "traffic through the second uproxy", func() bool { return successesAfter(synced) >= 20 })
 	close(stop)
 	wg.Wait()
 
@@ -390,7 +390,7 @@ func TestBadInputIsolatedPerService(t *testing.T) {
 		"broken.yaml: document 1 (line 1): ",
 	}
 	for _, want := range problems {
-		await(t, 15*time.Second, "the log to report "+want, func() bool { return strings.Contains(px.logText(), want) })
+		testbed.Await(t, 15*time.Second, "the log to report "+want, func() bool { return strings.Contains(px.logText(), want) })
 	}
 	st := px.waitFor(func([]serviceState) bool { return true }, "state")
 	var names []string

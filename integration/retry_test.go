@@ -137,7 +137,7 @@ func TestRetryStrategies(t *testing.T) {
 	// which the client may see first.
 	awaitEvents := func(svc string, n int) {
 		t.Helper()
-		await(t, 10*time.Second, fmt.Sprintf("%d connections of %s recorded", n, svc), func() bool {
+		testbed.Await(t, 10*time.Second, fmt.Sprintf("%d connections of %s recorded", n, svc), func() bool {
 			return len(px.events("it/"+svc+":p")) >= n
 		})
 	}

@@ -120,7 +120,7 @@ func TestUnreachableAPIServerIsSaid(t *testing.T) {
 	closed.Close()
 	px := startUnsynced(t, tp, "--master", master, "--rules", "none", "--hostname-override", "node-a")
 	const failed = `"API server request failed; retrying"`
-	await(t, 15*time.Second, "the failure in the log", func() bool { return strings.Contains(px.logText(), failed) })
+	testbed.Await(t, 15*time.Second, "the failure in the log", func() bool { return strings.Contains(px.logText(), failed) })
 	for _, want := range []string{"connection refused", `host="` + master + `"`} {
 		if !strings.Contains(px.logText(), want) {
 			t.Errorf("log lacks %q:\n%s", want, tail(px.logText(), 20))

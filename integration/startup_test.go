@@ -45,7 +45,7 @@ func TestSecondInstanceLeavesTheRulesAlone(t *testing.T) {
 // node IP for the portals of the node's own connections: it runs without
 // portals and says why, instead of exiting.
 func TestRulesAutoWithoutNodeAddress(t *testing.T) {
-	testbed.Require(t)
+	testbed.Needs(t, testbed.Netns)
 	b := make([]byte, 4)
 	rand.Read(b)
 	ns := "uproxy-bare-" + hex.EncodeToString(b)
@@ -106,7 +106,7 @@ func TestRulesAutoWithoutNodeAddress(t *testing.T) {
 // every portal working: pods reach the ClusterIP, other hosts the NodePort, and
 // the node itself both, with either rule backend.
 func TestBindAddressNodeIPWithPortals(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	for _, backend := range []string{"iptables", "nftables"} {
 		t.Run(backend, func(t *testing.T) {
 			tp := testbed.New(t)
@@ -131,7 +131,7 @@ func TestBindAddressNodeIPWithPortals(t *testing.T) {
 // whole --sync-period (here an hour) later: the running uproxy notices the loss
 // of its canary (iptables) or of its chains' rules (nftables) between syncs.
 func TestFlushRepairedBeforeTheSyncPeriod(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	for _, c := range []struct {
 		name         string
 		flags, flush []string

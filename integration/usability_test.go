@@ -35,9 +35,7 @@ func TestServingLogsTheAddressAsked(t *testing.T) {
 // TestMakeBuild: `make build` gives a stripped binary (no symbol table, no
 // DWARF) that reports the checkout's version from git, not "dev".
 func TestMakeBuild(t *testing.T) {
-	if testing.Short() {
-		testbed.Skip(t, "-short: this test runs make build")
-	}
+	testbed.Needs(t, testbed.Build, testbed.Commands("make"))
 	bin := t.TempDir()
 	if out, err := exec.Command("make", "-C", "..", "build", "BIN="+bin).CombinedOutput(); err != nil {
 		t.Fatalf("make build: %v\n%s", err, out)
@@ -74,8 +72,7 @@ func TestMakeBuild(t *testing.T) {
 func TestDemoInAKernelMode(t *testing.T) {
 	for _, mode := range []string{"iptables", "nftables"} {
 		t.Run(mode, func(t *testing.T) {
-			testbed.RequireIPTables(t)
-			testbed.RequireNFTables(t)
+			testbed.Needs(t, testbed.IPTables, testbed.NFTables)
 			tp := testbed.New(t)
 			iptablesBefore, nftBefore := tp.SavedRules(t, false), tp.NFTRuleset(t)
 			cmd := exec.Command("ip", "netns", "exec", tp.NS(testbed.Node).Name, uproxyBin, "demo",

@@ -24,7 +24,7 @@ func TestUserspaceEndToEnd(t *testing.T) {
 
 func testUserspaceEndToEnd(t *testing.T, rules string) {
 	if rules == "nftables" {
-		testbed.RequireNFTables(t)
+		testbed.Needs(t, testbed.NFTables)
 	}
 	tp := testbed.New(t, testbed.WithIPv6())
 	pod := tp.NS(testbed.Pod)

@@ -52,7 +52,7 @@ func kernelConfig(t *testing.T) map[string]string {
 // with (or, without a config file, against /proc/net/ip_vs, which exists
 // exactly when IPVS is there), in a fresh network namespace.
 func TestProbeMatchesKernel(t *testing.T) {
-	testbed.Require(t)
+	testbed.Needs(t, testbed.Netns)
 	cfg := kernelConfig(t)
 	var wantIPVS, wantDummy bool
 	if cfg != nil {

@@ -3,6 +3,7 @@ package localnodeports
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"net"
 	"os/exec"
 	"strings"
@@ -105,17 +106,12 @@ func TestRelay(t *testing.T) {
 	// The kernel routes a new IPv6 address only once its address work has
 	// run, a moment after `ip addr add` returns (nodad or not): until then a
 	// connect says "network is unreachable".
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		got, err := askTCP("[fd00:96::10]:8080")
-		if err == nil && got == "web-v6" {
-			break
+	testbed.AwaitNoError(t, 5*time.Second, "the IPv6 stand-in [fd00:96::10]:8080", func() error {
+		if got, err := askTCP("[fd00:96::10]:8080"); err != nil || got != "web-v6" {
+			return fmt.Errorf("got %q, %v; want web-v6", got, err)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the IPv6 stand-in [fd00:96::10]:8080: %q, %v", got, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return nil
+	})
 
 	web := servicetest.Port("shop", "web", "http", service.TCP, 8080)
 	web.ClusterIPs = servicetest.Addrs("127.0.0.77", "fd00:96::10")

@@ -19,6 +19,7 @@ func addrs(s ...string) []netip.Addr {
 // List reads the test's own namespace: it always has loopback, and gives IPv4
 // addresses unmapped, so that a Prefix of either family can contain them.
 func TestList(t *testing.T) {
+	t.Parallel()
 	got, err := List()
 	if err != nil {
 		t.Fatal(err)
@@ -34,6 +35,7 @@ func TestList(t *testing.T) {
 }
 
 func TestIn(t *testing.T) {
+	t.Parallel()
 	node := addrs("127.0.0.1", "192.168.50.7", "10.0.0.1", "fd00::7", "fe80::1")
 	tests := []struct {
 		name     string

@@ -1,7 +1,6 @@
 package observe
 
 import (
-	"net/netip"
 	"testing"
 	"time"
 
@@ -9,17 +8,16 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
 func TestChanges(t *testing.T) {
 	port := func(ns, name, portName string, portNum int, eps ...string) *service.Port {
-		p := &service.Port{Name: service.PortName{Namespace: ns, Name: name, Port: portName}, Protocol: service.TCP, Port: portNum}
-		for _, e := range eps {
-			p.Endpoints = append(p.Endpoints, service.Endpoint{Addr: netip.MustParseAddrPort(e), Ready: true})
-		}
+		p := servicetest.Port(ns, name, portName, service.TCP, portNum)
+		p.Endpoints = servicetest.Endpoints(eps...)
 		return p
 	}
-	snap := func(ports ...*service.Port) *service.Snapshot { return &service.Snapshot{Ports: ports} }
+	snap := servicetest.Snapshot
 	type want struct{ svcTotal, epTotal, svcPending, epPending float64 }
 	var c Changes
 	svc0, ep0 := read(ServiceChangesTotal), read(EndpointChangesTotal)

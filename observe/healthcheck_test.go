@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
 func freePort(t *testing.T) int {
@@ -33,8 +34,11 @@ func localPort(hc int, eps ...service.Endpoint) *service.Port {
 	}
 }
 
+// ep is an endpoint at addr, on this node when local, ready and serving when ready.
 func ep(addr string, local, ready bool) service.Endpoint {
-	return service.Endpoint{Addr: netip.MustParseAddrPort(addr), Local: local, Ready: ready, Serving: ready}
+	e := servicetest.Endpoint(addr, local)
+	e.Ready, e.Serving = ready, ready
+	return e
 }
 
 type hcAnswer struct {

@@ -15,6 +15,7 @@ import (
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // Metric values after scripted traffic: every data path series a dashboard reads.
@@ -32,7 +33,7 @@ func TestMetricsAfterTraffic(t *testing.T) {
 			}
 		}
 		s := map[string]string{"service": svc}
-		await(t, "4 connections counted", func() bool {
+		testbed.Await(t, awaitTimeout, "4 connections counted", func() bool {
 			return metricOr0(t, "uproxy_connections_total", map[string]string{"service": svc, "result": "success"})+
 				metricOr0(t, "uproxy_connections_total", map[string]string{"service": svc, "result": "retried"}) == 4
 		})
@@ -105,7 +106,7 @@ func TestMetricsAfterTraffic(t *testing.T) {
 			}
 		}
 		s := map[string]string{"service": svc}
-		await(t, "both UDP sessions expired", func() bool { return metricOr0(t, "uproxy_udp_client_expiries_total", s) == 2 })
+		testbed.Await(t, awaitTimeout, "both UDP sessions expired", func() bool { return metricOr0(t, "uproxy_udp_client_expiries_total", s) == 2 })
 		for _, c := range []struct {
 			name   string
 			labels map[string]string
@@ -130,7 +131,7 @@ func TestMetricsAfterTraffic(t *testing.T) {
 			t.Fatal(err)
 		}
 		s := map[string]string{"service": svc}
-		await(t, "connection counted", func() bool { return metricOr0(t, "uproxy_connection_duration_seconds", s) == 1 })
+		testbed.Await(t, awaitTimeout, "connection counted", func() bool { return metricOr0(t, "uproxy_connection_duration_seconds", s) == 1 })
 		if err := w.px.Sync(&service.Snapshot{Built: time.Now()}); err != nil {
 			t.Fatal(err)
 		}
@@ -155,7 +156,7 @@ func TestEvents(t *testing.T) {
 	if _, err := echoThrough(t, ppFailed, "hello"); err == nil {
 		t.Fatalf("through %s: got no error, want a reset (no endpoint answers)", failed)
 	}
-	await(t, "both connections recorded", func() bool { return len(w.eventsOf("?kind=connection")) == 2 })
+	testbed.Await(t, awaitTimeout, "both connections recorded", func() bool { return len(w.eventsOf("?kind=connection")) == 2 })
 
 	type wantAttempt struct{ endpoint, result, errHas string }
 	for _, tc := range []struct {
@@ -286,8 +287,8 @@ func TestEjectionAndReadmission(t *testing.T) {
 	// The endpoint comes back; once its period ends a pick tries it and the
 	// success re-admits it.
 	reviveAsEcho(t, fd)
-	await(t, "ejection period to end", func() bool { return !w.endpointState(svc, flaky).Ejected })
-	await(t, "a connection served by the revived endpoint", func() bool {
+	testbed.Await(t, awaitTimeout, "ejection period to end", func() bool { return !w.endpointState(svc, flaky).Ejected })
+	testbed.Await(t, awaitTimeout, "a connection served by the revived endpoint", func() bool {
 		if _, err := echoThrough(t, pp, "x"); err != nil {
 			t.Fatalf("connection after the period: %v", err)
 		}
@@ -311,7 +312,7 @@ func TestEjectionAndReadmission(t *testing.T) {
 				t.Fatalf("connection %d: got no error, want a reset", i)
 			}
 		}
-		await(t, "3 failed connections", func() bool {
+		testbed.Await(t, awaitTimeout, "3 failed connections", func() bool {
 			return metricOr0(t, "uproxy_connections_total", map[string]string{"service": svc, "result": "failed"}) == 3
 		})
 		// With one endpoint, each connection spends all four default attempts on it.
@@ -339,7 +340,7 @@ func TestUDPRefusalEjection(t *testing.T) {
 	}
 	defer c.Close()
 	buf := make([]byte, 16)
-	await(t, "a reply", func() bool {
+	testbed.Await(t, awaitTimeout, "a reply", func() bool {
 		c.SetDeadline(time.Now().Add(50 * time.Millisecond))
 		if _, err := c.Write([]byte("ping")); err != nil {
 			t.Fatal(err)
@@ -438,7 +439,7 @@ func TestIdleTimeoutEventAndMetric(t *testing.T) {
 	if _, err := c.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
 		t.Fatalf("read while idle: got %v, want a reset after %v", err, timeout)
 	}
-	await(t, "both connections recorded", func() bool { return len(w.eventsOf("?service="+svc)) == 2 })
+	testbed.Await(t, awaitTimeout, "both connections recorded", func() bool { return len(w.eventsOf("?service="+svc)) == 2 })
 	evs := w.eventsOf("?service=" + svc) // newest first
 	if ev := evs[0]; ev.Reason != observe.ReasonIdle || !strings.Contains(ev.Error, "idle timeout") || ev.Outcome != "success" || ev.BytesIn != 4 {
 		t.Errorf("event of the idle connection: got reason %q, error %q, outcome %q, %d bytes in; want %q, an idle timeout, success, 4",
@@ -467,15 +468,20 @@ func TestSeriesFollowTheProtocol(t *testing.T) {
 	}
 	defer c.Close()
 	buf := make([]byte, 16)
-	await(t, "a UDP reply", func() bool {
+	testbed.Await(t, awaitTimeout, "a UDP reply", func() bool {
 		c.SetDeadline(time.Now().Add(50 * time.Millisecond))
 		c.Write([]byte("udp"))
 		n, err := c.Read(buf)
 		return err == nil && string(buf[:n]) == "udp"
 	})
-	await(t, "both connections counted", func() bool {
-		return metricOr0(t, "uproxy_connections_total", map[string]string{"service": tcpSvc, "result": "success"}) == 1 &&
-			metricOr0(t, "uproxy_active_connections", map[string]string{"service": udpSvc}) == 1
+	testbed.Await(t, awaitTimeout, "the TCP connection counted", func() bool {
+		return metricOr0(t, "uproxy_connections_total", map[string]string{"service": tcpSvc, "result": "success"}) == 1
+	})
+	// The UDP client's entry expires after the UDP timeout without a
+	// datagram: each look sends one, so a slow count above cannot outlast it.
+	testbed.Await(t, awaitTimeout, "the UDP client counted", func() bool {
+		c.Write([]byte("udp"))
+		return metricOr0(t, "uproxy_active_connections", map[string]string{"service": udpSvc}) == 1
 	})
 
 	for _, m := range []struct {

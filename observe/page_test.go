@@ -20,20 +20,6 @@ import (
 	"github.com/uproxy/uproxy/testbed"
 )
 
-// chromium returns the path of a headless-capable Chromium. Under CI=true a
-// missing browser fails the test (the Makefile's deps target installs it);
-// elsewhere the test is skipped with the reason.
-func chromium(t *testing.T) string {
-	t.Helper()
-	for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
-		if p, err := exec.LookPath(name); err == nil {
-			return p
-		}
-	}
-	testbed.Skip(t, "no chromium in PATH: install the Debian package chromium (make deps)")
-	return ""
-}
-
 // runChromium runs headless Chromium on url with extra flags (the action: dump
 // the DOM, take a screenshot) and returns its standard output. The virtual time
 // budget lets the page's polling run and render before the action.
@@ -61,7 +47,7 @@ func runChromium(t *testing.T, bin, url string, flags ...string) []byte {
 // retried and ejected: it must show the Services, their endpoints with the
 // ejected one marked, and the timeline of connections with their attempts.
 func TestPageInChromium(t *testing.T) {
-	bin := chromium(t)
+	bin := testbed.BrowserPath(t)
 	// A long ejection keeps the endpoint ejected while the browser starts.
 	w := mkWorld(t, proxier.Config{EjectAfter: 2, EjectBase: time.Hour})
 	live := echoBackend(t, "127.0.0.2")

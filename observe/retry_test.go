@@ -8,6 +8,7 @@ import (
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // A hedged connection shows its loser as an attempt with result hedge_lost, in
@@ -22,7 +23,7 @@ func TestHedgeEventsAndMetrics(t *testing.T) {
 	if got, err := echoThrough(t, pp, "hedged"); err != nil || got != "hedged" {
 		t.Fatalf("through %s: got %q, %v, want hedged", svc, got, err)
 	}
-	await(t, "the connection recorded", func() bool { return len(w.eventsOf("?service="+svc)) == 1 })
+	testbed.Await(t, awaitTimeout, "the connection recorded", func() bool { return len(w.eventsOf("?service="+svc)) == 1 })
 	ev := w.eventsOf("?service=" + svc)[0]
 	if got, want := attemptsText(ev), unanswered.String()+" hedge_lost, "+live.String()+" success"; got != want {
 		t.Errorf("attempts: got %q, want %q", got, want)
@@ -73,7 +74,7 @@ func TestRetryBudgetEventsAndMetrics(t *testing.T) {
 			t.Fatalf("through %s: got no error, want a reset (every endpoint refuses)", svc)
 		}
 	}
-	await(t, "every connection recorded", func() bool { return len(w.eventsOf("?service="+svc)) == conns })
+	testbed.Await(t, awaitTimeout, "every connection recorded", func() bool { return len(w.eventsOf("?service="+svc)) == conns })
 	refused := metricOr0(t, "uproxy_retry_budget_refusals_total", map[string]string{"service": svc})
 	if refused == 0 {
 		t.Fatalf("uproxy_retry_budget_refusals_total: got 0, want the connections past the burst")

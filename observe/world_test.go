@@ -264,17 +264,8 @@ func echoThrough(t testing.TB, proxyPort int, msg string) (string, error) {
 	return string(b), err
 }
 
-// await polls cond until it holds or 10s pass.
-func await(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+// awaitTimeout bounds every wait for a condition (testbed.Await).
+const awaitTimeout = 10 * time.Second
 
 // metric returns the value of the series name{labels} in observe.Registry
 // (counter, gauge, or a histogram's sample count), and whether it exists.

@@ -16,6 +16,7 @@ import (
 
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // listeningSocket returns the descriptor of the process's listening TCP socket
@@ -25,16 +26,12 @@ func listeningSocket(t *testing.T, pp int) int {
 	// Serve takes the socket over from Go's poller (a duplicate, then a close
 	// of the original) after Sync returns: a look at /proc/self/fd during the
 	// hand-over can miss both, so look again for a while.
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		if fd := findListeningSocket(pp); fd >= 0 {
-			return fd
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no listening socket on port %d", pp)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	fd := -1
+	testbed.Await(t, 2*time.Second, fmt.Sprintf("a listening socket on port %d", pp), func() bool {
+		fd = findListeningSocket(pp)
+		return fd >= 0
+	})
+	return fd
 }
 
 // findListeningSocket returns the descriptor of the listening socket on port
@@ -136,13 +133,7 @@ func TestSyncReopensAFailedProxySocket(t *testing.T) {
 			if err := unix.Shutdown(listeningSocket(t, pp), unix.SHUT_RD); err != nil {
 				t.Fatalf("shutdown the listening socket: %v", err)
 			}
-			deadline := time.Now().Add(10 * time.Second)
-			for !debugState(t, p).ListenerDown {
-				if time.Now().After(deadline) {
-					t.Fatal("/debug/services never showed the listener down")
-				}
-				time.Sleep(time.Millisecond)
-			}
+			testbed.Await(t, 10*time.Second, "/debug/services to show the listener down", func() bool { return debugState(t, p).ListenerDown })
 			if st := debugState(t, p); !strings.Contains(st.ListenerError, "invalid argument") || st.Reopens != 0 {
 				t.Errorf("/debug/services with the socket failed: got error %q, %d reopens; want EINVAL's, 0", st.ListenerError, st.Reopens)
 			}

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // world is a test's little universe: named TCP and UDP backends on loopback
@@ -72,22 +74,18 @@ func (w *world) udpBackend(name, ip string) netip.AddrPort {
 	return ap
 }
 
+// port is Service port default/name:p, port 80 of ClusterIP 10.96.0.1, with
+// ready endpoints at eps.
 func port(name string, proto service.Protocol, eps ...netip.AddrPort) *service.Port {
-	p := &service.Port{
-		Name:       service.PortName{Namespace: "default", Name: name, Port: "p"},
-		Protocol:   proto,
-		Port:       80,
-		ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")},
-	}
+	p := servicetest.Port("default", name, "p", proto, 80)
+	p.ClusterIPs = servicetest.Addrs("10.96.0.1")
 	for _, ep := range eps {
-		p.Endpoints = append(p.Endpoints, service.Endpoint{Addr: ep, Ready: true, Serving: true})
+		p.Endpoints = append(p.Endpoints, servicetest.Endpoint(ep.String(), false))
 	}
 	return p
 }
 
-func snapshot(ports ...*service.Port) *service.Snapshot {
-	return &service.Snapshot{Ports: ports, Built: time.Now()}
-}
+var snapshot = servicetest.Snapshot
 
 func newProxier(t testing.TB, cfg Config) *Proxier {
 	t.Helper()
@@ -427,13 +425,9 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(10 * time.Second))
-	deadline := time.Now().Add(10 * time.Second)
-	for p.DebugServices()[0].Endpoints[0].ActiveConnections != 1 {
-		if time.Now().After(deadline) {
-			t.Fatal("the connection did not become active")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testbed.Await(t, 10*time.Second, "the connection to become active", func() bool {
+		return p.DebugServices()[0].Endpoints[0].ActiveConnections == 1
+	})
 
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
@@ -443,7 +437,6 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Errorf("client after Shutdown: got %v, want its connection ended", err)
 	}
-	deadline = time.Now().Add(10 * time.Second)
 	// left counts our loop goroutines still running.
 	left := func(g map[string]bool) (n int) {
 		for id := range ours {
@@ -453,12 +446,12 @@ func TestShutdownStopsTheEventLoops(t *testing.T) {
 		}
 		return n
 	}
-	for g, e := loopResources(t); left(g) != 0 || e != e0; g, e = loopResources(t) {
-		if time.Now().After(deadline) {
-			t.Fatalf("after Shutdown: %d of the loop goroutines and %d epoll descriptors, want 0 and %d as before New", left(g), e, e0)
+	testbed.AwaitNoError(t, 10*time.Second, "the loops to end after Shutdown", func() error {
+		if g, e := loopResources(t); left(g) != 0 || e != e0 {
+			return fmt.Errorf("%d of the loop goroutines and %d epoll descriptors, want 0 and %d as before New", left(g), e, e0)
 		}
-		time.Sleep(time.Millisecond)
-	}
+		return nil
+	})
 	if err := p.Sync(snapshot(held)); err == nil || !strings.Contains(err.Error(), "shut down") {
 		t.Errorf("Sync after Shutdown: got %v, want an error saying it is shut down", err)
 	}

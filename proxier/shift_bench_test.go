@@ -99,7 +99,7 @@ func BenchmarkEndpointShift(b *testing.B) {
 				if uint64(n)+uint64(n)/10+1000 > lim.Cur { // listeners, held NodePorts, the rest
 					b.Skipf("open-file limit %d is too low for %d ports", lim.Cur, n)
 				}
-				testbed.Require(b)
+				testbed.Needs(b, testbed.Netns)
 				w := newWorld(b)
 				// The backends live in this namespace: the proxy dials them from
 				// goroutines that do not run in the node namespace.

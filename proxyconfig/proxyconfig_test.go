@@ -265,6 +265,7 @@ func TestParseErrors(t *testing.T) {
 }
 
 func TestLoadNamesTheFile(t *testing.T) {
+	t.Parallel()
 	path := filepath.Join(t.TempDir(), "config.conf")
 	if err := os.WriteFile(path, []byte(header+"oops: 1\n"), 0o644); err != nil {
 		t.Fatal(err)

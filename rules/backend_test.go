@@ -58,7 +58,7 @@ func TestChooseBackend(t *testing.T) {
 		}
 	})
 	t.Run("nft and the kernel support it", func(t *testing.T) {
-		testbed.RequireNFTables(t)
+		testbed.Needs(t, testbed.NFTables)
 		if got := ChooseBackend(BackendAuto, "UPROXY", backendNodeIPs); got != BackendNFTables {
 			t.Errorf("ChooseBackend(auto) as root with nft: got %q, want nftables", got)
 		}

@@ -18,7 +18,7 @@ const testClientMark = 0x1000
 func TestClientAddressReplyRoute(t *testing.T) {
 	for _, b := range realBackends {
 		t.Run(b.name, func(t *testing.T) {
-			b.require(t)
+			testbed.Needs(t, b.need)
 			tp := testbed.New(t, testbed.WithIPv6())
 			node := tp.NS(testbed.Node)
 			ipRules := func(v6 bool) string {

@@ -28,7 +28,7 @@ func BenchmarkConnThroughPortals(b *testing.B) {
 }
 
 func benchmarkConnThroughPortals(b *testing.B, be realBackend) {
-	be.require(b)
+	testbed.Needs(b, be.need)
 	tp := testbed.New(b)
 	node := tp.NS(testbed.Node)
 	p, _ := be.build(b, Config{NodeIPs: []netip.Addr{node.IPv4}, DialMark: testDialMark})

@@ -12,6 +12,7 @@ import (
 // connections and everyone else's; the NodePort accept rule names the
 // external proxy port.
 func TestExternalProxyPort(t *testing.T) {
+	t.Parallel()
 	np := freePort(t, "tcp4")
 	NP := strconv.Itoa(np)
 	portals := []Portal{{Port: webPort(np), ProxyPort: 40001, ExternalProxyPort: 40009}}

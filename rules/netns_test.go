@@ -113,8 +113,8 @@ const testDialMark = 0x2000
 
 // realBackend is one Portals implementation as the namespace tests drive it.
 type realBackend struct {
-	name    string
-	require func(testing.TB)
+	name string
+	need testbed.Need // the kernel need of its namespace tests
 	// build returns the backend's Portals for cfg and the count of its writes
 	// to the kernel (restores, transactions).
 	build func(t testing.TB, cfg Config) (Portals, *int)
@@ -136,8 +136,8 @@ type externalFlush struct {
 
 var realBackends = []realBackend{
 	{
-		name:    "iptables",
-		require: testbed.RequireIPTables,
+		name: "iptables",
+		need: testbed.IPTables,
 		build: func(t testing.TB, cfg Config) (Portals, *int) {
 			k := &countingKernel{}
 			cfg.IPTables = k
@@ -184,8 +184,8 @@ var realBackends = []realBackend{
 		opensFirewall: true,
 	},
 	{
-		name:    "nftables",
-		require: testbed.RequireNFTables,
+		name: "nftables",
+		need: testbed.NFTables,
 		build: func(t testing.TB, cfg Config) (Portals, *int) {
 			name, err := nftables.TableName(cmp.Or(cfg.ChainPrefix, iptables.DefaultChainPrefix))
 			if err != nil {
@@ -314,8 +314,7 @@ func TestRealPortals(t *testing.T) {
 // and returns them with the node's whole ruleset as it is before uproxy.
 func kubeNode(t *testing.T, b realBackend) (*testbed.Topology, string) {
 	t.Helper()
-	testbed.RequireIPTables(t) // kube-proxy's chains are iptables
-	b.require(t)
+	testbed.Needs(t, testbed.IPTables, b.need) // kube-proxy's chains are iptables
 	tp := testbed.New(t, testbed.WithIPv6())
 	kubeChains(t, tp)
 	// kube-proxy's nftables tables too, where nft exists (the nftables backend
@@ -620,8 +619,7 @@ func testRealPortals(t *testing.T, b realBackend) {
 func TestRealStandaloneCleanup(t *testing.T) {
 	for _, b := range realBackends {
 		t.Run(b.name, func(t *testing.T) {
-			testbed.RequireIPTables(t)
-			b.require(t)
+			testbed.Needs(t, testbed.IPTables, b.need)
 			tp := testbed.New(t)
 			kubeChains(t, tp)
 			if _, err := exec.LookPath("nft"); err == nil {
@@ -664,7 +662,7 @@ func BenchmarkSync(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		for _, mode := range []string{"full", "unchanged"} {
 			b.Run(fmt.Sprintf("portals=%d/%s", n, mode), func(b *testing.B) {
-				testbed.RequireIPTables(b)
+				testbed.Needs(b, testbed.IPTables)
 				tp := testbed.New(b)
 				node := tp.NS(testbed.Node)
 				sets := [2][]Portal{benchPortals(n, 20000), benchPortals(n, 40000)}
@@ -749,7 +747,7 @@ func BenchmarkNodeDialThroughPortals(b *testing.B) {
 }
 
 func benchmarkNodeDialThroughPortals(b *testing.B, be realBackend) {
-	be.require(b)
+	testbed.Needs(b, be.need)
 	tp := testbed.New(b)
 	node := tp.NS(testbed.Node)
 	p, _ := be.build(b, Config{NodeIPs: []netip.Addr{node.IPv4}, DialMark: testDialMark})

@@ -41,7 +41,7 @@ func BenchmarkNFTablesPortalSync(b *testing.B) {
 		}
 		for _, op := range ops {
 			b.Run(fmt.Sprintf("portals=%d/%s", n, op.name), func(b *testing.B) {
-				testbed.RequireNFTables(b)
+				testbed.Needs(b, testbed.NFTables)
 				tp := testbed.New(b)
 				p, err := NewNFTables(Config{NodeIPs: []netip.Addr{tp.NS(testbed.Node).IPv4}, DialMark: testDialMark})
 				if err != nil {

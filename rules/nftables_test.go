@@ -36,6 +36,7 @@ func newTestNFTables(t *testing.T, cfg Config) (*NFTables, *nftablestest.Fake) {
 func writes(k *nftablestest.Fake, n int) string { return strings.Join(k.Transactions[n:], "") }
 
 func TestNFTablesFirstSyncWritesWholeTable(t *testing.T) {
+	t.Parallel()
 	np := freePort(t, "tcp4")
 	web := webPort(np)
 	dns := dnsPort(0, "10.96.0.53")
@@ -115,6 +116,7 @@ add element inet uproxy service-ips6 { fd00:96::10 . tcp . 80 comment "shop/web:
 // TestNFTablesSyncWritesOnlyChanges: after the first sync, each sync writes the
 // elements that changed and nothing else, in one transaction, or nothing.
 func TestNFTablesSyncWritesOnlyChanges(t *testing.T) {
+	t.Parallel()
 	np := freePort(t, "udp4")
 	svc := func(name string, proto service.Protocol, ip string) *service.Port {
 		p := port("ns", name, "", proto, 80)
@@ -185,6 +187,7 @@ delete element inet uproxy service-ips4 { 10.96.0.3 . udp . 80 }
 // table, the next sync writes it whole, as the first sync did, and the sync
 // after that writes nothing.
 func TestNFTablesExternalFlushRewritesWhole(t *testing.T) {
+	t.Parallel()
 	svc := port("ns", "dns", "", service.UDP, 53)
 	svc.ClusterIPs = ips("10.96.0.53", "fd00:96::53")
 	portals := []Portal{{Port: svc, ProxyPort: 40001}}
@@ -230,6 +233,7 @@ func TestNFTablesExternalFlushRewritesWhole(t *testing.T) {
 }
 
 func TestNFTablesWriteFailureRewritesWhole(t *testing.T) {
+	t.Parallel()
 	a := port("ns", "a", "", service.TCP, 80)
 	a.ClusterIPs = ips("10.96.0.1")
 	p, k := newTestNFTables(t, Config{})
@@ -253,6 +257,7 @@ func TestNFTablesWriteFailureRewritesWhole(t *testing.T) {
 // TestNFTablesDuplicateKey: a key two Service ports claim goes to the first (by
 // name), and the other gets a PortalError; the rest is written regardless.
 func TestNFTablesDuplicateKey(t *testing.T) {
+	t.Parallel()
 	first := port("ns", "a", "", service.TCP, 80)
 	first.ClusterIPs = ips("10.96.0.1")
 	second := port("ns", "b", "", service.TCP, 80)
@@ -282,6 +287,7 @@ func TestNFTablesDuplicateKey(t *testing.T) {
 }
 
 func TestNFTablesCleanupDeletesTable(t *testing.T) {
+	t.Parallel()
 	a := port("ns", "a", "", service.TCP, 80)
 	a.ClusterIPs = ips("10.96.0.1")
 	a.NodePort = freePort(t, "tcp4")
@@ -314,6 +320,7 @@ func TestNFTablesCleanupDeletesTable(t *testing.T) {
 // it to the address of the interface it arrived on, where nothing listens. Both
 // backends.
 func TestProxyPortsOnNodeIPDNATFromOutside(t *testing.T) {
+	t.Parallel()
 	web := webPort(freePort(t, "tcp4"))
 	portals := []Portal{{Port: web, ProxyPort: 40001}}
 	t.Run("iptables", func(t *testing.T) {

@@ -111,9 +111,7 @@ func echoes(c net.Conn, msg string) error {
 // paths reach the proxy port; losing it refuses them again, including for a
 // UDP client that kept its socket. Both backends.
 func TestRealRefusedWithoutEndpoints(t *testing.T) {
-	if testing.Short() {
-		testbed.Skip(t, "-short: this test builds network namespaces")
-	}
+	testbed.Needs(t, testbed.Netns)
 	for _, b := range realBackends {
 		t.Run(b.name, func(t *testing.T) { testRealRefused(t, b) })
 	}

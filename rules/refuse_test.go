@@ -16,6 +16,7 @@ import (
 var refuseAll = Refusal{Cluster: [2]bool{true, true}, External: [2]bool{true, true}}
 
 func TestRefusalOf(t *testing.T) {
+	t.Parallel()
 	ep := netip.MustParseAddrPort
 	tests := []struct {
 		name              string
@@ -95,6 +96,7 @@ func expand(s string, vars map[string]string) string {
 // address (two per ExternalIP), whose matches are those of the nat rule it
 // replaces; TCP gets a reset, UDP ICMP port unreachable of its family.
 func TestIPTablesRefusesPortsWithoutEndpoints(t *testing.T) {
+	t.Parallel()
 	portals, vars := refusedPortals(t)
 	k := newFakeKernel()
 	p := newTestIPTables(t, k, Config{IPv6: true, DialMark: testDialMark})
@@ -174,6 +176,7 @@ COMMIT
 // no-endpoint map beside the steering one it would otherwise be in, with the
 // verdict goto refuse.
 func TestNFTablesRefusesPortsWithoutEndpoints(t *testing.T) {
+	t.Parallel()
 	portals, vars := refusedPortals(t)
 	p, k := newTestNFTables(t, Config{IPv6: true})
 	if err := p.Sync(portals); err != nil {
@@ -214,6 +217,7 @@ add element inet uproxy service-ips4 { 10.96.0.44 . tcp . 443 comment "shop/loca
 // moves its elements from map to map; either way the result is what a fresh
 // write of the same state makes, and nothing else is touched.
 func TestRefusalFlipsInPlace(t *testing.T) {
+	t.Parallel()
 	dns := dnsPort(30053, "10.96.0.53")
 	other := port("ns", "other", "", service.TCP, 80)
 	other.ClusterIPs = ips("10.96.0.80")
@@ -337,6 +341,7 @@ func sortedLines(s string) string {
 // alone, taking the NO-ENDPOINTS rules and their jumps; the canary there makes
 // the next sync write everything again, jumps included.
 func TestIPTablesFilterFlushRewrites(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p := newTestIPTables(t, k, Config{})
 	empty := port("ns", "empty", "", service.TCP, 80)
@@ -371,6 +376,7 @@ func TestIPTablesFilterFlushRewrites(t *testing.T) {
 // where it would have been steered, on the node's addresses inside
 // --nodeport-addresses only.
 func TestRefusedNodePortHonoursNodePortAddresses(t *testing.T) {
+	t.Parallel()
 	np := freePort(t, "tcp4")
 	NP := strconv.Itoa(np)
 	portals := []Portal{{Port: webPort(np), ProxyPort: 40001, Refuse: refuseAll}}

@@ -339,6 +339,7 @@ func dump(v any) string {
 }
 
 func TestBuildUsableEndpoints(t *testing.T) {
+	t.Parallel()
 	ready, notReady := ptr(true), ptr(false)
 	tests := []struct {
 		name string
@@ -392,6 +393,7 @@ func TestBuildUsableEndpoints(t *testing.T) {
 }
 
 func TestBuildLeavesInvalidObjectsOut(t *testing.T) {
+	t.Parallel()
 	svcs := []*v1.Service{
 		testService("default", "web"),
 		testService("default", "bad", withPorts(v1.ServicePort{Port: 70000})),
@@ -428,6 +430,7 @@ func TestBuildLeavesInvalidObjectsOut(t *testing.T) {
 }
 
 func TestBuildDoesNotModifyInputs(t *testing.T) {
+	t.Parallel()
 	svcs := []*v1.Service{
 		testService("default", "web", withSpec(func(s *v1.ServiceSpec) {
 			s.LoadBalancerSourceRanges = []string{" 10.1.2.3/8"}
@@ -490,6 +493,7 @@ func BenchmarkBuild(b *testing.B) {
 // TestBuilderMatchesBuild: whatever a Builder built before, its Snapshot equals
 // Build's for the same objects, Ports and Errors alike.
 func TestBuilderMatchesBuild(t *testing.T) {
+	t.Parallel()
 	web := testService("ns", "web", withPorts(v1.ServicePort{Name: "a", Port: 80}, v1.ServicePort{Name: "b", Port: 81}))
 	web2 := web.DeepCopy()
 	web2.Spec.ClusterIP = "10.96.0.11"
@@ -545,6 +549,7 @@ func TestBuilderMatchesBuild(t *testing.T) {
 // TestBuilderReusesUnchangedPorts: a Service whose object and slices are the same
 // objects keeps its Port pointers; any changed object gives its Service new Ports.
 func TestBuilderReusesUnchangedPorts(t *testing.T) {
+	t.Parallel()
 	web := testService("ns", "web")
 	db := testService("ns", "db", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "10.96.0.20" }))
 	webS := testSlice("ns", "web-1", "web", discoveryv1.AddressTypeIPv4, slicePorts(":8080"), testEndpoint(addrs("10.0.0.1")))
@@ -589,6 +594,7 @@ func TestBuilderReusesUnchangedPorts(t *testing.T) {
 // pointers, Local and node hints judged again) and reach the Snapshot's Zone;
 // the same facts again change nothing.
 func TestBuilderSetOptions(t *testing.T) {
+	t.Parallel()
 	web := testService("ns", "web")
 	webS := testSlice("ns", "web-1", "web", discoveryv1.AddressTypeIPv4, slicePorts(":8080"),
 		testEndpoint(addrs("10.0.0.1"), onNode("node-a", "zone-a"), func(e *discoveryv1.Endpoint) {
@@ -670,6 +676,7 @@ func BenchmarkBuilderEndpointChange(b *testing.B) {
 // with several versions (valid, invalid, duplicates, headless) per name, give the
 // same Snapshots from one Builder as from Build.
 func TestBuilderMatchesBuildRandom(t *testing.T) {
+	t.Parallel()
 	var svcPool []*v1.Service
 	var slicePool []*discoveryv1.EndpointSlice
 	// Each name has addresses of its own: which of two Services sharing one is

@@ -83,6 +83,7 @@ func conflictStrings(s *Snapshot) []string {
 // out, each with an error naming both ports and the address; everything else
 // of theirs is served.
 func TestBuildConflicts(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name          string
 		svcs          []*v1.Service
@@ -240,6 +241,7 @@ func TestBuildConflicts(t *testing.T) {
 // port goes away or stops claiming it; a port that starts claiming a served
 // address is the newcomer.
 func TestBuilderConflicts(t *testing.T) {
+	t.Parallel()
 	// a is younger than b: Build alone would serve b.
 	a := testService("ns", "a", http(), created(time.Hour))
 	aSlice := testSlice("ns", "a-1", "a", discoveryv1.AddressTypeIPv4, slicePorts("http:8080"), testEndpoint(addrs("10.0.0.1")))
@@ -288,6 +290,7 @@ func TestBuilderConflicts(t *testing.T) {
 // address), and keeps every port whose Service is unchanged and that was served
 // before.
 func TestBuilderConflictsRandom(t *testing.T) {
+	t.Parallel()
 	var pool []*v1.Service
 	addrs := []string{"10.96.0.1", "10.96.0.2", "192.0.2.1", "192.0.2.2"}
 	rng := rand.New(rand.NewPCG(3, 4))
@@ -350,6 +353,7 @@ func TestBuilderConflictsRandom(t *testing.T) {
 }
 
 func TestClaims(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name string
 		port Port

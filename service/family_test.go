@@ -7,6 +7,7 @@ import (
 )
 
 func TestOfFamily(t *testing.T) {
+	t.Parallel()
 	ips := []netip.Addr{
 		netip.MustParseAddr("10.96.0.1"),
 		netip.MustParseAddr("::ffff:10.96.0.2"), // IPv4-mapped: IPv4
@@ -34,6 +35,7 @@ func TestOfFamily(t *testing.T) {
 }
 
 func TestInFamily(t *testing.T) {
+	t.Parallel()
 	v4, v6 := netip.MustParseAddr("10.96.0.1"), netip.MustParseAddr("fd00::1")
 	for _, tc := range []struct {
 		name         string

@@ -11,6 +11,7 @@ import (
 )
 
 func TestParseDialTimeouts(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		in      string
 		want    []time.Duration
@@ -49,6 +50,7 @@ func TestParseDialTimeouts(t *testing.T) {
 }
 
 func TestParsePolicy(t *testing.T) {
+	t.Parallel()
 	hedge := func(d time.Duration) *time.Duration { return &d }
 	budget := func(f float64) *float64 { return &f }
 	tests := []struct {
@@ -117,6 +119,7 @@ func TestParsePolicy(t *testing.T) {
 }
 
 func TestParseRetryBudgetAndHedge(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		in   string
 		want float64
@@ -141,6 +144,7 @@ func TestParseRetryBudgetAndHedge(t *testing.T) {
 }
 
 func TestPolicyOver(t *testing.T) {
+	t.Parallel()
 	flags := FlagPolicy([]time.Duration{time.Second}, 0, 0, "rr")
 	hedge := 30 * time.Millisecond
 	p := Policy{DialHedge: &hedge, Scheduler: "lc"}
@@ -163,6 +167,7 @@ func TestPolicyOver(t *testing.T) {
 // TestBuildPolicyAnnotations: the policy reaches every Port of the Service, and
 // a bad annotation is an error in the Snapshot while the Service is still served.
 func TestBuildPolicyAnnotations(t *testing.T) {
+	t.Parallel()
 	good := testService("ns", "good", withPorts(v1.ServicePort{Name: "a", Port: 80}, v1.ServicePort{Name: "b", Port: 81}))
 	good.Annotations = map[string]string{AnnotationDialHedge: "30ms", AnnotationScheduler: "nq"}
 	bad := testService("ns", "bad", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "10.96.0.11" }))

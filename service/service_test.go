@@ -9,6 +9,7 @@ import (
 )
 
 func TestSnapshotEqual(t *testing.T) {
+	t.Parallel()
 	port := func(p int, eps ...string) *Port {
 		sp := &Port{Name: PortName{Namespace: "ns", Name: "web"}, Protocol: TCP, Port: p,
 			ClusterIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")}}
@@ -51,6 +52,7 @@ func TestSnapshotEqual(t *testing.T) {
 }
 
 func TestDiff(t *testing.T) {
+	t.Parallel()
 	port := func(name string, p int, eps ...string) *Port {
 		sp := &Port{Name: PortName{Namespace: "ns", Name: name}, Protocol: TCP, Port: p}
 		for _, e := range eps {
@@ -99,6 +101,7 @@ func TestDiff(t *testing.T) {
 // (PreferSameNode) first, then zone hints, each only when every usable endpoint
 // carries that kind of hint and one names this node (zone); as kube-proxy 1.35.
 func TestTopology(t *testing.T) {
+	t.Parallel()
 	type ep struct {
 		addr        string
 		zones       []string
@@ -166,6 +169,7 @@ func TestTopology(t *testing.T) {
 }
 
 func TestSplitsExternal(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name string
 		port Port

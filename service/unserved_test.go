@@ -13,6 +13,7 @@ import (
 // Errors, naming the Service, the port and why; the Service's other ports and
 // every other Service are served; with no Unserved, every protocol is served.
 func TestBuildReportsUnservedPorts(t *testing.T) {
+	t.Parallel()
 	mixed := testService("ns", "mixed", withPorts(
 		v1.ServicePort{Name: "web", Port: 80},
 		v1.ServicePort{Name: "sig", Port: 3868, Protocol: v1.ProtocolSCTP},
@@ -74,6 +75,7 @@ func TestBuildReportsUnservedPorts(t *testing.T) {
 // hand-written manifest often leaves it out) is served, and warned of; a
 // headless one is skipped without a word.
 func TestBuildWarnsOfNoClusterIP(t *testing.T) {
+	t.Parallel()
 	bare := testService("ns", "bare", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "" }))
 	headless := testService("ns", "headless", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = v1.ClusterIPNone }))
 	snap := Build([]*v1.Service{bare, headless, testService("ns", "web")}, nil, BuildOptions{})

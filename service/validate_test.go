@@ -19,6 +19,7 @@ func errorStrings(errs []error) []string {
 }
 
 func TestValidateService(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name string
 		svc  *v1.Service
@@ -215,6 +216,7 @@ func TestValidateService(t *testing.T) {
 }
 
 func TestValidateEndpointSlice(t *testing.T) {
+	t.Parallel()
 	v4 := discoveryv1.AddressTypeIPv4
 	tests := []struct {
 		name  string

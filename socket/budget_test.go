@@ -12,6 +12,7 @@ import (
 )
 
 func TestRetryBudgetBucket(t *testing.T) {
+	t.Parallel()
 	var b retryBudget
 	if got := b.tokens(); got != budgetBurst {
 		t.Fatalf("new bucket: got %v tokens, want %d (full)", got, budgetBurst)
@@ -50,6 +51,7 @@ func TestRetryBudgetBucket(t *testing.T) {
 // budget's share of the first attempts, and the connections refused a retry
 // say so.
 func TestTCPProxyRetryBudget(t *testing.T) {
+	t.Parallel()
 	const conns = 60
 	const percent = 10.0
 	tests := []struct {
@@ -119,6 +121,7 @@ func TestTCPProxyRetryBudget(t *testing.T) {
 // is spent, a connection whose first endpoint does not answer is not hedged; it
 // waits for that attempt's timeout and then fails, refused a retry.
 func TestTCPProxyRetryBudgetBoundsHedges(t *testing.T) {
+	t.Parallel()
 	const conns = 15
 	eps := []netip.AddrPort{unansweredAddr(t, "127.0.0.2"), startTCPServer(t, "127.0.0.3", echo).addr}
 	picker := newCyclePicker(eps...)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // ejectingBalancer returns a real Balancer over eps, in that order (rr), that
@@ -39,6 +40,7 @@ func endpointState(t *testing.T, b *affinity.Balancer, ep netip.AddrPort) affini
 // Ejection is the balancer's decision, fed by the proxy's dial reports: it must
 // happen with no Observer at all.
 func TestEjectionWithoutObserver(t *testing.T) {
+	t.Parallel()
 	t.Run("TCP: refused dials eject the endpoint", func(t *testing.T) {
 		const after = 3
 		dead := refusedAddr(t, "127.0.0.3")
@@ -90,7 +92,7 @@ func TestEjectionWithoutObserver(t *testing.T) {
 		// unreachable until the entry ends and the next one picks live.
 		first := listenUDP(t, "127.0.0.1")
 		msg := []byte("anyone there?")
-		await(t, "a reply to the first client", func() bool {
+		testbed.Await(t, awaitTimeout, "a reply to the first client", func() bool {
 			_, _, err := exchange(first, svc, msg, 50*time.Millisecond)
 			return err == nil
 		})

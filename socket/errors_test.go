@@ -16,6 +16,7 @@ import (
 // What accepting (and reading a UDP Service socket) does after each error: only a
 // broken socket stops it.
 func TestActionAfter(t *testing.T) {
+	t.Parallel()
 	names := map[errAction]string{retryNow: "retry now", backOff: "back off", giveUp: "give up"}
 	tests := []struct {
 		err  error

@@ -74,6 +74,7 @@ func receiveRun(c *net.UDPConn, want [][]byte) (netip.AddrPort, error) {
 // The kernel hands a GRO-enabled socket a segmented run as one read, and the
 // batch reader reports the size of its datagrams; a single datagram carries none.
 func TestBatchReaderReportsCoalescedRuns(t *testing.T) {
+	t.Parallel()
 	rx := listenUDP(t, "127.0.0.1")
 	fd, err := takeFD(rx)
 	if err != nil {
@@ -128,6 +129,7 @@ func TestBatchReaderReportsCoalescedRuns(t *testing.T) {
 // other side through the proxy as the same datagrams, each whole and in order,
 // whatever the Service socket's bind; the proxy's sockets ask for coalesced runs.
 func TestUDPProxyKeepsDatagramsOfCoalescedRuns(t *testing.T) {
+	t.Parallel()
 	tests := append([]udpBind{{"IPv4 address", "udp4", "127.0.0.1", "127.0.0.1"}}, wildcardBinds...)
 	up := run(30, 1000, 17)   // client to endpoint
 	down := run(100, 600, 99) // endpoint to client: more than one segmented send may carry
@@ -193,6 +195,7 @@ func TestUDPProxyKeepsDatagramsOfCoalescedRuns(t *testing.T) {
 // When the kernel refuses to cut a run (a device that cannot checksum the
 // pieces), sendRun sends its datagrams one by one and remembers to.
 func TestSendRunFallsBackToOneSendPerDatagram(t *testing.T) {
+	t.Parallel()
 	rx := listenUDP(t, "127.0.0.1")
 	tx := listenUDP(t, "127.0.0.1")
 	fd, err := takeFD(tx)
@@ -222,6 +225,7 @@ func TestSendRunFallsBackToOneSendPerDatagram(t *testing.T) {
 
 // Each datagram's control-message room holds the larger pktinfo and a segment size.
 func TestControlSpaceHoldsPktinfoAndSegmentSize(t *testing.T) {
+	t.Parallel()
 	for _, size := range []int{unix.SizeofInet4Pktinfo, unix.SizeofInet6Pktinfo} {
 		if need := unix.CmsgSpace(size) + segmentSpace; need > controlSpace {
 			t.Errorf("a %d-byte pktinfo and a segment size need %d bytes, controlSpace is %d", size, need, controlSpace)

@@ -40,6 +40,7 @@ func attemptKinds(c record.Conn, eps []netip.AddrPort) []string {
 }
 
 func TestTCPProxyHedgedDials(t *testing.T) {
+	t.Parallel()
 	ms := time.Millisecond
 	long := 10 * time.Second
 	tests := []struct {
@@ -161,6 +162,7 @@ func TestTCPProxyHedgedDials(t *testing.T) {
 // with a hedge due at once: whenever the loser had connected too (its event
 // not yet handled), the Picker hears of its success, never of a failure.
 func TestTCPProxyHedgeLoserThatConnectedIsASuccess(t *testing.T) {
+	t.Parallel()
 	eps := []netip.AddrPort{startTCPServer(t, "127.0.0.2", echo).addr, startTCPServer(t, "127.0.0.3", echo).addr}
 	picker := newCyclePicker(eps...)
 	rec := &recorder{}
@@ -207,6 +209,7 @@ func TestTCPProxyHedgeLoserThatConnectedIsASuccess(t *testing.T) {
 // TestTCPProxySetDialPolicy changes the policy while the proxy serves: new
 // connections dial by the new one.
 func TestTCPProxySetDialPolicy(t *testing.T) {
+	t.Parallel()
 	eps := []netip.AddrPort{unansweredAddr(t, "127.0.0.2"), startTCPServer(t, "127.0.0.3", echo).addr}
 	picker := newCyclePicker(eps...)
 	rec := &recorder{}

@@ -330,7 +330,7 @@ func TestTCPProxyNoLeaksOverCloses(t *testing.T) {
 				t.Errorf("... %d failed connections in all", failures)
 			}
 			w.rec.awaitClosed(t, already+perPattern)
-			await(t, "no open connection", func() bool { return w.proxy.Active() == 0 })
+			testbed.Await(t, awaitTimeout, "no open connection", func() bool { return w.proxy.Active() == 0 })
 			if u := w.picker.unreleased(); len(u) != 0 {
 				t.Errorf("Pick without Release: %v", u)
 			}
@@ -419,9 +419,9 @@ func TestUDPProxyNoLeaksOverClientChurn(t *testing.T) {
 	if nAnswered < clients/2 {
 		t.Errorf("answered clients: got %d of %d, want most", nAnswered, clients)
 	}
-	await(t, "the client table to empty", func() bool { return p.Clients() == 0 })
+	testbed.Await(t, awaitTimeout, "the client table to empty", func() bool { return p.Clients() == 0 })
 	opened, _, _ := rec.counts()
-	await(t, "a record for every client entry", func() bool {
+	testbed.Await(t, awaitTimeout, "a record for every client entry", func() bool {
 		_, _, closed := rec.counts()
 		return closed == opened
 	})
@@ -454,7 +454,7 @@ func TestAwaitBaselineSeesALeak(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.Close() // the accepted side now holds an unanswered FIN
-	await(t, "the accepted socket in CLOSE_WAIT", func() bool { return len(closeWaitSockets(t)) == 1 })
+	testbed.Await(t, awaitTimeout, "the accepted socket in CLOSE_WAIT", func() bool { return len(closeWaitSockets(t)) == 1 })
 	s.Close()
 	if cw := closeWaitSockets(t); len(cw) != 0 {
 		t.Errorf("after closing it: got %v in CLOSE_WAIT, want none", cw)

@@ -63,6 +63,7 @@ func sessionSockets(t *testing.T, p *TCPProxy) (client, backend int) {
 // connected before Serve began - and the backend's set once the connection has
 // been open for KeepAlive by the loop's clock, not before (see keepAliveDue).
 func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
+	t.Parallel()
 	noDelay := sockopts{noDelay: true}
 	tests := []struct {
 		name      string
@@ -130,6 +131,7 @@ func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
 // vanished without a FIN is found as soon as the options are set, and both
 // sockets are freed.
 func TestTCPProxyKeepAliveFindsAVanishedBackend(t *testing.T) {
+	testbed.Needs(t, testbed.Root) // vanish
 	served := make(chan *net.TCPConn, 1)
 	backend := startTCPServer(t, "127.0.0.2", func(c *net.TCPConn) {
 		buf := make([]byte, 4)
@@ -166,7 +168,7 @@ func vanish(t *testing.T, c *net.TCPConn) {
 	}
 	var serr error
 	rc.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_REPAIR, 1) })
-	if errors.Is(serr, unix.EPERM) {
+	if errors.Is(serr, unix.EPERM) { // root, without CAP_NET_ADMIN
 		testbed.Skip(t, "a client that vanishes without a FIN needs TCP_REPAIR (CAP_NET_ADMIN)")
 	} else if serr != nil {
 		t.Fatalf("TCP_REPAIR: %v", serr)
@@ -178,6 +180,7 @@ func vanish(t *testing.T, c *net.TCPConn) {
 // its idle connection, and both sockets are freed; without keepalive nothing
 // would ever tell the proxy.
 func TestTCPProxyKeepAliveFindsAVanishedClient(t *testing.T) {
+	testbed.Needs(t, testbed.Root) // vanish
 	backend := startTCPServer(t, "127.0.0.2", echo)
 	rec := &recorder{}
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec, KeepAlive: time.Second}
@@ -207,6 +210,7 @@ type idleStep struct {
 // the loop's clock, not before; a byte either way starts the idle time again.
 // Both sides get a reset, and the record says why.
 func TestTCPIdleTimeoutFollowsTheLoopClock(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name  string
 		idle  time.Duration

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/socket/poll/polltest"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // Backend sockets carry the dial mark, which needs CAP_NET_ADMIN: without it
@@ -52,6 +53,7 @@ func TestDialMark(t *testing.T) {
 // A dial attempt times out once the loop's clock reaches its timeout, not before,
 // and the next attempt goes to another endpoint.
 func TestTCPDialTimeoutFollowsTheLoopClock(t *testing.T) {
+	t.Parallel()
 	clock := polltest.NewClock()
 	loops := newLoops(t, 1, clock)
 	eps := []netip.AddrPort{unansweredAddr(t, "127.0.0.2"), startTCPServer(t, "127.0.0.3", echo).addr}
@@ -59,7 +61,7 @@ func TestTCPDialTimeoutFollowsTheLoopClock(t *testing.T) {
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(eps...), Observer: rec,
 		DialTimeouts: []time.Duration{time.Second, time.Second}, Loops: loops}
 	client := dialProxy(t, startTCPProxy(t, p))
-	await(t, "the connection accepted", func() bool { return p.Active() == 1 })
+	testbed.Await(t, awaitTimeout, "the connection accepted", func() bool { return p.Active() == 1 })
 	// The handler that accepted it has armed the dial timer once the loop has
 	// moved on to a posted function.
 	loops.Next().PostWait(func() {})
@@ -90,6 +92,7 @@ func TestTCPDialTimeoutFollowsTheLoopClock(t *testing.T) {
 // A UDP client entry expires once it has been idle for the timeout by the loop's
 // clock; a datagram in between starts the idle time again.
 func TestUDPClientExpiryFollowsTheLoopClock(t *testing.T) {
+	t.Parallel()
 	const timeout = 250 * time.Millisecond
 	clock := polltest.NewClock()
 	backend := startUDPEcho(t, "127.0.0.2")
@@ -171,7 +174,7 @@ func TestAcceptBackoffResumesOnTheLoopClock(t *testing.T) {
 	st := starveDescriptors(t)
 	st.fill()
 	connectRaw(t, clientFD, addr)
-	await(t, "an accept backoff", func() bool {
+	testbed.Await(t, awaitTimeout, "an accept backoff", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(delays) > 0
@@ -208,7 +211,7 @@ func listenHandleOf(t *testing.T, p *TCPProxy) *listenHandle {
 	t.Helper()
 	p.init() // Serve may not have made p.listeners yet
 	var h *listenHandle
-	await(t, "the listener's handle", func() bool {
+	testbed.Await(t, awaitTimeout, "the listener's handle", func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		for tl := range p.listeners {
@@ -227,6 +230,7 @@ func listenHandleOf(t *testing.T, p *TCPProxy) *listenHandle {
 // the queue empty; a burst queued while the loop was busy is served whole, the
 // budget doubling round after round until one accept finds the queue empty.
 func TestAcceptBudget(t *testing.T) {
+	t.Parallel()
 	loops := newLoops(t, 1, nil)
 	lp := loops.Next()
 	backend := startTCPServer(t, "127.0.0.2", echo)

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // A TCP endpoint that is one of the proxy's own sockets is never dialed: the
@@ -22,6 +23,7 @@ import (
 // reset after its attempts, and not a single connection is made to the proxy
 // itself.
 func TestTCPProxyNeverDialsItsOwnSocket(t *testing.T) {
+	t.Parallel()
 	backend := startTCPServer(t, "127.0.0.2", echo)
 	picker := newCyclePicker()
 	rec := &recorder{}
@@ -83,6 +85,7 @@ func TestTCPProxyNeverDialsItsOwnSocket(t *testing.T) {
 // the datagram would come back in as another client's, without end. The
 // client's entry fails with ErrOwnSocket and no entry stays.
 func TestUDPProxyNeverSendsToItsOwnSocket(t *testing.T) {
+	t.Parallel()
 	picker := newCyclePicker()
 	rec := &recorder{}
 	var own netip.AddrPort
@@ -121,6 +124,7 @@ func TestUDPProxyNeverSendsToItsOwnSocket(t *testing.T) {
 // limit itself is hit, while the reserve stays free for others to open. The
 // proxy runs in a process of its own (the test binary), under a low limit.
 func TestTCPProxyLeavesTheReserve(t *testing.T) {
+	t.Parallel()
 	backend := startTCPServer(t, "127.0.0.2", echo)
 	const limit = 160 // a reserve of 40
 	addr, cmd := startChildProcess(t, "SOCKET_TEST_PROXY_TO="+backend.addr.String(),
@@ -187,7 +191,7 @@ func TestTCPProxyLeavesTheReserve(t *testing.T) {
 		c.Close()
 	}
 	held = nil
-	await(t, "a connection served once the others closed", func() bool {
+	testbed.Await(t, awaitTimeout, "a connection served once the others closed", func() bool {
 		c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(addr))
 		if err != nil {
 			return false

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // startTCPWhoAmI runs a TCP backend on ip that answers each connection with the
@@ -47,6 +48,7 @@ func startUDPWhoAmI(t testing.TB, ip string) netip.AddrPort {
 // endpoint of the other family refuses the bind, without privilege
 // IP_TRANSPARENT itself is refused.
 func TestKeepClientAddress(t *testing.T) {
+	t.Parallel()
 	const client = "127.0.0.5"
 	root := os.Geteuid() == 0
 	clientSource := record.SourceClient
@@ -119,9 +121,8 @@ func TestKeepClientAddress(t *testing.T) {
 // A retry keeps the client's address too: the refused first attempt and the
 // one that connects both go from it.
 func TestKeepClientAddressRetry(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("IP_TRANSPARENT needs CAP_NET_ADMIN; without it TestKeepClientAddress checks the fallback")
-	}
+	// Without root TestKeepClientAddress checks the fallback.
+	testbed.Needs(t, testbed.Root) // IP_TRANSPARENT needs CAP_NET_ADMIN
 	const client = "127.0.0.5"
 	rec := &recorder{}
 	proxy := startTCPProxy(t, &TCPProxy{Service: "ns/who:tcp", Observer: rec,
@@ -162,9 +163,7 @@ func localAddr(proto, ip string) net.Addr {
 // local, so this is the three system calls of the socket (source.go), not the
 // portals' rules.
 func BenchmarkTransparentDial(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("IP_TRANSPARENT needs CAP_NET_ADMIN")
-	}
+	testbed.Needs(b, testbed.Root) // IP_TRANSPARENT needs CAP_NET_ADMIN
 	for _, keep := range []bool{false, true} {
 		name := map[bool]string{false: "node", true: "client"}[keep]
 		b.Run(name, func(b *testing.B) {

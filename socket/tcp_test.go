@@ -87,6 +87,7 @@ func endpointsOf(t testing.TB, kinds []endpointKind) []netip.AddrPort {
 }
 
 func TestTCPProxyRetries(t *testing.T) {
+	t.Parallel()
 	ms := time.Millisecond
 	// long is the timeout of attempts that should not time out, even on a loaded machine.
 	long := 10 * time.Second
@@ -241,6 +242,7 @@ func TestTCPProxyRetries(t *testing.T) {
 }
 
 func TestTCPProxyPickFailureResetsClient(t *testing.T) {
+	t.Parallel()
 	picker := newCyclePicker()
 	rec := &recorder{}
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: picker, Observer: rec}
@@ -265,6 +267,7 @@ func payload(seed uint64, n int) []byte {
 }
 
 func TestTCPProxyLargeTransfers(t *testing.T) {
+	t.Parallel()
 	const size = 32 << 20
 	up, down := payload(1, size), payload(2, size)
 	upSum := sha256.Sum256(up)
@@ -320,6 +323,7 @@ func TestTCPProxyLargeTransfers(t *testing.T) {
 }
 
 func TestTCPProxyPropagatesCloseAndReset(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name string
 		// backend runs on the backend's side; it reports what it saw to seen.
@@ -520,6 +524,7 @@ func startBackendProcess(t *testing.T, mode, ip string) (netip.AddrPort, *exec.C
 }
 
 func TestTCPProxyBackendKilledMidStream(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name string
 		mode string
@@ -597,6 +602,7 @@ func TestTCPProxyBackendKilledMidStream(t *testing.T) {
 }
 
 func TestTCPProxyShutdown(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name string
 		// unanswered makes the only endpoint unanswered, so connections are still
@@ -638,13 +644,13 @@ func TestTCPProxyShutdown(t *testing.T) {
 				}
 				clients = append(clients, c)
 			}
-			await(t, "every connection active", func() bool { return p.Active() == conns })
+			testbed.Await(t, awaitTimeout, "every connection active", func() bool { return p.Active() == conns })
 
 			ctx, cancel := context.WithTimeout(context.Background(), tt.grace)
 			defer cancel()
 			done := make(chan error, 1)
 			go func() { done <- p.Shutdown(ctx) }()
-			await(t, "the proxy to close", p.isClosed)
+			testbed.Await(t, awaitTimeout, "the proxy to close", p.isClosed)
 			if c, err := net.DialTCP("tcp", nil, net.TCPAddrFromAddrPort(addr)); err == nil {
 				c.Close()
 				t.Errorf("dial after Shutdown began: got a connection, want refused")
@@ -777,7 +783,7 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	await(t, "no active connection", func() bool { return p.Active() == 0 })
+	testbed.Await(t, awaitTimeout, "no active connection", func() bool { return p.Active() == 0 })
 	recs := rec.awaitClosed(t, clients)
 	perEndpoint := make(map[netip.AddrPort]int)
 	for _, c := range recs {
@@ -804,12 +810,13 @@ func TestTCPProxyManyConcurrentClients(t *testing.T) {
 	for _, s := range backends {
 		s.stop()
 	}
-	await(t, fmt.Sprintf("goroutines back to the baseline of %d", baseline), func() bool {
+	testbed.Await(t, awaitTimeout, fmt.Sprintf("goroutines back to the baseline of %d", baseline), func() bool {
 		return runtime.NumGoroutine() <= baseline
 	})
 }
 
 func TestTCPProxyServeAfterClose(t *testing.T) {
+	t.Parallel()
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(), Loops: newLoops(t, 1, nil)}
 	if err := p.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
@@ -872,7 +879,7 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	connectRaw(t, clientFD, addr)
 
 	const backoffs = 4
-	await(t, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
+	testbed.Await(t, awaitTimeout, fmt.Sprintf("%d accept backoffs", backoffs), func() bool {
 		st.take()
 		mu.Lock()
 		defer mu.Unlock()
@@ -1036,7 +1043,7 @@ func TestTCPProxyDialOutOfFilesBacksOffAndSparesTheEndpoint(t *testing.T) {
 	st.free() // for accept; the dial finds none
 	connectRaw(t, clientFD, addr)
 	closed := rec.awaitClosed(t, 2)
-	await(t, "an accept backoff", func() bool {
+	testbed.Await(t, awaitTimeout, "an accept backoff", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(backoffErrs) > 0
@@ -1092,6 +1099,7 @@ func nothingCounted(t *testing.T, rec *recorder, picker *cyclePicker, served int
 }
 
 func TestNextBackoff(t *testing.T) {
+	t.Parallel()
 	var got []time.Duration
 	d := time.Duration(0)
 	for range 10 {
@@ -1106,6 +1114,7 @@ func TestNextBackoff(t *testing.T) {
 }
 
 func TestTCPProxyIPv6(t *testing.T) {
+	t.Parallel()
 	tests := []struct{ name, listen, backend string }{
 		{name: "IPv6 client, IPv6 backend", listen: "[::1]:0", backend: "::1"},
 		{name: "IPv4 client, IPv6 backend", listen: "127.0.0.1:0", backend: "::1"},
@@ -1141,6 +1150,7 @@ func TestTCPProxyIPv6(t *testing.T) {
 // whether the backend writes in small pieces (copied through the loop's buffer) or
 // large ones (spliced).
 func TestTCPProxySlowReader(t *testing.T) {
+	t.Parallel()
 	const size = 4 << 20
 	down := payload(3, size)
 	for _, chunk := range []int{1000, 256 << 10} {
@@ -1194,6 +1204,7 @@ func TestTCPProxySlowReader(t *testing.T) {
 // workload measures: at 1032 bytes (four attempts and four tried endpoints
 // inline) it took the 1152-byte class, and the workload measured 0.9-1.09 KiB.
 func TestSessionFitsItsAllocationClass(t *testing.T) {
+	t.Parallel()
 	if size := unsafe.Sizeof(tcpSession{}); size > 704 {
 		t.Errorf("tcpSession is %d bytes, want at most 704", size)
 	}

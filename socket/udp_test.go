@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/record"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // listenUDP opens an unconnected UDP socket on ip:0, closed at the end of the test.
@@ -124,6 +125,7 @@ func exchange(c *net.UDPConn, addr netip.AddrPort, msg []byte, wait time.Duratio
 }
 
 func TestUDPProxyRoundTrip(t *testing.T) {
+	t.Parallel()
 	for _, size := range []int{0, 1, 1472, 9000, 65507} {
 		t.Run(fmt.Sprintf("%d bytes", size), func(t *testing.T) {
 			backend := startUDPEcho(t, "127.0.0.2")
@@ -170,6 +172,7 @@ func TestUDPProxyRoundTrip(t *testing.T) {
 }
 
 func TestUDPProxyIdleExpiry(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name    string
 		timeout time.Duration
@@ -203,7 +206,7 @@ func TestUDPProxyIdleExpiry(t *testing.T) {
 					firstReply = time.Now()
 				}
 			}
-			await(t, "the idle entry to expire", func() bool { return p.Clients() == 0 })
+			testbed.Await(t, awaitTimeout, "the idle entry to expire", func() bool { return p.Clients() == 0 })
 			c := rec.awaitClosed(t, 1)[0]
 			want := int64(sends * len(msg))
 			if c.BytesIn != want || c.BytesOut != want || c.Err != nil {
@@ -230,6 +233,7 @@ func TestUDPProxyIdleExpiry(t *testing.T) {
 }
 
 func TestUDPProxyTableBound(t *testing.T) {
+	t.Parallel()
 	backend := startUDPEcho(t, "127.0.0.2")
 	rec := &recorder{}
 	p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Observer: rec, MaxClients: 2, Timeout: time.Hour}
@@ -254,6 +258,7 @@ func TestUDPProxyTableBound(t *testing.T) {
 }
 
 func TestUDPProxyDeadBackendRepick(t *testing.T) {
+	t.Parallel()
 	dead := deadUDPAddr(t, "127.0.0.3")
 	live := startUDPEcho(t, "127.0.0.2")
 	rec := &recorder{}
@@ -267,7 +272,7 @@ func TestUDPProxyDeadBackendRepick(t *testing.T) {
 	msg := []byte("anyone there?")
 	var got []byte
 	var from netip.AddrPort
-	await(t, "a reply", func() bool {
+	testbed.Await(t, awaitTimeout, "a reply", func() bool {
 		var err error
 		got, from, err = exchange(client, svc, msg, 50*time.Millisecond)
 		return err == nil
@@ -362,7 +367,7 @@ func TestUDPProxyManyClients(t *testing.T) {
 		t.Errorf("Pick without Release: %v", u)
 	}
 	// Only the two echo backends, ended by the test's cleanup, remain.
-	await(t, "the proxy's goroutines to end", func() bool { return runtime.NumGoroutine() <= baseline+2 })
+	testbed.Await(t, awaitTimeout, "the proxy's goroutines to end", func() bool { return runtime.NumGoroutine() <= baseline+2 })
 }
 
 // udpBind is a Service socket's network and bind, and the address a client
@@ -384,6 +389,7 @@ var wildcardBinds = []udpBind{
 // kernel would answer from: the reply must still come from the address written
 // to, as conntrack and connected clients require.
 func TestUDPProxyWildcardRepliesFromDestination(t *testing.T) {
+	t.Parallel()
 	for _, tt := range wildcardBinds {
 		t.Run(tt.name, func(t *testing.T) {
 			backend := startUDPEcho(t, "127.0.0.2")
@@ -443,6 +449,7 @@ func TestUDPProxyOutOfFilesSparesTheEndpoint(t *testing.T) {
 // and the client's next datagram, from the same source port, goes to the
 // endpoint that remains.
 func TestUDPProxyRetainMovesClientsOffRemovedEndpoints(t *testing.T) {
+	t.Parallel()
 	a := startUDPEcho(t, "127.0.0.2")
 	b := startUDPEcho(t, "127.0.0.3")
 	rec := &recorder{}

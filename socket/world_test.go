@@ -17,23 +17,12 @@ import (
 
 	"github.com/uproxy/uproxy/record"
 	"github.com/uproxy/uproxy/socket/poll"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // awaitTimeout bounds every wait for a condition; conditions normally hold within
 // milliseconds, the margin is for slow machines and -race.
 const awaitTimeout = 20 * time.Second
-
-// await polls cond until it holds, failing the test after awaitTimeout.
-func await(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(awaitTimeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", awaitTimeout, what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
 
 // errNoEndpoints is what a cyclePicker without endpoints returns from Pick.
 var errNoEndpoints = errors.New("no usable endpoints")
@@ -180,7 +169,7 @@ func (r *recorder) ConnClosed(c *record.Conn) {
 // awaitClosed waits until n connections have been reported closed and returns them.
 func (r *recorder) awaitClosed(t testing.TB, n int) []record.Conn {
 	t.Helper()
-	await(t, fmt.Sprintf("%d ConnClosed records", n), func() bool {
+	testbed.Await(t, awaitTimeout, fmt.Sprintf("%d ConnClosed records", n), func() bool {
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		return len(r.closed) >= n

@@ -12,6 +12,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // recorder is a Mode that records every snapshot it is given, and when (on the
@@ -79,13 +80,12 @@ func newClock() *testingclock.FakeClock {
 // blocked until c is stepped, or an Update arrives.
 func awaitWaiters(t *testing.T, c *testingclock.FakeClock, n int) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for c.Waiters() != n {
-		if time.Now().After(deadline) {
-			t.Fatalf("timers armed: got %d, want %d", c.Waiters(), n)
+	testbed.AwaitNoError(t, 10*time.Second, fmt.Sprintf("%d timers armed", n), func() error {
+		if got := c.Waiters(); got != n {
+			return fmt.Errorf("timers armed: got %d, want %d", got, n)
 		}
-		time.Sleep(100 * time.Microsecond)
-	}
+		return nil
+	})
 }
 
 // notFired checks, right after a Step, that none of the runner's timers fired:

@@ -1,23 +1,10 @@
 package testbed
 
 import (
-	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
 )
-
-// RequireIPTables is Require plus the iptables-restore and -save commands of both
-// families: the test is skipped without them, or fails when CI=true.
-func RequireIPTables(t testing.TB) {
-	t.Helper()
-	Require(t)
-	for _, c := range []string{"iptables-restore", "ip6tables-restore", "iptables-save", "ip6tables-save"} {
-		if _, err := exec.LookPath(c); err != nil {
-			Skip(t, err)
-		}
-	}
-}
 
 var ruleCounters = regexp.MustCompile(`\[\d+:\d+\]`)
 

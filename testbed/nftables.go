@@ -1,19 +1,6 @@
 package testbed
 
-import (
-	"os/exec"
-	"testing"
-)
-
-// RequireNFTables is Require plus the nft command: the test is skipped without
-// it, or fails when CI=true (`make deps` installs it).
-func RequireNFTables(t testing.TB) {
-	t.Helper()
-	Require(t)
-	if _, err := exec.LookPath("nft"); err != nil {
-		Skip(t, err)
-	}
-}
+import "testing"
 
 // NFTRuleset returns the node's whole nftables ruleset without counters or
 // handles (nft -s), for exact before/after comparisons. With iptables on its

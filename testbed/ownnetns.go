@@ -28,10 +28,10 @@ func InOwnNetns(t *testing.T) bool {
 	if strings.Contains(t.Name(), "/") {
 		t.Fatalf("InOwnNetns: %s is a subtest; only a top-level test can run in a process of its own", t.Name())
 	}
-	Require(t)
+	Needs(t, Netns, Commands("unshare"))
 	unshare, err := exec.LookPath("unshare")
 	if err != nil {
-		Skip(t, "unshare (util-linux) is needed to run the test in a network namespace of its own:", err)
+		t.Fatal(err)
 	}
 	cmd := exec.CommandContext(t.Context(), unshare, "--net", os.Args[0],
 		"-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.count=1", "-test.v")

@@ -94,7 +94,7 @@ func TestRunRestoresNamespace(t *testing.T) {
 }
 
 func TestCleanupRemovesNamespaces(t *testing.T) {
-	Require(t)
+	Needs(t, Netns)
 	var names []string
 	t.Run("build", func(t *testing.T) {
 		tp := New(t)
@@ -114,7 +114,7 @@ func TestCleanupRemovesNamespaces(t *testing.T) {
 }
 
 func TestParallelTopologiesDoNotClash(t *testing.T) {
-	Require(t)
+	Needs(t, Netns)
 	for i := range 3 {
 		t.Run(string(rune('a'+i)), func(t *testing.T) {
 			t.Parallel()

@@ -46,7 +46,7 @@ func BenchmarkSync(b *testing.B) {
 	for _, n := range []int{1000, 10000} {
 		for _, mode := range []string{"full", "one-change", "unchanged"} {
 			b.Run(fmt.Sprintf("ports=%d/%s", n, mode), func(b *testing.B) {
-				testbed.RequireIPTables(b)
+				testbed.Needs(b, testbed.IPTables)
 				tp := testbed.New(b)
 				s := benchSnapshot(n)
 				changed := benchSnapshot(n)

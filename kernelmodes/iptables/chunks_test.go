@@ -232,7 +232,7 @@ func TestManyPortsWrittenInChunks(t *testing.T) {
 // three chunks, reaches the first and the last port through them, and deletes
 // all but one.
 func TestRealIPTablesManyPorts(t *testing.T) {
-	testbed.RequireIPTables(t)
+	testbed.Needs(t, testbed.IPTables)
 	w := newWorld(t)
 	var p *Proxier
 	if err := w.tp.Run(testbed.Node, func() (err error) {
@@ -318,6 +318,7 @@ func TestRealIPTablesManyPorts(t *testing.T) {
 }
 
 func TestSharedNATEditedInPlace(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -440,6 +441,7 @@ func (k *editFailingKernel) Restore(v6 bool, input []byte) error {
 }
 
 func TestFailedEditRewritesNext(t *testing.T) {
+	t.Parallel()
 	k, ref := newFakeKernel(), newFakeKernel()
 	p, err := New(Config{IPTables: &editFailingKernel{fakeKernel: k}, Conntrack: &k.ct})
 	if err != nil {

@@ -22,6 +22,7 @@ func (k countersKernel) SaveCounters(v6 bool, table string) ([]byte, error) { re
 // DebugServices reports each endpoint's DNAT counters as iptables-save -c shows
 // them, summed over the families, and leaves them zero when they cannot be read.
 func TestDebugServicesCounters(t *testing.T) {
+	t.Parallel()
 	web := svcPort("shop", "web", "http", service.TCP, 80)
 	web.ClusterIPs = addrs("10.96.0.10", "fd00:96::10")
 	web.Endpoints = eps("10.244.1.2:8080", "10.244.2.3:8080", "[fd00:244::2]:8080")

@@ -16,7 +16,7 @@ import (
 // route_localnet); and the guard keeps the other host away from the node's
 // loopback services, which route_localnet would otherwise expose.
 func TestRealLocalhostNodePorts(t *testing.T) {
-	testbed.RequireIPTables(t)
+	testbed.Needs(t, testbed.IPTables)
 	w := newWorld(t)
 	tp := w.tp
 	node := tp.NS(testbed.Node)

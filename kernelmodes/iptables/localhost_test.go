@@ -101,6 +101,7 @@ const (
 func lines(s string) []string { return strings.Split(strings.TrimSuffix(s, "\n"), "\n") }
 
 func TestLocalhostNodePorts(t *testing.T) {
+	t.Parallel()
 	w := newLocalhostWorld(t, Config{LocalhostNodePorts: true})
 	if err := w.sync(t); err != nil {
 		t.Fatal(err)
@@ -174,6 +175,7 @@ func TestLocalhostNodePorts(t *testing.T) {
 
 // Without nfnetlink_acct localhost NodePorts still answer, uncounted.
 func TestLocalhostNodePortsWithoutAccounting(t *testing.T) {
+	t.Parallel()
 	w := newLocalhostWorld(t, Config{LocalhostNodePorts: true})
 	w.acct.ensureErr = errors.New("nfacct unavailable")
 	if err := w.sync(t); err != nil {
@@ -200,6 +202,7 @@ func TestLocalhostNodePortsWithoutAccounting(t *testing.T) {
 // A route_localnet that cannot be set fails the sync, naming it, yet every
 // rule is written, and the next sync tries again.
 func TestLocalhostNodePortsSysctlFailure(t *testing.T) {
+	t.Parallel()
 	w := newLocalhostWorld(t, Config{LocalhostNodePorts: true})
 	w.sysctl.err = errors.New("set net.ipv4.conf.all.route_localnet to 1: read-only file system")
 	err := w.sync(t)
@@ -216,6 +219,7 @@ func TestLocalhostNodePortsSysctlFailure(t *testing.T) {
 }
 
 func TestLocalhostNodePortsOff(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name string
 		cfg  Config

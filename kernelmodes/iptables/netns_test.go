@@ -125,7 +125,7 @@ func (w *world) sync(t testing.TB, p *Proxier, s *service.Snapshot) {
 }
 
 func TestRealIPTablesMode(t *testing.T) {
-	testbed.RequireIPTables(t)
+	testbed.Needs(t, testbed.IPTables)
 	w := newWorld(t)
 	tp := w.tp
 	var p *Proxier

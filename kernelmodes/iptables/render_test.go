@@ -13,6 +13,7 @@ import (
 
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
 // emptyV4 is the whole IPv4 restore input for a snapshot without Services: the
@@ -44,6 +45,7 @@ COMMIT
 `
 
 func TestRenderEmpty(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -97,15 +99,10 @@ func expand(n names, p *service.Port, s string) string {
 	})
 }
 
-func eps(ss ...string) []service.Endpoint {
-	var out []service.Endpoint
-	for _, s := range ss {
-		out = append(out, ep(s, false))
-	}
-	return out
-}
+var eps = servicetest.Endpoints
 
 func TestRenderPort(t *testing.T) {
+	t.Parallel()
 	three := eps("10.244.1.2:8080", "10.244.2.3:8080", "10.244.3.4:8080")
 	cases := []struct {
 		name string
@@ -357,6 +354,7 @@ func TestRenderPort(t *testing.T) {
 }
 
 func TestNodePortAddresses(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{Common: proxymode.Common{IPv6: true, NodePortAddresses: []netip.Prefix{netip.MustParsePrefix("192.168.50.7/24")}}, IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -375,6 +373,7 @@ func TestNodePortAddresses(t *testing.T) {
 }
 
 func TestChainNames(t *testing.T) {
+	t.Parallel()
 	name := service.PortName{Namespace: "a-very-long-namespace-name", Name: "and-an-even-longer-service-name", Port: "port"}
 	for _, prefix := range []string{"UPROXY", "U", "ABCDEFGHI"} {
 		n := namesOf(prefix)
@@ -406,6 +405,7 @@ func TestChainNames(t *testing.T) {
 }
 
 func TestPartialSync(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -498,6 +498,7 @@ func TestPartialSync(t *testing.T) {
 }
 
 func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {
@@ -557,6 +558,7 @@ func TestFullSyncAfterCanaryLossOrFailure(t *testing.T) {
 }
 
 func TestStaleUDPFlows(t *testing.T) {
+	t.Parallel()
 	k := newFakeKernel()
 	p, err := New(Config{IPTables: k.Fake, Conntrack: &k.ct})
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
 // fakeKernel models IPVS and the dummy link as the kernel keeps them; IPVS
@@ -187,22 +188,15 @@ func (k *fakeKernel) servers() []string {
 	return out
 }
 
-func ep(s string) service.Endpoint {
-	return service.Endpoint{Addr: netip.MustParseAddrPort(s), Ready: true, Serving: true}
-}
-
+// port is a Service port of namespace shop with one ClusterIP and its endpoints.
 func port(name string, proto service.Protocol, p int, cluster string, eps ...string) *service.Port {
-	sp := &service.Port{Name: service.PortName{Namespace: "shop", Name: name}, Protocol: proto, Port: p, ClusterIPs: []netip.Addr{netip.MustParseAddr(cluster)}}
-	for _, e := range eps {
-		sp.Endpoints = append(sp.Endpoints, ep(e))
-	}
+	sp := servicetest.Port("shop", name, "", proto, p)
+	sp.ClusterIPs = servicetest.Addrs(cluster)
+	sp.Endpoints = servicetest.Endpoints(eps...)
 	return sp
 }
 
-func snap(ports ...*service.Port) *service.Snapshot {
-	sort.Slice(ports, func(i, j int) bool { return ports[i].Name.Less(ports[j].Name) })
-	return &service.Snapshot{Ports: ports}
-}
+var snap = servicetest.Snapshot
 
 func newProxier(t *testing.T, cfg Config) (*Proxier, *fakeKernel, *iptablestest.Fake) {
 	t.Helper()
@@ -230,6 +224,7 @@ func equal(t *testing.T, what string, got, want []string) {
 }
 
 func TestVirtualServers(t *testing.T) {
+	t.Parallel()
 	web := port("web", service.TCP, 80, "10.96.0.10", "10.244.1.2:8080", "10.244.2.3:8080", "[fd00::2]:8080")
 	web.ClusterIPs = append(web.ClusterIPs, netip.MustParseAddr("fd00:96::10"))
 	web.ExternalIPs = []netip.Addr{netip.MustParseAddr("203.0.113.5")}
@@ -240,8 +235,7 @@ func TestVirtualServers(t *testing.T) {
 	sticky.AffinityClientIP = true
 	sticky.AffinityTimeout = 3 * time.Hour
 	local := port("local", service.TCP, 80, "10.96.0.12")
-	local.Endpoints = []service.Endpoint{ep("10.244.1.2:80"), ep("10.244.2.3:80")}
-	local.Endpoints[0].Local = true
+	local.Endpoints = []service.Endpoint{servicetest.Endpoint("10.244.1.2:80", true), servicetest.Endpoint("10.244.2.3:80", false)}
 	local.NodePort = 30081
 	local.ExternalPolicyLocal = true
 
@@ -307,6 +301,7 @@ func TestVirtualServers(t *testing.T) {
 }
 
 func TestGracefulTermination(t *testing.T) {
+	t.Parallel()
 	p, k, _ := newProxier(t, Config{})
 	web := port("web", service.TCP, 80, "10.96.0.10", "10.244.1.2:8080", "10.244.2.3:8080")
 	dns := port("dns", service.UDP, 53, "10.96.0.53", "10.244.1.2:5353", "10.244.2.3:5353")
@@ -356,6 +351,7 @@ func TestGracefulTermination(t *testing.T) {
 }
 
 func TestServiceChangesAndRemoval(t *testing.T) {
+	t.Parallel()
 	p, k, _ := newProxier(t, Config{})
 	web := port("web", service.TCP, 80, "10.96.0.10", "10.244.1.2:8080")
 	api := port("api", service.TCP, 443, "10.96.0.11", "10.244.1.3:8443")
@@ -398,6 +394,7 @@ func TestServiceChangesAndRemoval(t *testing.T) {
 }
 
 func TestRules(t *testing.T) {
+	t.Parallel()
 	p, _, r := newProxier(t, Config{Common: proxymode.Common{NodeIPs: []netip.Addr{netip.MustParseAddr("192.168.50.1")}, ClusterCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}})
 	web := port("web", service.TCP, 80, "10.96.0.10", "10.244.1.2:8080")
 	web.NodePort = 30080
@@ -442,6 +439,7 @@ func TestRules(t *testing.T) {
 }
 
 func TestNewRejectsUnknownScheduler(t *testing.T) {
+	t.Parallel()
 	for _, s := range Schedulers {
 		if _, err := New(Config{Scheduler: s, Kernel: newFakeKernel()}); err != nil {
 			t.Errorf("scheduler %s: got %v, want nil", s, err)
@@ -453,6 +451,7 @@ func TestNewRejectsUnknownScheduler(t *testing.T) {
 }
 
 func TestCleanupRules(t *testing.T) {
+	t.Parallel()
 	r := iptablestest.New()
 	err := r.Apply(false, "*nat\n:PREROUTING ACCEPT [0:0]\n:UPROXY-IPVS-SERVICES - [0:0]\n:UPROXY-IPVS-CANARY - [0:0]\n"+
 		"-A PREROUTING -m comment --comment \"uproxy ipvs service portals\" -j UPROXY-IPVS-SERVICES\nCOMMIT\n"+
@@ -480,6 +479,7 @@ func TestCleanupRules(t *testing.T) {
 }
 
 func TestDebugServices(t *testing.T) {
+	t.Parallel()
 	p, k, _ := newProxier(t, Config{})
 	web := port("web", service.TCP, 80, "10.96.0.10", "10.244.1.2:8080", "10.244.2.3:8080")
 	syncOK(t, p, snap(web))
@@ -499,6 +499,7 @@ func TestDebugServices(t *testing.T) {
 // A Service's uproxy.io/scheduler annotation sets its virtual servers'
 // scheduler; a change of it updates them in place.
 func TestServiceSchedulerAnnotation(t *testing.T) {
+	t.Parallel()
 	p, k, _ := newProxier(t, Config{Scheduler: "wlc"})
 	web := port("web", service.TCP, 80, "10.96.0.10", "10.244.1.2:8080")
 	web.Policy.Scheduler = "sh"

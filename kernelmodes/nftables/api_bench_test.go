@@ -33,7 +33,7 @@ import (
 //
 //	UPROXY_KUBE_BIN=... go test -run '^$' -bench SyncFromAPI -benchtime 20x ./kernelmodes/nftables/
 func BenchmarkSyncFromAPI(b *testing.B) {
-	testbed.RequireNFTables(b)
+	testbed.Needs(b, testbed.NFTables)
 	const n = 10000
 	srv := kubeapi.Start(b)
 	client := srv.Client(b)

@@ -71,7 +71,7 @@ func BenchmarkSync(b *testing.B) {
 		{10000, "full"}, {10000, "one-service"}, {10000, "one-endpoint"}, {50000, "full"},
 	} {
 		b.Run(fmt.Sprintf("ports=%d/%s", c.n, c.mode), func(b *testing.B) {
-			testbed.RequireNFTables(b)
+			testbed.Needs(b, testbed.NFTables)
 			tp := testbed.New(b)
 			s := benchSnapshot(c.n)
 			var other *service.Snapshot
@@ -162,7 +162,7 @@ func BenchmarkRender(b *testing.B) {
 //
 //	go test -run '^$' -bench ConnThroughKernelMode ./kernelmodes/nftables/
 func BenchmarkConnThroughKernelMode(b *testing.B) {
-	testbed.RequireNFTables(b)
+	testbed.Needs(b, testbed.NFTables)
 	tp := testbed.New(b)
 	node := tp.NS(testbed.Node)
 	ln := tp.Listen(testbed.Node, "tcp", node.IPv4.String()+":0")

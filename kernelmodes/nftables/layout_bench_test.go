@@ -268,7 +268,7 @@ func BenchmarkLayout(b *testing.B) {
 				continue
 			}
 			b.Run(fmt.Sprintf("%s/ports=%d", l.name(), n), func(b *testing.B) {
-				testbed.RequireNFTables(b)
+				testbed.Needs(b, testbed.NFTables)
 				benchLayout(b, l, n)
 			})
 		}
@@ -325,6 +325,7 @@ func benchLayout(b *testing.B, l layout, n int) {
 // hold floor(n/k) or ceil(n/k) each, so the busiest gets less than k/n more
 // than its share, and none when k divides n.
 func TestSlotSkew(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		n, k int
 		want float64
@@ -361,7 +362,7 @@ func TestSlotSkew(t *testing.T) {
 // ClusterIP reach its two endpoints (addresses on the node's lo) in about equal
 // numbers, and a Service port without endpoints is refused.
 func TestLayoutDNAT(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	for _, l := range []layout{slotLayout{n: 64}, exactLayout{}} {
 		t.Run(l.name(), func(t *testing.T) {
 			tp := testbed.New(t)

@@ -167,7 +167,7 @@ func (w *world) intact(p *Proxier) bool {
 }
 
 func TestRealNFTablesMode(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	w := newWorld(t)
 	tp := w.tp
 	var p *Proxier

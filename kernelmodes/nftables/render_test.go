@@ -18,24 +18,13 @@ import (
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/service/servicetest"
 )
 
-func eps(ss ...string) []service.Endpoint {
-	var out []service.Endpoint
-	for _, s := range ss {
-		out = append(out, ep(s, false))
-	}
-	return out
-}
-
-// localEps are endpoints on this node.
-func localEps(ss ...string) []service.Endpoint {
-	var out []service.Endpoint
-	for _, s := range ss {
-		out = append(out, ep(s, true))
-	}
-	return out
-}
+var (
+	eps      = servicetest.Endpoints
+	localEps = servicetest.LocalEndpoints
+)
 
 func newFake(t testing.TB, cfg Config) (*Proxier, *nftablestest.Fake, *conntracktest.Recorder) {
 	t.Helper()
@@ -74,6 +63,7 @@ func mustSync(t *testing.T, p *Proxier, s *service.Snapshot) {
 }
 
 func TestTableName(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct{ prefix, want, err string }{
 		{"", "inet uproxy-kernel", ""},
 		{"UPROXY", "inet uproxy-kernel", ""},
@@ -95,6 +85,7 @@ func TestTableName(t *testing.T) {
 
 // TestElements states what each kind of Service port puts in the table.
 func TestElements(t *testing.T) {
+	t.Parallel()
 	web := svcPort("shop", "web", "http", service.TCP, 80)
 	web.ClusterIPs = addrs("10.96.0.10", "fd00:96::10")
 	web.ExternalIPs = addrs("10.250.0.5")
@@ -184,6 +175,7 @@ add rule inet uproxy-kernel services6 meta l4proto { tcp, udp, sctp } dnat ip6 t
 // prefixes, loopback left out even when they hold it (no route_localnet here),
 // and a family without one gets no NodePorts at all.
 func TestNodePortAddresses(t *testing.T) {
+	t.Parallel()
 	web := svcPort("shop", "web", "", service.TCP, 80)
 	web.ClusterIPs = addrs("10.96.0.10", "fd00:96::10")
 	web.NodePort = 30080
@@ -210,6 +202,7 @@ func TestNodePortAddresses(t *testing.T) {
 // TestPartialSync: after the first sync, each sync sends only the elements and
 // chains of the Service ports that changed, or nothing at all.
 func TestPartialSync(t *testing.T) {
+	t.Parallel()
 	a := svcPort("ns", "a", "", service.TCP, 80)
 	a.ClusterIPs = addrs("10.96.0.1")
 	a.Endpoints = localEps("10.244.1.1:80", "10.244.1.2:80")
@@ -341,6 +334,7 @@ delete element inet uproxy-kernel hairpin4 { 10.244.2.2 . 10.244.2.2 }`, true},
 }
 
 func TestChangedPorts(t *testing.T) {
+	t.Parallel()
 	a := svcPort("ns", "a", "", service.TCP, 80)
 	b := svcPort("ns", "b", "", service.TCP, 80)
 	bUDP := svcPort("ns", "b", "", service.UDP, 80)
@@ -392,6 +386,7 @@ func elementsOf(t *testing.T, k *nftablestest.Fake) string {
 // TestWholeWriteAfterFailureOrFlush: a failed transaction, or a table someone
 // flushed, makes the next sync write everything.
 func TestWholeWriteAfterFailureOrFlush(t *testing.T) {
+	t.Parallel()
 	a := svcPort("ns", "a", "", service.TCP, 80)
 	a.ClusterIPs = addrs("10.96.0.1")
 	a.Endpoints = eps("10.244.1.1:80")
@@ -434,6 +429,7 @@ func TestWholeWriteAfterFailureOrFlush(t *testing.T) {
 // are deleted unless they go to an endpoint still in use; ports that did not
 // change are not looked at.
 func TestStaleUDPFlows(t *testing.T) {
+	t.Parallel()
 	dns := svcPort("kube-system", "dns", "", service.UDP, 53)
 	dns.ClusterIPs = addrs("10.96.0.53")
 	dns.NodePort = 30053
@@ -469,6 +465,7 @@ func TestStaleUDPFlows(t *testing.T) {
 // TestDebugServices: every Service port of the last sync, with the endpoints
 // traffic is sent to marked usable.
 func TestDebugServices(t *testing.T) {
+	t.Parallel()
 	web := svcPort("shop", "web", "", service.TCP, 80)
 	web.ClusterIPs = addrs("10.96.0.10")
 	web.Endpoints = append(eps("10.244.1.2:8080"), service.Endpoint{Addr: netip.MustParseAddrPort("10.244.1.3:8080")})
@@ -489,6 +486,7 @@ func TestDebugServices(t *testing.T) {
 // TestSyncReportsBadPortsAndProgramsTheRest: an unsupported protocol or an
 // invalid port is an error naming the Service port; the others are written.
 func TestSyncReportsBadPortsAndProgramsTheRest(t *testing.T) {
+	t.Parallel()
 	good := svcPort("ns", "good", "", service.TCP, 80)
 	good.ClusterIPs = addrs("10.96.0.1")
 	good.Endpoints = eps("10.244.1.1:80")
@@ -505,6 +503,7 @@ func TestSyncReportsBadPortsAndProgramsTheRest(t *testing.T) {
 }
 
 func TestOutermost(t *testing.T) {
+	t.Parallel()
 	got := outermost([]netip.Prefix{
 		netip.MustParsePrefix("10.1.0.0/16"), netip.MustParsePrefix("10.0.0.0/8"),
 		netip.MustParsePrefix("192.168.1.0/24"), netip.MustParsePrefix("10.0.0.0/8"),
@@ -531,6 +530,7 @@ func udpFlow(dst, reply string) *netlink.ConntrackFlow {
 
 // TestFind: the elements that concern a destination, with what they do.
 func TestFind(t *testing.T) {
+	t.Parallel()
 	web := svcPort("shop", "web", "", service.TCP, 80)
 	web.ClusterIPs = addrs("10.96.0.10")
 	web.NodePort = 30080
@@ -581,6 +581,7 @@ func TestFind(t *testing.T) {
 // also when only the zone changed and the ports are the same objects (the
 // Node's zone label edited while the proxy runs).
 func TestZoneFromSnapshot(t *testing.T) {
+	t.Parallel()
 	p, k, _ := newFake(t, Config{})
 	sp := svcPort("ns", "z", "", service.TCP, 80)
 	sp.ClusterIPs = addrs("10.96.0.9")

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // httpServer is a net/http server on a loopback port that counts what it was
@@ -200,7 +202,7 @@ func TestRunConnect(t *testing.T) {
 	if len(rep.Metrics) != 1 || rep.Metrics[0].Name != "connect" || rep.Metrics[0].A.Count != 50 || rep.Metrics[0].B.Count != 50 {
 		t.Errorf("metrics %+v, want connect alone, 50 samples a side", rep.Metrics)
 	}
-	await(t, "100 connections accepted", func() bool { return len(accepted) == 100 })
+	testbed.Await(t, 5*time.Second, "100 connections accepted", func() bool { return len(accepted) == 100 })
 	var table bytes.Buffer
 	rep.WriteTable(&table)
 	for _, want := range []string{"A  " + silent + ": 50 connections, 0 failed", "connect and close (no exchange)", "connect  A (n=50)"} {
@@ -244,17 +246,5 @@ func TestModeConfigErrors(t *testing.T) {
 				t.Errorf("got %v, want an error containing %q", err, tc.want)
 			}
 		})
-	}
-}
-
-// await polls cond until it holds, failing t after 5s.
-func await(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("waiting 5s for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }

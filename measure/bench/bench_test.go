@@ -24,10 +24,7 @@ import (
 // say why, nothing failed, the outputs render, and no namespace is left behind.
 // It asserts nothing about the numbers' size.
 func TestTinyRun(t *testing.T) {
-	testbed.Require(t)
-	if testing.Short() {
-		testbed.Skip(t, "-short: this test builds uproxy and runs every proxy")
-	}
+	testbed.Needs(t, testbed.Netns, testbed.Build)
 	bin := filepath.Join(t.TempDir(), "uproxy")
 	build := exec.Command("go", "build", "-o", bin, "../..")
 	if out, err := build.CombinedOutput(); err != nil {
@@ -289,7 +286,7 @@ func TestWorkloadClients(t *testing.T) {
 // chains, the changed endpoint's chain in place of the old one; and the
 // measurement itself runs at two sizes and removes its table.
 func TestKubeProxyLayout(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	tp := testbed.New(t)
 	dir := t.TempDir()
 	svcs := refServices(4)
@@ -392,10 +389,7 @@ func TestGrowthAboveNoise(t *testing.T) {
 // live heap and in resident memory alike; the proxy counts the 1000. Read
 // without a collection, RSS gave 0.000 and -0.016 KiB per connection.
 func TestIdleMemoryOfHeldConnections(t *testing.T) {
-	testbed.Require(t)
-	if testing.Short() {
-		testbed.Skip(t, "-short: this test builds uproxy and runs it")
-	}
+	testbed.Needs(t, testbed.Netns, testbed.Build)
 	bin := filepath.Join(t.TempDir(), "uproxy")
 	if out, err := exec.Command("go", "build", "-o", bin, "../..").CombinedOutput(); err != nil {
 		t.Fatalf("go build uproxy: %v\n%s", err, out)

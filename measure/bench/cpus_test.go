@@ -94,10 +94,7 @@ func TestPlacementRejects(t *testing.T) {
 // and backends on every other CPU, the peers with one worker each, and the test
 // process has its CPUs back afterwards.
 func TestProxyCPUs(t *testing.T) {
-	testbed.Require(t)
-	if testing.Short() {
-		testbed.Skip(t, "-short: this test builds uproxy and runs the proxies")
-	}
+	testbed.Needs(t, testbed.Netns, testbed.Build)
 	var mine unix.CPUSet
 	if err := unix.SchedGetaffinity(0, &mine); err != nil {
 		t.Fatal(err)

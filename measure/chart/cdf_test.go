@@ -9,6 +9,7 @@ import (
 )
 
 func TestWriteCDF(t *testing.T) {
+	t.Parallel()
 	pts := []Point{{Micros: 40, Fraction: 0.5}, {Micros: 90, Fraction: 0.99}, {Micros: 300, Fraction: 1}}
 	cases := []struct {
 		name          string
@@ -59,6 +60,7 @@ func TestWriteCDF(t *testing.T) {
 }
 
 func TestMicros(t *testing.T) {
+	t.Parallel()
 	for us, want := range map[float64]string{12.34: "12.3µs", 4560: "4.56ms", 1.2e6: "1.2s", 0.04: "0µs"} {
 		if got := Micros(us); got != want {
 			t.Errorf("Micros(%g) = %q, want %q", us, got, want)

@@ -124,7 +124,7 @@ func (p proc) goroutines() int {
 }
 
 func TestSoak(t *testing.T) {
-	testbed.Require(t)
+	testbed.Needs(t, testbed.Netns, testbed.Build)
 	bin := filepath.Join(t.TempDir(), "uproxy")
 	if out, err := exec.Command("go", "build", "-o", bin, "../..").CombinedOutput(); err != nil {
 		t.Fatalf("build uproxy: %v\n%s", err, out)
@@ -218,7 +218,7 @@ func TestSoak(t *testing.T) {
 		}
 	}
 	// Ready: every Service answers once.
-	await(t, 20*time.Second, "every Service to answer", func() bool {
+	testbed.Await(t, 20*time.Second, "every Service to answer", func() bool {
 		for _, s := range svcs {
 			if s.proto == "TCP" {
 				if r := TCPTransfer("soak/"+s.name+":p", 1024, dialVIP(s), 2*time.Second); r.Err != nil {
@@ -240,7 +240,7 @@ func TestSoak(t *testing.T) {
 	})
 	// Baseline once the warm-up's UDP entries (idle expiry 1s) are gone.
 	var fd0, sock0, g0 int
-	await(t, 20*time.Second, "a stable baseline", func() bool {
+	testbed.Await(t, 20*time.Second, "a stable baseline", func() bool {
 		time.Sleep(1500 * time.Millisecond)
 		f1, s1 := p.counts()
 		g1 := p.goroutines()
@@ -382,7 +382,7 @@ func TestSoak(t *testing.T) {
 	// Back to baseline: sockets and goroutines, once UDP entries have expired and
 	// the last connections have closed. Descriptors also count pooled splice
 	// pipes, which only the proxy's garbage collector releases.
-	await(t, settleAfterTraffic, "uproxy's sockets and goroutines back to the baseline", func() bool {
+	testbed.Await(t, settleAfterTraffic, "uproxy's sockets and goroutines back to the baseline", func() bool {
 		fig.FDs[1], fig.Sockets[1] = p.counts()
 		fig.Goroutines[1] = p.goroutines()
 		return fig.Sockets[1] <= sock0 && fig.Goroutines[1] <= g0
@@ -414,16 +414,5 @@ func TestSoak(t *testing.T) {
 	}
 	if fig.FlushRecovery == 0 {
 		t.Errorf("the rules were not restored after the flush")
-	}
-}
-
-func await(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("waiting %s for %s", within, what)
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }

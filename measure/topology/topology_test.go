@@ -10,8 +10,13 @@ import (
 	"testing"
 )
 
+// requireNamespaces is testbed.Needs(t, testbed.Netns), which these tests
+// cannot call: testbed imports this package.
 func requireNamespaces(t *testing.T) {
 	t.Helper()
+	if testing.Short() {
+		t.Skip("-short: this test needs network namespaces")
+	}
 	if err := Available(); err != nil {
 		if os.Getenv("CI") == "true" {
 			t.Fatal(err)

@@ -45,6 +45,7 @@ func mustApply(t *testing.T, k *iptablestest.Fake, v6 bool, input string) {
 }
 
 func TestCanary(t *testing.T) {
+	t.Parallel()
 	k := iptablestest.New()
 	c := iptables.Canary{Chain: "UPX-CANARY", Tables: []string{"nat", "filter"}}
 	tables, err := k.Tables(false)
@@ -74,6 +75,7 @@ func TestCanary(t *testing.T) {
 }
 
 func TestEnsureJumps(t *testing.T) {
+	t.Parallel()
 	k := iptablestest.New()
 	mustApply(t, k, false, "*nat\n:KUBE-SERVICES - [0:0]\n:UPX-A - [0:0]\n:UPX-B - [0:0]\n:UPX-LAST - [0:0]\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n")
 	tables, _ := k.Tables(false)
@@ -114,6 +116,7 @@ func TestEnsureJumps(t *testing.T) {
 }
 
 func TestRemoveChains(t *testing.T) {
+	t.Parallel()
 	ours := iptables.ChainSet{"nat": {"UPX-SERVICES"}, "filter": {"UPX-FILTER"}}
 	others := "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j RETURN\nCOMMIT\n"
 	mine := "*nat\n:UPX-SERVICES - [0:0]\n-A UPX-SERVICES -j RETURN\n-A PREROUTING -j UPX-SERVICES\n-A OUTPUT -j UPX-SERVICES\nCOMMIT\n" +
@@ -167,6 +170,7 @@ func TestRemoveChains(t *testing.T) {
 }
 
 func TestRemovalSteps(t *testing.T) {
+	t.Parallel()
 	ours := iptables.ChainSet{"nat": {"UPX-SERVICES", "UPX-SVC-A", "UPX-SVC-B", "UPX-SEP-A", "UPX-SEP-B"}, "filter": {"UPX-FILTER", "UPX-FW"}}
 	others := "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j RETURN\nCOMMIT\n"
 	// Our chains jump to one another, and built-in chains jump to them.

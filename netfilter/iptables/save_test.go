@@ -27,6 +27,7 @@ COMMIT
 `
 
 func TestParse(t *testing.T) {
+	t.Parallel()
 	rs := Parse([]byte(saved))
 	var got []string
 	for _, tb := range rs.Tables {
@@ -68,6 +69,7 @@ func TestParse(t *testing.T) {
 // table and nameless chains are skipped, rules after COMMIT belong to no table,
 // a chain only rules name exists with no policy.
 func TestParseOddInput(t *testing.T) {
+	t.Parallel()
 	rs := Parse([]byte("-A OUTPUT -j X\n*nat\r\n-A UNDECLARED -j RETURN\r\n-A \n:\nCOMMIT\n-A AFTER -j RETURN\n[1:2] garbage\n"))
 	if len(rs.Tables) != 1 || rs.Tables[0].Name != "nat" {
 		t.Fatalf("tables: got %+v, want nat alone", rs.Tables)
@@ -85,6 +87,7 @@ func TestParseOddInput(t *testing.T) {
 }
 
 func TestFieldsQuote(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		in   string
 		want []string
@@ -108,6 +111,7 @@ func TestFieldsQuote(t *testing.T) {
 }
 
 func TestRemoval(t *testing.T) {
+	t.Parallel()
 	ours := ChainSet{"nat": {"UPROXY-SERVICES", "UPROXY-SEP-A"}, "filter": {"UPROXY-FILTER"}}
 	tests := []struct {
 		name, saved, want string

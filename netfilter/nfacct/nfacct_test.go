@@ -55,7 +55,7 @@ func TestNameBounds(t *testing.T) {
 // with an iptables rule naming it, reads them back, and deletes it once no rule
 // names it.
 func TestRealNFAcct(t *testing.T) {
-	testbed.RequireIPTables(t)
+	testbed.Needs(t, testbed.IPTables)
 	tp := testbed.New(t)
 	const name = "test_nps_pkts"
 	var c *Client

@@ -70,7 +70,7 @@ func TestWithoutNFT(t *testing.T) {
 
 // TestRealKernel runs the real nft and netlink in a test namespace.
 func TestRealKernel(t *testing.T) {
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	tp := testbed.New(t)
 	tab := nftables.Table{Family: knftables.InetFamily, Name: "upx"}
 	layout := func(tx *knftables.Transaction) {

@@ -18,7 +18,7 @@ import (
 // leftovers of the IPVS mode's chains in one namespace, then checks that
 // CleanupOthers removes exactly the other modes' state and CleanupAll all of it.
 func TestModeSwitches(t *testing.T) {
-	testbed.Require(t)
+	testbed.Needs(t, testbed.Netns)
 	if _, err := exec.LookPath("iptables-restore"); err != nil {
 		testbed.Skip(t, err)
 	}
@@ -34,7 +34,7 @@ func TestModeSwitches(t *testing.T) {
 		must(t, ipt, "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES")
 		must(t, ipt, "-t", "filter", "-A", "INPUT", "-j", "ACCEPT")
 	}
-	testbed.RequireNFTables(t)
+	testbed.Needs(t, testbed.NFTables)
 	// kube-proxy's nftables table, which no cleanup may touch.
 	must(t, "nft", "add table inet kube-proxy")
 	must(t, "nft", "add chain inet kube-proxy services { type nat hook prerouting priority dstnat; }")

@@ -14,6 +14,24 @@ func Endpoint(s string, local bool) service.Endpoint {
 	return service.Endpoint{Addr: netip.MustParseAddrPort(s), Ready: true, Serving: true, Local: local}
 }
 
+// Endpoints are ready, serving endpoints at ss ("ip:port"), on other nodes.
+func Endpoints(ss ...string) []service.Endpoint {
+	var out []service.Endpoint
+	for _, s := range ss {
+		out = append(out, Endpoint(s, false))
+	}
+	return out
+}
+
+// LocalEndpoints are ready, serving endpoints at ss ("ip:port") on this node.
+func LocalEndpoints(ss ...string) []service.Endpoint {
+	var out []service.Endpoint
+	for _, s := range ss {
+		out = append(out, Endpoint(s, true))
+	}
+	return out
+}
+
 // Port is a Service port without addresses or endpoints.
 func Port(ns, name, portName string, proto service.Protocol, port int) *service.Port {
 	return &service.Port{Name: service.PortName{Namespace: ns, Name: name, Port: portName}, Protocol: proto, Port: port}

@@ -146,9 +146,7 @@ func newNamespace(t *testing.T, client kubernetes.Interface, name string) *apiOb
 // TestSource runs Sources against a real API server: selection by proxy name,
 // headless and stray slices, changes, the Node, and a server restart.
 func TestSource(t *testing.T) {
-	if testing.Short() {
-		testbed.Skip(t, "-short: this test starts a kube-apiserver")
-	}
+	testbed.Needs(t, testbed.APIServer)
 	srv := kubeapi.Start(t)
 	client := srv.Client(t)
 

@@ -47,11 +47,6 @@ import (
 )
 
 const (
-	// BinDirEnv names the environment variable that points at the directory
-	// holding the kube-apiserver, etcd (and kube-proxy) binaries. Unset, bin/ at the root of
-	// the repository is used, where `make kube-bins` puts them.
-	BinDirEnv = "UPROXY_KUBE_BIN"
-
 	// ServiceClusterIPRange is the range kube-apiserver allocates ClusterIPs
 	// from; 10.96.0.1 in it goes to the "kubernetes" Service.
 	ServiceClusterIPRange = "10.96.0.0/16"
@@ -109,15 +104,16 @@ type Server struct {
 // directories, and returns once kube-apiserver reports ready on /readyz. Both
 // are stopped and their directories removed when the test ends.
 //
-// Without the binaries the test is skipped, or fails when CI=true, so that a
-// CI run never passes by skipping it.
+// It needs testbed.APIServer: without the binaries (testbed.KubeBinEnv) the
+// test is skipped, or fails when CI=true, so that a CI run never passes by
+// skipping it; under -short it is skipped.
 //
 // extraArgs are added to kube-apiserver's flags (and kept across Restart), for
 // a test that needs a server configured otherwise, such as an older cluster's
 // feature gates.
 func Start(t testing.TB, extraArgs ...string) *Server {
 	t.Helper()
-	binDir := requireBinaries(t)
+	binDir := testbed.KubeBin(t, "etcd", "kube-apiserver")
 	dir := t.TempDir()
 	s := &Server{
 		Dir:     dir,
@@ -511,71 +507,3 @@ func (s *Server) writeKubeconfig() error {
 }
 
 func (s *Server) path(name string) string { return filepath.Join(s.Dir, name) }
-
-// requireBinaries returns the directory holding kube-apiserver and etcd, or
-// ends the test: skipped on a developer's machine, failed in CI.
-func requireBinaries(t testing.TB) string {
-	t.Helper()
-	return RequireBinaries(t, "etcd", "kube-apiserver")
-}
-
-// RequireBinaries returns the directory holding the named binaries of
-// `make kube-bins` (etcd, kube-apiserver, kube-proxy), from BinDirEnv or bin/
-// at the repository root, or ends the test: skipped on a developer's machine,
-// failed in CI.
-func RequireBinaries(t testing.TB, names ...string) string {
-	t.Helper()
-	dir := os.Getenv(BinDirEnv)
-	if dir == "" {
-		root, err := repoRoot()
-		if err != nil {
-			missing(t, fmt.Sprintf("%s is unset and %v", BinDirEnv, err))
-		}
-		dir = filepath.Join(root, "bin")
-	}
-	var absent []string
-	for _, name := range names {
-		info, err := os.Stat(filepath.Join(dir, name))
-		if err != nil || info.IsDir() || info.Mode()&0o111 == 0 {
-			absent = append(absent, name)
-		}
-	}
-	if len(absent) > 0 {
-		missing(t, fmt.Sprintf("no executable %s in %s", strings.Join(absent, " or "), dir))
-	}
-	return dir
-}
-
-func missing(t testing.TB, why string) {
-	t.Helper()
-	msg := fmt.Sprintf("kubeapi: %s: run `make kube-bins` to build them, or point %s at them", why, BinDirEnv)
-	testbed.Skip(t, msg)
-}
-
-// repoRoot finds the root of this repository above the working directory,
-// which `go test` sets to the directory of the package under test.
-func repoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", fmt.Errorf("working directory: %w", err)
-	}
-	for {
-		if data, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && declaresModule(data, "github.com/uproxy/uproxy") {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("no go.mod of module github.com/uproxy/uproxy above the working directory")
-		}
-		dir = parent
-	}
-}
-
-func declaresModule(gomod []byte, path string) bool {
-	for _, line := range strings.Split(string(gomod), "\n") {
-		if fields := strings.Fields(line); len(fields) == 2 && fields[0] == "module" {
-			return strings.Trim(fields[1], `"`) == path
-		}
-	}
-	return false
-}

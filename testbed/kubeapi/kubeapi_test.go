@@ -2,12 +2,8 @@ package kubeapi
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/netip"
-	"os"
-	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -21,6 +17,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/uproxy/uproxy/testbed"
 )
 
 func testContext(t *testing.T) context.Context {
@@ -179,12 +177,10 @@ func TestServiceAccountTokenIsBoundByRBAC(t *testing.T) {
 	// The authorizer learns of the binding through a watch; once the granted
 	// list succeeds, it has the binding, and what is still refused is refused
 	// because it was never granted.
-	if err := await(ctx, func() error {
+	testbed.AwaitNoError(t, time.Minute, "the service account to list endpointslices in "+ns, func() error {
 		_, err := sa.DiscoveryV1().EndpointSlices(ns).List(ctx, metav1.ListOptions{})
 		return err
-	}); err != nil {
-		t.Fatalf("list endpointslices in %s as the service account: %v", ns, err)
-	}
+	})
 
 	refused := []struct {
 		name string
@@ -236,98 +232,12 @@ func TestKubeconfigReachesServer(t *testing.T) {
 	// first address of the service range, by a controller that may run a moment
 	// after /readyz first answers.
 	var svc *corev1.Service
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+	testbed.AwaitNoError(t, 30*time.Second, "default/kubernetes", func() (err error) {
 		svc, err = client.CoreV1().Services(metav1.NamespaceDefault).Get(ctx, "kubernetes", metav1.GetOptions{})
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("get default/kubernetes: %v", err)
-		}
-	}
+		return err
+	})
 	if got, want := svc.Spec.ClusterIP, "10.96.0.1"; got != want {
 		t.Errorf("default/kubernetes ClusterIP: got %s, want %s", got, want)
-	}
-}
-
-// recordingTB stands in for a test inside requireBinaries, recording whether
-// it was skipped or failed; both end the goroutine as the real ones do.
-type recordingTB struct {
-	testing.TB
-	outcome string
-}
-
-func (r *recordingTB) Helper() {}
-func (r *recordingTB) Fatal(args ...any) {
-	r.outcome = "fatal: " + fmt.Sprint(args...)
-	runtime.Goexit()
-}
-func (r *recordingTB) Skip(args ...any) {
-	r.outcome = "skip: " + fmt.Sprint(args...)
-	runtime.Goexit()
-}
-
-func TestMissingBinaries(t *testing.T) {
-	complete := t.TempDir()
-	for _, name := range []string{"etcd", "kube-apiserver"} {
-		if err := os.WriteFile(filepath.Join(complete, name), []byte("#!/bin/sh\n"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	partial := t.TempDir()
-	if err := os.WriteFile(filepath.Join(partial, "etcd"), []byte("#!/bin/sh\n"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-
-	tests := []struct {
-		name        string
-		dir, ci     string
-		wantOutcome string // prefix of the outcome; "" means requireBinaries returned
-	}{
-		{"present", complete, "true", ""},
-		{"absent on a workstation", t.TempDir(), "", "skip: "},
-		{"absent in CI", t.TempDir(), "true", "fatal: "},
-		{"partial in CI", partial, "true", "fatal: "},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Setenv(BinDirEnv, tc.dir)
-			t.Setenv("CI", tc.ci)
-			rec := &recordingTB{TB: t}
-			var got string
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				got = requireBinaries(rec)
-			}()
-			<-done
-			if !strings.HasPrefix(rec.outcome, tc.wantOutcome) || (tc.wantOutcome == "") != (rec.outcome == "") {
-				t.Fatalf("outcome: got %q, want prefix %q", rec.outcome, tc.wantOutcome)
-			}
-			if tc.wantOutcome == "" && got != tc.dir {
-				t.Errorf("dir: got %q, want %q", got, tc.dir)
-			}
-			if tc.wantOutcome != "" && !strings.Contains(rec.outcome, "make kube-bins") {
-				t.Errorf("message %q does not say to run make kube-bins", rec.outcome)
-			}
-		})
-	}
-}
-
-// await retries f until it succeeds or ctx ends.
-func await(ctx context.Context, f func() error) error {
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := f()
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return errors.Join(err, ctx.Err())
-		case <-tick.C:
-		}
 	}
 }
 

@@ -28,7 +28,6 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/testbed/kubeapi"
 )
 
 // Options say how kube-proxy runs.
@@ -72,7 +71,7 @@ func Start(t testing.TB, tp *testbed.Topology, o Options) *Proxy {
 	if o.Role == "" {
 		o.Role = testbed.Node
 	}
-	dir := kubeapi.RequireBinaries(t, "kube-proxy")
+	dir := testbed.KubeBin(t, "kube-proxy")
 	p := &Proxy{t: t, tp: tp, o: o, bin: filepath.Join(dir, "kube-proxy"), log: filepath.Join(t.TempDir(), "kube-proxy.log")}
 	p.metrics = "127.0.0.1:" + strconv.Itoa(freePort(t, tp, o.Role))
 	p.healthz = "127.0.0.1:" + strconv.Itoa(freePort(t, tp, o.Role))

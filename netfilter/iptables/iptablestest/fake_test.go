@@ -85,7 +85,7 @@ func TestRestore(t *testing.T) {
 // are taken or refused alike and leave the same rules, in a namespace of the
 // test's own.
 func TestFakeMatchesIPTables(t *testing.T) {
-	testbed.RequireIPTables(t)
+	testbed.Needs(t, testbed.IPTables)
 	tp := testbed.New(t)
 	f, real := New(), iptables.Commands{}
 	for _, st := range steps {
