@@ -60,6 +60,7 @@ func childCPU(b *testing.B, pid int) time.Duration {
 type benchTarget struct {
 	addr     netip.AddrPort
 	proxyCPU func() time.Duration // nil unless the proxy is a child process
+	pid      int                  // the child's, when proxyCPU is set
 }
 
 // benchKeepAlive is the TCPProxy.KeepAlive of the benchmarks' proxies, in this
@@ -84,7 +85,7 @@ func startBenchTarget(b *testing.B, name string, handle func(*net.TCPConn)) benc
 	case "proxied-child":
 		addr, cmd := startChildProcess(b, "SOCKET_TEST_PROXY_TO="+backend.addr.String(),
 			"SOCKET_TEST_PROXY_KEEPALIVE="+benchKeepAlive.String())
-		return benchTarget{addr: addr, proxyCPU: func() time.Duration { return childCPU(b, cmd.Process.Pid) }}
+		return benchTarget{addr: addr, proxyCPU: func() time.Duration { return childCPU(b, cmd.Process.Pid) }, pid: cmd.Process.Pid}
 	}
 	return benchTarget{addr: backend.addr}
 }
