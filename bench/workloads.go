@@ -9,6 +9,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -444,6 +446,9 @@ type Round struct {
 	MachineCPU float64  `json:"machineCPUSeconds"`
 	Errors     uint64   `json:"errors,omitempty"`
 	Lost       uint64   `json:"lost,omitempty"`
+	// LoadAverage is the machine's 1-minute load average as the round began
+	// (/proc/loadavg): on a shared machine, what else ran meanwhile.
+	LoadAverage float64 `json:"loadAverage"`
 
 	units float64
 	hist  *Histogram
@@ -454,6 +459,7 @@ type Round struct {
 // runTrial runs wl's generators over p for warmup+d and measures the window d.
 func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duration) (*Round, error) {
 	m := &meter{deadline: time.Now().Add(warmup + d + 10*time.Second)}
+	load := loadAverage()
 	gens := make([]*generator, wl.workers)
 	errc := make(chan error, wl.workers)
 	var wg sync.WaitGroup
@@ -513,17 +519,18 @@ func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duratio
 	}
 	secs := elapsed.Seconds()
 	r := &Round{
-		Value:      wl.value(total, secs),
-		Ops:        total.ops,
-		Bytes:      total.bytes,
-		Seconds:    secs,
-		ClientCPU:  (s1.client - s0.client).Seconds(),
-		BackendCPU: (s1.backend.cpu - s0.backend.cpu).Seconds(),
-		MachineCPU: (s1.machine - s0.machine).Seconds(),
-		Errors:     total.errs,
-		Lost:       total.lost,
-		units:      wl.units(total),
-		sampled:    s1.at.Sub(s0.at).Seconds(),
+		Value:       wl.value(total, secs),
+		Ops:         total.ops,
+		Bytes:       total.bytes,
+		Seconds:     secs,
+		ClientCPU:   (s1.client - s0.client).Seconds(),
+		BackendCPU:  (s1.backend.cpu - s0.backend.cpu).Seconds(),
+		MachineCPU:  (s1.machine - s0.machine).Seconds(),
+		Errors:      total.errs,
+		Lost:        total.lost,
+		LoadAverage: load,
+		units:       wl.units(total),
+		sampled:     s1.at.Sub(s0.at).Seconds(),
 	}
 	if s0.hasProxy {
 		v := (s1.proxy.cpu - s0.proxy.cpu).Seconds()
@@ -545,4 +552,15 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	case <-ctx.Done():
 		return false
 	}
+}
+
+// loadAverage returns the 1-minute load average, 0 when it cannot be read.
+func loadAverage() float64 {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return 0
+	}
+	f, _, _ := strings.Cut(string(b), " ")
+	v, _ := strconv.ParseFloat(f, 64)
+	return v
 }
