@@ -67,27 +67,9 @@ var trafficWorkloads = map[string]*workload{
 		value: func(g *generator, s float64) float64 { return float64(g.bytes) / 1e6 / s },
 		units: func(g *generator) float64 { return float64(g.bytes) / 1e9 },
 	},
-	Connections: {
-		name: Connections, title: clientTitles[Connections](4),
-		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
-		workers: 4, loop: connectionsLoop, latency: true,
-		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
-		units: func(g *generator) float64 { return float64(g.ops) },
-	},
-	ServerClose: {
-		name: ServerClose, title: clientTitles[ServerClose](4),
-		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
-		workers: 4, loop: serverCloseLoop, latency: true,
-		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
-		units: func(g *generator) float64 { return float64(g.ops) },
-	},
-	ClientReset: {
-		name: ClientReset, title: clientTitles[ClientReset](4),
-		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
-		workers: 4, loop: clientResetLoop, latency: true,
-		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
-		units: func(g *generator) float64 { return float64(g.ops) },
-	},
+	Connections: shortConnections(Connections, connectionsLoop),
+	ServerClose: shortConnections(ServerClose, serverCloseLoop),
+	ClientReset: shortConnections(ClientReset, clientResetLoop),
 	Latency: {
 		name: Latency, title: "TCP request/response latency (64 B, 1 persistent connection)",
 		unit: "req/s", higherBetter: true, cpuUnit: "CPU-µs/req", cpuScale: 1e6,
@@ -111,6 +93,19 @@ var trafficWorkloads = map[string]*workload{
 		units: func(g *generator) float64 { return (1 + runCount) * float64(g.ops) },
 		skip:  skipWithoutUDP,
 	},
+}
+
+// shortConnections is a short-connection workload of 4 clients (Config.ConnClients
+// changes that), each opening a connection after the other with loop: its value
+// is connections per second, its CPU per connection.
+func shortConnections(name string, loop func(p *path, m *meter, g *generator) error) *workload {
+	return &workload{
+		name: name, title: clientTitles[name](4),
+		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
+		workers: 4, loop: loop, latency: true,
+		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
+		units: func(g *generator) float64 { return float64(g.ops) },
+	}
 }
 
 // clientTitles title the workloads whose number of clients Config sets.
