@@ -410,8 +410,9 @@ func (s *tcpSession) armDialTimer() {
 // dial, source.go), else from the node. A TCP socket gets TCP_NODELAY before its
 // second write (nagleState) and its keepalive later, if the connection lasts
 // (keepAliveDue); a nil error means its connect is in progress (or done): the
-// socket's first output event ends it. A UDP connect only sets the peer. fellBack is the kernel's
-// refusal of a transparent socket, after which the dial went from the node.
+// socket's first output event ends it. A UDP connect only sets the peer.
+// fellBack is the kernel's refusal of a transparent socket, after which the
+// dial went from the node.
 func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr) (fd int, fellBack, err error) {
 	family, sa := l.sockaddr(ep)
 	fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
