@@ -312,9 +312,10 @@ func BenchmarkKeepAliveOptions(b *testing.B) {
 	})
 }
 
-// BenchmarkEmptyAccept is what listenHandle.Handle spares by not looking for
-// one more connection after its budget: an accept4 on a non-blocking listener
-// whose queue is empty, against getppid, a system call that does nothing.
+// BenchmarkEmptyAccept is what listenHandle.Handle spares by never looking for
+// more connections than are queued: an accept4 on a non-blocking listener
+// whose queue is empty, against getppid, a system call that does nothing, and
+// the getsockopt TCP_INFO that reads the queue's length.
 // The kernel allocates the new socket's inode and file before it looks at the
 // queue, and frees them again when it finds it empty.
 func BenchmarkEmptyAccept(b *testing.B) {
@@ -335,6 +336,23 @@ func BenchmarkEmptyAccept(b *testing.B) {
 	b.Run("getppid", func(b *testing.B) {
 		for b.Loop() {
 			unix.Getppid()
+		}
+	})
+	// What listenHandle.Handle asks instead, after an event that took its
+	// whole budget: the length of the accept queue.
+	b.Run("accept-queue", func(b *testing.B) {
+		fd := benchSocket(b)
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+			b.Fatal(err)
+		}
+		if err := unix.Listen(fd, 16); err != nil {
+			b.Fatal(err)
+		}
+		l := &loop{}
+		for b.Loop() {
+			if n := l.acceptQueue(fd); n != 0 {
+				b.Fatalf("accept queue of an idle listener: got %d, want 0", n)
+			}
 		}
 	})
 }

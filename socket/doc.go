@@ -92,11 +92,14 @@
 // one connection at a time needs three or four (the accept, the connect with the
 // request, the reply, the end; the benchmark reports epoll_pwait/conn), and
 // connections arriving together share them. An event of the (level-triggered)
-// listener accepts up to a budget of connections and does not look for one
-// more: an accept4 that finds the queue empty costs the kernel a socket and a
-// file made and freed (BenchmarkEmptyAccept). A connection that arrives alone
-// costs none; a burst, one, as its rounds double the budget (tcp.go,
-// listenHandle.Handle). The idle timeout (TCPProxy.IdleTimeout) costs no system
+// listener accepts one connection; the event right after one that took its
+// whole budget reads the length of the accept queue (getsockopt TCP_INFO of
+// the listener) and accepts that many, up to a batch (tcp.go,
+// listenHandle.Handle). So no accept4 looks into an empty queue, which costs
+// the kernel a socket and a file made and freed (BenchmarkEmptyAccept prices
+// both calls), but when another loop took the connection first: a connection
+// arriving alone costs one accept4, a burst one getsockopt per round after its
+// first. The idle timeout (TCPProxy.IdleTimeout) costs no system
 // call: a reading of the loop's clock when bytes have moved. The Go runtime's
 // own calls (futex, the nanosleep of its monitor) come on top, a fraction of
 // one per connection.
