@@ -320,13 +320,7 @@ func BenchmarkKeepAliveOptions(b *testing.B) {
 // queue, and frees them again when it finds it empty.
 func BenchmarkEmptyAccept(b *testing.B) {
 	b.Run("accept4-empty", func(b *testing.B) {
-		fd := benchSocket(b)
-		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-			b.Fatal(err)
-		}
-		if err := unix.Listen(fd, 16); err != nil {
-			b.Fatal(err)
-		}
+		fd := benchListener(b)
 		for b.Loop() {
 			if _, _, err := unix.Accept4(fd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC); err != unix.EAGAIN {
 				b.Fatalf("accept4 on an empty queue: got %v, want EAGAIN", err)
@@ -341,13 +335,7 @@ func BenchmarkEmptyAccept(b *testing.B) {
 	// What listenHandle.Handle asks instead, after an event that took its
 	// whole budget: the length of the accept queue.
 	b.Run("accept-queue", func(b *testing.B) {
-		fd := benchSocket(b)
-		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-			b.Fatal(err)
-		}
-		if err := unix.Listen(fd, 16); err != nil {
-			b.Fatal(err)
-		}
+		fd := benchListener(b)
 		l := &loop{}
 		for b.Loop() {
 			if n := l.acceptQueue(fd); n != 0 {
@@ -355,6 +343,20 @@ func BenchmarkEmptyAccept(b *testing.B) {
 			}
 		}
 	})
+}
+
+// benchListener opens a non-blocking TCP socket listening on 127.0.0.1, with
+// nothing queued, closed when b ends.
+func benchListener(b *testing.B) int {
+	b.Helper()
+	fd := benchSocket(b)
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		b.Fatal(err)
+	}
+	if err := unix.Listen(fd, 16); err != nil {
+		b.Fatal(err)
+	}
+	return fd
 }
 
 // benchSocket opens a non-blocking TCP socket, closed when b ends.
