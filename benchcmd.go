@@ -28,7 +28,8 @@ func newBenchCommand() *cobra.Command {
 		Short: "Measure the same traffic direct, through uproxy's modes and through HAProxy/nginx (root)",
 		Long: `bench builds its own network namespaces (client, node, backends) and runs the
 same workloads over every available path, interleaved round by round: TCP bulk
-throughput, short connections, request/response latency on a persistent
+throughput, short connections (the client closing first, the server closing
+first, the client resetting), request/response latency on a persistent
 connection, UDP request/response, memory per idle connection, and the control
 plane (sync time at many Service ports, heap per Service port, endpoint change
 to traffic).
@@ -52,6 +53,9 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 				if c.n < 0 {
 					return fmt.Errorf("%s %d: want a positive number of clients", c.flag, c.n)
 				}
+			}
+			if cfg.ConnClients > bench.MaxConnClients {
+				return fmt.Errorf("--connection-clients %d: at most %d", cfg.ConnClients, bench.MaxConnClients)
 			}
 			if proxyCPUs != "" {
 				cpus, err := bench.ParseCPUList(proxyCPUs)
@@ -94,7 +98,7 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 	f.StringVar(&paths, "paths", "", "comma-separated paths to run (default all)")
 	f.StringVar(&workloads, "workloads", "", "comma-separated workloads to run (default all)")
 	f.IntVar(&cfg.UDPClients, "udp-clients", 0, "clients of the UDP workload, each with one request outstanding (default 4)")
-	f.IntVar(&cfg.ConnClients, "connection-clients", 0, "clients of the short-connection workload, each with one connection open (default 4)")
+	f.IntVar(&cfg.ConnClients, "connection-clients", 0, "clients of each short-connection workload (connections, connections-server-close, connections-reset), each with one connection open (default 4, at most 64)")
 	f.StringVar(&proxyCPUs, "proxy-cpus", "", "run every proxy on these CPUs (a list such as 1 or 2-3) and the load generators and backends on the others; the peers run one worker per CPU in it (default: every process on every CPU)")
 	f.StringVar(&cfg.Uproxy, "uproxy", "", "uproxy binary for the uproxy paths (default this executable)")
 	cmd.AddCommand(newBenchReportCommand())

@@ -16,6 +16,7 @@ func TestBenchCommandRejectsBadFlags(t *testing.T) {
 		{[]string{"bench", "-o", "yaml"}, `-o "yaml": want table or json`},
 		{[]string{"bench", "--udp-clients", "-1"}, "--udp-clients -1: want a positive number of clients"},
 		{[]string{"bench", "--connection-clients", "-3"}, "--connection-clients -3: want a positive number of clients"},
+		{[]string{"bench", "--connection-clients", "65"}, "--connection-clients 65: at most 64"},
 		{[]string{"bench", "--proxy-cpus", "x"}, `--proxy-cpus: CPU list "x"`},
 	}
 	for _, tc := range cases {

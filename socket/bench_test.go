@@ -60,6 +60,7 @@ func childCPU(b *testing.B, pid int) time.Duration {
 type benchTarget struct {
 	addr     netip.AddrPort
 	proxyCPU func() time.Duration // nil unless the proxy is a child process
+	pid      int                  // the child's, when proxyCPU is set
 }
 
 // benchKeepAlive is the TCPProxy.KeepAlive of the benchmarks' proxies, in this
@@ -84,7 +85,7 @@ func startBenchTarget(b *testing.B, name string, handle func(*net.TCPConn)) benc
 	case "proxied-child":
 		addr, cmd := startChildProcess(b, "SOCKET_TEST_PROXY_TO="+backend.addr.String(),
 			"SOCKET_TEST_PROXY_KEEPALIVE="+benchKeepAlive.String())
-		return benchTarget{addr: addr, proxyCPU: func() time.Duration { return childCPU(b, cmd.Process.Pid) }}
+		return benchTarget{addr: addr, proxyCPU: func() time.Duration { return childCPU(b, cmd.Process.Pid) }, pid: cmd.Process.Pid}
 	}
 	return benchTarget{addr: backend.addr}
 }
@@ -311,20 +312,15 @@ func BenchmarkKeepAliveOptions(b *testing.B) {
 	})
 }
 
-// BenchmarkEmptyAccept is what listenHandle.Handle spares by not looking for
-// one more connection after its budget: an accept4 on a non-blocking listener
-// whose queue is empty, against getppid, a system call that does nothing.
+// BenchmarkEmptyAccept is what listenHandle.Handle spares by never looking for
+// more connections than are queued: an accept4 on a non-blocking listener
+// whose queue is empty, against getppid, a system call that does nothing, and
+// the getsockopt TCP_INFO that reads the queue's length.
 // The kernel allocates the new socket's inode and file before it looks at the
 // queue, and frees them again when it finds it empty.
 func BenchmarkEmptyAccept(b *testing.B) {
 	b.Run("accept4-empty", func(b *testing.B) {
-		fd := benchSocket(b)
-		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-			b.Fatal(err)
-		}
-		if err := unix.Listen(fd, 16); err != nil {
-			b.Fatal(err)
-		}
+		fd := benchListener(b)
 		for b.Loop() {
 			if _, _, err := unix.Accept4(fd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC); err != unix.EAGAIN {
 				b.Fatalf("accept4 on an empty queue: got %v, want EAGAIN", err)
@@ -336,6 +332,31 @@ func BenchmarkEmptyAccept(b *testing.B) {
 			unix.Getppid()
 		}
 	})
+	// What listenHandle.Handle asks instead, after an event that took its
+	// whole budget: the length of the accept queue.
+	b.Run("accept-queue", func(b *testing.B) {
+		fd := benchListener(b)
+		l := &loop{}
+		for b.Loop() {
+			if n := l.acceptQueue(fd); n != 0 {
+				b.Fatalf("accept queue of an idle listener: got %d, want 0", n)
+			}
+		}
+	})
+}
+
+// benchListener opens a non-blocking TCP socket listening on 127.0.0.1, with
+// nothing queued, closed when b ends.
+func benchListener(b *testing.B) int {
+	b.Helper()
+	fd := benchSocket(b)
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		b.Fatal(err)
+	}
+	if err := unix.Listen(fd, 16); err != nil {
+		b.Fatal(err)
+	}
+	return fd
 }
 
 // benchSocket opens a non-blocking TCP socket, closed when b ends.

@@ -18,60 +18,93 @@
 // Every field of TCPProxy and UDPProxy has a working zero value except Picker and
 // Loops.
 //
+// # Contract
+//
 // A TCP connection dials by its proxy's DialPolicy: one attempt at a time by
 // default, or hedged (the next attempt begins while a slow one is pending), and
 // with a retry budget per proxy that bounds the attempts after the first
-// (budget.go). However many attempts are in flight, a connection has one timer,
-// due at the earliest of their deadlines and the next hedge; hedging allocates
-// only for the attempts beyond the first in flight.
+// (budget.go). A failed attempt is recorded and the next goes to another
+// endpoint while one is left; every attempt, failed, lost to a hedge or
+// successful, reaches the Observer. When none succeeds the client is reset.
+//
+// Once connected, both directions are copied at once. The end of one side is
+// passed on as it came: a FIN as a half-close of the other socket (shutdown
+// SHUT_WR), the other direction still flowing until its own end; a reset, or an
+// error, as a reset of both. The two sockets are closed when both directions
+// have ended, whichever side ended first.
+//
+// # Cost
 //
 // Costs are part of the contract. Connections run on a few event loops (loop.go;
 // what a loop costs, per event and per timer, is poll's contract), not on
 // goroutines of their own: an open TCP connection is a small struct (664 bytes,
 // in the heap's 704-byte class: TestSessionFitsItsAllocationClass) and its two
 // sockets, with no stack, no pipe and no buffer while it is idle; its one timer
-// (the dial timeout, then the idle timeout) lives inside it. Small transfers are
-// read into the loop's buffer (one per loop, shared by every proxy on it) and
-// written on at once; bulk ones splice through pooled pipes and never enter user
-// space (session.go), unless no pipe can be had, when they go through the buffer.
+// (the dial timeout, then the idle timeout and the keepalive options) lives
+// inside it. Small transfers are read into the loop's buffer (one per loop,
+// shared by every proxy on it) and written on at once; a read that fills that
+// buffer switches its direction to splice through pooled pipes, so bulk bytes
+// never enter user space (session.go), unless no pipe can be had, when they go
+// through the buffer. A connection that carries a short exchange never touches
+// a pipe.
 //
-// The system calls of a TCP connection, beyond those that move its bytes:
+// The system calls of a short TCP connection (BenchmarkCloseOrders counts them
+// in the proxy, per connection, in each close order, with -syscalls):
 //
-//   - client socket: accept4 and epoll_ctl (add). An event of the
-//     (level-triggered) listener accepts up to a budget of connections and
-//     does not look for one more: an accept4 that finds the queue empty costs
-//     the kernel a socket and a file made and freed, about 4 µs. A connection
-//     that arrives alone costs none; a burst, one, as its rounds double the
-//     budget (tcp.go, listenHandle.Handle). The socket inherits TCP_NODELAY
-//     and the keepalive settings from the listener, which Listen gives them
-//     once.
-//   - backend socket: socket, setsockopt TCP_NODELAY, setsockopt SO_MARK when a
-//     dial mark is set (mark.go), for a dial from the client's address
-//     (TCPProxy.KeepClientAddress, source.go) setsockopt IP_TRANSPARENT,
-//     setsockopt IP_BIND_ADDRESS_NO_PORT and bind, connect, epoll_ctl (add); each failed attempt
-//     adds a getsockopt SO_ERROR (or nothing, when the dial timer ends it) and a
-//     close. While keepalive is on (TCPProxy.KeepAlive; TCP_KEEPCNT is the
-//     node's), a connection still open KeepAlive after it connected adds, from
-//     its timer, setsockopt SO_KEEPALIVE, TCP_KEEPIDLE and TCP_KEEPINTVL; one
+//   - set-up, 5: accept4 and epoll_ctl (add) for the client socket; socket,
+//     connect and epoll_ctl (add) for the backend's. The client socket inherits
+//     TCP_NODELAY and the keepalive settings from the listener, which Listen
+//     gives them once. The backend socket is given TCP_NODELAY just before its
+//     second write: Nagle's algorithm holds nothing back while nothing is in
+//     flight, so its first write goes out at once without it (nagleState), and
+//     a connection that writes its request in one call never makes the call.
+//   - bytes: a read and a write per arrival in each direction. A read that
+//     comes back short after the event that brought the peer's FIN has reached
+//     that FIN and ends its direction without reading again.
+//   - client closes first, 5 more: the read of its EOF, shutdown SHUT_WR of the
+//     backend socket, the read of the backend's EOF, a close per socket. A
+//     100-byte request and a 150-byte reply make it 14 in all.
+//   - server closes first, 4 more: shutdown SHUT_WR of the client socket after
+//     the reply (the backend's FIN comes with it, or costs one more read), the
+//     read of the client's EOF, a close per socket: 13 in all.
+//   - client resets, 4 more: the read that returns ECONNRESET, setsockopt
+//     SO_LINGER and close of the backend socket (the reset is passed on), and a
+//     close of the client's, which needs no SO_LINGER: the kernel closed it
+//     when the reset came. 13 in all.
+//   - on top, when configured: setsockopt SO_MARK for a dial mark (mark.go);
+//     setsockopt IP_TRANSPARENT, IP_BIND_ADDRESS_NO_PORT and bind for a dial
+//     from the client's address (TCPProxy.KeepClientAddress, source.go), and
+//     when its client closed first, getsockname and a sock_diag request and its
+//     answer to end the TIME_WAIT the dial leaves on the node (timewait.go); with
+//     keepalive on (TCPProxy.KeepAlive; TCP_KEEPCNT is the node's), setsockopt
+//     SO_KEEPALIVE, TCP_KEEPIDLE and TCP_KEEPINTVL on the backend socket of a
+//     connection still open KeepAlive after it connected, from its timer: one
 //     that ends sooner never makes them, and the first probe goes when it would
-//     have with the options set at dial (session.go, keepAliveDue). A hedge's
-//     loser (DialPolicy.Hedge) costs a getsockopt TCP_INFO and a close, and a
-//     setsockopt SO_LINGER before it when it had connected too; the winner's
-//     socket changes handler without a system call (poll's Rehandle).
-//   - end: shutdown SHUT_WR to pass on a half-close, a close per socket, and a
-//     setsockopt SO_LINGER before the close of each socket that is reset.
+//     have with the options set at dial (session.go, keepAliveDue;
+//     BenchmarkKeepAliveOptions prices the timer against the calls).
+//   - each failed attempt adds a getsockopt SO_ERROR (or nothing, when the dial
+//     timer ends it) and a close; a hedge's loser (DialPolicy.Hedge) a
+//     getsockopt TCP_INFO and a close, and a setsockopt SO_LINGER before it
+//     when it had connected too; the winner's socket changes handler without a
+//     system call (poll's Rehandle).
 //
-// That is 6 calls to set a connection up with no dial mark, keepalive on (the
-// default) or off; one that lives KeepAlive with it on makes 3 more, once.
-// Before the keepalive options waited for the timer, a connection made those 3
-// at dial: 9 (10 with the empty accept4 that every wake-up of the listener
-// made until its budget). strace (perf trace -s) of
-// BenchmarkTCPConnect's proxy counts 1 setsockopt per short connection either
-// way, 4 before. A connection open with keepalive on has its timer armed (no
-// system call: a place in the loop's heap); BenchmarkKeepAliveOptions compares
-// arming and cancelling it with the 3 calls it spares. The idle timeout
-// (TCPProxy.IdleTimeout) costs no system call: a reading of the loop's clock
-// when bytes have moved. docs/data-path.md has the measurements.
+// A socket is never taken out of the epoll set (its close does that) nor
+// re-armed (edge-triggered, loop.go), so a connection makes no epoll_ctl but
+// its two adds. Its wake-ups are the epoll_wait returns that bring its events:
+// one connection at a time needs three or four (the accept, the connect with the
+// request, the reply, the end; the benchmark reports epoll_pwait/conn), and
+// connections arriving together share them. An event of the (level-triggered)
+// listener accepts one connection; the event right after one that took its
+// whole budget reads the length of the accept queue (getsockopt TCP_INFO of
+// the listener) and accepts that many, up to a batch (tcp.go,
+// listenHandle.Handle). So no accept4 looks into an empty queue, which costs
+// the kernel a socket and a file made and freed (BenchmarkEmptyAccept prices
+// both calls), but when another loop took the connection first: a connection
+// arriving alone costs one accept4, a burst one getsockopt per round after its
+// first. The idle timeout (TCPProxy.IdleTimeout) costs no system
+// call: a reading of the loop's clock when bytes have moved. The Go runtime's
+// own calls (futex, the nanosleep of its monitor) come on top, a fraction of
+// one per connection.
 //
 // No descriptor the data path opens (accept4, socket, pipe2) is kept when its
 // number is within the reserve left to the rest of the process (reserve.go): a

@@ -3,6 +3,7 @@ package socket
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"testing"
@@ -61,7 +62,9 @@ func sessionSockets(t *testing.T, p *TCPProxy) (client, backend int) {
 // Both sockets of a connection carry TCP_NODELAY and the keepalive of
 // TCPProxy.KeepAlive: the client's inherited from the listener - even when it
 // connected before Serve began - and the backend's set once the connection has
-// been open for KeepAlive by the loop's clock, not before (see keepAliveDue).
+// been open for KeepAlive by the loop's clock, not before (see keepAliveDue);
+// the backend's TCP_NODELAY comes with its second write (see nagleState), which
+// the second round trip makes.
 func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
 	t.Parallel()
 	noDelay := sockopts{noDelay: true}
@@ -100,8 +103,10 @@ func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
 					t.Errorf("Shutdown: got %v, want nil", err)
 				}
 			}()
-			if got, err := roundTrip(c, []byte("ping")); err != nil || string(got) != "ping" {
-				t.Fatalf("round trip: got %q, %v", got, err)
+			for _, msg := range []string{"ping", "ping again"} {
+				if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+					t.Fatalf("round trip: got %q, %v", got, err)
+				}
 			}
 			clientFD, backendFD := sessionSockets(t, p)
 			if got := sockoptsOf(t, clientFD); got != tt.want {
@@ -123,6 +128,26 @@ func TestTCPProxyKeepAliveOnBothSockets(t *testing.T) {
 				t.Fatalf("round trip after %v: got %q, %v", tt.due, got, err)
 			}
 		})
+	}
+}
+
+// The backend socket is given TCP_NODELAY just before its second write, not at
+// dial: its first write cannot be held back by Nagle's algorithm (nothing is in
+// flight before it), so a connection that writes its request once spares the
+// call, and every write after the first goes out at once as before.
+func TestTCPProxyNoDelayBeforeSecondWrite(t *testing.T) {
+	backend := startTCPServer(t, "127.0.0.2", echo)
+	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), KeepAlive: -1, Loops: newLoops(t, 1, nil)}
+	c := dialProxy(t, startTCPProxy(t, p))
+	for i, want := range []bool{false, true, true} {
+		msg := fmt.Sprintf("request %d", i+1)
+		if got, err := roundTrip(c, []byte(msg)); err != nil || string(got) != msg {
+			t.Fatalf("round trip %d: got %q, %v", i+1, got, err)
+		}
+		_, backendFD := sessionSockets(t, p)
+		if got := sockoptsOf(t, backendFD).noDelay; got != want {
+			t.Errorf("backend socket after %d writes: TCP_NODELAY %v, want %v", i+1, got, want)
+		}
 	}
 }
 

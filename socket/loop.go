@@ -48,6 +48,8 @@ type loop struct {
 	// emptyAccepts counts the accept4 calls that found the queue empty (see
 	// listenHandle.Handle); tests read it.
 	emptyAccepts uint64
+	// tcpInfo receives the head of a listener's TCP_INFO (acceptQueue).
+	tcpInfo unix.TCPInfo
 	// fdCeiling is the lowest descriptor number the data path may not keep
 	// (reserve.go).
 	fdCeiling int

@@ -104,14 +104,49 @@ const sessionEvents = unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOL
 // arrived when an event was taken: everything before it was queued by then, so a
 // read that comes back short has reached it and the next would return EOF.
 // errQueued says an error (or a hang-up) waits: the socket is read until it shows.
+// reset says the peer reset the connection: the kernel has closed it already, and
+// a close sends nothing, so it needs no SO_LINGER to reset it.
+// nagle is where the socket stands with TCP_NODELAY (see beforeWrite).
 type tcpSide struct {
 	s                    *tcpSession
 	fd                   int
 	readable, writable   bool
 	finQueued, errQueued bool
+	reset                bool
+	nagle                nagleState
 	// finSent: the proxy half-closed this socket (its FIN went first).
 	// fromClient: the backend socket was dialed from the client's address.
 	finSent, fromClient bool
+}
+
+// nagleState is what a socket's next write needs to go out at once.
+//
+// A dialed socket is not given TCP_NODELAY at dial: Nagle's algorithm holds a
+// small segment back only while data the peer has not acknowledged is in
+// flight, and before the socket's first write nothing is. So the first write
+// always goes out at once, and TCP_NODELAY is needed only before the second:
+// a connection whose one request is written in one call (the usual short
+// connection) never makes the call. (The client socket has the option from its
+// listener, at no cost per connection.)
+type nagleState uint8
+
+const (
+	noDelaySet  nagleState = iota // TCP_NODELAY is on
+	nothingSent                   // off, and no write yet: the next goes out at once
+	noDelayDue                    // off, and written to: set it before the next write
+)
+
+// beforeWrite is called before every write or splice to the socket: it sets
+// TCP_NODELAY before the second. The option's failure is not the connection's:
+// the write that follows reports a socket that is gone.
+func (sd *tcpSide) beforeWrite() {
+	switch sd.nagle {
+	case nothingSent:
+		sd.nagle = noDelayDue
+	case noDelayDue:
+		unix.SetsockoptInt(sd.fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+		sd.nagle = noDelaySet
+	}
 }
 
 func (sd *tcpSide) Handle(ev uint32) {
@@ -375,11 +410,12 @@ func (s *tcpSession) armDialTimer() {
 
 // dial opens a non-blocking socket of sotype (SOCK_STREAM or SOCK_DGRAM) to ep,
 // with the dial mark mark (0: none), and connects it: from src when it is valid (a transparent
-// dial, source.go), else from the node. A TCP socket also gets TCP_NODELAY (its
-// keepalive comes later, if the connection lasts: see keepAliveDue); a nil
-// error means its connect is in progress (or done): the socket's first output
-// event ends it. A UDP connect only sets the peer. fellBack is the kernel's
-// refusal of a transparent socket, after which the dial went from the node.
+// dial, source.go), else from the node. A TCP socket gets TCP_NODELAY before its
+// second write (nagleState) and its keepalive later, if the connection lasts
+// (keepAliveDue); a nil error means its connect is in progress (or done): the
+// socket's first output event ends it. A UDP connect only sets the peer.
+// fellBack is the kernel's refusal of a transparent socket, after which the
+// dial went from the node.
 func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr, mark uint32) (fd int, fellBack, err error) {
 	family, sa := l.sockaddr(ep)
 	fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
@@ -389,12 +425,6 @@ func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr, mark uint32) 
 	if !l.keep(fd) {
 		unix.Close(fd)
 		return -1, nil, os.NewSyscallError("socket", reserveError{l.fdCeiling})
-	}
-	if sotype == unix.SOCK_STREAM {
-		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
-			unix.Close(fd)
-			return -1, nil, os.NewSyscallError("setsockopt", err)
-		}
 	}
 	if err := setMark(fd, mark); err != nil {
 		unix.Close(fd)
@@ -464,7 +494,7 @@ func (s *tcpSession) connectEvent(d *dialAttempt, ev uint32) {
 	p.observer().AttemptDone(p.Service, a)
 	s.picker().DialSucceeded(a.Endpoint)
 	// The socket becomes the backend's; its events go there from now on.
-	s.backend = tcpSide{s: s, fd: d.fd, fromClient: d.source == record.SourceClient}
+	s.backend = tcpSide{s: s, fd: d.fd, nagle: nothingSent, fromClient: d.source == record.SourceClient}
 	s.l.Rehandle(d.fd, &s.backend)
 	s.rec.Endpoint = d.ep
 	s.done(d)
@@ -691,6 +721,7 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 		case err == unix.EINTR:
 			continue
 		case err != nil:
+			src.peerFailed(err)
 			return os.NewSyscallError("read", err)
 		case n == 0:
 			d.eof = true
@@ -723,6 +754,7 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 // write writes b to dst once, returning how much it took; a full socket clears
 // dst.writable and is not an error.
 func write(dst *tcpSide, b []byte) (int, error) {
+	dst.beforeWrite()
 	for {
 		n, err := unix.Write(dst.fd, b)
 		switch err {
@@ -734,7 +766,17 @@ func write(dst *tcpSide, b []byte) (int, error) {
 			dst.writable = false
 			return 0, nil
 		}
+		dst.peerFailed(err)
 		return 0, os.NewSyscallError("write", err)
+	}
+}
+
+// peerFailed notes a call's error on the socket: after the peer's reset
+// (ECONNRESET, or EPIPE for a write after it) the kernel has closed the
+// connection, and closing the socket sends nothing whatever SO_LINGER says.
+func (sd *tcpSide) peerFailed(err error) {
+	if err == unix.ECONNRESET || err == unix.EPIPE {
+		sd.reset = true
 	}
 }
 
@@ -752,6 +794,7 @@ func (d *tcpDirection) flush(dst *tcpSide) error {
 		}
 		return nil
 	}
+	dst.beforeWrite()
 	for {
 		n, err := unix.Splice(d.pipe.r, nil, dst.fd, nil, d.pipe.n, spliceFlags)
 		switch err {
@@ -762,6 +805,7 @@ func (d *tcpDirection) flush(dst *tcpSide) error {
 			dst.writable = false
 			return nil
 		default:
+			dst.peerFailed(err)
 			return os.NewSyscallError("splice", err)
 		}
 		d.pipe.n -= int(n)
@@ -801,6 +845,7 @@ func (d *tcpDirection) fill(l *loop, src *tcpSide) error {
 			d.pipe = nil
 			return nil
 		default:
+			src.peerFailed(err)
 			return os.NewSyscallError("splice", err)
 		}
 		if n == 0 {
@@ -856,14 +901,15 @@ func (s *tcpSession) abort(err error) {
 	s.end(err)
 }
 
-// close takes the side's socket out of l and closes it, with an RST when reset. The
-// side is left as before its first socket, ready for the next dial attempt.
+// close takes the side's socket out of l and closes it, with an RST when reset
+// (unless its peer reset it already). The side is left as before its first
+// socket, ready for the next dial attempt.
 func (sd *tcpSide) close(l *loop, reset bool) {
 	if sd.fd < 0 {
 		return
 	}
 	l.Forget(sd.fd)
-	if reset {
+	if reset && !sd.reset {
 		resetFD(sd.fd)
 	} else {
 		unix.Close(sd.fd)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -42,6 +43,13 @@ type backendPorts struct {
 	UDP   uint16 `json:"udp"`   // UDP: sends every datagram back
 	TagA  uint16 `json:"tagA"`  // TCP: answers the first byte with 'a', then closes
 	TagB  uint16 `json:"tagB"`  // TCP: the same with 'b'
+	// Close answers a request of reqSize bytes with replySize bytes and
+	// closes: the server's FIN comes first, as from an HTTP/1.1 server after a
+	// "Connection: close" reply.
+	Close uint16 `json:"close"`
+	// Reply answers every request of reqSize bytes with replySize bytes and
+	// closes only once the client has gone.
+	Reply uint16 `json:"reply"`
 }
 
 // serveBackend listens, reports the ports as one JSON line on out, and serves
@@ -75,6 +83,12 @@ func serveBackend(in io.Reader, out io.Writer) error {
 	if ports.TagB, err = listen(serveTag('b')); err != nil {
 		return err
 	}
+	if ports.Close, err = listen(serveClose); err != nil {
+		return err
+	}
+	if ports.Reply, err = listen(serveReply); err != nil {
+		return err
+	}
 	pc, err := net.ListenUDP("udp4", &net.UDPAddr{})
 	if err != nil {
 		return err
@@ -95,6 +109,9 @@ func acceptLoop(ln net.Listener, serve func(net.Conn)) {
 	for {
 		c, err := ln.Accept()
 		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
 			if ne, ok := err.(net.Error); ok && ne.Timeout() {
 				continue
 			}
@@ -133,6 +150,42 @@ func serveBulk(c net.Conn) {
 	buf := make([]byte, bulkChunk)
 	for {
 		if _, err := c.Write(buf); err != nil {
+			return
+		}
+	}
+}
+
+// The HTTP-sized exchange of the short-connection workloads whose server
+// closes first or whose client resets: a request about the size of a small
+// HTTP/1.1 GET, a reply about the size of its headers and a short body.
+const (
+	reqSize   = 100
+	replySize = 150
+)
+
+// serveClose reads one request, writes the reply and closes: its FIN follows
+// the reply, before the client's.
+func serveClose(c net.Conn) {
+	defer c.Close()
+	var buf [reqSize]byte
+	if _, err := io.ReadFull(c, buf[:]); err != nil {
+		return
+	}
+	var reply [replySize]byte
+	c.Write(reply[:])
+}
+
+// serveReply answers each request with a reply until the client ends the
+// connection (with a FIN or a reset); it never closes first.
+func serveReply(c net.Conn) {
+	defer c.Close()
+	var buf [reqSize]byte
+	var reply [replySize]byte
+	for {
+		if _, err := io.ReadFull(c, buf[:]); err != nil {
+			return
+		}
+		if _, err := c.Write(reply[:]); err != nil {
 			return
 		}
 	}

@@ -53,8 +53,9 @@ type Config struct {
 	StepLimit time.Duration
 	// UDPClients is how many clients the UDP workload runs at once. 0: 4.
 	UDPClients int
-	// ConnClients is how many clients the short-connection workload runs at
-	// once, each with one connection open. 0: 4.
+	// ConnClients is how many clients each short-connection workload
+	// (Connections, ServerClose, ClientReset) runs at once, each with one
+	// connection open. 0: 4; at most MaxConnClients.
 	ConnClients int
 	// ProxyCPUs, if not empty, are the CPUs every proxy process runs on; this
 	// process's load generators and the backends run on the others (see
@@ -68,15 +69,18 @@ type Config struct {
 	Log io.Writer
 }
 
+// MaxConnClients is the most clients a short-connection workload runs.
+const MaxConnClients = 64
+
 // workload returns the traffic workload name as c sets it up: the UDP one with
-// c.UDPClients clients, the short-connection one with c.ConnClients.
+// c.UDPClients clients, the short-connection ones with c.ConnClients.
 func (c Config) workload(name string) *workload {
 	wl := trafficWorkloads[name]
 	var clients int
 	switch name {
 	case UDP:
 		clients = c.UDPClients
-	case Connections:
+	case Connections, ServerClose, ClientReset:
 		clients = c.ConnClients
 	default:
 		return wl
@@ -125,6 +129,9 @@ func (c Config) withDefaults() (Config, error) {
 	c.Rounds = pick(c.Rounds, 3, 2)
 	c.UDPClients = pick(c.UDPClients, 4, 4)
 	c.ConnClients = pick(c.ConnClients, 4, 4)
+	if c.ConnClients > MaxConnClients {
+		return c, fmt.Errorf("%d short-connection clients: at most %d", c.ConnClients, MaxConnClients)
+	}
 	c.IdleConns = pick(c.IdleConns, 10000, 1000)
 	c.EndpointChanges = pick(c.EndpointChanges, 5, 3)
 	if c.StepLimit <= 0 {

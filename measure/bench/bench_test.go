@@ -5,13 +5,16 @@ import (
 	"context"
 	"encoding/json"
 	"encoding/xml"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -87,7 +90,7 @@ func TestTinyRun(t *testing.T) {
 	}
 	for _, wr := range rep.Workloads {
 		t.Run(wr.Name, func(t *testing.T) {
-			if want := map[string]string{UDP: "3 clients", Connections: "2 clients"}[wr.Name]; !strings.Contains(wr.Title, want) {
+			if want := map[string]string{UDP: "3 clients", Connections: "2 clients", ServerClose: "2 clients", ClientReset: "2 clients"}[wr.Name]; !strings.Contains(wr.Title, want) {
 				t.Errorf("title %q, want it to say %s", wr.Title, want)
 			}
 			seen := map[string]bool{}
@@ -263,7 +266,7 @@ func TestWorkloadClients(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for name, want := range map[string]int{UDP: 7, Connections: 9, UDPRun: 4, Latency: 1, Bulk: 1} {
+	for name, want := range map[string]int{UDP: 7, Connections: 9, ServerClose: 9, ClientReset: 9, UDPRun: 4, Latency: 1, Bulk: 1} {
 		if got := c.workload(name).workers; got != want {
 			t.Errorf("%s: %d generators, want %d", name, got, want)
 		}
@@ -277,6 +280,12 @@ func TestWorkloadClients(t *testing.T) {
 	}
 	if got := c.workload(Connections); got != trafficWorkloads[Connections] || c.ConnClients != 4 {
 		t.Errorf("default: %d clients and workload %+v, want the shared one with 4", c.ConnClients, got)
+	}
+	if _, err := (Config{ConnClients: MaxConnClients}).withDefaults(); err != nil {
+		t.Errorf("%d short-connection clients: %v, want them taken", MaxConnClients, err)
+	}
+	if _, err := (Config{ConnClients: MaxConnClients + 1}).withDefaults(); err == nil {
+		t.Errorf("%d short-connection clients: taken, want an error", MaxConnClients+1)
 	}
 }
 
@@ -444,4 +453,82 @@ func TestIdleMemoryOfHeldConnections(t *testing.T) {
 	var table bytes.Buffer
 	rep.WriteTable(&table)
 	t.Logf("\n%s", table.String())
+}
+
+// The short-connection workloads of the two other close orders do what they
+// say, on real sockets to the benchmark's own backend servers: every exchange
+// completes; with the server closing first the client reads the whole reply
+// and then the server's FIN (the loop checks it, and counts an error
+// otherwise); with the client resetting, the server's read ends in a reset,
+// never a FIN.
+func TestShortConnectionCloseOrders(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name  string
+		serve func(net.Conn)
+		loop  func(*path, *meter, *generator) error
+		// wantEnd is how the server's last read must end.
+		wantEnd error
+	}{
+		{ServerClose, serveClose, serverCloseLoop, nil},
+		{ClientReset, serveReply, clientResetLoop, syscall.ECONNRESET},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ln, err := net.Listen("tcp4", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			const conns = 20
+			ends := make(chan error, 1000)
+			go acceptLoop(ln, func(c net.Conn) {
+				ec := &endConn{Conn: c}
+				tc.serve(ec)
+				ends <- ec.end
+			})
+			addr := ln.Addr().(*net.TCPAddr).AddrPort()
+			p := &path{name: "direct", close: addr, reply: addr}
+			m := &meter{deadline: time.Now().Add(time.Minute)}
+			m.on.Store(true)
+			g := &generator{}
+			done := make(chan error, 1)
+			go func() { done <- tc.loop(p, m, g) }()
+			for i := range conns {
+				select {
+				case end := <-ends:
+					if tc.wantEnd == nil && end != nil {
+						t.Errorf("connection %d: the server ended with %v, want nothing (it closes first)", i, end)
+					}
+					if tc.wantEnd != nil && !errors.Is(end, tc.wantEnd) {
+						t.Errorf("connection %d: the server's read ended with %v, want %v", i, end, tc.wantEnd)
+					}
+				case <-time.After(30 * time.Second):
+					t.Fatalf("%d connections ended at the server within 30s, want %d", i, conns)
+				}
+			}
+			m.stop.Store(true)
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			if g.errs != 0 || g.ops < conns {
+				t.Errorf("got %d exchanges and %d errors, want at least %d and none", g.ops, g.errs, conns)
+			}
+		})
+	}
+}
+
+// endConn remembers the error that ended a server's reads: none for a server
+// that closes first, io.EOF after a client's FIN, a reset after its RST.
+type endConn struct {
+	net.Conn
+	end error
+}
+
+func (c *endConn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	if err != nil {
+		c.end = err
+	}
+	return n, err
 }

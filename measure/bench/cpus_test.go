@@ -201,24 +201,23 @@ func TestProxyCPUs(t *testing.T) {
 // a haproxy process's threads; 0 when none runs.
 func peerWorkers(peer string) int {
 	dirs, _ := filepath.Glob("/proc/[0-9]*")
-	perMaster := map[string]int{}
+	perMaster := map[int]int{}
 	most := 0
 	for _, dir := range dirs {
 		cmdline, err := os.ReadFile(filepath.Join(dir, "cmdline"))
 		if err != nil {
 			continue
 		}
+		// Other runs of the benchmark on a shared machine have peers too.
+		pid, _ := strconv.Atoi(filepath.Base(dir))
+		if !startedByThisProcess(pid) {
+			continue
+		}
 		switch {
 		case peer == "nginx" && strings.HasPrefix(string(cmdline), "nginx: worker process"):
-			stat, err := os.ReadFile(filepath.Join(dir, "stat"))
-			if err != nil {
-				continue
-			}
-			// The parent's pid is the fourth field, after the name in parentheses.
-			fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
-			if len(fields) > 1 {
-				perMaster[fields[1]]++
-				most = max(most, perMaster[fields[1]])
+			if master, ok := parentPID(pid); ok {
+				perMaster[master]++
+				most = max(most, perMaster[master])
 			}
 		case peer == "haproxy" && strings.HasPrefix(string(cmdline), "haproxy\x00"):
 			threads, _ := filepath.Glob(filepath.Join(dir, "task", "*"))
@@ -226,4 +225,34 @@ func peerWorkers(peer string) int {
 		}
 	}
 	return most
+}
+
+// startedByThisProcess reports whether pid descends from this process.
+func startedByThisProcess(pid int) bool {
+	self := os.Getpid()
+	for pid > 1 {
+		var ok bool
+		if pid, ok = parentPID(pid); !ok {
+			return false
+		}
+		if pid == self {
+			return true
+		}
+	}
+	return false
+}
+
+// parentPID reads the parent of process pid from /proc.
+func parentPID(pid int) (int, bool) {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, false
+	}
+	// The parent's pid is the fourth field, after the name in parentheses.
+	fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+	if len(fields) < 2 {
+		return 0, false
+	}
+	ppid, err := strconv.Atoi(fields[1])
+	return ppid, err == nil
 }

@@ -87,7 +87,11 @@ var (
 	echoVIP = netip.MustParseAddrPort("10.96.0.10:80")
 	bulkVIP = netip.MustParseAddrPort("10.96.0.11:80")
 	flipVIP = netip.MustParseAddrPort("10.96.0.12:80")
-	udpVIP  = netip.MustParseAddrPort("10.96.0.53:53")
+	// The backend servers that close first and that wait for the client's
+	// reset (ServerClose, ClientReset).
+	closeVIP = netip.MustParseAddrPort("10.96.0.13:80")
+	replyVIP = netip.MustParseAddrPort("10.96.0.14:80")
+	udpVIP   = netip.MustParseAddrPort("10.96.0.53:53")
 )
 
 // Listening ports of the peers on the node's client-facing address. The node
@@ -104,6 +108,8 @@ type path struct {
 	version string
 	echo    netip.AddrPort // TCP echo target as the client dials it
 	bulk    netip.AddrPort // TCP bulk source
+	close   netip.AddrPort // TCP: one reply, then the server's FIN (backendPorts.Close)
+	reply   netip.AddrPort // TCP: a reply per request, never closing first (backendPorts.Reply)
 	udp     netip.AddrPort // UDP echo; zero when the path has none
 	noUDP   string         // why udp is zero
 	// proxy is the process whose CPU and memory are the proxy's; nil when the
@@ -231,9 +237,11 @@ func setupDirect(w *world, name string) *path {
 	}
 	return &path{
 		name: name, w: w, version: version,
-		echo: w.backendAddr(w.ports.Echo),
-		bulk: w.backendAddr(w.ports.Bulk),
-		udp:  w.backendAddr(w.ports.UDP),
+		echo:  w.backendAddr(w.ports.Echo),
+		bulk:  w.backendAddr(w.ports.Bulk),
+		close: w.backendAddr(w.ports.Close),
+		reply: w.backendAddr(w.ports.Reply),
+		udp:   w.backendAddr(w.ports.UDP),
 	}
 }
 
@@ -282,7 +290,7 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 			return w.tp.Dial(nodeRole, network, addr)
 		}},
 	}
-	pt := &path{name: name, w: w, echo: echoVIP, bulk: bulkVIP, udp: udpVIP, ctl: ctl}
+	pt := &path{name: name, w: w, echo: echoVIP, bulk: bulkVIP, close: closeVIP, reply: replyVIP, udp: udpVIP, ctl: ctl}
 	if mode == "" {
 		pt.proxy, pt.uproxy = p, ctl
 	}
@@ -293,13 +301,13 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 		// No portal: the client dials the proxy ports, and no Service IP
 		// works, so the control plane cannot be timed by traffic.
 		pt.ctl = nil
-		ports, err := ctl.proxyPorts(ctx, 20*time.Second, "bench/echo:p", "bench/bulk:p", "bench/udp:p")
+		ports, err := ctl.proxyPorts(ctx, 20*time.Second, "bench/echo:p", "bench/bulk:p", "bench/udp:p", "bench/close:p", "bench/reply:p")
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", name, err)
 		}
-		pt.echo = netip.AddrPortFrom(w.ip.node, uint16(ports[0]))
-		pt.bulk = netip.AddrPortFrom(w.ip.node, uint16(ports[1]))
-		pt.udp = netip.AddrPortFrom(w.ip.node, uint16(ports[2]))
+		for i, a := range []*netip.AddrPort{&pt.echo, &pt.bulk, &pt.udp, &pt.close, &pt.reply} {
+			*a = netip.AddrPortFrom(w.ip.node, uint16(ports[i]))
+		}
 	}
 	if err := w.waitTraffic(ctx, p, 20*time.Second, target{"tcp", pt.echo}, target{"udp", pt.udp}); err != nil {
 		return nil, fmt.Errorf("%s: %w", name, err)
@@ -332,7 +340,7 @@ func setupHAProxy(ctx context.Context, w *world, name string) (*path, error) {
 	option splice-request
 	option splice-response
 `, maxconn, maxpipes, w.threads("\tnbthread %d\n", ""))
-	for i, be := range []uint16{w.ports.Echo, w.ports.Bulk} {
+	for i, be := range []uint16{w.ports.Echo, w.ports.Bulk, w.ports.Close, w.ports.Reply} {
 		fmt.Fprintf(&cfg, "listen l%d\n\tbind %s\n\tserver b %s\n", i, listen(i), w.backendAddr(be))
 	}
 	file := filepath.Join(w.dir, w.name+"-haproxy.cfg")
@@ -343,7 +351,7 @@ func setupHAProxy(ctx context.Context, w *world, name string) (*path, error) {
 	if err != nil {
 		return nil, err
 	}
-	pt := &path{name: name, w: w, echo: listen(0), bulk: listen(1), noUDP: "HAProxy does not proxy UDP", proxy: p}
+	pt := &path{name: name, w: w, echo: listen(0), bulk: listen(1), close: listen(2), reply: listen(3), noUDP: "HAProxy does not proxy UDP", proxy: p}
 	if out, err := exec.Command("haproxy", "-v").CombinedOutput(); err == nil {
 		pt.version = firstLine(out)
 	}
@@ -383,11 +391,15 @@ stream {
 	server { listen %s; proxy_pass %s; proxy_timeout 1h; proxy_half_close on; }
 	server { listen %s; proxy_pass %s; proxy_timeout 1h; proxy_half_close on; }
 	server { listen %s udp reuseport; proxy_pass %s; proxy_timeout 10s; }
+	server { listen %s; proxy_pass %s; proxy_timeout 1h; proxy_half_close on; }
+	server { listen %s; proxy_pass %s; proxy_timeout 1h; proxy_half_close on; }
 }
 `, module, w.threads("%d", "auto"), w.fileLimit, prefix, prefix, w.fileLimit-200,
 		listen(0), w.backendAddr(w.ports.Echo),
 		listen(1), w.backendAddr(w.ports.Bulk),
-		listen(2), w.backendAddr(w.ports.UDP))
+		listen(2), w.backendAddr(w.ports.UDP),
+		listen(3), w.backendAddr(w.ports.Close),
+		listen(4), w.backendAddr(w.ports.Reply))
 	file := filepath.Join(prefix, "nginx.conf")
 	if err := os.WriteFile(file, []byte(cfg.String()), 0o644); err != nil {
 		return nil, err
@@ -396,7 +408,7 @@ stream {
 	if err != nil {
 		return nil, err
 	}
-	pt := &path{name: name, w: w, echo: listen(0), bulk: listen(1), udp: listen(2), proxy: p}
+	pt := &path{name: name, w: w, echo: listen(0), bulk: listen(1), udp: listen(2), close: listen(3), reply: listen(4), proxy: p}
 	if out, err := exec.Command("nginx", "-v").CombinedOutput(); err == nil {
 		pt.version = strings.TrimPrefix(firstLine(out), "nginx version: ")
 	}
@@ -440,6 +452,8 @@ func (c *uproxyCtl) writeBase(tag byte) error {
 	writeService(&b, "bulk", "TCP", bulkVIP, netip.AddrPortFrom(be, ports.Bulk))
 	writeService(&b, "flip", "TCP", flipVIP, netip.AddrPortFrom(be, flip))
 	writeService(&b, "udp", "UDP", udpVIP, netip.AddrPortFrom(be, ports.UDP))
+	writeService(&b, "close", "TCP", closeVIP, netip.AddrPortFrom(be, ports.Close))
+	writeService(&b, "reply", "TCP", replyVIP, netip.AddrPortFrom(be, ports.Reply))
 	return c.writeFile("base.yaml", b.Bytes())
 }
 

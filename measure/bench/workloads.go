@@ -7,7 +7,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,17 +18,19 @@ import (
 
 // Workload names, as --workloads takes them.
 const (
-	Bulk        = "bulk"        // TCP bulk throughput, one stream from the backend
-	Connections = "connections" // short connections: connect, 64-byte request and reply, close
-	Latency     = "latency"     // 64-byte request/response on one persistent TCP connection
-	UDP         = "udp"         // 64-byte UDP request/response from several clients
-	UDPRun      = "udp-run"     // a 64-byte UDP request draws a run of 32 datagrams, sent segmented
-	Idle        = "idle"        // memory per idle proxied connection
-	Control     = "control"     // sync time at many Service ports, endpoint change to traffic
+	Bulk        = "bulk"                     // TCP bulk throughput, one stream from the backend
+	Connections = "connections"              // short connections: connect, 64-byte request and reply, close
+	ServerClose = "connections-server-close" // short connections the backend closes first: 100-byte request, 150-byte reply, its FIN, then the client's
+	ClientReset = "connections-reset"        // short connections the client resets (SO_LINGER 0) after a 100-byte request and 150-byte reply: no FIN either way
+	Latency     = "latency"                  // 64-byte request/response on one persistent TCP connection
+	UDP         = "udp"                      // 64-byte UDP request/response from several clients
+	UDPRun      = "udp-run"                  // a 64-byte UDP request draws a run of 32 datagrams, sent segmented
+	Idle        = "idle"                     // memory per idle proxied connection
+	Control     = "control"                  // sync time at many Service ports, endpoint change to traffic
 )
 
 // Workloads lists every workload in the order they run and are reported.
-var Workloads = []string{Bulk, Connections, Latency, UDP, UDPRun, Idle, Control}
+var Workloads = []string{Bulk, Connections, ServerClose, ClientReset, Latency, UDP, UDPRun, Idle, Control}
 
 // msgSize is the request and reply size of the small-message workloads.
 const msgSize = 64
@@ -62,13 +67,9 @@ var trafficWorkloads = map[string]*workload{
 		value: func(g *generator, s float64) float64 { return float64(g.bytes) / 1e6 / s },
 		units: func(g *generator) float64 { return float64(g.bytes) / 1e9 },
 	},
-	Connections: {
-		name: Connections, title: clientTitles[Connections](4),
-		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
-		workers: 4, loop: connectionsLoop, latency: true,
-		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
-		units: func(g *generator) float64 { return float64(g.ops) },
-	},
+	Connections: shortConnections(Connections, connectionsLoop),
+	ServerClose: shortConnections(ServerClose, serverCloseLoop),
+	ClientReset: shortConnections(ClientReset, clientResetLoop),
 	Latency: {
 		name: Latency, title: "TCP request/response latency (64 B, 1 persistent connection)",
 		unit: "req/s", higherBetter: true, cpuUnit: "CPU-µs/req", cpuScale: 1e6,
@@ -94,10 +95,29 @@ var trafficWorkloads = map[string]*workload{
 	},
 }
 
+// shortConnections is a short-connection workload of 4 clients (Config.ConnClients
+// changes that), each opening a connection after the other with loop: its value
+// is connections per second, its CPU per connection.
+func shortConnections(name string, loop func(p *path, m *meter, g *generator) error) *workload {
+	return &workload{
+		name: name, title: clientTitles[name](4),
+		unit: "conn/s", higherBetter: true, cpuUnit: "CPU-µs/conn", cpuScale: 1e6,
+		workers: 4, loop: loop, latency: true,
+		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
+		units: func(g *generator) float64 { return float64(g.ops) },
+	}
+}
+
 // clientTitles title the workloads whose number of clients Config sets.
 var clientTitles = map[string]func(clients int) string{
 	Connections: func(n int) string {
 		return fmt.Sprintf("Short connections (connect, 64 B request, 64 B reply, close; %d clients)", n)
+	},
+	ServerClose: func(n int) string {
+		return fmt.Sprintf("Short connections, server closes first (connect, %d B request, %d B reply, backend's FIN, client's; %d clients)", reqSize, replySize, n)
+	},
+	ClientReset: func(n int) string {
+		return fmt.Sprintf("Short connections, client resets (connect, %d B request, %d B reply, client's RST, no FIN; %d clients)", reqSize, replySize, n)
 	},
 	UDP: func(n int) string {
 		return fmt.Sprintf("UDP request/response (64 B, %d clients; CPU per datagram, 2 per exchange)", n)
@@ -159,21 +179,65 @@ func bulkLoop(p *path, m *meter, g *generator) error {
 
 func connectionsLoop(p *path, m *meter, g *generator) error {
 	var req, resp [msgSize]byte
-	addr := p.echo.String()
+	return shortConnLoop(p.echo, m, g, func(c *net.TCPConn) error {
+		if _, err := c.Write(req[:]); err != nil {
+			return err
+		}
+		_, err := io.ReadFull(c, resp[:])
+		return err
+	})
+}
+
+// serverCloseLoop sends a request and reads the reply up to the backend's
+// FIN; then the client closes (its FIN comes second).
+func serverCloseLoop(p *path, m *meter, g *generator) error {
+	var req [reqSize]byte
+	var resp [replySize + 1]byte
+	return shortConnLoop(p.close, m, g, func(c *net.TCPConn) error {
+		if _, err := c.Write(req[:]); err != nil {
+			return err
+		}
+		n, err := io.ReadFull(c, resp[:])
+		if err == io.ErrUnexpectedEOF && n == replySize {
+			return nil
+		}
+		if err == nil {
+			err = errors.New("no FIN after it")
+		}
+		return fmt.Errorf("reply of %d bytes, want %d and the server's FIN: %w", n, replySize, err)
+	})
+}
+
+// clientResetLoop sends a request, reads the reply and resets the connection
+// (SO_LINGER 0): neither side sends a FIN.
+func clientResetLoop(p *path, m *meter, g *generator) error {
+	var req [reqSize]byte
+	var resp [replySize]byte
+	return shortConnLoop(p.reply, m, g, func(c *net.TCPConn) error {
+		if _, err := c.Write(req[:]); err != nil {
+			return err
+		}
+		if _, err := io.ReadFull(c, resp[:]); err != nil {
+			return err
+		}
+		return c.SetLinger(0)
+	})
+}
+
+// shortConnLoop opens a connection to addr, runs exchange on it and closes
+// it, over and over; a connection counts once its exchange succeeded.
+func shortConnLoop(addr netip.AddrPort, m *meter, g *generator, exchange func(*net.TCPConn) error) error {
+	to := addr.String()
 	for !m.stop.Load() {
 		start := time.Now()
 		err := func() error {
-			c, err := dialer.Dial("tcp", addr)
+			c, err := dialer.Dial("tcp", to)
 			if err != nil {
 				return err
 			}
 			defer c.Close()
 			c.SetDeadline(m.deadline)
-			if _, err := c.Write(req[:]); err != nil {
-				return err
-			}
-			_, err = io.ReadFull(c, resp[:])
-			return err
+			return exchange(c.(*net.TCPConn))
 		}()
 		if err != nil {
 			if ferr := g.failed(err); ferr != nil {
@@ -377,6 +441,9 @@ type Round struct {
 	MachineCPU float64  `json:"machineCPUSeconds"`
 	Errors     uint64   `json:"errors,omitempty"`
 	Lost       uint64   `json:"lost,omitempty"`
+	// LoadAverage is the machine's 1-minute load average as the round began
+	// (/proc/loadavg): on a shared machine, what else ran meanwhile.
+	LoadAverage float64 `json:"loadAverage"`
 
 	units float64
 	hist  *Histogram
@@ -387,6 +454,7 @@ type Round struct {
 // runTrial runs wl's generators over p for warmup+d and measures the window d.
 func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duration) (*Round, error) {
 	m := &meter{deadline: time.Now().Add(warmup + d + 10*time.Second)}
+	load := oneMinuteLoad()
 	gens := make([]*generator, wl.workers)
 	errc := make(chan error, wl.workers)
 	var wg sync.WaitGroup
@@ -446,17 +514,18 @@ func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duratio
 	}
 	secs := elapsed.Seconds()
 	r := &Round{
-		Value:      wl.value(total, secs),
-		Ops:        total.ops,
-		Bytes:      total.bytes,
-		Seconds:    secs,
-		ClientCPU:  (s1.client - s0.client).Seconds(),
-		BackendCPU: (s1.backend.cpu - s0.backend.cpu).Seconds(),
-		MachineCPU: (s1.machine - s0.machine).Seconds(),
-		Errors:     total.errs,
-		Lost:       total.lost,
-		units:      wl.units(total),
-		sampled:    s1.at.Sub(s0.at).Seconds(),
+		Value:       wl.value(total, secs),
+		Ops:         total.ops,
+		Bytes:       total.bytes,
+		Seconds:     secs,
+		ClientCPU:   (s1.client - s0.client).Seconds(),
+		BackendCPU:  (s1.backend.cpu - s0.backend.cpu).Seconds(),
+		MachineCPU:  (s1.machine - s0.machine).Seconds(),
+		Errors:      total.errs,
+		Lost:        total.lost,
+		LoadAverage: load,
+		units:       wl.units(total),
+		sampled:     s1.at.Sub(s0.at).Seconds(),
 	}
 	if s0.hasProxy {
 		v := (s1.proxy.cpu - s0.proxy.cpu).Seconds()
@@ -478,4 +547,12 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	case <-ctx.Done():
 		return false
 	}
+}
+
+// oneMinuteLoad returns the 1-minute load average (the first figure of
+// loadAverage), 0 when it cannot be read.
+func oneMinuteLoad() float64 {
+	f, _, _ := strings.Cut(loadAverage(), " ")
+	v, _ := strconv.ParseFloat(f, 64)
+	return v
 }
