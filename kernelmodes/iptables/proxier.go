@@ -61,7 +61,7 @@ import (
 )
 
 // DefaultMasqueradeBit is the mark bit meaning "masquerade this", kube-proxy's 14.
-const DefaultMasqueradeBit = 14
+const DefaultMasqueradeBit = ipt.DefaultMasqueradeBit
 
 // Config configures the iptables mode. The zero value programs IPv4 with
 // NodePorts on every local address.
@@ -186,12 +186,9 @@ func New(cfg Config) (*Proxier, error) {
 	if err != nil {
 		return nil, err
 	}
-	bit := cfg.MasqueradeBit
-	if bit == 0 {
-		bit = DefaultMasqueradeBit
-	}
-	if bit < 0 || bit > 31 {
-		return nil, fmt.Errorf("masquerade bit %d: want 0 to 31", bit)
+	bit, err := ipt.MasqueradeBit(cfg.MasqueradeBit)
+	if err != nil {
+		return nil, err
 	}
 	// Unset kernel parts are the real ones.
 	cfg.IPTables = cmp.Or[ipt.Kernel](cfg.IPTables, ipt.Commands{})

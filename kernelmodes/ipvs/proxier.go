@@ -136,12 +136,9 @@ func New(cfg Config) (*Proxier, error) {
 	if !slices.Contains(Schedulers, sched) {
 		return nil, fmt.Errorf("IPVS scheduler %q: want one of %s", sched, strings.Join(Schedulers, ", "))
 	}
-	bit := cfg.MasqueradeBit
-	if bit == 0 {
-		bit = 14
-	}
-	if bit < 0 || bit > 31 {
-		return nil, fmt.Errorf("masquerade bit %d: want 0 to 31", bit)
+	bit, err := iptables.MasqueradeBit(cfg.MasqueradeBit)
+	if err != nil {
+		return nil, err
 	}
 	k := cfg.Kernel
 	if k == nil {

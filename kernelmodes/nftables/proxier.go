@@ -67,7 +67,7 @@ import (
 )
 
 // DefaultMasqueradeBit is the mark bit meaning "masquerade this", kube-proxy's 14.
-const DefaultMasqueradeBit = 14
+const DefaultMasqueradeBit = ipt.DefaultMasqueradeBit
 
 // TableSuffix follows the lower-cased chain prefix in the name of the table:
 // the userspace mode's nftables portals use the prefix alone.
@@ -163,12 +163,9 @@ func New(cfg Config) (*Proxier, error) {
 	if err != nil {
 		return nil, err
 	}
-	bit := cfg.MasqueradeBit
-	if bit == 0 {
-		bit = DefaultMasqueradeBit
-	}
-	if bit < 0 || bit > 31 {
-		return nil, fmt.Errorf("masquerade bit %d: want 0 to 31", bit)
+	bit, err := ipt.MasqueradeBit(cfg.MasqueradeBit)
+	if err != nil {
+		return nil, err
 	}
 	if cfg.NFTables == nil {
 		if cfg.NFTables, err = nftables.New(table); err != nil {
