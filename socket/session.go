@@ -861,9 +861,10 @@ func (d *tcpDirection) fill(l *loop, src *tcpSide) error {
 
 // finish ends a session both of whose directions ended cleanly.
 func (s *tcpSession) finish() {
-	s.client.close(s.l, false)
 	// A dial from the client's address whose FIN went first leaves its
-	// TIME_WAIT on the node; it is ended (timewait.go).
+	// TIME_WAIT on the node; it is ended (timewait.go), before the client's
+	// socket closes, so a client that waits for the end of its connection
+	// finds it gone when it connects again.
 	var local netip.AddrPort
 	if s.backend.fromClient && s.backend.finSent {
 		if sa, err := unix.Getsockname(s.backend.fd); err == nil {
@@ -874,6 +875,7 @@ func (s *tcpSession) finish() {
 	if local.IsValid() {
 		endTimeWait(local, s.rec.Endpoint)
 	}
+	s.client.close(s.l, false)
 	s.picker().Release(s.rec.Endpoint)
 	s.end(nil)
 }
