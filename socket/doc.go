@@ -72,7 +72,7 @@
 //     close of the client's, which needs no SO_LINGER: the kernel closed it
 //     when the reset came. 13 in all.
 //   - on top, when configured: setsockopt SO_MARK for a dial mark (mark.go);
-//     setsockopt IP_TRANSPARENT, IP_BIND_ADDRESS_NO_PORT and bind for a dial
+//     setsockopt IP_TRANSPARENT and bind for a dial
 //     from the client's address (TCPProxy.KeepClientAddress, source.go), and
 //     when its client closed first, getsockname and a sock_diag request and its
 //     answer to end the TIME_WAIT the dial leaves on the node (timewait.go); with

@@ -29,10 +29,18 @@ import (
 // from the node instead (record.SourceFallback), never failing the client for
 // a reason of the node; the first refusal of each proxy is logged.
 //
-// It costs a transparent dial three system calls more than a node one:
-// setsockopt IP_TRANSPARENT, setsockopt IP_BIND_ADDRESS_NO_PORT (so that the
-// local port is chosen at connect, per destination, not reserved for every
-// destination by bind) and bind.
+// It costs a transparent dial two system calls more than a node one:
+// setsockopt IP_TRANSPARENT and bind. The bind chooses the local port, not the
+// connect (no IP_BIND_ADDRESS_NO_PORT): the kernel's choice at connect starts
+// from a hash of the two addresses and the destination port that every network
+// namespace shares, so the node's connect would pick the very port the client's
+// own kernel picks for its next connection to the same endpoint, and the two
+// flows, one tuple, would meet in conntrack and at the endpoint (one of them
+// never answered). A port chosen at bind comes from the other half of the
+// range (bind prefers odd ports, connect even ones), apart from the client's.
+// The price: each dial holds its port whatever its destination, so one client
+// address has at most the node's ephemeral range of dials open at a time (odd
+// ports first, then even ones, where the client's may meet them again).
 
 // sourceOf is the source a connection from client should dial ep from, and the
 // address to bind for it (invalid for the node's). keep is the proxy's decision
@@ -55,9 +63,6 @@ func transparent(fd, sotype int, src netip.Addr) error {
 		err = unix.SetsockoptInt(fd, unix.SOL_IP, unix.IP_TRANSPARENT, 1)
 	} else {
 		err = unix.SetsockoptInt(fd, unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
-	}
-	if err == nil && sotype == unix.SOCK_STREAM {
-		err = unix.SetsockoptInt(fd, unix.SOL_IP, unix.IP_BIND_ADDRESS_NO_PORT, 1)
 	}
 	if err != nil {
 		return os.NewSyscallError("setsockopt", err)
