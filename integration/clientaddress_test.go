@@ -263,19 +263,10 @@ func TestPodReusesAKeptDialsPort(t *testing.T) {
 			// The endpoint writes the client address it saw, then waits for
 			// the client's end before its own.
 			ln := tp.Listen(testbed.Pod2, "tcp", netip.AddrPortFrom(epIP, 0).String())
-			go func() {
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					go func() {
-						defer c.Close()
-						fmt.Fprintf(c, "%s\n", c.RemoteAddr())
-						io.Copy(io.Discard, c)
-					}()
-				}
-			}()
+			go testbed.ServeEach(ln, func(c net.Conn) {
+				fmt.Fprintf(c, "%s\n", c.RemoteAddr())
+				io.Copy(io.Discard, c)
+			})
 			epPort := ln.Addr().(*net.TCPAddr).Port
 			svc := fmt.Sprintf("apiVersion: v1\nkind: Service\nmetadata: {name: reuse, namespace: it}\nspec:\n  clusterIP: %s\n  clusterIPs: [%s]\n  ipFamilies: [%s]\n  ports:\n  - {name: p, protocol: TCP, port: 80}\n", vip, vip, family)
 			runUproxy(t, tp, join(svc, slice("reuse-0", "reuse", family, "TCP", ep{addr: epIP.String(), port: epPort, node: "it-node"})),

@@ -48,6 +48,12 @@ func (tp *Topology) EchoTCP(role, address string) netip.AddrPort {
 }
 
 func serveEchoTCP(ln net.Listener) {
+	ServeEach(ln, func(c net.Conn) { io.Copy(c, c) })
+}
+
+// ServeEach accepts from ln until it is closed, and runs handle on each
+// connection on a goroutine of its own, closing the connection after it.
+func ServeEach(ln net.Listener, handle func(net.Conn)) {
 	for {
 		c, err := ln.Accept()
 		if err != nil {
@@ -55,7 +61,7 @@ func serveEchoTCP(ln net.Listener) {
 		}
 		go func() {
 			defer c.Close()
-			io.Copy(c, c)
+			handle(c)
 		}()
 	}
 }
