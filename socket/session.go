@@ -867,9 +867,7 @@ func (s *tcpSession) finish() {
 	// finds it gone when it connects again.
 	var local netip.AddrPort
 	if s.backend.fromClient && s.backend.finSent {
-		if sa, err := unix.Getsockname(s.backend.fd); err == nil {
-			local = sockaddrAddrPort(sa)
-		}
+		local = s.l.localAddr(s.backend.fd)
 	}
 	s.backend.close(s.l, false)
 	if local.IsValid() {

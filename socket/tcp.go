@@ -601,16 +601,33 @@ func (l *loop) accept(lfd int) (int, netip.AddrPort, error) {
 	if errno != 0 {
 		return -1, netip.AddrPort{}, errno
 	}
-	var client netip.AddrPort
-	switch l.rsa.Addr.Family {
-	case unix.AF_INET:
-		sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&l.rsa))
-		client = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), ntohs(sa.Port))
-	case unix.AF_INET6:
-		sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&l.rsa))
-		client = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), ntohs(sa.Port))
+	return int(fd), rawAddrPort(&l.rsa), nil
+}
+
+// localAddr returns fd's own address and port (getsockname), decoded without
+// allocating; the zero AddrPort when the call fails.
+func (l *loop) localAddr(fd int) netip.AddrPort {
+	l.rsaLen = unix.SizeofSockaddrAny
+	_, _, errno := unix.Syscall(unix.SYS_GETSOCKNAME, uintptr(fd),
+		uintptr(unsafe.Pointer(&l.rsa)), uintptr(unsafe.Pointer(&l.rsaLen)))
+	if errno != 0 {
+		return netip.AddrPort{}
 	}
-	return int(fd), client, nil
+	return rawAddrPort(&l.rsa)
+}
+
+// rawAddrPort decodes a socket address as the kernel wrote it; the zero
+// AddrPort for anything but IPv4 and IPv6.
+func rawAddrPort(rsa *unix.RawSockaddrAny) netip.AddrPort {
+	switch rsa.Addr.Family {
+	case unix.AF_INET:
+		sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(rsa))
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), ntohs(sa.Port))
+	case unix.AF_INET6:
+		sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(rsa))
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), ntohs(sa.Port))
+	}
+	return netip.AddrPort{}
 }
 
 // ntohs reads a port as the kernel stores it (network byte order).

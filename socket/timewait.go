@@ -66,9 +66,9 @@ func endTimeWait(local, remote netip.AddrPort) {
 	ne.PutUint32(b[12:], 0)
 	r := b[unix.SizeofNlMsghdr:]
 	clear(r)
-	r[0] = unix.AF_INET
-	if local.Addr().Is6() && !local.Addr().Is4In6() {
-		r[0] = unix.AF_INET6
+	r[0] = unix.AF_INET6
+	if local.Addr().Unmap().Is4() {
+		r[0] = unix.AF_INET
 	}
 	r[1] = unix.IPPROTO_TCP
 	ne.PutUint32(r[4:], 1<<unix.BPF_TCP_TIME_WAIT) // states
@@ -113,16 +113,4 @@ func putDiagAddr(b []byte, a netip.Addr) {
 	}
 	v := a.As16()
 	copy(b, v[:])
-}
-
-// sockaddrAddrPort returns sa's address and port; the zero AddrPort for
-// anything but IPv4 and IPv6.
-func sockaddrAddrPort(sa unix.Sockaddr) netip.AddrPort {
-	switch a := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
-	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr), uint16(a.Port))
-	}
-	return netip.AddrPort{}
 }
