@@ -99,6 +99,8 @@ var (
 const (
 	haproxyBase = 18080
 	nginxBase   = 19080
+	// peerPorts bounds the listeners of one peer from its base.
+	peerPorts = 16
 )
 
 // path is one way from the client to the backends.

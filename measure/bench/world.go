@@ -168,10 +168,14 @@ type world struct {
 // sysctls make many short connections sustainable in every namespace: TIME_WAIT
 // sockets are reused for new outgoing connections, the whole port range is
 // available, and conntrack forgets closed connections sooner than its default
-// two minutes (a full run opens several hundred thousand connections).
+// two minutes (a full run opens several hundred thousand connections). The
+// peers' listening ports (haproxyBase, nginxBase) are kept out of that range:
+// a connection of an earlier workload holding one as its source port made the
+// next HAProxy fail to bind it.
 var sysctls = []string{
 	"net.ipv4.tcp_tw_reuse=1",
 	"net.ipv4.ip_local_port_range=1024 65000",
+	fmt.Sprintf("net.ipv4.ip_local_reserved_ports=%d-%d,%d-%d", haproxyBase, haproxyBase+peerPorts-1, nginxBase, nginxBase+peerPorts-1),
 }
 
 var conntrackSysctls = []string{
