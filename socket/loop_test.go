@@ -34,7 +34,7 @@ func TestDialMark(t *testing.T) {
 	backend := startTCPServer(t, "127.0.0.2", echo)
 	l := newLoop(nil) // dial needs only the loop's scratch space
 	for _, sotype := range []int{unix.SOCK_STREAM, unix.SOCK_DGRAM} {
-		fd, _, err := l.dial(backend.addr, sotype, netip.Addr{}, 0x2000)
+		fd, _, err := l.dial(backend.addr, sotype, netip.Addr{}, 0x2000, false)
 		if err != nil {
 			t.Fatal(err)
 		}

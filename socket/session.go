@@ -211,6 +211,9 @@ func newSession(l *loop, ln *listenHandle, fd int, client netip.AddrPort) {
 		return
 	}
 	p.observer().ConnOpened(p.Service, "TCP")
+	if !s.readEarly() {
+		return
+	}
 	if err := l.Watch(fd, &s.client, sessionEvents); err != nil {
 		s.client.fd = -1
 		resetFD(fd)
@@ -280,7 +283,8 @@ func (s *tcpSession) dialNext(lastErr error) {
 			err = record.ErrOwnSocket
 		} else {
 			var fellBack error
-			if fd, fellBack, err = s.l.dial(ep, unix.SOCK_STREAM, src, p.DialMark); fellBack != nil {
+			early := len(s.up.pending) > 0
+			if fd, fellBack, err = s.l.dial(ep, unix.SOCK_STREAM, src, p.DialMark, early); fellBack != nil {
 				d.source = record.SourceFallback
 				p.fallback.refused(p.Service, clientIP, fellBack)
 			}
@@ -415,8 +419,10 @@ func (s *tcpSession) armDialTimer() {
 // (keepAliveDue); a nil error means its connect is in progress (or done): the
 // socket's first output event ends it. A UDP connect only sets the peer.
 // fellBack is the kernel's refusal of a transparent socket, after which the
-// dial went from the node.
-func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr, mark uint32) (fd int, fellBack, err error) {
+// dial went from the node. early says bytes wait to be written the moment a TCP
+// socket connects: the last ACK of its handshake is held back to go out with
+// them (early.go).
+func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr, mark uint32, early bool) (fd int, fellBack, err error) {
 	family, sa := l.sockaddr(ep)
 	fd, err = unix.Socket(family, sotype|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -433,9 +439,15 @@ func (l *loop) dial(ep netip.AddrPort, sotype int, src netip.Addr, mark uint32) 
 	if src.IsValid() {
 		if err := transparent(fd, sotype, src); err != nil {
 			unix.Close(fd)
-			fd, _, rerr := l.dial(ep, sotype, netip.Addr{}, mark)
+			fd, _, rerr := l.dial(ep, sotype, netip.Addr{}, mark, early)
 			return fd, err, rerr
 		}
+	}
+	if early {
+		// On a connecting socket the option only delays that ACK (by up to
+		// the delayed-ACK timer, were nothing written); its failure costs
+		// the segment it would have saved, nothing more.
+		unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_DEFER_ACCEPT, 1)
 	}
 	err = unix.Connect(fd, sa)
 	// A TCP connect goes on in the background after EINPROGRESS, and also after
@@ -738,7 +750,7 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 			// A short read took everything queued; the next arrival is a new edge.
 			src.readable = false
 		}
-		written, err := write(dst, buf[:n])
+		written, err := writeLast(dst, buf[:n], d.eof)
 		if err != nil {
 			return err
 		}

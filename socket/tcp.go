@@ -424,6 +424,8 @@ type listenHandle struct {
 	// last event stopped short); see Handle.
 	budget    int
 	fullRound uint64
+	// early is whether its clients write first (early.go).
+	early earlyReads
 }
 
 const listenEvents = unix.EPOLLIN | unix.EPOLLEXCLUSIVE

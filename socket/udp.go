@@ -346,7 +346,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	var fellBack error
 	if p.OwnSocket != nil && p.OwnSocket(ep) {
 		err = record.ErrOwnSocket
-	} else if fd, fellBack, err = l.dial(ep, unix.SOCK_DGRAM, src, p.DialMark); err == nil {
+	} else if fd, fellBack, err = l.dial(ep, unix.SOCK_DGRAM, src, p.DialMark, false); err == nil {
 		enableGRO(fd)
 		if err = l.Watch(fd, c, unix.EPOLLIN|unix.EPOLLET); err != nil {
 			unix.Close(fd)
