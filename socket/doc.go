@@ -58,19 +58,35 @@
 //     second write: Nagle's algorithm holds nothing back while nothing is in
 //     flight, so its first write goes out at once without it (nagleState), and
 //     a connection that writes its request in one call never makes the call.
+//   - a request that waits when the client is accepted, 1 more: it is read
+//     then, before the dial (that read is not an extra one: it would have come
+//     after), and the dial makes a setsockopt TCP_DEFER_ACCEPT, so that the
+//     last ACK of its handshake goes out with the request rather than alone
+//     (early.go). A listener whose clients do not write first stops reading
+//     early after a few connections that had nothing.
 //   - bytes: a read and a write per arrival in each direction. A read that
 //     comes back short after the event that brought the peer's FIN has reached
-//     that FIN and ends its direction without reading again.
+//     that FIN and ends its direction without reading again; its bytes are
+//     written with MSG_MORE (sendto), and the shutdown or close right after
+//     sends them and the FIN in one segment.
 //   - client closes first, 5 more: the read of its EOF, shutdown SHUT_WR of the
 //     backend socket, the read of the backend's EOF, a close per socket. A
-//     100-byte request and a 150-byte reply make it 14 in all.
+//     100-byte request and a 150-byte reply make it 15 in all.
 //   - server closes first, 4 more: shutdown SHUT_WR of the client socket after
 //     the reply (the backend's FIN comes with it, or costs one more read), the
-//     read of the client's EOF, a close per socket: 13 in all.
+//     read of the client's EOF, a close per socket: 14 in all.
 //   - client resets, 4 more: the read that returns ECONNRESET, setsockopt
 //     SO_LINGER and close of the backend socket (the reset is passed on), and a
 //     close of the client's, which needs no SO_LINGER: the kernel closed it
-//     when the reset came. 13 in all.
+//     when the reset came. 14 in all.
+//
+// The segments the proxy sends are what a connection costs its peers as much
+// as itself (on one node the receiver's work runs in the sender's call, and
+// each segment that finds its receiver asleep wakes it). Toward the backend:
+// the SYN, the request carrying the handshake's ACK, and the FIN or reset;
+// toward the client: the reply, carrying the FIN when the backend's came with
+// it, or the FIN alone (TestShortExchangeSegments). A plain copy sends one
+// more each way: the handshake's ACK alone, and the FIN apart from the reply.
 //   - on top, when configured: setsockopt SO_MARK for a dial mark (mark.go);
 //     setsockopt IP_TRANSPARENT and bind for a dial
 //     from the client's address (TCPProxy.KeepClientAddress, source.go), and
