@@ -105,27 +105,13 @@ func (s *tcpSession) readEarly() bool {
 	return true
 }
 
-// writeLast writes b to dst once, as write does; last says the FIN follows at once
-// (shutdown or close), and b goes with it (MSG_MORE: the kernel holds the
-// bytes until the FIN's call pushes them out together).
-func writeLast(dst *tcpSide, b []byte, last bool) (int, error) {
-	if !last {
-		return write(dst, b)
+// sendMore sends b on fd with MSG_MORE: the kernel holds the bytes until a
+// call without the flag, a shutdown or a close pushes them out.
+func sendMore(fd int, b []byte) (int, error) {
+	n, _, errno := unix.Syscall6(unix.SYS_SENDTO, uintptr(fd), uintptr(unsafe.Pointer(unsafe.SliceData(b))),
+		uintptr(len(b)), unix.MSG_MORE|unix.MSG_NOSIGNAL, 0, 0)
+	if errno != 0 {
+		return 0, errno
 	}
-	dst.beforeWrite()
-	for {
-		n, _, errno := unix.Syscall6(unix.SYS_SENDTO, uintptr(dst.fd), uintptr(unsafe.Pointer(unsafe.SliceData(b))),
-			uintptr(len(b)), unix.MSG_MORE|unix.MSG_NOSIGNAL, 0, 0)
-		switch errno {
-		case 0:
-			return int(n), nil
-		case unix.EINTR:
-			continue
-		case unix.EAGAIN:
-			dst.writable = false
-			return 0, nil
-		}
-		dst.peerFailed(errno)
-		return 0, os.NewSyscallError("sendto", errno)
-	}
+	return int(n), nil
 }

@@ -154,13 +154,7 @@ func TestShortExchangeSegments(t *testing.T) {
 	if !testbed.InOwnNetns(t) {
 		return
 	}
-	lo, err := netlink.LinkByName("lo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := netlink.LinkSetUp(lo); err != nil {
-		t.Fatal(err)
-	}
+	loUp(t)
 	request, reply := bytes.Repeat([]byte("q"), 100), bytes.Repeat([]byte("r"), 150)
 
 	t.Run("request first, server closes", func(t *testing.T) {

@@ -32,13 +32,7 @@ func TestDialOutOfLocalPorts(t *testing.T) {
 	if !testbed.InOwnNetns(t) {
 		return
 	}
-	lo, err := netlink.LinkByName("lo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := netlink.LinkSetUp(lo); err != nil {
-		t.Fatal(err)
-	}
+	lo := loUp(t)
 	a, b := netip.MustParseAddrPort("10.9.0.1:8080"), netip.MustParseAddrPort("10.9.0.2:8080")
 	for _, ep := range []netip.AddrPort{a, b} {
 		addr, _ := netlink.ParseAddr(ep.Addr().String() + "/32")

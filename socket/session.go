@@ -750,7 +750,7 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 			// A short read took everything queued; the next arrival is a new edge.
 			src.readable = false
 		}
-		written, err := writeLast(dst, buf[:n], d.eof)
+		written, err := write(dst, buf[:n], d.eof)
 		if err != nil {
 			return err
 		}
@@ -764,11 +764,23 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 }
 
 // write writes b to dst once, returning how much it took; a full socket clears
-// dst.writable and is not an error.
-func write(dst *tcpSide, b []byte) (int, error) {
+// dst.writable and is not an error. last says the FIN follows at once (shutdown
+// or close), and b goes out with it: sendto with MSG_MORE holds the bytes in the
+// socket until the FIN's call pushes both in one segment (early.go).
+func write(dst *tcpSide, b []byte, last bool) (int, error) {
 	dst.beforeWrite()
+	call := "write"
+	if last {
+		call = "sendto"
+	}
 	for {
-		n, err := unix.Write(dst.fd, b)
+		var n int
+		var err error
+		if last {
+			n, err = sendMore(dst.fd, b)
+		} else {
+			n, err = unix.Write(dst.fd, b)
+		}
 		switch err {
 		case nil:
 			return n, nil
@@ -779,7 +791,7 @@ func write(dst *tcpSide, b []byte) (int, error) {
 			return 0, nil
 		}
 		dst.peerFailed(err)
-		return 0, os.NewSyscallError("write", err)
+		return 0, os.NewSyscallError(call, err)
 	}
 }
 
@@ -795,7 +807,7 @@ func (sd *tcpSide) peerFailed(err error) {
 // flush writes what an earlier move kept back, from pending or the pipe.
 func (d *tcpDirection) flush(dst *tcpSide) error {
 	if d.off < len(d.pending) {
-		n, err := write(dst, d.pending[d.off:])
+		n, err := write(dst, d.pending[d.off:], false)
 		if err != nil {
 			return err
 		}

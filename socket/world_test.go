@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/record"
@@ -413,4 +414,18 @@ func connectAndRead(addr netip.AddrPort) error {
 func resetConn(c *net.TCPConn) {
 	c.SetLinger(0)
 	c.Close()
+}
+
+// loUp brings lo up, in a test's network namespace of its own (InOwnNetns),
+// and returns it.
+func loUp(t *testing.T) netlink.Link {
+	t.Helper()
+	lo, err := netlink.LinkByName("lo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := netlink.LinkSetUp(lo); err != nil {
+		t.Fatal(err)
+	}
+	return lo
 }
