@@ -3,6 +3,7 @@ package socket
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -268,7 +269,7 @@ func queuedTo(addr netip.AddrPort) int {
 		return 0
 	}
 	a := addr.Addr().As4()
-	local := strings.ToUpper(hex32(binary.LittleEndian.Uint32(a[:])) + ":" + hex16(addr.Port()))
+	local := fmt.Sprintf("%08X:%04X", binary.LittleEndian.Uint32(a[:]), addr.Port())
 	total := 0
 	for _, line := range strings.Split(string(table), "\n")[1:] {
 		f := strings.Fields(line)
@@ -283,10 +284,6 @@ func queuedTo(addr netip.AddrPort) int {
 	}
 	return total
 }
-
-func hex32(v uint32) string          { return leftPad(strconv.FormatUint(uint64(v), 16), 8) }
-func hex16(v uint16) string          { return leftPad(strconv.FormatUint(uint64(v), 16), 4) }
-func leftPad(s string, n int) string { return strings.Repeat("0", n-len(s)) + s }
 
 // What a client does before the proxy accepts it is read early and kept: a
 // request and its FIN both reach the backend (the FIN after the request), a

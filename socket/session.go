@@ -769,10 +769,6 @@ func (s *tcpSession) move(d *tcpDirection, src, dst *tcpSide, other *tcpDirectio
 // socket until the FIN's call pushes both in one segment (early.go).
 func write(dst *tcpSide, b []byte, last bool) (int, error) {
 	dst.beforeWrite()
-	call := "write"
-	if last {
-		call = "sendto"
-	}
 	for {
 		var n int
 		var err error
@@ -791,7 +787,10 @@ func write(dst *tcpSide, b []byte, last bool) (int, error) {
 			return 0, nil
 		}
 		dst.peerFailed(err)
-		return 0, os.NewSyscallError(call, err)
+		if last {
+			return 0, os.NewSyscallError("sendto", err)
+		}
+		return 0, os.NewSyscallError("write", err)
 	}
 }
 

@@ -146,6 +146,15 @@ type generator struct {
 	hist                   Histogram
 }
 
+// exchanged counts an exchange that began at start, and its time, if it ended
+// inside the measurement window.
+func (g *generator) exchanged(m *meter, start time.Time) {
+	if m.on.Load() {
+		g.ops++
+		g.hist.Record(time.Since(start))
+	}
+}
+
 // failed counts an error and says whether the generator should give up: a path
 // that fails this often is broken, and its numbers would mean nothing.
 func (g *generator) failed(err error) error {
@@ -245,10 +254,7 @@ func shortConnLoop(addr netip.AddrPort, m *meter, g *generator, exchange func(*n
 			}
 			continue
 		}
-		if m.on.Load() {
-			g.ops++
-			g.hist.Record(time.Since(start))
-		}
+		g.exchanged(m, start)
 	}
 	return nil
 }
@@ -285,10 +291,7 @@ func latencyLoop(p *path, m *meter, g *generator) error {
 			}
 			continue
 		}
-		if m.on.Load() {
-			g.ops++
-			g.hist.Record(time.Since(start))
-		}
+		g.exchanged(m, start)
 	}
 	return nil
 }
@@ -324,10 +327,7 @@ func udpLoop(p *path, m *meter, g *generator) error {
 				break
 			}
 			if n == msgSize && binary.BigEndian.Uint64(resp[:]) == seq {
-				if m.on.Load() {
-					g.ops++
-					g.hist.Record(time.Since(start))
-				}
+				g.exchanged(m, start)
 				break
 			}
 		}
