@@ -35,7 +35,8 @@ const (
 )
 
 // captureLo records every IPv4 TCP segment that lo delivers until the test
-// ends or stop is called, which returns them in order. It needs root (a packet
+// ends or stop is called, which returns them in order (those delivered before
+// the call, read or still queued). It needs root (a packet
 // socket), in the test's own network namespace.
 func captureLo(t *testing.T) (stop func() []segment) {
 	t.Helper()
@@ -66,11 +67,17 @@ func captureLo(t *testing.T) (stop func() []segment) {
 			mu.Lock()
 			quit := stopping
 			mu.Unlock()
+			// Once stopped, what is queued still counts: every segment of
+			// interest was delivered before stop, but maybe not read yet.
+			flags := 0
 			if quit {
-				return
+				flags = unix.MSG_DONTWAIT
 			}
-			n, from, err := unix.Recvfrom(fd, buf, 0)
+			n, from, err := unix.Recvfrom(fd, buf, flags)
 			if err != nil {
+				if quit {
+					return
+				}
 				continue
 			}
 			// lo shows each packet going out and coming in: the second is kept.
