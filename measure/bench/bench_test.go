@@ -139,6 +139,17 @@ func TestTinyRun(t *testing.T) {
 				if b := pr.MachineBusy; b == nil || *b <= 0 || *b > float64(rep.Machine.CPUs)*1.25 {
 					t.Errorf("%s: machine busy CPUs %s, want in (0, %d]", pr.Path, busy(pr), rep.Machine.CPUs)
 				}
+				// A connection is at least a SYN, its SYN-ACK and an end from
+				// each side; through a proxy's own sockets, two connections.
+				if strings.HasPrefix(wr.Name, Connections) {
+					least := 5.0
+					if userspacePath(pr.Path) || isPeer(pr.Path) {
+						least = 10
+					}
+					if pr.Segments == nil || *pr.Segments < least {
+						t.Errorf("%s: %s TCP segments per connection, want at least %.0f", pr.Path, num(pr.Segments), least)
+					}
+				}
 				if trafficWorkloads[wr.Name].latency && (pr.Latency == nil || len(pr.CDF) == 0) {
 					t.Errorf("%s: no latency distribution", pr.Path)
 				}

@@ -129,6 +129,21 @@ func TestParseMachineBusy(t *testing.T) {
 	}
 }
 
+func TestParseOutSegs(t *testing.T) {
+	snmp := "Ip: Forwarding DefaultTTL\nIp: 1 64\n" +
+		"Tcp: RtoAlgorithm RtoMin RtoMax MaxConn ActiveOpens PassiveOpens AttemptFails EstabResets CurrEstab InSegs OutSegs RetransSegs InErrs OutRsts InCsumErrors\n" +
+		"Tcp: 1 200 120000 -1 40 38 2 1 3 1000 987654321012 0 0 5 0\n" +
+		"Udp: InDatagrams\nUdp: 7\n"
+	if got, err := parseOutSegs([]byte(snmp)); err != nil || got != 987654321012 {
+		t.Errorf("got %d (%v), want 987654321012", got, err)
+	}
+	for _, bad := range []string{"Udp: InDatagrams\nUdp: 7\n", "Tcp: InSegs\nTcp: 5\n", "Tcp: OutSegs\nTcp: x\n"} {
+		if got, err := parseOutSegs([]byte(bad)); err == nil {
+			t.Errorf("parseOutSegs(%q) = %d, want an error", bad, got)
+		}
+	}
+}
+
 func TestParseSyncMetric(t *testing.T) {
 	body := `# HELP kubeproxy_sync_proxy_rules_duration_seconds How long one sync took.
 # TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram

@@ -91,6 +91,7 @@ func workloadColumns(wr WorkloadResult) []column {
 			}
 			return ""
 		}},
+		{"TCP segments/" + perUnit(cpu), opt(func(p PathResult) *float64 { return p.Segments }, num)},
 		{"heap KiB/conn", idle(func(i *IdleResult) string {
 			switch {
 			case i.HeapKiBPerConn != nil:
@@ -348,4 +349,12 @@ func joinInts(v []int) string {
 		s[i] = fmt.Sprint(n)
 	}
 	return strings.Join(s, ", ")
+}
+
+// perUnit is the unit of work of a CPU unit ("CPU-µs/conn": conn).
+func perUnit(cpuUnit string) string {
+	if _, unit, ok := strings.Cut(cpuUnit, "/"); ok {
+		return unit
+	}
+	return "unit"
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -103,6 +104,40 @@ func treeUsage(pid int) (usage, error) {
 		u.rss += st.rssByte
 	}
 	return u, nil
+}
+
+// tcpOutSegs reads the TCP segments the calling thread's network namespace has
+// sent (OutSegs of /proc/thread-self/net/snmp, which counts IPv4 and IPv6 alike).
+func tcpOutSegs() (uint64, error) {
+	b, err := os.ReadFile("/proc/thread-self/net/snmp")
+	if err != nil {
+		return 0, err
+	}
+	return parseOutSegs(b)
+}
+
+// parseOutSegs finds OutSegs in the Tcp: header and value lines of an snmp file.
+func parseOutSegs(b []byte) (uint64, error) {
+	var names []string
+	for line := range strings.Lines(string(b)) {
+		f := strings.Fields(line)
+		if len(f) == 0 || f[0] != "Tcp:" {
+			continue
+		}
+		if names == nil {
+			names = f
+			continue
+		}
+		if i := slices.Index(names, "OutSegs"); i > 0 && i < len(f) {
+			n, err := strconv.ParseUint(f[i], 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("snmp: OutSegs %q: %w", f[i], err)
+			}
+			return n, nil
+		}
+		break
+	}
+	return 0, fmt.Errorf("snmp: no Tcp: OutSegs")
 }
 
 // machineBusy is the CPU time every core spent on anything but idle and iowait

@@ -102,7 +102,11 @@ type PathResult struct {
 	// bounded a rate: the machine (every CPU busy), the proxy (a proxy with one
 	// thread near 1), or neither - then time went to waiting, as when a proxy
 	// serializes work that several workers would overlap.
-	ProxyBusy   *float64    `json:"proxyBusyCPUs,omitempty"`
+	ProxyBusy *float64 `json:"proxyBusyCPUs,omitempty"`
+	// Segments is the TCP segments sent per unit of work (CPUUnit's) in every
+	// namespace of the path's topology, the client's and the backends' as well
+	// as the proxy's: what the path costs the network stack, whoever pays.
+	Segments    *float64    `json:"tcpSegments,omitempty"`
 	MachineBusy *float64    `json:"machineBusyCPUs,omitempty"`
 	Errors      uint64      `json:"errors,omitempty"`
 	Lost        uint64      `json:"lost,omitempty"`
@@ -163,7 +167,7 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 		r := results[p.name]
 		if len(r.Rounds) > 0 && r.Error == "" {
 			var vals []float64
-			var units, proxy, client, backend, machine, secs float64
+			var units, proxy, client, backend, machine, secs, segments float64
 			hasProxy := false
 			var h Histogram
 			for _, rd := range r.Rounds {
@@ -172,6 +176,7 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 				client += rd.ClientCPU
 				backend += rd.BackendCPU
 				machine += rd.MachineCPU
+				segments += float64(rd.Segments)
 				secs += rd.sampled
 				if rd.ProxyCPU != nil {
 					hasProxy = true
@@ -191,6 +196,9 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 					r.ProxyCPU = per(proxy)
 				}
 				r.ClientCPU, r.BackendCPU, r.MachineCPU = per(client), per(backend), per(machine)
+				if segments > 0 {
+					r.Segments = ptr(segments / units)
+				}
 			}
 			if machine > 0 {
 				r.ClientCPUShare = ptr(client / machine)
@@ -313,7 +321,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 			head = append(head, "p50 µs", "+p50", "p90", "p99", "p99.9")
 		}
 		if wr.CPUUnit != "" {
-			head = append(head, "proxy "+wr.CPUUnit, "×best peer", "client", "backend", "machine", "client share", "busy CPUs")
+			head = append(head, "proxy "+wr.CPUUnit, "×best peer", "client", "backend", "machine", "client share", "busy CPUs", "TCP segs")
 		}
 		if wr.Name == Idle {
 			head = append(head, "heap KiB/conn", "RSS before MiB", "RSS after MiB")
@@ -351,7 +359,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 				}
 			}
 			if wr.CPUUnit != "" {
-				row = append(row, num(pr.ProxyCPU), ratio(pr.ProxyCPUVsBestPeer), num(pr.ClientCPU), num(pr.BackendCPU), num(pr.MachineCPU), pct(pr.ClientCPUShare), busy(pr))
+				row = append(row, num(pr.ProxyCPU), ratio(pr.ProxyCPUVsBestPeer), num(pr.ClientCPU), num(pr.BackendCPU), num(pr.MachineCPU), pct(pr.ClientCPUShare), busy(pr), num(pr.Segments))
 			}
 			if wr.Name == Idle && pr.Idle != nil {
 				heap := "-"
@@ -423,6 +431,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 		"the backend servers, and the whole machine (which alone sees kernel-mode proxying); client share is\n" +
 		"the load generators' part of the machine's CPU. Busy CPUs are proxy/machine, averaged over the windows:\n" +
 		"a rate measured with CPUs to spare and a proxy short of 1 (one thread) was bounded by waiting, not by CPU.\n" +
+		"TCP segs are the TCP segments sent per unit of work in all of the topology's namespaces (client, proxy, backends).\n" +
 		"+p50 is p50 minus direct's. Control-plane times through manifests include the file source's 100 ms\n" +
 		"debounce. kube-proxy-layout is kube-proxy's nftables layout (a chain per Service port and per\n" +
 		"endpoint) rendered by this benchmark and loaded by nft -f in a namespace of its own: the rule layer's\n" +

@@ -395,6 +395,7 @@ func udpRunLoop(p *path, m *meter, g *generator) error {
 type sample struct {
 	proxy, backend  usage
 	client, machine time.Duration
+	segments        uint64
 	hasProxy        bool
 	// at is when the machine's counters were read: the busy CPUs divide by the
 	// time between two samples' readings, not by the measurement window, which
@@ -405,6 +406,11 @@ type sample struct {
 func takeSample(p *path) (sample, error) {
 	var s sample
 	var err error
+	// First, as the measurement window opens and first after it closes, like
+	// the CPU figures that follow: the reading enters each namespace.
+	if s.segments, err = p.w.segmentsSent(); err != nil {
+		return s, err
+	}
 	if p.proxy != nil {
 		s.hasProxy = true
 		if s.proxy, err = treeUsage(p.proxy.pid); err != nil {
@@ -439,8 +445,11 @@ type Round struct {
 	ClientCPU  float64  `json:"clientCPUSeconds"`
 	BackendCPU float64  `json:"backendCPUSeconds"`
 	MachineCPU float64  `json:"machineCPUSeconds"`
-	Errors     uint64   `json:"errors,omitempty"`
-	Lost       uint64   `json:"lost,omitempty"`
+	// Segments is the TCP segments sent during the window in every namespace
+	// of the path's topology: the client's, the proxy's and the backends'.
+	Segments uint64 `json:"tcpSegments"`
+	Errors   uint64 `json:"errors,omitempty"`
+	Lost     uint64 `json:"lost,omitempty"`
 	// LoadAverage is the machine's 1-minute load average as the round began
 	// (/proc/loadavg): on a shared machine, what else ran meanwhile.
 	LoadAverage float64 `json:"loadAverage"`
@@ -521,6 +530,7 @@ func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duratio
 		ClientCPU:   (s1.client - s0.client).Seconds(),
 		BackendCPU:  (s1.backend.cpu - s0.backend.cpu).Seconds(),
 		MachineCPU:  (s1.machine - s0.machine).Seconds(),
+		Segments:    s1.segments - s0.segments,
 		Errors:      total.errs,
 		Lost:        total.lost,
 		LoadAverage: load,

@@ -226,6 +226,28 @@ func buildWorld(w *world, exe string) (*world, error) {
 	return w, nil
 }
 
+// segmentsSent sums the TCP segments sent in the world's namespaces (its node
+// namespace alone, in a loopback world): every segment of a path, the client's,
+// the proxy's and the backends', counted once where it was sent.
+func (w *world) segmentsSent() (uint64, error) {
+	roles := []string{clientRole, nodeRole, backendRole}
+	if w.loopback {
+		roles = []string{nodeRole}
+	}
+	var sum uint64
+	for _, role := range roles {
+		err := w.tp.Run(role, func() error {
+			n, err := tcpOutSegs()
+			sum += n
+			return err
+		})
+		if err != nil {
+			return 0, fmt.Errorf("TCP segments in %s: %w", role, err)
+		}
+	}
+	return sum, nil
+}
+
 // tuneConntrack applies conntrackSysctls in the node namespace; they exist only
 // once something there uses conntrack, so it is called after a proxy started.
 func (w *world) tuneConntrack() {
