@@ -55,6 +55,9 @@ type workload struct {
 	units func(g *generator) float64
 	// latency says Value comes with a latency distribution worth charting.
 	latency bool
+	// udp says the work is datagrams: the TCP segments of its rounds are not
+	// its own, and are not reported.
+	udp bool
 	// skip says why the workload does not apply to p ("" when it does).
 	skip func(p *path) string
 }
@@ -80,7 +83,7 @@ var trafficWorkloads = map[string]*workload{
 	UDP: {
 		name: UDP, title: clientTitles[UDP](4),
 		unit: "req/s", higherBetter: true, cpuUnit: "CPU-µs/dgram", cpuScale: 1e6,
-		workers: 4, loop: udpLoop, latency: true,
+		workers: 4, loop: udpLoop, latency: true, udp: true,
 		value: func(g *generator, s float64) float64 { return float64(g.ops) / s },
 		units: func(g *generator) float64 { return 2 * float64(g.ops) },
 		skip:  skipWithoutUDP,
@@ -88,7 +91,7 @@ var trafficWorkloads = map[string]*workload{
 	UDPRun: {
 		name: UDPRun, title: fmt.Sprintf("UDP runs (a 64 B request draws %d datagrams of %d B, sent segmented as QUIC servers do; 4 clients; CPU per datagram)", runCount, runSize),
 		unit: "MB/s", higherBetter: true, cpuUnit: "CPU-µs/dgram", cpuScale: 1e6,
-		workers: 4, loop: udpRunLoop,
+		workers: 4, loop: udpRunLoop, udp: true,
 		value: func(g *generator, s float64) float64 { return float64(g.bytes) / 1e6 / s },
 		units: func(g *generator) float64 { return (1 + runCount) * float64(g.ops) },
 		skip:  skipWithoutUDP,
@@ -447,7 +450,7 @@ type Round struct {
 	MachineCPU float64  `json:"machineCPUSeconds"`
 	// Segments is the TCP segments sent during the window in every namespace
 	// of the path's topology: the client's, the proxy's and the backends'.
-	Segments uint64 `json:"tcpSegments"`
+	Segments uint64 `json:"tcpSegments,omitempty"`
 	Errors   uint64 `json:"errors,omitempty"`
 	Lost     uint64 `json:"lost,omitempty"`
 	// LoadAverage is the machine's 1-minute load average as the round began
@@ -530,7 +533,6 @@ func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duratio
 		ClientCPU:   (s1.client - s0.client).Seconds(),
 		BackendCPU:  (s1.backend.cpu - s0.backend.cpu).Seconds(),
 		MachineCPU:  (s1.machine - s0.machine).Seconds(),
-		Segments:    s1.segments - s0.segments,
 		Errors:      total.errs,
 		Lost:        total.lost,
 		LoadAverage: load,
@@ -540,6 +542,9 @@ func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duratio
 	if s0.hasProxy {
 		v := (s1.proxy.cpu - s0.proxy.cpu).Seconds()
 		r.ProxyCPU = &v
+	}
+	if !wl.udp {
+		r.Segments = s1.segments - s0.segments
 	}
 	if wl.latency {
 		r.hist = &total.hist
