@@ -149,6 +149,19 @@ func TestTinyRun(t *testing.T) {
 					if pr.Segments == nil || *pr.Segments < least {
 						t.Errorf("%s: %s TCP segments per connection, want at least %.0f", pr.Path, num(pr.Segments), least)
 					}
+					// The node namespace sends the proxy's own: a SYN-ACK to the
+					// client, a SYN to the backend, and each side's reply or end.
+					// Where the kernel forwards, it sends none of its own.
+					switch node := pr.NodeSegments; {
+					case loopbackPath(pr.Path):
+						if node != nil {
+							t.Errorf("%s: node's segments %s on the loopback topology, want none (one namespace)", pr.Path, num(node))
+						}
+					case node == nil:
+						t.Errorf("%s: no node's segments", pr.Path)
+					case least == 10 && *node < 5, least == 5 && *node > 0.5:
+						t.Errorf("%s: node's segments %s per connection, want a proxy's own (at least 5) or, where the kernel forwards, none", pr.Path, num(node))
+					}
 				}
 				if trafficWorkloads[wr.Name].latency && (pr.Latency == nil || len(pr.CDF) == 0) {
 					t.Errorf("%s: no latency distribution", pr.Path)

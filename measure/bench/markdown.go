@@ -92,6 +92,7 @@ func workloadColumns(wr WorkloadResult) []column {
 			return ""
 		}},
 		{"TCP segments/" + perUnit(cpu), opt(func(p PathResult) *float64 { return p.Segments }, num)},
+		{"node's TCP segments/" + perUnit(cpu), opt(func(p PathResult) *float64 { return p.NodeSegments }, num)},
 		{"heap KiB/conn", idle(func(i *IdleResult) string {
 			switch {
 			case i.HeapKiBPerConn != nil:

@@ -106,12 +106,16 @@ type PathResult struct {
 	// Segments is the TCP segments sent per unit of work (CPUUnit's) in every
 	// namespace of the path's topology, the client's and the backends' as well
 	// as the proxy's: what the path costs the network stack, whoever pays.
-	Segments    *float64    `json:"tcpSegments,omitempty"`
-	MachineBusy *float64    `json:"machineBusyCPUs,omitempty"`
-	Errors      uint64      `json:"errors,omitempty"`
-	Lost        uint64      `json:"lost,omitempty"`
-	Rounds      []Round     `json:"rounds,omitempty"`
-	Idle        *IdleResult `json:"idle,omitempty"`
+	Segments *float64 `json:"tcpSegments,omitempty"`
+	// NodeSegments is the part of Segments sent in the node namespace, on a
+	// topology of three namespaces: the proxy's own segments (none where the
+	// kernel forwards).
+	NodeSegments *float64    `json:"nodeTCPSegments,omitempty"`
+	MachineBusy  *float64    `json:"machineBusyCPUs,omitempty"`
+	Errors       uint64      `json:"errors,omitempty"`
+	Lost         uint64      `json:"lost,omitempty"`
+	Rounds       []Round     `json:"rounds,omitempty"`
+	Idle         *IdleResult `json:"idle,omitempty"`
 	// CDF is the latency distribution, for charts.
 	CDF []CDFPoint `json:"cdf,omitempty"`
 }
@@ -167,7 +171,8 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 		r := results[p.name]
 		if len(r.Rounds) > 0 && r.Error == "" {
 			var vals []float64
-			var units, proxy, client, backend, machine, secs, segments float64
+			var units, proxy, client, backend, machine, secs, segments, node float64
+			hasNode := false
 			hasProxy := false
 			var h Histogram
 			for _, rd := range r.Rounds {
@@ -177,6 +182,10 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 				backend += rd.BackendCPU
 				machine += rd.MachineCPU
 				segments += float64(rd.Segments)
+				if rd.NodeSegments != nil {
+					hasNode = true
+					node += float64(*rd.NodeSegments)
+				}
 				secs += rd.sampled
 				if rd.ProxyCPU != nil {
 					hasProxy = true
@@ -198,6 +207,9 @@ func summarize(wl *workload, paths []*path, results map[string]*PathResult) Work
 				r.ClientCPU, r.BackendCPU, r.MachineCPU = per(client), per(backend), per(machine)
 				if segments > 0 {
 					r.Segments = ptr(segments / units)
+					if hasNode {
+						r.NodeSegments = ptr(node / units)
+					}
 				}
 			}
 			if machine > 0 {
@@ -321,7 +333,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 			head = append(head, "p50 µs", "+p50", "p90", "p99", "p99.9")
 		}
 		if wr.CPUUnit != "" {
-			head = append(head, "proxy "+wr.CPUUnit, "×best peer", "client", "backend", "machine", "client share", "busy CPUs", "TCP segs")
+			head = append(head, "proxy "+wr.CPUUnit, "×best peer", "client", "backend", "machine", "client share", "busy CPUs", "TCP segs", "node's")
 		}
 		if wr.Name == Idle {
 			head = append(head, "heap KiB/conn", "RSS before MiB", "RSS after MiB")
@@ -359,7 +371,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 				}
 			}
 			if wr.CPUUnit != "" {
-				row = append(row, num(pr.ProxyCPU), ratio(pr.ProxyCPUVsBestPeer), num(pr.ClientCPU), num(pr.BackendCPU), num(pr.MachineCPU), pct(pr.ClientCPUShare), busy(pr), num(pr.Segments))
+				row = append(row, num(pr.ProxyCPU), ratio(pr.ProxyCPUVsBestPeer), num(pr.ClientCPU), num(pr.BackendCPU), num(pr.MachineCPU), pct(pr.ClientCPUShare), busy(pr), num(pr.Segments), num(pr.NodeSegments))
 			}
 			if wr.Name == Idle && pr.Idle != nil {
 				heap := "-"
@@ -431,7 +443,8 @@ func (r *Report) WriteTable(w io.Writer) error {
 		"the backend servers, and the whole machine (which alone sees kernel-mode proxying); client share is\n" +
 		"the load generators' part of the machine's CPU. Busy CPUs are proxy/machine, averaged over the windows:\n" +
 		"a rate measured with CPUs to spare and a proxy short of 1 (one thread) was bounded by waiting, not by CPU.\n" +
-		"TCP segs are the TCP segments sent per unit of work in all of the topology's namespaces (client, proxy, backends).\n" +
+		"TCP segs are the TCP segments sent per unit of work in all of the topology's namespaces (client, proxy, backends);\n" +
+		"node's, the part the node namespace sent: the proxy's own (none when the kernel forwards; - on loopback).\n" +
 		"+p50 is p50 minus direct's. Control-plane times through manifests include the file source's 100 ms\n" +
 		"debounce. kube-proxy-layout is kube-proxy's nftables layout (a chain per Service port and per\n" +
 		"endpoint) rendered by this benchmark and loaded by nft -f in a namespace of its own: the rule layer's\n" +

@@ -398,7 +398,7 @@ func udpRunLoop(p *path, m *meter, g *generator) error {
 type sample struct {
 	proxy, backend  usage
 	client, machine time.Duration
-	segments        uint64
+	segments, node  uint64
 	hasProxy        bool
 	// at is when the machine's counters were read: the busy CPUs divide by the
 	// time between two samples' readings, not by the measurement window, which
@@ -411,7 +411,7 @@ func takeSample(p *path) (sample, error) {
 	var err error
 	// First, as the measurement window opens and first after it closes, like
 	// the CPU figures that follow: the reading enters each namespace.
-	if s.segments, err = p.w.segmentsSent(); err != nil {
+	if s.segments, s.node, err = p.w.segmentsSent(); err != nil {
 		return s, err
 	}
 	if p.proxy != nil {
@@ -451,8 +451,11 @@ type Round struct {
 	// Segments is the TCP segments sent during the window in every namespace
 	// of the path's topology: the client's, the proxy's and the backends'.
 	Segments uint64 `json:"tcpSegments,omitempty"`
-	Errors   uint64 `json:"errors,omitempty"`
-	Lost     uint64 `json:"lost,omitempty"`
+	// NodeSegments is the node namespace's part of Segments, outside a
+	// loopback topology: the proxy's own segments.
+	NodeSegments *uint64 `json:"nodeTCPSegments,omitempty"`
+	Errors       uint64  `json:"errors,omitempty"`
+	Lost         uint64  `json:"lost,omitempty"`
 	// LoadAverage is the machine's 1-minute load average as the round began
 	// (/proc/loadavg): on a shared machine, what else ran meanwhile.
 	LoadAverage float64 `json:"loadAverage"`
@@ -545,6 +548,10 @@ func runTrial(ctx context.Context, p *path, wl *workload, warmup, d time.Duratio
 	}
 	if !wl.udp {
 		r.Segments = s1.segments - s0.segments
+		if !p.w.loopback {
+			n := s1.node - s0.node
+			r.NodeSegments = &n
+		}
 	}
 	if wl.latency {
 		r.hist = &total.hist

@@ -228,24 +228,29 @@ func buildWorld(w *world, exe string) (*world, error) {
 
 // segmentsSent sums the TCP segments sent in the world's namespaces (its node
 // namespace alone, in a loopback world): every segment of a path, the client's,
-// the proxy's and the backends', counted once where it was sent.
-func (w *world) segmentsSent() (uint64, error) {
+// the proxy's and the backends', counted once where it was sent. node is the
+// node namespace's part, which is the proxy's own in a world of three
+// namespaces (the kernel's forwarding sends none of its own).
+func (w *world) segmentsSent() (total, node uint64, err error) {
 	roles := []string{clientRole, nodeRole, backendRole}
 	if w.loopback {
 		roles = []string{nodeRole}
 	}
-	var sum uint64
 	for _, role := range roles {
-		err := w.tp.Run(role, func() error {
-			n, err := tcpOutSegs()
-			sum += n
+		var n uint64
+		err := w.tp.Run(role, func() (err error) {
+			n, err = tcpOutSegs()
 			return err
 		})
 		if err != nil {
-			return 0, fmt.Errorf("TCP segments in %s: %w", role, err)
+			return 0, 0, fmt.Errorf("TCP segments in %s: %w", role, err)
+		}
+		total += n
+		if role == nodeRole {
+			node = n
 		}
 	}
-	return sum, nil
+	return total, node, nil
 }
 
 // tuneConntrack applies conntrackSysctls in the node namespace; they exist only
