@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
@@ -16,6 +17,11 @@ import (
 var version = "dev"
 
 func main() {
+	if name := filepath.Base(os.Args[0]); iptablesCommands[name] {
+		err := runIPTablesWrapper(name, os.Args[1:])
+		fmt.Fprintln(os.Stderr, "uproxy:", err)
+		os.Exit(2)
+	}
 	if err := newRootCommand().Execute(); err != nil {
 		fmt.Fprintln(os.Stderr, "uproxy:", err)
 		os.Exit(1)

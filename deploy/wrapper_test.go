@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/uproxy/uproxy/testbed"
@@ -13,10 +14,47 @@ import (
 
 // wrapperWorld is the image's iptables commands rebuilt in a directory: the
 // real -legacy and -nft commands linked in, Debian's alternatives for both
-// backends (priorities 10 and 20) and the wrapper above them (100) as the
-// Dockerfile installs it, in private alternatives directories.
+// backends (priorities 10 and 20) and uproxy above them (100), which runs the
+// wrapper script, as the Dockerfile installs them, in private alternatives
+// directories.
 type wrapperWorld struct {
 	sbin, altdir, admindir, log string
+	// uproxy is the binary the commands lead to until the first run.
+	uproxy string
+}
+
+var (
+	uproxyOnce sync.Once
+	uproxyBin  string
+	uproxyErr  error
+)
+
+// buildUproxy builds uproxy once for every test of the package.
+func buildUproxy(t *testing.T) string {
+	t.Helper()
+	uproxyOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "uproxy-deploy-test")
+		if err != nil {
+			uproxyErr = err
+			return
+		}
+		uproxyBin = filepath.Join(dir, "uproxy")
+		if out, err := exec.Command("go", "build", "-o", uproxyBin, "..").CombinedOutput(); err != nil {
+			uproxyErr = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	if uproxyErr != nil {
+		t.Fatal(uproxyErr)
+	}
+	return uproxyBin
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if uproxyBin != "" {
+		os.RemoveAll(filepath.Dir(uproxyBin))
+	}
+	os.Exit(code)
 }
 
 func newWrapperWorld(t *testing.T) *wrapperWorld {
@@ -37,7 +75,8 @@ func newWrapperWorld(t *testing.T) *wrapperWorld {
 			}
 		}
 	}
-	testbed.Needs(t, testbed.Commands(names...))
+	testbed.Needs(t, testbed.Build, testbed.Commands(names...))
+	w.uproxy = buildUproxy(t)
 	for _, name := range names {
 		real, err := exec.LookPath(name)
 		if err != nil {
@@ -61,15 +100,21 @@ func newWrapperWorld(t *testing.T) *wrapperWorld {
 		}{
 			{family + "-legacy", family + "-legacy-save", family + "-legacy-restore", "10"},
 			{family + "-nft", family + "-nft-save", family + "-nft-restore", "20"},
-			{"iptables-wrapper", "iptables-wrapper", "iptables-wrapper", "100"},
+			{w.uproxy, w.uproxy, w.uproxy, "100"},
 		} {
-			w.alternatives(t, "--install", filepath.Join(w.sbin, family), family, filepath.Join(w.sbin, alt.target), alt.priority,
-				"--slave", filepath.Join(w.sbin, family+"-save"), family+"-save", filepath.Join(w.sbin, alt.save),
-				"--slave", filepath.Join(w.sbin, family+"-restore"), family+"-restore", filepath.Join(w.sbin, alt.restore))
+			in := func(name string) string {
+				if filepath.IsAbs(name) {
+					return name
+				}
+				return filepath.Join(w.sbin, name)
+			}
+			w.alternatives(t, "--install", filepath.Join(w.sbin, family), family, in(alt.target), alt.priority,
+				"--slave", filepath.Join(w.sbin, family+"-save"), family+"-save", in(alt.save),
+				"--slave", filepath.Join(w.sbin, family+"-restore"), family+"-restore", in(alt.restore))
 		}
 	}
-	if got := w.resolve(t, "iptables-save"); got != wrapper {
-		t.Fatalf("before any run, iptables-save leads to %s, want the wrapper", got)
+	if got := w.resolve(t, "iptables-save"); got != w.uproxy {
+		t.Fatalf("before any run, iptables-save leads to %s, want uproxy (%s)", got, w.uproxy)
 	}
 	return w
 }
