@@ -247,7 +247,7 @@ func (s ImageSet) derivedRootfs(base, label, recipe string, build func(dir strin
 // runtimeStage does in dir what the Dockerfile's last stage does: its RUN lines run
 // in a chroot as written, its COPY lines copy from the build context, and a COPY
 // --from another stage is the binary that stage builds, which BuildImages adds as
-// a layer of its own. Reading the stage rather than repeating it is what keeps the
+// a layer of its own (an empty file holds its place here). Reading the stage rather than repeating it is what keeps the
 // image the cluster runs and the one `docker build` makes the same; an instruction
 // this reading does not know fails the build instead of being skipped.
 func (s ImageSet) runtimeStage(dir string) error {
@@ -268,7 +268,17 @@ func (s ImageSet) runtimeStage(dir string) error {
 		case "COPY":
 			fields := strings.Fields(st.args)
 			if len(fields) == 3 && strings.HasPrefix(fields[0], "--from=") {
-				continue // the binary, added as a layer of its own
+				// The binary is added as a layer of its own, over this one; an
+				// empty file holds its place so that the RUN lines after it can
+				// name it (update-alternatives checks that its target exists).
+				dst := filepath.Join(dir, fields[2])
+				if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+					return err
+				}
+				if err := os.WriteFile(dst, nil, 0o755); err != nil {
+					return err
+				}
+				continue
 			}
 			if len(fields) != 2 {
 				return fmt.Errorf("%s: COPY %s: only COPY SRC DST is read", s.Dockerfile, st.args)
