@@ -247,9 +247,10 @@ func (s ImageSet) derivedRootfs(base, label, recipe string, build func(dir strin
 // runtimeStage does in dir what the Dockerfile's last stage does: its RUN lines run
 // in a chroot as written, its COPY lines copy from the build context, and a COPY
 // --from another stage is the binary that stage builds, which BuildImages adds as
-// a layer of its own (an empty file holds its place here). Reading the stage rather than repeating it is what keeps the
-// image the cluster runs and the one `docker build` makes the same; an instruction
-// this reading does not know fails the build instead of being skipped.
+// a layer of its own (an empty file holds its place here). Reading the stage
+// rather than repeating it is what keeps the image the cluster runs and the one
+// `docker build` makes the same; an instruction this reading does not know fails
+// the build instead of being skipped.
 func (s ImageSet) runtimeStage(dir string) error {
 	steps, err := lastStage(s.Dockerfile)
 	if err != nil {

@@ -90,27 +90,21 @@ func newWrapperWorld(t *testing.T) *wrapperWorld {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wrapper := filepath.Join(w.sbin, "iptables-wrapper")
-	if err := os.WriteFile(wrapper, script, 0o755); err != nil {
+	if err := os.WriteFile(filepath.Join(w.sbin, "iptables-wrapper"), script, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	for _, family := range []string{"iptables", "ip6tables"} {
+		link := func(suffix string) string { return filepath.Join(w.sbin, family+suffix) }
 		for _, alt := range []struct {
 			target, save, restore, priority string
 		}{
-			{family + "-legacy", family + "-legacy-save", family + "-legacy-restore", "10"},
-			{family + "-nft", family + "-nft-save", family + "-nft-restore", "20"},
+			{link("-legacy"), link("-legacy-save"), link("-legacy-restore"), "10"},
+			{link("-nft"), link("-nft-save"), link("-nft-restore"), "20"},
 			{w.uproxy, w.uproxy, w.uproxy, "100"},
 		} {
-			in := func(name string) string {
-				if filepath.IsAbs(name) {
-					return name
-				}
-				return filepath.Join(w.sbin, name)
-			}
-			w.alternatives(t, "--install", filepath.Join(w.sbin, family), family, in(alt.target), alt.priority,
-				"--slave", filepath.Join(w.sbin, family+"-save"), family+"-save", in(alt.save),
-				"--slave", filepath.Join(w.sbin, family+"-restore"), family+"-restore", in(alt.restore))
+			w.alternatives(t, "--install", link(""), family, alt.target, alt.priority,
+				"--slave", link("-save"), family+"-save", alt.save,
+				"--slave", link("-restore"), family+"-restore", alt.restore)
 		}
 	}
 	if got := w.resolve(t, "iptables-save"); got != w.uproxy {
