@@ -13,12 +13,12 @@
 # says for its connections-server-close workload
 # (docs/decisions/2026-11-29-outside-measurement.md).
 #
-# Usage: hack/wrk-close.sh [path/to/uproxy] [-r ROUNDS] [-d SECONDS] [-c CONNECTIONS] [-- uproxy flags...]
+# Usage: hack/wrk-close.sh [path/to/uproxy (default: the checkout's bin/uproxy)] [-r ROUNDS] [-d SECONDS] [-c CONNECTIONS] [-- uproxy flags...]
 #   e.g. hack/wrk-close.sh bin/uproxy -r 3 -d 5 -c 50
 # Needs root, ip (iproute2), nginx with its stream module, haproxy and wrk.
 set -euo pipefail
 
-UPROXY=bin/uproxy
+UPROXY=$(dirname "$0")/../bin/uproxy
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
 	UPROXY=$1
 	shift
@@ -36,8 +36,11 @@ done
 for n in "$ROUNDS" "$SECONDS_PER_ROUND" "$CONNECTIONS"; do
 	case $n in '' | *[!0-9]* | 0) echo "wrk-close: -r, -d and -c take a positive whole number, not '$n'" >&2; exit 2 ;; esac
 done
+if [ ! -f "$UPROXY" ] || [ ! -x "$UPROXY" ]; then
+	echo "wrk-close: no uproxy binary at $UPROXY (make build)" >&2
+	exit 1
+fi
 UPROXY=$(realpath "$UPROXY")
-[ -x "$UPROXY" ] || { echo "wrk-close: no uproxy binary at $UPROXY (make build)" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || { echo "wrk-close: needs root (a network namespace of its own)" >&2; exit 1; }
 for c in ip nginx haproxy wrk; do
 	command -v $c >/dev/null || { echo "wrk-close: $c not found (apt-get install iproute2 nginx libnginx-mod-stream haproxy wrk)" >&2; exit 1; }
