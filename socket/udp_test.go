@@ -9,6 +9,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -124,6 +125,27 @@ func exchange(c *net.UDPConn, addr netip.AddrPort, msg []byte, wait time.Duratio
 	return buf[:n], from, nil
 }
 
+// lostExchange says what the proxy looked like once an exchange went
+// unanswered: its entries, what it recorded, and whether the same datagram sent
+// again is answered. UDP may lose a datagram; on loopback nothing should.
+func lostExchange(p *UDPProxy, rec *recorder, client *net.UDPConn, svc netip.AddrPort, msg []byte) string {
+	rec.mu.Lock()
+	closed := slices.Clone(rec.closed)
+	opened, backoffs := rec.opened, len(rec.backoffs)
+	rec.mu.Unlock()
+	var b strings.Builder
+	fmt.Fprintf(&b, "entries %d, opened %d, backoffs %d", p.Clients(), opened, backoffs)
+	for _, c := range closed {
+		fmt.Fprintf(&b, "; closed %v to %v after %v, in %d out %d, err %v", c.Client, c.Endpoint, c.Duration, c.BytesIn, c.BytesOut, c.Err)
+	}
+	if _, _, err := exchange(client, svc, msg, time.Second); err != nil {
+		fmt.Fprintf(&b, "; sent again: %v", err)
+	} else {
+		b.WriteString("; sent again: answered")
+	}
+	return b.String()
+}
+
 func TestUDPProxyRoundTrip(t *testing.T) {
 	t.Parallel()
 	for _, size := range []int{0, 1, 1472, 9000, 65507} {
@@ -200,7 +222,7 @@ func TestUDPProxyIdleExpiry(t *testing.T) {
 			for start := time.Now(); sends == 0 || time.Since(start) < tt.traffic; sends++ {
 				lastSend = time.Now()
 				if _, _, err := exchange(client, svc, msg, awaitTimeout); err != nil {
-					t.Fatalf("exchange %d: %v", sends, err)
+					t.Fatalf("exchange %d: %v (%s)", sends, err, lostExchange(p, rec, client, svc, msg))
 				}
 				if sends == 0 {
 					firstReply = time.Now()
