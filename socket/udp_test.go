@@ -203,8 +203,14 @@ func TestUDPProxyIdleExpiry(t *testing.T) {
 		traffic time.Duration
 	}{
 		{name: "one exchange", timeout: 500 * time.Millisecond},
-		// Back-to-back exchanges leave no gap near the timeout, even on a loaded machine.
-		{name: "traffic keeps the entry alive past several timeouts", timeout: time.Second, traffic: 2500 * time.Millisecond},
+		// Back-to-back exchanges leave no gap near the timeout, unless the whole
+		// test process stalls for that long: its loop may then run the entry's
+		// timer before the echo goroutine replies, and the entry, idle that long,
+		// rightly expires and loses the late reply. With a 1s timeout that
+		// happened in CI while every package's tests started at once (the first
+		// entry expired after 1.6s of traffic, the second lost its last reply),
+		// so the timeout is 2s.
+		{name: "traffic keeps the entry alive past several timeouts", timeout: 2 * time.Second, traffic: 5 * time.Second},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
