@@ -125,6 +125,7 @@ ip netns exec "$NS" "$UPROXY" --services "$DIR/services" --rules none --proxy-po
 UPROXY_PID=$!
 
 # Each proxy answers through the backend before the first round (wrk's warm-up).
+declare -A LOG=([$UPROXY_PORT]=$DIR/uproxy.log [$HAPROXY_PORT]=$DIR/haproxy.log [$NGINX_PORT]=$DIR/stream/logs/error.log)
 for port in $UPROXY_PORT $HAPROXY_PORT $NGINX_PORT; do
 	ok=
 	for _ in $(seq 50); do
@@ -134,7 +135,7 @@ for port in $UPROXY_PORT $HAPROXY_PORT $NGINX_PORT; do
 		fi
 		sleep 0.2
 	done
-	[ -n "$ok" ] || { echo "wrk-close: nothing answers on 127.0.0.1:$port; uproxy's log:" >&2; tail -5 "$DIR/uproxy.log" >&2; exit 1; }
+	[ -n "$ok" ] || { echo "wrk-close: nothing answers on 127.0.0.1:$port; the end of ${LOG[$port]##*/}:" >&2; tail -5 "${LOG[$port]}" >&2; exit 1; }
 done
 
 # cpu_ticks PID...: utime+stime of the processes and their children (nginx's
