@@ -305,6 +305,9 @@ const readingTheTables = `
   the same dialing from the node's address (` + "`--preserve-client-address=false`" + `);
   ` + "`iptables`" + `, ` + "`nftables`" + `, ` + "`ipvs`" + ` through the kernel modes; ` + "`haproxy`" + ` (tcp mode,
   forced splice) and ` + "`nginx`" + ` (` + "`stream`" + `, ` + "`proxy_half_close on`" + `) are the peers on the node.
+  The peers have no Service address: the client dials their port on the node's address, so no
+  portal rule acts on their packets (the REDIRECT, the marks of dials from the client's address
+  and of their replies, the policy route), where uproxy's userspace paths pay for each.
   The ` + "`lo-`" + ` paths run client, proxy and backends in one namespace on 127.0.0.1, each proxy
   dialed on its own port (uproxy with ` + "`--rules none`" + `); each path is compared with the direct
   path and the peers of its own topology.
