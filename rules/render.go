@@ -163,9 +163,14 @@ func (r *renderer) clientAddress(out []byte) []byte {
 		out = append(out, ":"+ch+" - [0:0]\n"...)
 	}
 	out = append(out, r.chains.canary.Rule()+"\n"...)
-	out = append(out, "-A "+c+" -m conntrack --ctstate NEW -m mark --mark "+d+"/"+d+" -m addrtype ! --src-type LOCAL"+
+	// Every packet the node sends or receives passes this chain, so each rule
+	// tests its mark first, which rules out most packets at once: the dial
+	// mark (a native nft expression under iptables-nft), the conntrack mark.
+	// The conntrack state and direction, matches of the xtables compatibility
+	// layer, come after (record 20 of docs/data-path.md prices the order).
+	out = append(out, "-A "+c+" -m mark --mark "+d+"/"+d+" -m conntrack --ctstate NEW -m addrtype ! --src-type LOCAL"+
 		` -m comment --comment "a dial from a client's address" -j CONNMARK --or-mark `+m+"\n"...)
-	out = append(out, "-A "+c+" -m conntrack --ctdir REPLY -m connmark --mark "+m+"/"+m+
+	out = append(out, "-A "+c+" -m connmark --mark "+m+"/"+m+" -m conntrack --ctdir REPLY"+
 		` -m comment --comment "its replies" -j MARK --or-mark `+m+"\n"...)
 	return append(out, "COMMIT\n"...)
 }
