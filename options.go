@@ -120,7 +120,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.services, "services", o.services, "Service and EndpointSlice manifests (a YAML/JSON file or a directory of them), reloaded on change")
 	f.StringVar(&o.rules, "rules", o.rules, "how virtual IPs reach the proxy ports: nftables (one table of maps), iptables (a rule per Service port), none, or auto (as root: nftables where nft and the kernel support it, else iptables; otherwise none)")
 	f.StringVar(&o.bindAddress, "bind-address", o.bindAddress, "address the proxy ports listen on (0.0.0.0: every address of both families)")
-	f.StringVar(&o.proxyPortRange, "proxy-port-range", o.proxyPortRange, "range of proxy ports, FIRST-LAST or FIRST+OFFSET (empty: the kernel's ephemeral port range)")
+	f.StringVar(&o.proxyPortRange, "proxy-port-range", o.proxyPortRange, "range of proxy ports, FIRST-LAST or FIRST+OFFSET (empty: the kernel's ephemeral port range, less the ports the node reserves in net.ipv4.ip_local_reserved_ports)")
 	f.DurationVar(&o.udpTimeout, "udp-timeout", o.udpTimeout, "how long an idle UDP client keeps its backend")
 	f.IntVar(&o.udpMaxClients, "udp-max-clients", o.udpMaxClients, "most UDP clients tracked per Service port")
 	f.StringVar(&o.dialTimeouts, "dial-timeouts", o.dialTimeouts, "per-attempt TCP dial timeouts; one attempt per entry, each to another endpoint while any remains")

@@ -138,6 +138,9 @@ func (p *Proxier) listenAnywhere(sp *servicePort, r *route) (*listenerState, err
 	if !ok {
 		if lastErr == nil {
 			lastErr = fmt.Errorf("every %s port of range %s is in use", sp.protocol, p.alloc.r)
+			if p.alloc.reserved != nil {
+				lastErr = fmt.Errorf("every %s port of range %s is in use or reserved (net.ipv4.ip_local_reserved_ports)", sp.protocol, p.alloc.r)
+			}
 		}
 		return nil, lastErr
 	}

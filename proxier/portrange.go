@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 
+	"k8s.io/klog/v2"
+
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -66,6 +68,13 @@ func (r PortRange) String() string {
 type allocator struct {
 	r    PortRange
 	used map[service.Protocol]map[int]bool
+	// reserved are the node's ports that the kernel never assigns by itself
+	// (net.ipv4.ip_local_reserved_ports), kept for programs that bind them by
+	// number. Without --proxy-port-range the allocator stands in for the
+	// kernel's choice of a port, so it skips them as the kernel would; a
+	// range given by the operator is an explicit choice and is used whole.
+	// nil when there are none.
+	reserved *portSet
 }
 
 // newAllocator returns an allocator over r; the zero PortRange means the kernel's
@@ -74,10 +83,67 @@ type allocator struct {
 // opening many proxy ports by port 0 takes many times as long (BenchmarkSync
 // opens them at 10k Service ports).
 func newAllocator(r PortRange) *allocator {
+	a := &allocator{r: r, used: make(map[service.Protocol]map[int]bool)}
 	if r.First == 0 {
-		r = ephemeralRange()
+		a.r = ephemeralRange()
+		a.reserved = reservedPorts()
 	}
-	return &allocator{r: r, used: make(map[service.Protocol]map[int]bool)}
+	return a
+}
+
+// portSet is a set of port numbers, a bit each.
+type portSet [65536 / 64]uint64
+
+func (s *portSet) add(p int)           { s[p/64] |= 1 << (p % 64) }
+func (s *portSet) contains(p int) bool { return s != nil && s[p/64]&(1<<(p%64)) != 0 }
+
+// parsePortSet parses the kernel's list of ports, as ip_local_reserved_ports
+// gives it: ports and inclusive ranges separated by commas ("8080,9000-9010"),
+// or nothing. It returns nil for an empty list.
+func parsePortSet(list string) (*portSet, error) {
+	list = strings.TrimSpace(list)
+	if list == "" {
+		return nil, nil
+	}
+	var s portSet
+	for _, item := range strings.Split(list, ",") {
+		first, last, isRange := strings.Cut(strings.TrimSpace(item), "-")
+		lo, err := strconv.Atoi(first)
+		if err != nil {
+			return nil, fmt.Errorf("port list %q: %q is not a port", list, item)
+		}
+		hi := lo
+		if isRange {
+			if hi, err = strconv.Atoi(last); err != nil {
+				return nil, fmt.Errorf("port list %q: %q is not a port range", list, item)
+			}
+		}
+		if lo < 0 || hi > 65535 || hi < lo {
+			return nil, fmt.Errorf("port list %q: %q is not a port range", list, item)
+		}
+		for p := lo; p <= hi; p++ {
+			s.add(p)
+		}
+	}
+	return &s, nil
+}
+
+// reservedPorts reads net.ipv4.ip_local_reserved_ports (which the kernel
+// applies to IPv6 as well); nil when there are none or they cannot be read.
+func reservedPorts() *portSet {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_reserved_ports")
+	if err != nil {
+		return nil
+	}
+	s, err := parsePortSet(string(b))
+	if err != nil {
+		// The kernel writes the list itself; a list it wrote that does not
+		// parse means the format changed. Nothing is skipped then, as before
+		// this was read.
+		klog.ErrorS(err, "Proxy ports: cannot read the node's reserved ports; none are skipped")
+		return nil
+	}
+	return s
 }
 
 // ephemeralRange reads net.ipv4.ip_local_port_range (Linux's default when unreadable).
@@ -106,7 +172,7 @@ func (a *allocator) each(proto service.Protocol, try func(port int) (taken, stop
 	start := rand.IntN(n)
 	for i := 0; i < n; i++ {
 		p := a.r.First + (start+i)%n
-		if used[p] {
+		if used[p] || a.reserved.contains(p) {
 			continue
 		}
 		taken, stop := try(p)

@@ -171,7 +171,8 @@ type world struct {
 // two minutes (a full run opens several hundred thousand connections). The
 // peers' listening ports (haproxyBase, nginxBase) are kept out of that range:
 // a connection of an earlier workload holding one as its source port made the
-// next HAProxy fail to bind it.
+// next HAProxy fail to bind it, and so did a proxy port of uproxy's before it
+// left reserved ports out of its choice.
 var sysctls = []string{
 	"net.ipv4.tcp_tw_reuse=1",
 	"net.ipv4.ip_local_port_range=1024 65000",
