@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/measure/topology"
 	"github.com/uproxy/uproxy/testbed"
 )
 
@@ -556,4 +557,50 @@ func (c *endConn) Read(b []byte) (int, error) {
 		c.end = err
 	}
 	return n, err
+}
+
+// A process that ends because its port was taken is reported with what listens
+// in its namespace and who holds it: by the time anyone reads the error, the
+// run is torn down and the holder is gone.
+func TestExitedNamesWhatListens(t *testing.T) {
+	testbed.Needs(t, testbed.Netns)
+	tp, err := topology.Build()
+	if err != nil {
+		t.Fatal(err)
+	}
+	td := &teardown{}
+	td.Cleanup(func() { tp.Close() })
+	defer td.run()
+	launch := newLauncher(nil)
+	defer launch.close()
+	w := &world{name: "exited", t: td, tp: tp, launch: launch, dir: t.TempDir()}
+
+	var ln net.Listener
+	if err := tp.Run(nodeRole, func() (err error) { ln, err = net.Listen("tcp", "127.0.0.1:0"); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	port := ln.Addr().(*net.TCPAddr).Port
+
+	for _, tc := range []struct {
+		log       string
+		wantHolds bool
+	}{
+		{"bind 127.0.0.1: Address already in use", true},
+		{"no such option", false},
+	} {
+		p, err := w.start("binder", nodeRole, false, nil, nil, nil, "sh", "-c", "echo '"+tc.log+"'; exit 1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		<-p.exited
+		msg := w.exited(p).Error()
+		if !strings.Contains(msg, tc.log) {
+			t.Errorf("exited: %q, want the log %q in it", msg, tc.log)
+		}
+		holder := fmt.Sprintf("127.0.0.1:%d", port)
+		if got := strings.Contains(msg, holder) && strings.Contains(msg, "bench.test"); got != tc.wantHolds {
+			t.Errorf("exited after %q: %q; naming the listener %s and its process: %v, want %v", tc.log, msg, holder, got, tc.wantHolds)
+		}
+	}
 }

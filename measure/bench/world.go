@@ -107,6 +107,7 @@ func (l *launcher) close() { close(l.reqs) }
 // process is a child running in one of the namespaces.
 type process struct {
 	name    string
+	role    string // the namespace it runs in, as start was given it
 	cmd     *exec.Cmd
 	pid     int
 	logPath string
@@ -285,7 +286,7 @@ func (w *world) start(name, role string, proxy bool, env []string, stdin io.Read
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
 	// `ip netns exec` execs the command in place, so this pid is the proxy's.
-	p := &process{name: name, cmd: cmd, pid: cmd.Process.Pid, logPath: logPath, exited: make(chan struct{})}
+	p := &process{name: name, role: role, cmd: cmd, pid: cmd.Process.Pid, logPath: logPath, exited: make(chan struct{})}
 	go func() {
 		cmd.Wait()
 		logf.Close()
@@ -404,7 +405,7 @@ func (w *world) waitTraffic(ctx context.Context, p *process, timeout time.Durati
 				break
 			}
 			if p != nil && !p.running() {
-				return fmt.Errorf("%s exited: %s", p.name, p.logTail())
+				return w.exited(p)
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("no traffic through %s %s within %v: %w", tg.network, tg.addr, timeout, last)
@@ -417,6 +418,22 @@ func (w *world) waitTraffic(ctx context.Context, p *process, timeout time.Durati
 		}
 	}
 	return nil
+}
+
+// exited is the error of process p that ended before it carried traffic: the
+// end of its log, and when it could not bind, the sockets listening in its
+// namespace with their owners (a port taken by another process of the run is
+// otherwise gone from view by the time anyone looks).
+func (w *world) exited(p *process) error {
+	tail := p.logTail()
+	if strings.Contains(tail, "Address already in use") {
+		out, err := w.tp.Exec(w.role(p.role), "ss", "-Hltunp")
+		if err != nil {
+			return fmt.Errorf("%s exited: %s\n(ss -ltunp in its namespace failed: %v)", p.name, tail, err)
+		}
+		return fmt.Errorf("%s exited: %s\nlistening in its namespace (ss -ltunp):\n%s", p.name, tail, strings.TrimSpace(string(out)))
+	}
+	return fmt.Errorf("%s exited: %s", p.name, tail)
 }
 
 type target struct {
