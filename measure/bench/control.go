@@ -232,7 +232,7 @@ func (c *uproxyCtl) waitSynced(ctx context.Context, count uint64, timeout time.D
 			return sum, n, nil
 		}
 		if !c.p.running() {
-			return 0, 0, fmt.Errorf("uproxy exited: %s", c.p.logTail())
+			return 0, 0, c.w.exited(c.p)
 		}
 		if time.Now().After(deadline) {
 			return 0, 0, fmt.Errorf("no sync within %v (metric error: %v)", timeout, err)

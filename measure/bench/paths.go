@@ -585,7 +585,7 @@ func (c *uproxyCtl) proxyPorts(ctx context.Context, timeout time.Duration, names
 			return ports, nil
 		}
 		if !c.p.running() {
-			return nil, fmt.Errorf("uproxy exited: %s", c.p.logTail())
+			return nil, c.w.exited(c.p)
 		}
 		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("proxy ports within %v: %w", timeout, err)
