@@ -23,8 +23,11 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/vishvananda/netns"
@@ -109,6 +112,46 @@ var (
 	runSignature = randomHex(3)
 )
 
+var sweepOnce sync.Once
+
+// sweepDead deletes the namespaces of topologies whose process is gone: the
+// namespace names start with "tb-" and that process's ID, and a process that
+// was killed outright (SIGKILL, or go test's timeout) never ran its Close.
+// Namespaces of live processes are left alone, as is anything not named so; a
+// reused process ID only keeps the dead one's namespaces a while longer. What
+// cannot be deleted is left for the next sweep.
+func sweepDead() {
+	entries, err := os.ReadDir("/run/netns")
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		pid, ok := topologyPID(e.Name())
+		if !ok || pid == os.Getpid() || syscall.Kill(pid, 0) != syscall.ESRCH {
+			continue
+		}
+		exec.Command("ip", "netns", "del", e.Name()).Run()
+	}
+}
+
+// topologyPID is the process ID in a namespace name Build gives ("tb-PID-..."),
+// and whether name is one.
+func topologyPID(name string) (int, bool) {
+	rest, ok := strings.CutPrefix(name, "tb-")
+	if !ok {
+		return 0, false
+	}
+	digits, _, ok := strings.Cut(rest, "-")
+	if !ok {
+		return 0, false
+	}
+	pid, err := strconv.Atoi(digits)
+	if err != nil || pid <= 0 {
+		return 0, false
+	}
+	return pid, true
+}
+
 func randomHex(n int) string {
 	b := make([]byte, n)
 	if _, err := rand.Read(b); err != nil {
@@ -133,6 +176,7 @@ func Available() error {
 // route everything through the node; the node's default route goes to External,
 // so it has a route to any virtual IP. On failure it removes whatever it made.
 func Build(opts ...Option) (*Topology, error) {
+	sweepOnce.Do(sweepDead)
 	tp := &Topology{ns: map[string]*Namespace{}}
 	for _, o := range opts {
 		o(tp)

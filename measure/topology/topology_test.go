@@ -99,3 +99,54 @@ func TestFailedBuildRemovesWhatItMade(t *testing.T) {
 		t.Errorf("namespace %s, not Build's, was removed", taken)
 	}
 }
+
+// Namespaces left by a process that is gone (killed before its Close ran) are
+// deleted by the next sweep; those of a live process, and those not named as
+// Build names them, stay.
+func TestSweepDeletesDeadProcessesNamespaces(t *testing.T) {
+	requireNamespaces(t)
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	dead := fmt.Sprintf("tb-%d-%s-1-%s", gone.Process.Pid, runSignature, Node)
+	live := fmt.Sprintf("tb-%d-%s-0-%s", os.Getppid(), runSignature, Node)
+	other := "tb-x-" + runSignature
+	for _, n := range []string{dead, live, other} {
+		if err := run("ip", "netns", "add", n); err != nil {
+			t.Fatalf("setup: %v", err)
+		}
+		t.Cleanup(func() { run("ip", "netns", "del", n) })
+	}
+	sweepDead()
+	list := netnsList(t)
+	if strings.Contains(list, dead) {
+		t.Errorf("namespace %s of exited process %d still exists after the sweep", dead, gone.Process.Pid)
+	}
+	for _, n := range []string{live, other} {
+		if !strings.Contains(list, n) {
+			t.Errorf("namespace %s was deleted by the sweep, want it kept", n)
+		}
+	}
+}
+
+func TestTopologyPID(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		pid  int
+		ok   bool
+	}{
+		{"tb-25647-234893-1-node", 25647, true},
+		{"tb-1-a-2", 1, true},
+		{"tb--1-x", 0, false},
+		{"tb-x-1", 0, false},
+		{"tb-12", 0, false},
+		{"cni-1234-5", 0, false},
+		{"tb-0-a", 0, false},
+	} {
+		pid, ok := topologyPID(tc.name)
+		if pid != tc.pid || ok != tc.ok {
+			t.Errorf("topologyPID(%q) = %d, %v, want %d, %v", tc.name, pid, ok, tc.pid, tc.ok)
+		}
+	}
+}
