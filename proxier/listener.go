@@ -137,10 +137,11 @@ func (p *Proxier) listenAnywhere(sp *servicePort, r *route) (*listenerState, err
 	})
 	if !ok {
 		if lastErr == nil {
-			lastErr = fmt.Errorf("every %s port of range %s is in use", sp.protocol, p.alloc.r)
+			held := "in use"
 			if p.alloc.reserved != nil {
-				lastErr = fmt.Errorf("every %s port of range %s is in use or reserved (net.ipv4.ip_local_reserved_ports)", sp.protocol, p.alloc.r)
+				held = "in use or reserved (net.ipv4.ip_local_reserved_ports)"
 			}
+			lastErr = fmt.Errorf("every %s port of range %s is %s", sp.protocol, p.alloc.r, held)
 		}
 		return nil, lastErr
 	}

@@ -425,15 +425,15 @@ func (w *world) waitTraffic(ctx context.Context, p *process, timeout time.Durati
 // namespace with their owners (a port taken by another process of the run is
 // otherwise gone from view by the time anyone looks).
 func (w *world) exited(p *process) error {
-	tail := p.logTail()
-	if strings.Contains(tail, "Address already in use") {
-		out, err := w.tp.Exec(w.role(p.role), "ss", "-Hltunp")
-		if err != nil {
-			return fmt.Errorf("%s exited: %s\n(ss -ltunp in its namespace failed: %v)", p.name, tail, err)
+	msg := p.logTail()
+	if strings.Contains(msg, "Address already in use") {
+		if out, err := w.tp.Exec(w.role(p.role), "ss", "-Hltunp"); err != nil {
+			msg += fmt.Sprintf("\n(ss -ltunp in its namespace failed: %v)", err)
+		} else {
+			msg += "\nlistening in its namespace (ss -ltunp):\n" + strings.TrimSpace(string(out))
 		}
-		return fmt.Errorf("%s exited: %s\nlistening in its namespace (ss -ltunp):\n%s", p.name, tail, strings.TrimSpace(string(out)))
 	}
-	return fmt.Errorf("%s exited: %s", p.name, tail)
+	return fmt.Errorf("%s exited: %s", p.name, msg)
 }
 
 type target struct {
