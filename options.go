@@ -186,7 +186,7 @@ type config struct {
 // maxEventLoops bounds --event-loops: more threads than this only contend.
 const maxEventLoops = 256
 
-const chainPrefixHelp = "prefix of every iptables chain uproxy owns; lower-cased, the name of its nftables table (--rules nftables)"
+const chainPrefixHelp = "prefix of every iptables chain uproxy owns; lower-cased, the name of its nftables table (--rules nftables), which uproxy marks with a comment: another program's table of that name (e.g. inet filter for FILTER) is never changed or deleted, and a start that would need it is refused"
 
 // kube-proxy's packet mark bits (its --iptables-masquerade-bit default, and the
 // drop mark of its iptables mode): the dial mark must not collide with them when

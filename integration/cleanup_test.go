@@ -181,3 +181,52 @@ func TestCleanupRefusedWhileUproxyRuns(t *testing.T) {
 		t.Errorf("chains after cleanup: got %v, want none", got)
 	}
 }
+
+// TestAnotherProgramsTableLeftAlone: a --chain-prefix whose nftables table is
+// another program's (FILTER names the distributions' firewall table, inet
+// filter) neither deletes nor rewrites it. `uproxy cleanup` leaves it, with an
+// error naming it and a non-zero exit; a start with nftables portals, or in
+// the nftables mode over a table of that mode's name, is refused. Every table
+// stays as it was, rules and all.
+func TestAnotherProgramsTableLeftAlone(t *testing.T) {
+	tp := testbed.New(t)
+	testbed.Needs(t, testbed.NFTables)
+	for _, table := range []string{"filter", "filter-kernel"} {
+		for _, args := range [][]string{
+			{"add", "table", "inet", table},
+			{"add", "chain", "inet", table, "input", "{ type filter hook input priority 0 ; policy accept ; }"},
+			{"add", "rule", "inet", table, "input", "tcp", "dport", "22", "accept", "comment", `"host ssh"`},
+		} {
+			if out, err := tp.Exec(testbed.Node, append([]string{"nft"}, args...)...); err != nil {
+				t.Fatalf("nft %v: %v: %s", args, err, out)
+			}
+		}
+	}
+	before := tp.NFTRuleset(t)
+	dir := t.TempDir()
+	quiet := []string{"--metrics-bind-address", "127.0.0.1:0", "--healthz-bind-address", ""}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"cleanup", "--chain-prefix", "FILTER"}, "nftables table inet filter is not uproxy's"},
+		{[]string{"--cleanup", "--chain-prefix", "filter"}, "nftables table inet filter-kernel is not uproxy's"},
+		{append([]string{"--services", dir, "--rules", "nftables", "--chain-prefix", "FILTER"}, quiet...), "nftables table inet filter is not uproxy's"},
+		{append([]string{"--services", dir, "--proxy-mode", "nftables", "--chain-prefix", "FILTER"}, quiet...), "nftables table inet filter-kernel is not uproxy's"},
+	} {
+		name := strings.Join(tc.args, " ")
+		// A start that is not refused runs on: timeout ends it (exit 124).
+		out, err := tp.Exec(testbed.Node, append([]string{"timeout", "10", uproxyBin}, tc.args...)...)
+		if code := exitCode(err); code == 0 || code == -1 || code == 124 {
+			t.Errorf("uproxy %s: exit %d (%v), want an error; output:\n%s", name, code, err, tail(string(out), 10))
+		}
+		for _, want := range []string{tc.want, "--chain-prefix"} {
+			if !strings.Contains(string(out), want) {
+				t.Errorf("uproxy %s: output lacks %q:\n%s", name, want, tail(string(out), 10))
+			}
+		}
+		if got := tp.NFTRuleset(t); got != before {
+			t.Errorf("nft list ruleset after uproxy %s:\n%s\nwant as before:\n%s", name, got, before)
+		}
+	}
+}

@@ -88,6 +88,7 @@ type NFTables struct {
 
 // NewNFTables returns the nftables Portals for cfg. It changes nothing in the
 // kernel until the first Sync; with cfg.NFTables nil it checks that nft runs.
+// A table of its name that is not uproxy's is an error (nftables.Claim).
 func NewNFTables(cfg Config) (*NFTables, error) {
 	prefix, err := iptables.ChainPrefix(cfg.ChainPrefix)
 	if err != nil {
@@ -119,6 +120,9 @@ func NewNFTables(cfg Config) (*NFTables, error) {
 		if cfg.NFTables, err = nftables.New(p.table); err != nil {
 			return nil, err
 		}
+	}
+	if err := nftables.Claim(context.Background(), cfg.NFTables); err != nil {
+		return nil, err
 	}
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p.cfg = cfg
@@ -173,6 +177,10 @@ func (p *NFTables) write(ctx context.Context, want nftElements) error {
 	tx := k.NewTransaction()
 	whole := p.written == nil
 	if whole {
+		// The whole write deletes the table first: never another program's.
+		if err := nftables.Claim(ctx, k); err != nil {
+			return err
+		}
 		p.layout.write(tx)
 		want.addAll(tx)
 	} else {

@@ -158,6 +158,7 @@ func TableName(prefix string) (nftables.Table, error) {
 
 // New returns the nftables mode for cfg. It changes nothing in the kernel
 // until the first Sync; with cfg.NFTables nil it checks that nft runs.
+// A table of its name that is not uproxy's is an error (nftables.Claim).
 func New(cfg Config) (*Proxier, error) {
 	table, err := TableName(cfg.ChainPrefix)
 	if err != nil {
@@ -171,6 +172,9 @@ func New(cfg Config) (*Proxier, error) {
 		if cfg.NFTables, err = nftables.New(table); err != nil {
 			return nil, err
 		}
+	}
+	if err := nftables.Claim(context.Background(), cfg.NFTables); err != nil {
+		return nil, err
 	}
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p := &Proxier{cfg: cfg, table: table}
@@ -318,6 +322,10 @@ func (p *Proxier) write(ctx context.Context, cur, was map[portKey]*rendered, tou
 	var next *state
 	var elems nftables.ElementChanges
 	if full {
+		// The whole write deletes the table first: never another program's.
+		if err := nftables.Claim(ctx, k); err != nil {
+			return err
+		}
 		next = p.writeAll(tx, cur)
 	} else {
 		next, elems = p.writeChanges(tx, cur, was, touched)

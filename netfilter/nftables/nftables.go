@@ -58,6 +58,11 @@ type Kernel interface {
 	// deleted elements. Every set and map they name must exist, and changes
 	// must pass ElementChanges.Check.
 	WriteElements(ctx context.Context, changes ElementChanges) error
+	// TableID names the table.
+	TableID() Table
+	// TableComment returns the table's comment ("" for none) and whether the
+	// table exists; Claim reads it before the table is rewritten or deleted.
+	TableComment(ctx context.Context) (comment string, exists bool, err error)
 }
 
 // New returns the Kernel of table t in the network namespace of the calling
@@ -72,7 +77,7 @@ func New(t Table) (Kernel, error) {
 	if !ok {
 		return nil, fmt.Errorf("nftables table %s: family not supported", t)
 	}
-	return &kernel{Interface: nft, table: &gnftables.Table{Name: t.Name, Family: fam}}, nil
+	return &kernel{Interface: nft, id: t, table: &gnftables.Table{Name: t.Name, Family: fam}}, nil
 }
 
 var netlinkFamilies = map[knftables.Family]gnftables.TableFamily{
@@ -83,6 +88,7 @@ var netlinkFamilies = map[knftables.Family]gnftables.TableFamily{
 
 type kernel struct {
 	knftables.Interface
+	id    Table
 	table *gnftables.Table
 
 	// mu guards conn, a netlink connection kept open in the network
@@ -214,27 +220,36 @@ func Probe(t Table, objects func(tx *knftables.Transaction)) error {
 	return nil
 }
 
-// DeleteTable deletes nft's table with everything in it. A table that does not
-// exist is not an error: the transaction adds it first, so the deletion always
-// finds it (nft's own "destroy" needs Linux 6.3 and nft 1.0.8).
-func DeleteTable(ctx context.Context, nft knftables.Interface) error {
-	tx := nft.NewTransaction()
+// DeleteTable deletes k's table with everything in it, when it is uproxy's
+// (Claim): another program's table of the same name is left as it is and
+// reported as a *NotOursError. A table that does not exist is not an error:
+// the transaction adds it first, so the deletion always finds it (nft's own
+// "destroy" needs Linux 6.3 and nft 1.0.8).
+func DeleteTable(ctx context.Context, k Kernel) error {
+	if err := Claim(ctx, k); err != nil {
+		return err
+	}
+	tx := k.NewTransaction()
 	tx.Add(&knftables.Table{})
 	tx.Delete(&knftables.Table{})
-	return nft.Run(ctx, tx)
+	return k.Run(ctx, tx)
 }
 
-// Delete deletes table t in the calling thread's namespace through nft. No nft
-// command means no table to delete; any other failure is an error naming t.
+// Delete deletes table t in the calling thread's namespace through nft, as
+// DeleteTable. No nft command means no table to delete; any other failure is
+// an error naming t.
 func Delete(t Table) error {
-	nft, err := knftables.New(t.Family, t.Name)
+	k, err := New(t)
 	if errors.Is(err, exec.ErrNotFound) {
 		return nil
 	}
 	if err != nil {
 		return fmt.Errorf("delete nftables table %s: %w", t, err)
 	}
-	if err := DeleteTable(context.Background(), nft); err != nil {
+	if err := DeleteTable(context.Background(), k); err != nil {
+		if _, ok := errors.AsType[*NotOursError](err); ok {
+			return err
+		}
 		return fmt.Errorf("delete nftables table %s: %w", t, err)
 	}
 	return nil

@@ -2,6 +2,8 @@ package nftables_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -40,7 +42,7 @@ func TestDeleteTableIgnoresAbsentTable(t *testing.T) {
 		t.Fatalf("DeleteTable of an absent table: %v", err)
 	}
 	tx := k.NewTransaction()
-	tx.Add(&knftables.Table{})
+	tx.Add(&knftables.Table{Comment: knftables.PtrTo(nftables.CommentPrefix + "test")})
 	tx.Add(&knftables.Chain{Name: "c"})
 	if err := k.Run(ctx, tx); err != nil {
 		t.Fatal(err)
@@ -51,6 +53,38 @@ func TestDeleteTableIgnoresAbsentTable(t *testing.T) {
 	if k.Table != nil {
 		t.Errorf("table left after DeleteTable:\n%s", k.Dump())
 	}
+}
+
+// A table of uproxy's name without uproxy's comment is another program's:
+// DeleteTable leaves it, and the error names it and what its comment is.
+func TestDeleteTableLeavesAnotherProgramsTable(t *testing.T) {
+	ctx := context.Background()
+	for _, comment := range []*string{nil, knftables.PtrTo("host firewall"), knftables.PtrTo("uproxy")} {
+		k := nftablestest.New(nftables.Table{Family: knftables.InetFamily, Name: "filter"})
+		tx := k.NewTransaction()
+		tx.Add(&knftables.Table{Comment: comment})
+		tx.Add(&knftables.Chain{Name: "input"})
+		if err := k.Run(ctx, tx); err != nil {
+			t.Fatal(err)
+		}
+		err := nftables.DeleteTable(ctx, k)
+		notOurs, ok := errors.AsType[*nftables.NotOursError](err)
+		if !ok || !strings.Contains(err.Error(), "inet filter is not uproxy's") || !strings.Contains(err.Error(), "--chain-prefix") {
+			t.Errorf("comment %q: DeleteTable: got %v, want a *NotOursError naming inet filter and --chain-prefix", ptrOr(comment), err)
+		} else if want := ptrOr(comment); notOurs.Comment != want {
+			t.Errorf("comment %q: the error's comment is %q, want %q", want, notOurs.Comment, want)
+		}
+		if k.Table == nil || k.Table.Chains["input"] == nil {
+			t.Errorf("comment %q: DeleteTable changed another program's table", ptrOr(comment))
+		}
+	}
+}
+
+func ptrOr(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
 }
 
 // Without an nft command there is no table to delete, and nothing to probe.
@@ -74,7 +108,7 @@ func TestRealKernel(t *testing.T) {
 	tp := testbed.New(t)
 	tab := nftables.Table{Family: knftables.InetFamily, Name: "upx"}
 	layout := func(tx *knftables.Transaction) {
-		tx.Add(&knftables.Table{})
+		tx.Add(&knftables.Table{Comment: knftables.PtrTo(nftables.CommentPrefix + "test table")})
 		tx.Add(&knftables.Map{Name: "ports", Type: "ipv4_addr . inet_proto . inet_service : inet_service"})
 		tx.Add(&knftables.Chain{Name: "pre", Type: knftables.PtrTo(knftables.NATType),
 			Hook: knftables.PtrTo(knftables.PreroutingHook), Priority: knftables.PtrTo(knftables.DNATPriority)})
@@ -127,12 +161,38 @@ func TestRealKernel(t *testing.T) {
 		if again := handles("written again", 2); slices.Equal(again, first) {
 			t.Errorf("handles after a rewrite: got %v again, want new ones", again)
 		}
+		if c, ok, err := k.TableComment(ctx); c != nftables.CommentPrefix+"test table" || !ok || err != nil {
+			t.Errorf("TableComment: got %q, %v, %v; want the comment written", c, ok, err)
+		}
 		for i := range 2 { // the second finds nothing to delete
 			if err := nftables.Delete(tab); err != nil {
 				t.Errorf("Delete %d: %v", i, err)
 			}
 		}
 		handles("deleted", 0)
+		if c, ok, err := k.TableComment(ctx); c != "" || ok || err != nil {
+			t.Errorf("TableComment of a deleted table: got %q, %v, %v; want none", c, ok, err)
+		}
+		// Other programs' tables: one with a comment of its own, one with none.
+		for name, comment := range map[string]string{"fw": "host firewall", "bare": ""} {
+			add := "add table inet " + name
+			if comment != "" {
+				add += ` { comment "` + comment + `"; }`
+			}
+			if out, err := tp.Exec(testbed.Node, "sh", "-c", "nft '"+add+"' && nft add chain inet "+name+" input"); err != nil {
+				return fmt.Errorf("%s: %v: %s", add, err, out)
+			}
+			err := nftables.Delete(nftables.Table{Family: knftables.InetFamily, Name: name})
+			if e, ok := errors.AsType[*nftables.NotOursError](err); !ok || e.Comment != comment {
+				t.Errorf("Delete of table %s (comment %q): got %v, want a *NotOursError with its comment", name, comment, err)
+			}
+			if out, err := tp.Exec(testbed.Node, "nft", "list", "chain", "inet", name, "input"); err != nil {
+				t.Errorf("table %s after Delete: %v: %s", name, err, out)
+			}
+			if out, err := tp.Exec(testbed.Node, "nft", "delete", "table", "inet", name); err != nil {
+				return fmt.Errorf("delete table %s: %v: %s", name, err, out)
+			}
+		}
 		return nil
 	})
 	if err != nil {

@@ -26,12 +26,13 @@ type Fake struct {
 	ElementWrites int
 	// failNext is returned by the next Run, which then changes nothing.
 	failNext error
+	id       nftables.Table
 }
 
 var _ nftables.Kernel = (*Fake)(nil)
 
 // New returns a Fake of table t, which does not exist yet.
-func New(t nftables.Table) *Fake { return &Fake{Fake: knftables.NewFake(t.Family, t.Name)} }
+func New(t nftables.Table) *Fake { return &Fake{Fake: knftables.NewFake(t.Family, t.Name), id: t} }
 
 // Run implements knftables.Interface, recording what succeeded.
 func (f *Fake) Run(ctx context.Context, tx *knftables.Transaction) error {
@@ -104,5 +105,25 @@ func (f *Fake) FlushChains() error {
 // DeleteTable deletes the table, as `nft delete table` or `nft flush ruleset` by
 // another program does.
 func (f *Fake) DeleteTable() error {
-	return nftables.DeleteTable(context.Background(), f.Fake)
+	tx := f.NewTransaction()
+	tx.Add(&knftables.Table{})
+	tx.Delete(&knftables.Table{})
+	return f.Fake.Run(context.Background(), tx)
+}
+
+// TableID implements nftables.Kernel.
+func (f *Fake) TableID() nftables.Table { return f.id }
+
+// TableComment implements nftables.Kernel: the comment the table was last
+// written with.
+func (f *Fake) TableComment(context.Context) (string, bool, error) {
+	f.RLock()
+	defer f.RUnlock()
+	if f.Table == nil {
+		return "", false, nil
+	}
+	if f.Table.Comment == nil {
+		return "", true, nil
+	}
+	return *f.Table.Comment, true, nil
 }
