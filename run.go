@@ -51,7 +51,12 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	if err != nil {
 		return o.configFieldError(err)
 	}
-	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn, MetricsAddress: cfg.metricsAddr, HealthzAddress: cfg.healthzAddr}
+	// The HTTP servers hold at most a quarter of the descriptors the data path
+	// leaves to the rest of the process: an eighth for the metrics address,
+	// an eighth for /healthz and the health check ports together.
+	metricsConns, healthConns := observe.NewConnLimit(socket.CurrentReserve()/8), observe.NewConnLimit(socket.CurrentReserve()/8)
+	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn, MetricsAddress: cfg.metricsAddr, HealthzAddress: cfg.healthzAddr,
+		MetricsConns: metricsConns, HealthzConns: healthConns}
 	defer srv.Stop(context.Background())
 	// So are the proxy ports' address and the manifests.
 	if err := checkBindAddress(cfg.specific.Userspace.BindAddress); err != nil {
@@ -103,7 +108,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	conflicts := &observe.Conflicts{}
 	unserved := &observe.Unserved{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
-	hc := &observe.HealthCheckServer{IPs: nodePortIPs(cfg.common.NodePortAddresses), Healthy: func() bool {
+	hc := &observe.HealthCheckServer{IPs: nodePortIPs(cfg.common.NodePortAddresses), Conns: healthConns, Healthy: func() bool {
 		ok, _ := health.Healthy(time.Now())
 		return ok
 	}}

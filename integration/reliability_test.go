@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -19,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/testbed"
 )
 
@@ -565,4 +567,68 @@ func TestExternalCommandsTakeArgumentLists(t *testing.T) {
 	if checked == 0 {
 		t.Fatalf("found no exec.Command call at all; the walk is broken")
 	}
+}
+
+// TestHealthzConnectionsLeaveTheControlPlaneItsDescriptors: a client holding
+// more idle connections to /healthz than the process has descriptors (the
+// health port listens on every address by default) gets at most the HTTP
+// servers' share of them; the rest wait in the listen queue. Meanwhile the
+// Services, /metrics and a manifest change go on, and once the client lets go
+// /healthz answers again.
+func TestHealthzConnectionsLeaveTheControlPlaneItsDescriptors(t *testing.T) {
+	const limit = 1024
+	tp := testbed.New(t)
+	pod := tp.NS(testbed.Pod)
+	ln := echoTCP(t, tp, testbed.Pod, pod.IPv4.String()+":0")
+	web := svc{name: "web", proto: "TCP", clusterIPs: []string{"10.96.0.10"}, port: 80,
+		endpoints: []string{pod.IPv4.String()}, endpointPorts: []int{ln.Addr().(*net.TCPAddr).Port}}
+	px := runUproxy(t, tp, web.yaml(), launch{want: 1,
+		wrapper: []string{"prlimit", fmt.Sprintf("--nofile=%d:%d", limit, limit), "--"},
+		flags:   []string{"--rules", "iptables"}})
+
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	for len(held) < limit+100 {
+		c, err := tp.Dial(testbed.Node, "tcp", "127.0.0.1:10256")
+		if err != nil {
+			t.Fatalf("connection %d to /healthz: %v", len(held)+1, err)
+		}
+		held = append(held, c)
+	}
+	fds := func() int {
+		ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", px.cmd.Process.Pid))
+		return len(ents)
+	}
+	if n := fds(); n > limit-socket.ReservedDescriptors/2 {
+		t.Errorf("uproxy holds %d descriptors with %d connections to /healthz open; want the HTTP servers' share at most", n, len(held))
+	}
+	if err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 4096); err != nil {
+		t.Errorf("the Service while /healthz is flooded: %v", err)
+	}
+	if _, err := px.get("/metrics"); err != nil {
+		t.Errorf("/metrics while /healthz is flooded: %v", err)
+	}
+	api := svc{name: "api", proto: "TCP", clusterIPs: []string{"10.96.0.11"}, port: 80,
+		endpoints: []string{pod.IPv4.String()}, endpointPorts: []int{ln.Addr().(*net.TCPAddr).Port}}
+	px.write("services.yaml", join(web.yaml(), api.yaml()))
+	px.waitFor(func(s []serviceState) bool { return len(s) == 2 }, "the manifest change while /healthz is flooded")
+	testbed.Await(t, 20*time.Second, "the new Service through its portal while /healthz is flooded", func() bool {
+		return dialRoundTrip(tp, testbed.Pod, "10.96.0.11:80", 4096) == nil
+	})
+	if !strings.Contains(px.logText(), "HTTP connections at their cap") {
+		t.Errorf("log does not say the HTTP connections reached their cap")
+	}
+
+	for _, c := range held {
+		c.Close()
+	}
+	held = nil
+	testbed.Await(t, 20*time.Second, "/healthz answering once the connections are closed", func() bool {
+		out, err := tp.Exec(testbed.Node, "curl", "-s", "-m", "2", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:10256/healthz")
+		return err == nil && string(out) == "200"
+	})
 }

@@ -31,6 +31,9 @@ type HealthCheckServer struct {
 	Healthy func() bool
 	// Listen opens a listener; if nil, net.Listen.
 	Listen func(network, address string) (net.Listener, error)
+	// Conns caps the connections of every health check port, with those of
+	// the other HTTP servers it is shared with; nil caps nothing.
+	Conns *ConnLimit
 
 	mu    sync.Mutex
 	ports map[int]*healthPort // by healthCheckNodePort
@@ -99,7 +102,7 @@ func (h *HealthCheckServer) Sync(s *service.Snapshot) error {
 // open listens on port at every address and serves it. h.mu is held.
 func (h *HealthCheckServer) open(port int, nsn types.NamespacedName) (*healthPort, error) {
 	hp := &healthPort{svc: nsn}
-	hp.server = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h.serve(w, hp) })}
+	hp.server = newHTTPServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h.serve(w, hp) }))
 	listen := h.Listen
 	if listen == nil {
 		listen = net.Listen
@@ -120,7 +123,7 @@ func (h *HealthCheckServer) open(port int, nsn types.NamespacedName) (*healthPor
 			}
 			return nil, fmt.Errorf("health check port %d of %s: %w", port, nsn, err)
 		}
-		lns = append(lns, ln)
+		lns = append(lns, h.Conns.Listener(ln))
 	}
 	for _, ln := range lns {
 		go func() {

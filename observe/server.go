@@ -241,6 +241,10 @@ type Server struct {
 	// bound to as asked (HOST:PORT), which the log names; empty: the
 	// listener's own address.
 	MetricsAddress, HealthzAddress string
+	// MetricsConns and HealthzConns cap the connections each listener holds
+	// open (HealthzConns with the health check ports it is shared with); nil
+	// caps nothing.
+	MetricsConns, HealthzConns *ConnLimit
 
 	Mode     string // answered by /proxyMode
 	Services ServicesView
@@ -395,20 +399,21 @@ func (s *Server) Start() {
 		ln    net.Listener
 		asked string
 		h     http.Handler
+		conns *ConnLimit
 	}
 	var serves []serve
 	if s.MetricsListener != nil {
-		serves = append(serves, serve{s.MetricsListener, s.MetricsAddress, s.MetricsHandler()})
+		serves = append(serves, serve{s.MetricsListener, s.MetricsAddress, s.MetricsHandler(), s.MetricsConns})
 	}
 	if s.HealthzListener != nil && s.Health != nil {
 		mux := http.NewServeMux()
 		mux.Handle("/healthz", s.Health)
 		mux.Handle("/livez", s.Health.Livez())
-		serves = append(serves, serve{s.HealthzListener, s.HealthzAddress, mux})
+		serves = append(serves, serve{s.HealthzListener, s.HealthzAddress, mux, s.HealthzConns})
 	}
 	for _, b := range serves {
-		ln := b.ln
-		srv := &http.Server{Handler: b.h, ReadHeaderTimeout: 10 * time.Second}
+		ln := b.conns.Listener(b.ln)
+		srv := newHTTPServer(b.h)
 		s.servers = append(s.servers, srv)
 		go func() {
 			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {

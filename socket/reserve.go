@@ -33,6 +33,16 @@ func Reserve(limit uint64) int {
 	return int(min(ReservedDescriptors, limit/4))
 }
 
+// CurrentReserve is Reserve of the process's soft open-file limit now
+// (ReservedDescriptors when it is unlimited or cannot be read).
+func CurrentReserve() int {
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err != nil || rl.Cur == unix.RLIM_INFINITY {
+		return ReservedDescriptors
+	}
+	return Reserve(rl.Cur)
+}
+
 // descriptorCeiling returns the lowest descriptor number the data path may
 // not keep under the process's current soft open-file limit.
 func descriptorCeiling() int {
