@@ -152,7 +152,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.serviceProxyName, "service-proxy-name", o.serviceProxyName, "handle only the Services labelled "+kube.LabelServiceProxyName+"=NAME (empty: only those without the label, as kube-proxy)")
 	f.DurationVar(&o.configSyncPeriod, "config-sync-period", o.configSyncPeriod, "how often the Service and EndpointSlice caches are replayed (0: never)")
 	f.StringVar(&o.configFile, "config", o.configFile, "KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1): as in kube-proxy, it decides every flag that stands for one of its fields (a field left out or zero: kube-proxy's default) and those flags are ignored on the command line, except --hostname-override")
-	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps; 0: none (connections are not recorded)")
+	f.IntVar(&o.events, "events", o.events, "how many recent connections (and ejections) /debug/events keeps, at most 100000; 0: none (connections are not recorded)")
 	f.IntVar(&o.dialMarkBit, "dial-mark-bit", o.dialMarkBit, "with --rules iptables or nftables: bit of the packet mark on uproxy's own connections to endpoints, which skip the portal rules instead of trying one per Service port (0-31, distinct from kube-proxy's 14 and 15); -1: none")
 	f.BoolVar(&o.keepClientAddress, "preserve-client-address", o.keepClientAddress, "with --rules iptables or nftables: dial endpoints from the client's own address where kube-proxy would not masquerade (a pod to a ClusterIP, anyone to an externalTrafficPolicy Local Service), so endpoints and network policies see the client; needs --dial-mark-bit and --client-address-mark-bit")
 	f.IntVar(&o.clientMarkBit, "client-address-mark-bit", o.clientMarkBit, "with --preserve-client-address: bit of the packet and conntrack mark that brings the replies to a dial from a client's address back to uproxy, through a policy route (table and priority "+strconv.Itoa(rules.ClientAddressTable)+") (0-31, distinct from --dial-mark-bit and kube-proxy's 14 and 15); -1: none, which turns --preserve-client-address off")
@@ -186,6 +186,11 @@ type config struct {
 // maxEventLoops bounds --event-loops: more threads than this only contend.
 const maxEventLoops = 256
 
+// maxEvents bounds --events: the ring of recent connections is allocated
+// whole at start (about 200 bytes an event with its attempts), so a bound of a
+// hundred thousand keeps it near 20 MB.
+const maxEvents = 100_000
+
 const chainPrefixHelp = "prefix of every iptables chain uproxy owns; lower-cased, the name of its nftables table (--rules nftables), which uproxy marks with a comment: another program's table of that name (e.g. inet filter for FILTER) is never changed or deleted, and a start that would need it is refused"
 
 // kube-proxy's packet mark bits (its --iptables-masquerade-bit default, and the
@@ -202,6 +207,9 @@ func (o *options) validate() (*config, error) {
 	var err error
 	if c.specific.Userspace.BindAddress, err = netip.ParseAddr(o.bindAddress); err != nil {
 		return nil, fmt.Errorf("--bind-address %q: not an IP address", o.bindAddress)
+	}
+	if a := c.specific.Userspace.BindAddress; !a.IsUnspecified() && (a.IsMulticast() || a == netip.AddrFrom4([4]byte{255, 255, 255, 255})) {
+		return nil, fmt.Errorf("--bind-address %s: a multicast or broadcast address, where no client connects; want an address of this node, or 0.0.0.0 / :: for every one", a)
 	}
 	if c.specific.Userspace.PortRange, err = proxier.ParsePortRange(o.proxyPortRange); err != nil {
 		return nil, fmt.Errorf("--proxy-port-range: %w", err)
@@ -245,8 +253,8 @@ func (o *options) validate() (*config, error) {
 	default:
 		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables, nftables or ipvs", o.proxyMode)
 	}
-	if o.events < 0 {
-		return nil, fmt.Errorf("--events %d: must not be negative (0: none kept)", o.events)
+	if o.events < 0 || o.events > maxEvents {
+		return nil, fmt.Errorf("--events %d: want 0 (none kept) to %d", o.events, maxEvents)
 	}
 	for _, a := range []struct{ flag, v string }{{"--metrics-bind-address", o.metricsBindAddress}, {"--healthz-bind-address", o.healthzBindAddress}} {
 		if a.v == "" {
@@ -366,8 +374,8 @@ func (o *options) validate() (*config, error) {
 // kube-proxy (the table of a prefix is its lower case); uproxy must never
 // program, nor remove, any of them.
 func checkChainPrefix(prefix string) error {
-	if prefix == "" || len(prefix) > 9 || strings.ContainsAny(prefix, " \t\"'") {
-		return fmt.Errorf("--chain-prefix %q: want 1-9 characters without spaces or quotes (the longest chain, PREFIX-NODEPORT-NON-LOCAL, must fit iptables' 28)", prefix)
+	if _, err := iptables.ChainPrefix(prefix); err != nil || prefix == "" {
+		return fmt.Errorf("--chain-prefix %q: want 1 to 9 letters, digits, '_' or '-' (the longest chain, PREFIX-NODEPORT-NON-LOCAL, must fit iptables' 28 characters)", prefix)
 	}
 	if strings.HasPrefix(strings.ToUpper(prefix), "KUBE") {
 		return fmt.Errorf("--chain-prefix %q: KUBE* chains (in any case) belong to kube-proxy", prefix)

@@ -188,10 +188,16 @@ type Config struct {
 // entry of a family not programmed is the zero Addr.
 // NoNodeIPError says the node has no address of Family the portals can send
 // connections to: every family programmed needs one outside loopback.
-type NoNodeIPError struct{ Family string }
+type NoNodeIPError struct {
+	Family string
+	IPs    []netip.Addr // the node IPs looked at
+}
 
 func (e *NoNodeIPError) Error() string {
-	return fmt.Sprintf("no %s node IP: the node has no %s address outside loopback, and the portals DNAT to node IP:proxy port", e.Family, e.Family)
+	if len(e.IPs) == 0 {
+		return fmt.Sprintf("no %s node IP: the node has no %s address outside loopback, and the portals DNAT to node IP:proxy port", e.Family, e.Family)
+	}
+	return fmt.Sprintf("no %s node IP: none outside loopback among %v (--bind-address, when given, is the node IP), and the portals DNAT to node IP:proxy port", e.Family, e.IPs)
 }
 
 // CheckNodeIPs says why no portals can be built on the node IPs ips (IPv4 only;
@@ -217,7 +223,7 @@ func (c *Config) familyNodeIPs() ([2]netip.Addr, error) {
 			}
 		}
 		if !out[f].IsValid() {
-			return out, &NoNodeIPError{Family: familyName(f)}
+			return out, &NoNodeIPError{Family: familyName(f), IPs: c.NodeIPs}
 		}
 	}
 	return out, nil
