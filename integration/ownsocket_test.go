@@ -151,12 +151,64 @@ func TestOwnProxyPortEndpoint(t *testing.T) {
 		if !strings.Contains(metrics, series) {
 			t.Errorf("/metrics lacks %s", series)
 		}
-		if n := strings.Count(px.logText(), `"Endpoint not dialed: it is one of uproxy's own proxy sockets`+"; counted as a failed dial, retries go to other endpoints\" err=\"dial tcp "+ep+":"); n != 1 {
+		if n := strings.Count(px.logText(), `"Endpoint not dialed: it is one of uproxy's own proxy sockets, or the portals steer it to one`+"; counted as a failed dial, retries go to other endpoints\" err=\"dial tcp "+ep+":"); n != 1 {
 			t.Errorf("log lines about endpoint %s: got %d, want 1", ep, n)
 		}
 	}
 	if got := px.sockets(); got > before+2 {
 		t.Errorf("uproxy's sockets after the connections: %d, want about the %d before", got, before)
+	}
+}
+
+// TestServiceAddressEndpointsWithoutDialMark: with --dial-mark-bit -1 the
+// proxy's dials pass through the portals like anyone's, so two Services whose
+// endpoints are each other's ClusterIP would pass one connection back and
+// forth until the descriptors ran out. uproxy dials neither: the connection
+// ends at once, its sockets stay where they were, and both endpoints are
+// counted as own_socket.
+func TestServiceAddressEndpointsWithoutDialMark(t *testing.T) {
+	tp := testbed.New(t)
+	a := svc{name: "a", proto: "TCP", clusterIPs: []string{"10.96.0.11"}, port: 80,
+		endpoints: []string{"10.96.0.12"}, endpointPorts: []int{80}}
+	b := svc{name: "b", proto: "TCP", clusterIPs: []string{"10.96.0.12"}, port: 80,
+		endpoints: []string{"10.96.0.11"}, endpointPorts: []int{80}}
+	px := runUproxy(t, tp, join(a.yaml(), b.yaml()), launch{want: 2,
+		wrapper: []string{"prlimit", "--nofile=4096:4096", "--"},
+		flags:   []string{"--rules", "iptables", "--dial-mark-bit", "-1", "--shutdown-grace", "1s"}})
+	before := px.sockets()
+	done := make(chan error, 1)
+	go func() {
+		got, err := curl(tp, testbed.Pod, "10.96.0.11:80")
+		if err == nil && got != "" {
+			err = fmt.Errorf("got %q, want nothing", got)
+		}
+		done <- err
+	}()
+	most := before
+	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		most = max(most, px.sockets())
+	}
+	select {
+	case err := <-done:
+		if isTimeout(err) || err != nil && strings.Contains(err.Error(), "got ") {
+			t.Errorf("curl of a Service whose endpoint is another Service's ClusterIP: %v; want it reset (or closed) at once", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Errorf("curl of a Service whose endpoint is another Service's ClusterIP: no end within 10s")
+	}
+	if most > before+6 {
+		t.Errorf("uproxy's sockets during one connection: up to %d from %d; want a few at most (the Services passed it back and forth)", most, before)
+	}
+	metrics, err := px.get("/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	series := `uproxy_dial_attempts_total{endpoint="10.96.0.12:80",result="own_socket",service="it/a:p"}`
+	if !strings.Contains(metrics, series) {
+		t.Errorf("/metrics lacks %s", series)
+	}
+	if n := strings.Count(metrics, `uproxy_dial_attempts_total{endpoint="10.96.0.11:80",result="success"`); n != 0 {
+		t.Errorf("/metrics: it/b:p dialed it/a:p's ClusterIP:\n%s", metrics)
 	}
 }
 

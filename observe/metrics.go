@@ -76,7 +76,7 @@ var (
 var (
 	DialAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "uproxy_dial_attempts_total",
-		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other; hedge_lost: abandoned when another attempt of the connection, hedged, connected first; no_local_port: every local port toward the endpoint was taken, the node's shortage; own_socket: not dialed, the endpoint is one of uproxy's own proxy sockets).",
+		Help: "Dial attempts by Service port, endpoint and result (success, refused, timeout, unreachable, reset, other; hedge_lost: abandoned when another attempt of the connection, hedged, connected first; no_local_port: every local port toward the endpoint was taken, the node's shortage; own_socket: not dialed, the endpoint is one of uproxy's own proxy sockets, or the portals steer it to one).",
 	}, []string{"service", "endpoint", "result"})
 	DialDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    "uproxy_dial_duration_seconds",

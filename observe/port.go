@@ -160,7 +160,7 @@ func (o *PortObserver) AttemptDone(service string, a record.Attempt) {
 		o.warnNoLocalPort(em.name, a.Err)
 	case resultOwnSocket:
 		if !em.ownSocketLogged.Swap(true) {
-			klog.ErrorS(a.Err, "Endpoint not dialed: it is one of uproxy's own proxy sockets; counted as a failed dial, retries go to other endpoints",
+			klog.ErrorS(a.Err, "Endpoint not dialed: it is one of uproxy's own proxy sockets, or the portals steer it to one; counted as a failed dial, retries go to other endpoints",
 				"service", o.service, "endpoint", em.name)
 		}
 	}

@@ -11,7 +11,7 @@ import (
 )
 
 // ownSockets tells the data path which endpoints are the proxier's own proxy
-// sockets. An endpoint that is one (127.0.0.1:<a proxy port>, the node's
+// sockets, or lead to them through the portals. An endpoint that is one (127.0.0.1:<a proxy port>, the node's
 // address and that port, [::1], 0.0.0.0 ...) would have every connection to
 // its Service accepted again by the proxier, which would dial it again, and
 // again, until the process ran out of descriptors. Its dials are refused
@@ -30,6 +30,50 @@ type ownSockets struct {
 	bind netip.Addr
 	// local holds the node's addresses as of the last refresh.
 	local atomic.Pointer[map[netip.Addr]bool]
+	// steered holds what the portals steer to proxy ports when the proxy's
+	// own dials carry no mark to pass them (--dial-mark-bit -1): then a dial
+	// to one of those addresses is steered back to a proxy port, a loop as an
+	// own socket's is. nil when the dials pass the portals, or there are none.
+	steered atomic.Pointer[steeredAddrs]
+}
+
+// steeredAddrs are the Service addresses the portals steer: every ClusterIP,
+// ExternalIP and LoadBalancer IP with its port, and the NodePorts, which the
+// portals steer on the node's addresses.
+type steeredAddrs struct {
+	vips      map[protoAddrPort]bool
+	nodePorts map[protoPort]bool
+}
+
+type protoAddrPort struct {
+	proto service.Protocol
+	ap    netip.AddrPort
+}
+
+type protoPort struct {
+	proto service.Protocol
+	port  int
+}
+
+// steer records what portals steer (nil: nothing, as when the dials are
+// marked to pass the portals).
+func (o *ownSockets) steer(portals []*service.Port) {
+	if portals == nil {
+		o.steered.Store(nil)
+		return
+	}
+	s := &steeredAddrs{vips: map[protoAddrPort]bool{}, nodePorts: map[protoPort]bool{}}
+	for _, p := range portals {
+		for _, ips := range [...][]netip.Addr{p.ClusterIPs, p.ExternalIPs, p.LoadBalancerIPs} {
+			for _, ip := range ips {
+				s.vips[protoAddrPort{p.Protocol, netip.AddrPortFrom(ip.Unmap(), uint16(p.Port))}] = true
+			}
+		}
+		if p.NodePort != 0 {
+			s.nodePorts[protoPort{p.Protocol, p.NodePort}] = true
+		}
+	}
+	o.steered.Store(s)
 }
 
 func protoIndex(p service.Protocol) int {
@@ -67,10 +111,22 @@ func (o *ownSockets) refresh() {
 // the proxy sockets.
 func (o *ownSockets) reaches(p service.Protocol, ep netip.AddrPort) bool {
 	port := int(ep.Port())
+	if s := o.steered.Load(); s != nil && s.reaches(p, ep, o) {
+		return true
+	}
 	if o.ports[protoIndex(p)][port/64].Load()&(1<<(port%64)) == 0 {
 		return false
 	}
 	return o.leadsHere(ep.Addr())
+}
+
+// reaches reports whether the portals would steer a dial of protocol p to ep.
+func (s *steeredAddrs) reaches(p service.Protocol, ep netip.AddrPort, o *ownSockets) bool {
+	ep = netip.AddrPortFrom(ep.Addr().Unmap().WithZone(""), ep.Port())
+	if s.vips[protoAddrPort{p, ep}] {
+		return true
+	}
+	return s.nodePorts[protoPort{p, int(ep.Port())}] && o.leadsHere(ep.Addr())
 }
 
 // leadsHere reports whether a connection to a arrives at an address the proxy

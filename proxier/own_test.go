@@ -151,3 +151,47 @@ func TestOwnProxySocketsAreNeverDialed(t *testing.T) {
 		})
 	}
 }
+
+// TestSteeredAddressesReachTheProxy: what the portals steer (a Service's
+// ClusterIPs, ExternalIPs and LoadBalancer IPs with its port and protocol, its
+// NodePort on the node's addresses) counts as reaching the proxy once steer
+// has recorded it, and nothing else does; steer(nil), for dials that pass the
+// portals, forgets it.
+func TestSteeredAddressesReachTheProxy(t *testing.T) {
+	o := &ownSockets{}
+	local := map[netip.Addr]bool{netip.MustParseAddr("10.9.0.1"): true}
+	o.local.Store(&local)
+	ip := netip.MustParseAddr
+	o.steer([]*service.Port{{
+		Protocol: service.TCP, Port: 80,
+		ClusterIPs:      []netip.Addr{ip("10.96.0.10"), ip("fd00:96::10")},
+		ExternalIPs:     []netip.Addr{ip("192.0.2.7")},
+		LoadBalancerIPs: []netip.Addr{ip("198.51.100.9")},
+		NodePort:        30080,
+	}})
+	for _, tc := range []struct {
+		proto service.Protocol
+		ep    string
+		want  bool
+	}{
+		{service.TCP, "10.96.0.10:80", true},
+		{service.TCP, "[::ffff:10.96.0.10]:80", true},
+		{service.TCP, "[fd00:96::10]:80", true},
+		{service.TCP, "192.0.2.7:80", true},
+		{service.TCP, "198.51.100.9:80", true},
+		{service.TCP, "10.9.0.1:30080", true},
+		{service.TCP, "127.0.0.1:30080", true},
+		{service.UDP, "10.96.0.10:80", false},
+		{service.TCP, "10.96.0.10:81", false},
+		{service.TCP, "10.96.0.11:80", false},
+		{service.TCP, "10.244.1.5:30080", false},
+	} {
+		if got := o.reaches(tc.proto, netip.MustParseAddrPort(tc.ep)); got != tc.want {
+			t.Errorf("reaches(%s, %s): got %v, want %v", tc.proto, tc.ep, got, tc.want)
+		}
+	}
+	o.steer(nil)
+	if o.reaches(service.TCP, netip.MustParseAddrPort("10.96.0.10:80")) {
+		t.Error("reaches a ClusterIP after steer(nil): want not")
+	}
+}

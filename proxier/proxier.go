@@ -205,6 +205,7 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	if !ok {
 		portals, portErrs = p.syncListeners(s)
 	}
+	p.steerOwn(portals)
 	if err := p.cfg.Portals.Sync(portals); err != nil {
 		for _, e := range flatten(err) {
 			var pe *rules.PortalError
@@ -227,6 +228,20 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	p.portErrors = left
 	p.mu.Unlock()
 	return errs.ErrorOrNil()
+}
+
+// steerOwn tells the own-socket check what portals steer, when the proxy's
+// dials carry no mark to pass the portals (own.go).
+func (p *Proxier) steerOwn(portals []rules.Portal) {
+	if _, none := p.cfg.Portals.(rules.None); none || p.cfg.DialMark != 0 {
+		p.own.steer(nil)
+		return
+	}
+	ports := make([]*service.Port, 0, len(portals))
+	for _, pt := range portals {
+		ports = append(ports, pt.Port)
+	}
+	p.own.steer(ports)
 }
 
 // syncSameListeners is Sync's short way, for the common case of a Snapshot with

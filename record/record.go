@@ -30,7 +30,7 @@ var ErrRetryBudget = errors.New("retry budget spent")
 // because its endpoint is one of the proxy's own sockets (a proxy port, under
 // whatever address leads there): the proxy would accept its own connection and
 // dial the endpoint again, without end. It counts as the endpoint's failure.
-var ErrOwnSocket = errors.New("the endpoint is one of the proxy's own sockets: dialing it would loop back into the proxy")
+var ErrOwnSocket = errors.New("the endpoint is one of the proxy's own sockets, or an address the portals steer to one (with no dial mark): dialing it would loop back into the proxy")
 
 // Attempt is one dial of one endpoint for one connection.
 type Attempt struct {
