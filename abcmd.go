@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"syscall"
 
 	"github.com/spf13/cobra"
@@ -73,11 +74,22 @@ alone makes here.`,
 			}
 			// Zero selects a default in ab.Config; on the command line it is a
 			// mistake. Other bad values are ab.Run's to name.
-			for _, name := range []string{"connections", "requests-per-connection", "payload", "interleave",
-				"dial-timeout", "timeout", "resamples", "confidence"} {
-				if v := cmd.Flags().Lookup(name).Value.String(); v == "0" || v == "0s" {
-					return fmt.Errorf("--%s %s: want more than zero", name, v)
+			// The words are ab.Run's for the negative values of the same flags.
+			for _, name := range []string{"connections", "requests-per-connection", "payload", "interleave", "resamples"} {
+				if v := cmd.Flags().Lookup(name).Value.String(); v == "0" {
+					return fmt.Errorf("--%s 0: want at least 1", name)
 				}
+			}
+			for _, name := range []string{"dial-timeout", "timeout"} {
+				if v := cmd.Flags().Lookup(name).Value.String(); v == "0s" {
+					return fmt.Errorf("--%s 0s: want a positive duration", name)
+				}
+			}
+			if cfg.Confidence == 0 {
+				return errors.New("--confidence 0: want a level between 0 and 1, e.g. 0.95")
+			}
+			if err := checkOutputFile("--chart", chartFile); err != nil {
+				return err
 			}
 			if maxErrors < 0 {
 				return fmt.Errorf("--max-errors %d: want 0 (never stop) or more", maxErrors)
@@ -113,6 +125,16 @@ alone makes here.`,
 			}
 			if rep.Stopped != "" {
 				return fmt.Errorf("ab: stopped early: %s", rep.Stopped)
+			}
+			// No comparison without a sample on each side: a script reading the
+			// exit status must not take it for one.
+			for _, sd := range []struct {
+				name string
+				s    ab.Side
+			}{{"A", rep.A}, {"B", rep.B}} {
+				if sd.s.Connections > 0 && sd.s.Failed == sd.s.Connections {
+					return fmt.Errorf("ab: every connection to %s (%s) failed (%d), so nothing was compared", sd.name, sd.s.Address, sd.s.Failed)
+				}
 			}
 			return nil
 		},
@@ -201,6 +223,21 @@ type report interface {
 	WriteJSON(io.Writer) error
 	WriteTable(io.Writer) error
 	WriteChart(io.Writer) error
+}
+
+// checkOutputFile says, before a run, why file could not be written after it
+// (nil when it can be tried, or is not asked for): its directory must exist.
+func checkOutputFile(flag, file string) error {
+	if file == "" {
+		return nil
+	}
+	dir := filepath.Dir(file)
+	if st, err := os.Stat(dir); err != nil {
+		return fmt.Errorf("%s %s: %w", flag, file, err)
+	} else if !st.IsDir() {
+		return fmt.Errorf("%s %s: %s is not a directory", flag, file, dir)
+	}
+	return nil
 }
 
 // printReport writes rep to stdout in the -o format (table or json), and its

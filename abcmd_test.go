@@ -110,6 +110,22 @@ func TestABCommandDeadAddress(t *testing.T) {
 	}
 }
 
+// Every connection to one address failed, fewer than --max-errors: no
+// comparison was made, and the exit status says so.
+func TestABCommandFailsWithoutASampleOnASide(t *testing.T) {
+	live := startEchoCommand(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	ln.Close()
+	_, _, err = runCommand(context.Background(), "ab", live, dead, "--connections", "5", "--interleave", "1")
+	if want := "every connection to B (" + dead + ") failed (5), so nothing was compared"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("got error %v, want %q", err, want)
+	}
+}
+
 func TestABCommandRejectsBadInput(t *testing.T) {
 	cases := []struct {
 		args []string
@@ -118,15 +134,15 @@ func TestABCommandRejectsBadInput(t *testing.T) {
 		{[]string{"ab", "127.0.0.1:1"}, "want two addresses, ADDR_A and ADDR_B (host:port), got 1 arguments"},
 		{[]string{"ab", "127.0.0.1", "127.0.0.1:1"}, `ab: ADDR_A "127.0.0.1": address 127.0.0.1: missing port in address`},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:http-alt-nope"}, `ADDR_B "127.0.0.1:http-alt-nope": port "http-alt-nope"`},
-		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--payload", "0"}, "--payload 0: want more than zero"},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--payload", "0"}, "--payload 0: want at least 1"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--connections", "-1"}, "--connections -1: want at least 1"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--requests-per-connection", "0"}, "--requests-per-connection 0"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--interleave", "0"}, "--interleave 0"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--payload", "20000000"}, "--payload 20000000: want at most 16777216 bytes"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--confidence", "95"}, "--confidence 95: want a level between 0 and 1"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--timeout", "-1s"}, "--timeout -1s: want a positive duration"},
-		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--confidence", "0"}, "--confidence 0: want more than zero"},
-		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--dial-timeout", "0"}, "--dial-timeout 0s: want more than zero"},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--confidence", "0"}, "--confidence 0: want a level between 0 and 1"},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--dial-timeout", "0"}, "--dial-timeout 0s: want a positive duration"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--max-errors", "-2"}, "--max-errors -2"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "-o", "yaml"}, `-o "yaml": want table or json`},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "udp"}, `--mode "udp": want echo, http, connect`},
@@ -136,6 +152,7 @@ func TestABCommandRejectsBadInput(t *testing.T) {
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "http", "--path", "healthz"}, `--path "healthz": want an absolute path`},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "connect", "--requests-per-connection", "2"}, "--mode connect makes no exchange"},
 		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--mode", "http", "--http-close", "--requests-per-connection", "2"}, "with --http-close the server closes each connection"},
+		{[]string{"ab", "127.0.0.1:1", "127.0.0.1:2", "--chart", "/nonexistent/dir/x.svg"}, "--chart /nonexistent/dir/x.svg: stat /nonexistent/dir: no such file or directory"},
 		{[]string{"echo"}, "want one address to listen on (e.g. :8080), got 0 arguments"},
 		{[]string{"echo", "127.0.0.1:0", "--delay", "-1ms"}, "--delay -1ms: want zero or a positive duration"},
 	}

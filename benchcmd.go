@@ -54,6 +54,36 @@ Workloads: ` + strings.Join(bench.Workloads, ","),
 					return fmt.Errorf("%s %d: want a positive number of clients", c.flag, c.n)
 				}
 			}
+			// Zero, the flags' default, selects the run's default; given on the
+			// command line, zero or less is a mistake.
+			for _, c := range []struct {
+				flag string
+				bad  bool
+				want string
+			}{
+				{"duration", cfg.Duration < 0 || cmd.Flags().Changed("duration") && cfg.Duration == 0, "a positive duration"},
+				{"rounds", cfg.Rounds < 0 || cmd.Flags().Changed("rounds") && cfg.Rounds == 0, "at least 1"},
+				{"idle-connections", cfg.IdleConns < 0 || cmd.Flags().Changed("idle-connections") && cfg.IdleConns == 0, "at least 1"},
+			} {
+				if c.bad {
+					return fmt.Errorf("--%s %s: want %s", c.flag, cmd.Flags().Lookup(c.flag).Value, c.want)
+				}
+			}
+			for _, n := range cfg.SyncSizes {
+				if n < 1 {
+					return fmt.Errorf("--sync-sizes %d: want Service-port counts of at least 1", n)
+				}
+			}
+			if cfg.Uproxy != "" {
+				if st, err := os.Stat(cfg.Uproxy); err != nil {
+					return fmt.Errorf("--uproxy: %w", err)
+				} else if !st.Mode().IsRegular() || st.Mode().Perm()&0o111 == 0 {
+					return fmt.Errorf("--uproxy %s: not an executable file", cfg.Uproxy)
+				}
+			}
+			if err := checkOutputFile("--chart", chart); err != nil {
+				return err
+			}
 			if cfg.ConnClients > bench.MaxConnClients {
 				return fmt.Errorf("--connection-clients %d: at most %d", cfg.ConnClients, bench.MaxConnClients)
 			}

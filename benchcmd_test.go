@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -9,6 +11,10 @@ import (
 // The bench's flags are checked before it builds anything, and each refusal
 // names the flag and the value.
 func TestBenchCommandRejectsBadFlags(t *testing.T) {
+	notExecutable := filepath.Join(t.TempDir(), "uproxy")
+	if err := os.WriteFile(notExecutable, []byte("not a program"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	cases := []struct {
 		args []string
 		want string
@@ -18,6 +24,14 @@ func TestBenchCommandRejectsBadFlags(t *testing.T) {
 		{[]string{"bench", "--connection-clients", "-3"}, "--connection-clients -3: want a positive number of clients"},
 		{[]string{"bench", "--connection-clients", "65"}, "--connection-clients 65: at most 64"},
 		{[]string{"bench", "--proxy-cpus", "x"}, `--proxy-cpus: CPU list "x"`},
+		{[]string{"bench", "--duration", "-5s"}, "--duration -5s: want a positive duration"},
+		{[]string{"bench", "--duration", "0s"}, "--duration 0s: want a positive duration"},
+		{[]string{"bench", "--rounds", "-3"}, "--rounds -3: want at least 1"},
+		{[]string{"bench", "--idle-connections", "-100"}, "--idle-connections -100: want at least 1"},
+		{[]string{"bench", "--sync-sizes", "1000,-5"}, "--sync-sizes -5: want Service-port counts of at least 1"},
+		{[]string{"bench", "--uproxy", "/nonexistent"}, "--uproxy: stat /nonexistent: no such file or directory"},
+		{[]string{"bench", "--uproxy", notExecutable}, "--uproxy " + notExecutable + ": not an executable file"},
+		{[]string{"bench", "--chart", "/nonexistent/dir/x.svg"}, "--chart /nonexistent/dir/x.svg: stat /nonexistent/dir"},
 	}
 	for _, tc := range cases {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

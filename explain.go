@@ -11,7 +11,7 @@ import (
 func newExplainCommand() *cobra.Command {
 	o := explain.Options{MetricsAddress: explain.DefaultMetricsAddress, Output: "text", Events: 10}
 	cmd := &cobra.Command{
-		Use:   "explain IP:PORT[/tcp|udp]",
+		Use:   "explain IP:PORT[/tcp|udp|sctp]",
 		Short: "Explain what happens to a connection to IP:PORT: rules, proxy port, endpoints, next choice, recent failures",
 		Long: `explain asks the running uproxy (its metrics address: /proxyMode, /debug/services,
 /debug/events) and the kernel's nat rules (iptables-save, and the nftables portals'
@@ -35,7 +35,7 @@ connection to IP:PORT:
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) != 1 {
 				cmd.Usage()
-				return fmt.Errorf("explain takes one destination, IP:PORT[/tcp|udp]; got %d arguments", len(args))
+				return fmt.Errorf("explain takes one destination, IP:PORT[/tcp|udp|sctp]; got %d arguments", len(args))
 			}
 			return nil
 		},

@@ -30,7 +30,11 @@ func TestExplainCommandFlags(t *testing.T) {
 		{[]string{"10.96.0.10:80", "--client", "nope"}, `--client "nope"`},
 		{[]string{"10.96.0.10:80", "-o", "yaml"}, `-o "yaml"`},
 		{[]string{"10.96.0.10:80", "--metrics-address", "127.0.0.1:1"}, "ask the running uproxy at 127.0.0.1:1"},
-		{[]string{"10.96.0.10:80", "10.96.0.11:80"}, "explain takes one destination, IP:PORT[/tcp|udp]; got 2 arguments"},
+		{[]string{"10.96.0.10:80", "10.96.0.11:80"}, "explain takes one destination, IP:PORT[/tcp|udp|sctp]; got 2 arguments"},
+		{[]string{"10.96.0.10:0"}, `"10.96.0.10:0": port 0: no Service port is 0`},
+		{[]string{"10.96.0.10:80/xyz"}, `protocol "xyz": want tcp, udp or sctp`},
+		{[]string{"10.96.0.10:80", "--events", "-5"}, "--events -5: want 0 or more"},
+		{[]string{"10.96.0.10:80", "--iptables-save-file", "/nonexistent"}, "--iptables-save-file: stat /nonexistent: no such file or directory"},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			cmd := newExplainCommand()
@@ -52,10 +56,10 @@ func TestExplainWithoutDestinationPrintsUsage(t *testing.T) {
 	root.SetErr(&out)
 	root.SetArgs([]string{"explain"})
 	err := root.Execute()
-	if err == nil || err.Error() != "explain takes one destination, IP:PORT[/tcp|udp]; got 0 arguments" {
+	if err == nil || err.Error() != "explain takes one destination, IP:PORT[/tcp|udp|sctp]; got 0 arguments" {
 		t.Errorf("uproxy explain: got error %v, want one saying it takes a destination", err)
 	}
-	for _, want := range []string{"Usage:\n  uproxy explain IP:PORT[/tcp|udp] [flags]", "uproxy explain 10.96.0.10:80", "--client"} {
+	for _, want := range []string{"Usage:\n  uproxy explain IP:PORT[/tcp|udp|sctp] [flags]", "uproxy explain 10.96.0.10:80", "--client"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("uproxy explain: output lacks %q:\n%s", want, out.String())
 		}

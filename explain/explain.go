@@ -158,12 +158,20 @@ type verdict struct {
 	Chance float64 `json:"chance,omitempty"`
 }
 
-// Run explains a connection to destination, IP:PORT[/tcp|udp] (the protocol
+// Run explains a connection to destination, IP:PORT[/tcp|udp|sctp] (the protocol
 // defaults to tcp), writing the explanation to w.
 func Run(w io.Writer, destination string, o Options) error {
 	dst, proto, err := parseDestination(destination)
 	if err != nil {
 		return err
+	}
+	if o.Events < 0 {
+		return fmt.Errorf("--events %d: want 0 or more", o.Events)
+	}
+	if o.IPTablesSave != "" && o.IPTablesSave != "-" {
+		if _, err := os.Stat(o.IPTablesSave); err != nil {
+			return fmt.Errorf("--iptables-save-file: %w", err)
+		}
 	}
 	var client netip.Addr
 	if o.Client != "" {
@@ -443,7 +451,7 @@ func (x *explanation) anyRewrite() bool {
 	return false
 }
 
-// parseDestination parses IP:PORT[/tcp|udp] (protocol default tcp).
+// parseDestination parses IP:PORT[/tcp|udp|sctp] (protocol default tcp).
 func parseDestination(arg string) (netip.AddrPort, string, error) {
 	proto := "TCP"
 	if i := strings.LastIndexByte(arg, '/'); i >= 0 {
@@ -454,13 +462,16 @@ func parseDestination(arg string) (netip.AddrPort, string, error) {
 		case "sctp":
 			proto = "SCTP"
 		default:
-			return netip.AddrPort{}, "", fmt.Errorf("%q: protocol %q: want tcp or udp", arg, arg[i+1:])
+			return netip.AddrPort{}, "", fmt.Errorf("%q: protocol %q: want tcp, udp or sctp", arg, arg[i+1:])
 		}
 		arg = arg[:i]
 	}
 	ap, err := netip.ParseAddrPort(arg)
 	if err != nil {
-		return netip.AddrPort{}, "", fmt.Errorf("%q: want IP:PORT[/tcp|udp] ([IPv6]:PORT for IPv6)", arg)
+		return netip.AddrPort{}, "", fmt.Errorf("%q: want IP:PORT[/tcp|udp|sctp] ([IPv6]:PORT for IPv6)", arg)
+	}
+	if ap.Port() == 0 {
+		return netip.AddrPort{}, "", fmt.Errorf("%q: port 0: no Service port is 0", arg)
 	}
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), proto, nil
 }

@@ -122,7 +122,7 @@ func TestExplainWithoutDestination(t *testing.T) {
 	if exitCode(err) != 1 {
 		t.Errorf("uproxy explain: exit %v, want 1", err)
 	}
-	for _, want := range []string{"Usage:\n  uproxy explain IP:PORT[/tcp|udp] [flags]", "Examples:", "uproxy: explain takes one destination, IP:PORT[/tcp|udp]; got 0 arguments"} {
+	for _, want := range []string{"Usage:\n  uproxy explain IP:PORT[/tcp|udp|sctp] [flags]", "Examples:", "uproxy: explain takes one destination, IP:PORT[/tcp|udp|sctp]; got 0 arguments"} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("uproxy explain: output lacks %q:\n%s", want, out)
 		}
