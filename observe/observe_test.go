@@ -322,35 +322,39 @@ func TestEjectionAndReadmission(t *testing.T) {
 	})
 }
 
-// An ICMP port unreachable that ends a UDP session is the UDP form of a refused
-// dial: the balancer ejects the endpoint for it (with --eject-after 1, since the
-// session's connect succeeded and cleared the count), and observe records that
+// An ICMP port unreachable that ends a UDP session before any reply is the
+// UDP form of a refused dial: the attempt is counted refused, the session
+// failed, and --eject-after such sessions eject the endpoint (its connects,
+// which succeed whatever listens, clear nothing). observe records that
 // ejection as it records a TCP one, before the session's own record.
 func TestUDPRefusalEjection(t *testing.T) {
-	w := mkWorld(t, proxier.Config{EjectAfter: 1})
+	const after = 3
+	w := mkWorld(t, proxier.Config{EjectAfter: after})
 	dead := refusedUDPAddr(t, "127.0.0.2")
 	live := udpEcho(t, "127.0.0.3")
 	svc, pp := w.addService(service.UDP, false, dead, live)
 
-	// rr gives the first client dead; it resends until the session ends and
-	// the next one is served by live.
-	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", pp))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	buf := make([]byte, 16)
-	testbed.Await(t, awaitTimeout, "a reply", func() bool {
-		c.SetDeadline(time.Now().Add(50 * time.Millisecond))
-		if _, err := c.Write([]byte("ping")); err != nil {
+	// rr gives each new client dead until it is ejected; the client resends
+	// until its session ends and the next one is served by live.
+	for i := range after {
+		c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", pp))
+		if err != nil {
 			t.Fatal(err)
 		}
-		n, err := c.Read(buf)
-		return err == nil && string(buf[:n]) == "ping"
-	})
+		defer c.Close()
+		buf := make([]byte, 16)
+		testbed.Await(t, awaitTimeout, fmt.Sprintf("a reply to client %d", i), func() bool {
+			c.SetDeadline(time.Now().Add(50 * time.Millisecond))
+			if _, err := c.Write([]byte("ping")); err != nil {
+				t.Fatal(err)
+			}
+			n, err := c.Read(buf)
+			return err == nil && string(buf[:n]) == "ping"
+		})
+	}
 
-	if st := w.endpointState(svc, dead); !st.Ejected || st.EjectedUntil == "" || st.ConsecutiveFailures != 1 {
-		t.Errorf("after the ICMP refusal: got %+v, want ejected with 1 consecutive failure", st)
+	if st := w.endpointState(svc, dead); !st.Ejected || st.EjectedUntil == "" || st.ConsecutiveFailures != after {
+		t.Errorf("after %d ICMP refusals: got %+v, want ejected with %d consecutive failures", after, st, after)
 	}
 	epLabels := map[string]string{"service": svc, "endpoint": dead.String()}
 	for name, want := range map[string]float64{"uproxy_endpoint_ejections_total": 1, "uproxy_endpoint_ejected": 1} {
@@ -358,18 +362,40 @@ func TestUDPRefusalEjection(t *testing.T) {
 			t.Errorf("%s: got %v, want %v", name, got, want)
 		}
 	}
+	for result, want := range map[string]float64{"refused": after, "success": 0} {
+		labels := map[string]string{"service": svc, "endpoint": dead.String(), "result": result}
+		if got := metricOr0(t, "uproxy_dial_attempts_total", labels); got != want {
+			t.Errorf("uproxy_dial_attempts_total%v: got %v, want %v", labels, got, want)
+		}
+	}
+	if got := metricOr0(t, "uproxy_connections_total", map[string]string{"service": svc, "protocol": "UDP", "result": "failed"}); got != after {
+		t.Errorf("uproxy_connections_total{result=failed}: got %v, want %v (the refused sessions)", got, after)
+	}
 	ej := w.eventsOf("?kind=ejection&service=" + svc)
 	if len(ej) != 1 || ej[0].Endpoint != dead.String() || ej[0].Protocol != "UDP" || !strings.Contains(ej[0].Reason, "dial failed (refused)") {
 		t.Fatalf("ejection events: got %+v, want one for %s naming the refusal", ej, dead)
 	}
-	var ended *observe.Event
+	var refused []observe.Event
 	for _, ev := range w.eventsOf("?kind=connection&service=" + svc) {
-		if ev.Endpoint == dead.String() && strings.Contains(ev.Error, "refused") {
-			ended = &ev
+		if len(ev.Attempts) == 1 && ev.Attempts[0].Endpoint == dead.String() {
+			refused = append(refused, ev)
 		}
 	}
-	if ended == nil || ended.ID < ej[0].ID {
-		t.Errorf("record of the refused session: got %+v, want one recorded after the ejection (id %d)", ended, ej[0].ID)
+	if len(refused) != after {
+		t.Fatalf("sessions on %s: got %d events, want %d", dead, len(refused), after)
+	}
+	for _, ev := range refused {
+		if ev.Outcome != observe.OutcomeFailed || ev.Endpoint != "" || ev.Attempts[0].Result != "refused" || !strings.Contains(ev.Error, "refused") {
+			t.Errorf("event of a refused session: got outcome %q endpoint %q attempts %s error %q, want failed, none, refused, connection refused",
+				ev.Outcome, ev.Endpoint, attemptsText(ev), ev.Error)
+		}
+	}
+	last := refused[0].ID
+	for _, ev := range refused {
+		last = max(last, ev.ID)
+	}
+	if last < ej[0].ID {
+		t.Errorf("record of the session that ejected: id %d, want after the ejection's (id %d)", last, ej[0].ID)
 	}
 }
 

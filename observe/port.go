@@ -218,7 +218,8 @@ func (o *PortObserver) children(ep netip.AddrPort, r int) (*endpointMetrics, pro
 func (o *PortObserver) Ejected(ep netip.AddrPort, d time.Duration, err error) {
 	r := dialResult(err)
 	// A failed dial's AttemptDone came first and made these children; for a UDP
-	// session the refused series starts here, at 0, beside its successful dial.
+	// session refused after it had answered, the refused series starts here,
+	// at 0, beside its successful attempt.
 	em, _ := o.children(ep, r)
 	Ejections.WithLabelValues(o.service, em.name).Inc()
 	reason := fmt.Sprintf("dial failed (%s); ejected for %s", resultNames[r], d)

@@ -77,27 +77,32 @@ func TestEjectionWithoutObserver(t *testing.T) {
 		}
 	})
 
-	t.Run("UDP: an ICMP refusal ejects the endpoint", func(t *testing.T) {
+	t.Run("UDP: ICMP refusals eject the endpoint", func(t *testing.T) {
+		const after = 3
 		dead := deadUDPAddr(t, "127.0.0.3")
 		live := startUDPEcho(t, "127.0.0.2")
-		// A UDP connect only sets the peer, so it succeeds even to dead, and
-		// that success clears the endpoint's failure count: only the ICMP
-		// refusal that ends a session counts, so only After 1 ejects on
-		// refusals alone.
-		bal := ejectingBalancer(t, 1, dead, live)
+		bal := ejectingBalancer(t, after, dead, live)
 		p := &UDPProxy{Service: "ns/eject:udp", Picker: bal, Timeout: time.Hour} // Observer unset
 		svc := startUDPProxy(t, p)
 
-		// The first client's entry goes to dead; its datagrams draw ICMP port
-		// unreachable until the entry ends and the next one picks live.
-		first := listenUDP(t, "127.0.0.1")
+		// rr offers dead to every new client until it is ejected: the client's
+		// datagrams draw ICMP port unreachable until its entry ends and the
+		// next one picks live. A UDP connect succeeds even to dead, so were it
+		// counted a success, each new client's would clear the failure the
+		// previous one's refusal had added, and dead would never be ejected.
 		msg := []byte("anyone there?")
-		testbed.Await(t, awaitTimeout, "a reply to the first client", func() bool {
-			_, _, err := exchange(first, svc, msg, 50*time.Millisecond)
-			return err == nil
-		})
+		for i := range after {
+			c := listenUDP(t, "127.0.0.1")
+			testbed.Await(t, awaitTimeout, fmt.Sprintf("a reply to client %d", i), func() bool {
+				_, _, err := exchange(c, svc, msg, 50*time.Millisecond)
+				return err == nil
+			})
+			if st := endpointState(t, bal, dead); st.Failures != i+1 {
+				t.Fatalf("after client %d: got %d failures of %v, want %d", i, st.Failures, dead, i+1)
+			}
+		}
 		if st := endpointState(t, bal, dead); st.EjectedUntil.IsZero() {
-			t.Fatalf("after the ICMP refusal: got %+v, want %v ejected", st, dead)
+			t.Fatalf("after %d ICMP refusals: got %+v, want %v ejected", after, st, dead)
 		}
 		// New clients go straight to live: their first datagram is answered.
 		for i := range 4 {

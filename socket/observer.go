@@ -23,11 +23,14 @@ type Picker interface {
 	Release(ep netip.AddrPort)
 	// ResetAffinity forgets client's sticky endpoint (after a failed dial).
 	ResetAffinity(client netip.Addr)
-	// DialSucceeded says a dial of ep, returned by Pick, connected.
+	// DialSucceeded says a dial of ep, returned by Pick, connected; for a UDP
+	// session, whose connect only sets the peer, that ep sent its first reply.
 	DialSucceeded(ep netip.AddrPort)
 	// DialFailed says a dial of ep, returned by Pick, failed with err; so does a
 	// UDP session that ep ended with an ICMP port unreachable (ECONNREFUSED):
 	// a UDP connect only sets the peer, so that is how a UDP endpoint refuses.
+	// A UDP session that ends with neither a reply nor a refusal is reported
+	// neither way.
 	// A dial that failed because this node ran short of sockets or memory is
 	// not reported: it says nothing about ep.
 	DialFailed(ep netip.AddrPort, err error)
@@ -43,6 +46,8 @@ type Observer interface {
 	// accepted, before any dial.
 	ConnOpened(service, protocol string)
 	// AttemptDone is called after each dial attempt, before the Picker is told.
+	// A UDP session's one attempt is done when its endpoint first replies, or
+	// refuses (its Err then ECONNREFUSED), or else when the session ends.
 	AttemptDone(service string, a record.Attempt)
 	// ConnClosed is called once the connection (or UDP session) has ended, with its
 	// full record; c must not be retained after the call returns.

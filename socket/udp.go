@@ -373,8 +373,8 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	a := record.Attempt{Endpoint: ep, Start: start, Duration: time.Since(start), Err: err, Source: source}
 	c.attempt[0] = a
 	c.rec.Attempts = c.attempt[:]
-	obs.AttemptDone(p.Service, a)
 	if err != nil {
+		obs.AttemptDone(p.Service, a)
 		picker.DialFailed(ep, err)
 		picker.ResetAffinity(client.Addr().Unmap())
 		picker.Release(ep)
@@ -383,7 +383,9 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		obs.ConnClosed(&c.rec)
 		return nil
 	}
-	picker.DialSucceeded(ep)
+	// A UDP connect only sets the peer: it succeeds whether or not anything
+	// listens there. The attempt is judged when the endpoint shows which: by
+	// its first reply (Handle) or an ICMP port unreachable (end).
 	c.fd, c.ep, c.rec.Endpoint = fd, ep, ep
 	c.to = sockaddrOf(client)
 	c.last = l.Now()
@@ -504,7 +506,12 @@ type udpClient struct {
 	// (see sendRun).
 	noSegmentsUp, noSegmentsDown bool
 	// short says the entry picks from the proxy's ShortCircuit.
-	short   bool
+	short bool
+	// judged is set once the entry's attempt has been reported, to the
+	// Observer and the Picker: at the endpoint's first reply (a success), at
+	// an ICMP port unreachable before it (a failure), or at the end of an
+	// entry that had neither (reported to the Observer alone).
+	judged  bool
 	rec     record.Conn
 	attempt [1]record.Attempt
 }
@@ -542,6 +549,9 @@ func (c *udpClient) Handle(uint32) {
 			return
 		}
 		c.last = l.Now()
+		if !c.judged {
+			c.answered()
+		}
 		for i := range r.n {
 			b := r.datagram(i)
 			c.bytesOut += int64(len(b))
@@ -550,6 +560,15 @@ func (c *udpClient) Handle(uint32) {
 			sendRun(c.svc.fd, b, r.segmentSize(i), c.to, c.replyFrom, l.oob[:], &c.noSegmentsDown)
 		}
 	}
+}
+
+// answered reports the entry's attempt a success, at the endpoint's first
+// reply: only then is the endpoint known to be there, and only then may the
+// Picker clear its failures.
+func (c *udpClient) answered() {
+	c.judged = true
+	c.p.observer().AttemptDone(c.p.Service, c.attempt[0])
+	c.picker().DialSucceeded(c.ep)
 }
 
 // end removes the entry from the table, closes its socket and reports it; only the
@@ -573,9 +592,24 @@ func (c *udpClient) end(l *loop, err error, resetAffinity bool) {
 		c.picker().ResetAffinity(c.addr.Addr().Unmap())
 	}
 	c.picker().Release(c.ep)
-	if errors.Is(err, syscall.ECONNREFUSED) {
-		// The endpoint answered a datagram with an ICMP port unreachable: the
-		// UDP form of a refused dial, since a UDP connect only sets the peer.
+	// An ICMP port unreachable is the UDP form of a refused dial, since a UDP
+	// connect only sets the peer.
+	refused := errors.Is(err, syscall.ECONNREFUSED)
+	if !c.judged {
+		c.judged = true
+		if refused {
+			// Refused before any reply: the entry's attempt failed and the
+			// entry served nobody.
+			c.attempt[0].Err = err
+			c.rec.Endpoint = netip.AddrPort{}
+		}
+		// An entry that ends unanswered but unrefused (an endpoint that
+		// never replies, or one that is silent by design, as a syslog
+		// receiver is) proves nothing either way: its attempt is reported
+		// as the connect went, and the Picker is told nothing.
+		p.observer().AttemptDone(p.Service, c.attempt[0])
+	}
+	if refused {
 		c.picker().DialFailed(c.ep, err)
 	}
 	c.rec.BytesIn, c.rec.BytesOut = c.bytesIn, c.bytesOut

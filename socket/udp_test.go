@@ -308,9 +308,13 @@ func TestUDPProxyDeadBackendRepick(t *testing.T) {
 	if !bytes.Equal(got, msg) || from != svc {
 		t.Errorf("reply: got %q from %v, want %q from %v", got, from, msg, svc)
 	}
+	// The entry refused before any reply served nobody: its record has no
+	// endpoint, and its one attempt failed with the refusal.
 	c := rec.awaitClosed(t, 1)[0]
-	if c.Endpoint != dead || !errors.Is(c.Err, syscall.ECONNREFUSED) {
-		t.Errorf("record of the failed entry: got endpoint %v err %v, want %v ECONNREFUSED", c.Endpoint, c.Err, dead)
+	if c.Endpoint.IsValid() || !errors.Is(c.Err, syscall.ECONNREFUSED) ||
+		len(c.Attempts) != 1 || c.Attempts[0].Endpoint != dead || !errors.Is(c.Attempts[0].Err, syscall.ECONNREFUSED) {
+		t.Errorf("record of the failed entry: got endpoint %v err %v attempts %+v, want no endpoint, ECONNREFUSED, one attempt of %v failed with ECONNREFUSED",
+			c.Endpoint, c.Err, c.Attempts, dead)
 	}
 	if n := picker.resetCount(); n < 1 {
 		t.Errorf("ResetAffinity calls: got %d, want at least 1", n)
@@ -318,13 +322,45 @@ func TestUDPProxyDeadBackendRepick(t *testing.T) {
 	if n := p.Clients(); n != 1 {
 		t.Errorf("Clients: got %d, want 1 (the entry on the live endpoint)", n)
 	}
-	// The connect to the dead endpoint succeeded, as UDP connects do; the ICMP
-	// port unreachable that ended its entry is told to the Picker as its failure.
+	// The connect to the dead endpoint succeeded, as UDP connects do, and is
+	// no success: the ICMP port unreachable that ended its entry is told to
+	// the Picker as its failure, and live's reply as live's success.
 	reports := picker.dialReports()
-	want := []dialReport{{ep: dead}, {ep: dead, failed: true}, {ep: live}}
+	want := []dialReport{{ep: dead, failed: true}, {ep: live}}
 	if !slices.EqualFunc(reports, want, func(r, w dialReport) bool { return r.ep == w.ep && r.failed == w.failed }) ||
-		!errors.Is(reports[1].err, syscall.ECONNREFUSED) {
+		!errors.Is(reports[0].err, syscall.ECONNREFUSED) {
 		t.Errorf("dial reports to the Picker: got %v, want %v with ECONNREFUSED", reports, want)
+	}
+}
+
+// An endpoint that takes datagrams and never answers (nor refuses) is not
+// known to be there: its entries idle out with no report to the Picker, so
+// they neither clear an earlier failure nor count as one. Its attempt is
+// recorded as its connect went.
+func TestUDPProxySilentEndpointIsNotJudged(t *testing.T) {
+	t.Parallel()
+	silent := udpAddr(listenUDP(t, "127.0.0.4")) // bound, never read
+	rec := &recorder{}
+	picker := newCyclePicker(silent)
+	p := &UDPProxy{Service: "ns/syslog:udp", Picker: picker, Observer: rec, Timeout: 20 * time.Millisecond}
+	svc := startUDPProxy(t, p)
+	const clients = 3
+	for range clients {
+		c := listenUDP(t, "127.0.0.1")
+		if _, err := c.WriteToUDPAddrPort([]byte("a log line"), svc); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, c := range rec.awaitClosed(t, clients) {
+		if c.Endpoint != silent || c.Err != nil || len(c.Attempts) != 1 || c.Attempts[0].Err != nil {
+			t.Errorf("record %d: got endpoint %v err %v attempts %+v, want %v, no error, one attempt without error", i, c.Endpoint, c.Err, c.Attempts, silent)
+		}
+	}
+	if _, attempts, _ := rec.counts(); attempts != clients {
+		t.Errorf("attempts reported to the Observer: got %d, want %d", attempts, clients)
+	}
+	if reports := picker.dialReports(); len(reports) != 0 {
+		t.Errorf("dial reports to the Picker: got %v, want none", reports)
 	}
 }
 
