@@ -55,8 +55,9 @@ type Event struct {
 	DurationMs float64 `json:"durationMs"`
 	Error      string  `json:"error,omitempty"`
 	// Reason explains an ejection or re-admission, why the proxy closed a
-	// connection (ReasonIdle), or that the retry budget refused it an attempt
-	// (ReasonBudget).
+	// connection (ReasonIdle), that the retry budget refused it an attempt
+	// (ReasonBudget), or why a UDP datagram was turned away before its client
+	// had a session (a record.Drop: client_table_full, no_socket, ...).
 	Reason string `json:"reason,omitempty"`
 }
 
@@ -131,6 +132,8 @@ func (e *Events) Add(c *record.Conn) {
 		reason = ReasonIdle
 	case c.RetryRefused:
 		reason = ReasonBudget
+	case c.Dropped != record.NotDropped:
+		reason = c.Dropped.String()
 	}
 	e.mu.Lock()
 	r := e.take()

@@ -160,7 +160,7 @@ func (c *KernelCounter) Collect(ch chan<- prometheus.Metric) {
 // traffic (docs/decisions/2026-11-27-control-plane-at-scale.md).
 var (
 	descConnections = prometheus.NewDesc("uproxy_connections_total",
-		"Proxied TCP connections and UDP client sessions by Service port, protocol and outcome: success (first attempt), retried (served after failed attempts), failed (no endpoint answered).",
+		"Proxied TCP connections and UDP client sessions by Service port, protocol and outcome: success (first attempt), retried (served after failed attempts), failed (no endpoint answered; for UDP, refused by ICMP port unreachable before any reply). UDP datagrams turned away before their client had a session are not counted here: see uproxy_udp_dropped_datagrams_total.",
 		[]string{"service", "protocol", "result"}, nil)
 	descRetries = prometheus.NewDesc("uproxy_retries_total",
 		"Dial attempts of a connection after its first (retries after a failure, and hedges), by Service port.",
@@ -183,6 +183,9 @@ var (
 	descUDPEndpointRemovals = prometheus.NewDesc("uproxy_udp_clients_moved_total",
 		"UDP client sessions ended because their endpoint left the Service (the client's next datagram picks a usable one), by Service port.",
 		[]string{"service"}, nil)
+	descUDPDropped = prometheus.NewDesc("uproxy_udp_dropped_datagrams_total",
+		"UDP datagrams turned away before their client had a session, by Service port and reason: client_table_full (--udp-max-clients), no_socket (the node short of descriptors or memory for the client's socket), no_local_port (no local port left toward the endpoint), no_endpoint (no endpoint to pick).",
+		[]string{"service", "reason"}, nil)
 	descIdleTimeouts = prometheus.NewDesc("uproxy_idle_timeouts_total",
 		"TCP connections reset after no byte moved either way for --tcp-idle-timeout, by Service port.",
 		[]string{"service"}, nil)

@@ -45,8 +45,10 @@ type PortObserver struct {
 	duration atomic.Pointer[durations]
 	expiries atomic.Uint64
 	moved    atomic.Uint64
-	idle     atomic.Uint64
-	reopens  atomic.Uint64
+	// dropped counts UDP datagrams turned away, by record.Drop.
+	dropped [record.NumDrops]atomic.Uint64
+	idle    atomic.Uint64
+	reopens atomic.Uint64
 
 	// stats and udpClients are set by Attach before the port serves; they
 	// are read under livePorts' lock.
@@ -249,6 +251,17 @@ func (o *PortObserver) Reopened(from, to int, failure error) {
 
 func (o *PortObserver) ConnClosed(c *record.Conn) {
 	o.active.Add(-1)
+	if c.Dropped != record.NotDropped {
+		// A datagram turned away is no session: it is counted by its
+		// reason alone (the socket logs them, rate-limited).
+		if c.Dropped < record.NumDrops {
+			o.dropped[c.Dropped].Add(1)
+		}
+		if o.events != nil {
+			o.events.Add(c)
+		}
+		return
+	}
 	n := len(c.Attempts)
 	if n > 1 {
 		o.retries.Add(uint64(n - 1))
@@ -400,7 +413,7 @@ func (portsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descEndpointActive, descEndpointEjected, descEndpointFailures,
 		descAffinityHits, descAffinityMisses, descAffinityResets, descAffinityExpired, descUDPClients,
 		descConnections, descRetries, descRetryBudgetRefusals, descActiveConnections, descConnectionDuration,
-		descBytes, descUDPExpiries, descUDPEndpointRemovals, descIdleTimeouts, descProxyPortReopens} {
+		descBytes, descUDPExpiries, descUDPEndpointRemovals, descUDPDropped, descIdleTimeouts, descProxyPortReopens} {
 		ch <- d
 	}
 }
@@ -463,6 +476,7 @@ func collectCounts(ch chan<- prometheus.Metric, ports []attached) {
 	svc := ports[0].o.service
 	var active int64
 	var retries, refusals, bytesIn, bytesOut, expiries, moved, idle, reopens, count uint64
+	var dropped [record.NumDrops]uint64
 	var sum float64
 	buckets := make(map[float64]uint64, len(connectionDurationBuckets))
 	// Connections by protocol, in the order first seen.
@@ -478,6 +492,9 @@ func collectCounts(ch chan<- prometheus.Metric, ports []attached) {
 		bytesOut += o.bytesOut.Load()
 		expiries += o.expiries.Load()
 		moved += o.moved.Load()
+		for r := range dropped {
+			dropped[r] += o.dropped[r].Load()
+		}
 		idle += o.idle.Load()
 		reopens += o.reopens.Load()
 		h := o.duration.Load()
@@ -513,6 +530,9 @@ func collectCounts(ch chan<- prometheus.Metric, ports []attached) {
 	if udp {
 		counter(descUDPExpiries, expiries)
 		counter(descUDPEndpointRemovals, moved)
+		for r := record.NotDropped + 1; r < record.NumDrops; r++ {
+			counter(descUDPDropped, dropped[r], r.String())
+		}
 	}
 	counter(descBytes, bytesIn, "in")
 	counter(descBytes, bytesOut, "out")

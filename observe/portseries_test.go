@@ -26,7 +26,7 @@ func TestPortSeries(t *testing.T) {
 	names := []string{"uproxy_active_connections", "uproxy_bytes_total", "uproxy_connection_duration_seconds",
 		"uproxy_connections_total", "uproxy_idle_timeouts_total", "uproxy_proxy_port_reopens_total",
 		"uproxy_retries_total", "uproxy_retry_budget_refusals_total", "uproxy_udp_client_expiries_total",
-		"uproxy_udp_clients_moved_total"}
+		"uproxy_udp_clients_moved_total", "uproxy_udp_dropped_datagrams_total"}
 	srv := httptest.NewServer((&observe.Server{}).MetricsHandler())
 	defer srv.Close()
 	// scrape returns the lines of /metrics of svc's series among names.
@@ -69,6 +69,10 @@ func TestPortSeries(t *testing.T) {
 		`uproxy_proxy_port_reopens_total{service="` + svc + `"} 0`,
 		`uproxy_udp_client_expiries_total{service="` + svc + `"} 0`,
 		`uproxy_udp_clients_moved_total{service="` + svc + `"} 0`,
+		`uproxy_udp_dropped_datagrams_total{reason="client_table_full",service="` + svc + `"} 0`,
+		`uproxy_udp_dropped_datagrams_total{reason="no_endpoint",service="` + svc + `"} 0`,
+		`uproxy_udp_dropped_datagrams_total{reason="no_local_port",service="` + svc + `"} 0`,
+		`uproxy_udp_dropped_datagrams_total{reason="no_socket",service="` + svc + `"} 0`,
 	} {
 		if !strings.Contains(zero, want+"\n") {
 			t.Errorf("before any traffic: no %q in\n%s", want, zero)
@@ -87,6 +91,11 @@ func TestPortSeries(t *testing.T) {
 	o.ConnClosed(&record.Conn{Service: svc, Protocol: "UDP", Attempts: []record.Attempt{attempt(errors.New("refused")), attempt(nil)},
 		Endpoint: ep, BytesIn: 1, Duration: 5 * time.Second, Err: record.ErrEndpointRemoved})
 	o.Reopened(1, 2, errors.New("gone"))
+	// Two datagrams turned away: counted by reason, and as no session.
+	for range 2 {
+		o.ConnOpened(svc, "UDP")
+		o.ConnClosed(&record.Conn{Service: svc, Protocol: "UDP", Err: record.ErrTooManyClients, Dropped: record.DropClientTableFull})
+	}
 
 	// A second observer of the same Service port, as a replacement opened
 	// before the first is forgotten: its counts add to the same series.
@@ -115,6 +124,8 @@ func TestPortSeries(t *testing.T) {
 		`uproxy_proxy_port_reopens_total{service="` + svc + `"} 1`,
 		`uproxy_udp_client_expiries_total{service="` + svc + `"} 1`,
 		`uproxy_udp_clients_moved_total{service="` + svc + `"} 1`,
+		`uproxy_udp_dropped_datagrams_total{reason="client_table_full",service="` + svc + `"} 2`,
+		`uproxy_udp_dropped_datagrams_total{reason="no_socket",service="` + svc + `"} 0`,
 	} {
 		if !strings.Contains(got, want+"\n") {
 			t.Errorf("after the traffic: no %q in\n%s", want, got)

@@ -32,6 +32,40 @@ var ErrRetryBudget = errors.New("retry budget spent")
 // dial the endpoint again, without end. It counts as the endpoint's failure.
 var ErrOwnSocket = errors.New("the endpoint is one of the proxy's own sockets, or an address the portals steer to one (with no dial mark): dialing it would loop back into the proxy")
 
+// ErrTooManyClients is the Err of a UDP datagram turned away because its
+// Service port's client table is full (DropClientTableFull).
+var ErrTooManyClients = errors.New("UDP client table full")
+
+// Drop says why a UDP datagram was turned away before its client had an entry;
+// its String is the reason label of uproxy_udp_dropped_datagrams_total, one of
+// a fixed few.
+type Drop uint8
+
+const (
+	// NotDropped is every other record's.
+	NotDropped Drop = iota
+	// DropClientTableFull: the client table is full (ErrTooManyClients).
+	DropClientTableFull
+	// DropNoSocket: the node is short of descriptors or memory for the
+	// client's socket to its endpoint.
+	DropNoSocket
+	// DropNoLocalPort: no local port is left toward the endpoint.
+	DropNoLocalPort
+	// DropNoEndpoint: no endpoint could be picked.
+	DropNoEndpoint
+	// NumDrops counts the values above.
+	NumDrops
+)
+
+var dropNames = [NumDrops]string{"", "client_table_full", "no_socket", "no_local_port", "no_endpoint"}
+
+func (d Drop) String() string {
+	if d < NumDrops {
+		return dropNames[d]
+	}
+	return "unknown"
+}
+
 // Attempt is one dial of one endpoint for one connection.
 type Attempt struct {
 	Endpoint netip.AddrPort
@@ -93,6 +127,9 @@ type Conn struct {
 	// RetryRefused is set when the retry budget refused the connection an
 	// attempt (a retry or a hedge); it then made no further attempt.
 	RetryRefused bool
+	// Dropped is set on the record of a UDP datagram turned away before its
+	// client had an entry: no session, no attempt, Err says why.
+	Dropped Drop
 }
 
 // Lost reports whether the attempt was abandoned as a hedge's loser.

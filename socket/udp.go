@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -21,7 +22,7 @@ import (
 
 // ErrTooManyClients is the Err of a UDP client turned away because the client table
 // is full (UDPProxy.MaxClients).
-var ErrTooManyClients = errors.New("UDP client table full")
+var ErrTooManyClients = record.ErrTooManyClients
 
 const (
 	// DefaultUDPTimeout is the idle time after which a UDP client entry expires.
@@ -52,8 +53,9 @@ type UDPProxy struct {
 	// direction; zero means DefaultUDPTimeout.
 	Timeout time.Duration
 	// MaxClients bounds the client table; datagrams from further clients are dropped
-	// (each reported to ConnClosed with ErrTooManyClients). Zero means
-	// DefaultUDPMaxClients.
+	// (each reported to ConnClosed with ErrTooManyClients and
+	// record.DropClientTableFull, and logged with the other drops, at most once
+	// per dropLogEvery). Zero means DefaultUDPMaxClients.
 	MaxClients int
 	// Observer is told about every client entry; nil means NopObserver.
 	Observer Observer
@@ -74,6 +76,13 @@ type UDPProxy struct {
 	ShortCircuit  Picker
 	ShortCircuits func(client netip.Addr) bool
 
+	// drops counts and logs the datagrams turned away; dropLogEvery, when
+	// set, replaces its interval and droppedLine, when set, is given its lines
+	// instead of the log (tests use both).
+	drops        dropLog
+	dropLogEvery time.Duration
+	droppedLine  func(msg string, err error, kv ...any)
+
 	initOnce sync.Once
 	l        *loop // nil without loops (initErr)
 	initErr  error
@@ -90,6 +99,8 @@ func (p *UDPProxy) init() {
 	p.initOnce.Do(func() {
 		p.sockets = make(map[*udpSocket]struct{})
 		p.clients = make(map[netip.AddrPort]*udpClient)
+		p.drops = dropLog{p: p}
+		p.drops.t = poll.NewTimer(&p.drops)
 		if p.Loops == nil {
 			p.initErr = errors.New("UDPProxy.Loops is nil, want the event loops to run on")
 			return
@@ -325,7 +336,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	obs := p.observer()
 	obs.ConnOpened(p.Service, "UDP")
 	if len(p.clients) >= p.maxClients() {
-		p.reject(client, ErrTooManyClients)
+		p.reject(l, client, record.DropClientTableFull, ErrTooManyClients)
 		return nil
 	}
 	c := &udpClient{p: p, svc: svc, addr: client, replyFrom: replySource(local), fd: -1}
@@ -335,7 +346,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	picker := c.picker()
 	ep, err := picker.Pick(client.Addr().Unmap(), nil)
 	if err != nil {
-		p.reject(client, fmt.Errorf("pick endpoint: %w", err))
+		p.reject(l, client, record.DropNoEndpoint, fmt.Errorf("pick endpoint: %w", err))
 		return nil
 	}
 	start := time.Now()
@@ -354,16 +365,16 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 	}
 	// The node short of sockets or of local ports is not the endpoint at fault:
 	// no attempt is counted against it, and the client keeps its affinity.
-	short := ""
+	short, drop := "", record.NotDropped
 	switch {
 	case isShortage(err):
-		short = "socket"
+		short, drop = "socket", record.DropNoSocket
 	case isLocalPortShortage(err):
-		short = "local port"
+		short, drop = "local port", record.DropNoLocalPort
 	}
 	if short != "" {
 		picker.Release(ep)
-		p.reject(client, fmt.Errorf("no %s for endpoint %s: %w", short, ep, err))
+		p.reject(l, client, drop, fmt.Errorf("no %s for endpoint %s: %w", short, ep, err))
 		return nil
 	}
 	if fellBack != nil {
@@ -410,9 +421,111 @@ func sockaddrOf(ap netip.AddrPort) unix.Sockaddr {
 	return sa
 }
 
-// reject reports a client turned away before it had an entry.
-func (p *UDPProxy) reject(client netip.AddrPort, err error) {
-	p.observer().ConnClosed(&record.Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now(), Err: err})
+// reject reports a client's datagram turned away, for reason, before the client
+// had an entry.
+func (p *UDPProxy) reject(l *loop, client netip.AddrPort, reason record.Drop, err error) {
+	p.drops.add(l, reason, err)
+	p.observer().ConnClosed(&record.Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now(), Err: err, Dropped: reason})
+}
+
+// dropLogEvery is how often, at most, a UDPProxy logs the datagrams it turned
+// away: a flood may turn away every datagram, and a line for each would be a
+// flood of its own.
+const dropLogEvery = 10 * time.Second
+
+// dropLog counts the datagrams a UDPProxy turned away and logs them, at most
+// once per interval: the first at once, and those that follow within the
+// interval in one line at its end, with how many there were by reason. Only
+// the proxy's loop touches it.
+type dropLog struct {
+	p *UDPProxy
+	// last is when (loop.Now) the last line was logged, 0 before the first;
+	// first when the earliest datagram counted since was dropped.
+	last, first int64
+	counts      [record.NumDrops]int
+	total       int
+	err         error // the latest drop's
+	t           poll.Timer
+	pending     bool // t is armed
+}
+
+func (p *UDPProxy) dropInterval() time.Duration {
+	if p.dropLogEvery > 0 {
+		return p.dropLogEvery
+	}
+	return dropLogEvery
+}
+
+// add counts one datagram turned away for reason with err, and logs at once
+// when no line has been logged for the interval; otherwise the line waits for
+// the interval's end.
+func (d *dropLog) add(l *loop, reason record.Drop, err error) {
+	now := l.Now()
+	if d.total == 0 {
+		d.first = now
+	}
+	d.counts[reason]++
+	d.total++
+	d.err = err
+	every := int64(d.p.dropInterval())
+	if d.last == 0 || now-d.last >= every {
+		d.flush(now)
+		return
+	}
+	if !d.pending {
+		d.pending = true
+		l.ScheduleAt(&d.t, d.last+every)
+	}
+}
+
+// Expire logs the datagrams turned away since the last line.
+func (d *dropLog) Expire() {
+	d.pending = false
+	d.flush(d.p.l.Now())
+}
+
+// stop logs what is counted and disarms the timer, when the proxy closes.
+func (d *dropLog) stop(l *loop) {
+	if d.pending {
+		l.Cancel(&d.t)
+		d.pending = false
+	}
+	d.flush(l.Now())
+}
+
+// flush logs the datagrams counted since the last line, if any, and starts
+// counting afresh.
+func (d *dropLog) flush(now int64) {
+	if d.total == 0 {
+		return
+	}
+	p := d.p
+	var reasons strings.Builder
+	for r, n := range d.counts {
+		if n == 0 {
+			continue
+		}
+		if reasons.Len() > 0 {
+			reasons.WriteString(", ")
+		}
+		fmt.Fprintf(&reasons, "%s %d", record.Drop(r), n)
+		if record.Drop(r) == record.DropClientTableFull {
+			fmt.Fprintf(&reasons, " (at most %d clients)", p.maxClients())
+		}
+	}
+	kv := []any{"service", p.Service, "dropped", d.total, "reasons", reasons.String(),
+		"over", time.Duration(now - d.first).Round(time.Millisecond)}
+	if d.counts[record.DropNoSocket] > 0 {
+		kv = append(kv, "hint", "UDP clients' sockets use the data path's descriptors, which TCP Services share: raise the open files limit, or lower the UDP client table's bound")
+	}
+	const msg = "UDP datagrams dropped: their clients could get no entry (counted in uproxy_udp_dropped_datagrams_total, logged at most every 10s per Service port)"
+	if p.droppedLine != nil {
+		p.droppedLine(msg, d.err, kv...)
+	} else {
+		klog.ErrorS(d.err, msg, kv...)
+	}
+	d.last = now
+	d.counts, d.total, d.err = [record.NumDrops]int{}, 0, nil
 }
 
 // Close stops every Serve and ends every client entry.
@@ -437,6 +550,7 @@ func (p *UDPProxy) Close() error {
 		for _, c := range p.clients {
 			c.end(l, nil, false)
 		}
+		p.drops.stop(l)
 	})
 	if err != nil {
 		return fmt.Errorf("close %s: %w", p.Service, err)

@@ -285,6 +285,66 @@ func TestUDPProxyTableBound(t *testing.T) {
 	}
 }
 
+// Datagrams turned away are logged, at most one line per interval per Service
+// port: the first at once, the rest at the interval's end with their count,
+// and each record says why.
+func TestUDPProxyDropsAreLoggedRateLimited(t *testing.T) {
+	t.Parallel()
+	backend := startUDPEcho(t, "127.0.0.2")
+	rec := &recorder{}
+	type line struct {
+		at time.Time
+		kv string
+	}
+	var mu sync.Mutex
+	var lines []line
+	p := &UDPProxy{Service: "ns/dns:udp", Picker: newCyclePicker(backend), Observer: rec, MaxClients: 1, Timeout: time.Hour}
+	const every = 300 * time.Millisecond
+	p.dropLogEvery = every
+	p.droppedLine = func(msg string, err error, kv ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		lines = append(lines, line{time.Now(), fmt.Sprint(kv...)})
+	}
+	svc := startUDPProxy(t, p)
+	if _, _, err := exchange(listenUDP(t, "127.0.0.1"), svc, []byte("in"), awaitTimeout); err != nil {
+		t.Fatal(err)
+	}
+	const extra = 20
+	start := time.Now()
+	for range extra {
+		if _, err := listenUDP(t, "127.0.0.1").WriteToUDPAddrPort([]byte("one too many"), svc); err != nil {
+			t.Fatal(err)
+		}
+	}
+	recs := rec.awaitClosed(t, extra)
+	for i, c := range recs {
+		if c.Dropped != record.DropClientTableFull || !errors.Is(c.Err, ErrTooManyClients) {
+			t.Errorf("record %d: got dropped %v err %v, want %v, %v", i, c.Dropped, c.Err, record.DropClientTableFull, ErrTooManyClients)
+		}
+	}
+	testbed.Await(t, awaitTimeout, "a second line", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(lines) >= 2
+	})
+	time.Sleep(every) // no third line: nothing was dropped since
+	mu.Lock()
+	defer mu.Unlock()
+	if len(lines) != 2 {
+		t.Fatalf("lines: got %d %v, want 2", len(lines), lines)
+	}
+	for i, want := range []string{"dropped1", fmt.Sprintf("dropped%d", extra-1)} {
+		if !strings.Contains(lines[i].kv, "ns/dns:udp") || !strings.Contains(lines[i].kv, want+"reasons") ||
+			!strings.Contains(lines[i].kv, "client_table_full") || !strings.Contains(lines[i].kv, "at most 1 clients") {
+			t.Errorf("line %d: got %q, want the Service port, %s, client_table_full (at most 1 clients)", i, lines[i].kv, want)
+		}
+	}
+	if gap := lines[1].at.Sub(lines[0].at); gap < every-20*time.Millisecond {
+		t.Errorf("second line %v after the first (which came %v after the drops began), want at least %v", gap, lines[0].at.Sub(start), every)
+	}
+}
+
 func TestUDPProxyDeadBackendRepick(t *testing.T) {
 	t.Parallel()
 	dead := deadUDPAddr(t, "127.0.0.3")
