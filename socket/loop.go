@@ -77,6 +77,10 @@ type backoffWatch struct {
 	watched bool
 	delay   time.Duration // the current backoff; reset (0) after a success
 	t       poll.Timer
+	// failures counts the backoffs since the last success, and shortSince
+	// (loop.Now) is when the first of them began: what recovered reports.
+	failures   int
+	shortSince int64
 }
 
 func newBackoffWatch(fd int, events uint32, owner poll.TimerTarget) backoffWatch {
@@ -102,10 +106,27 @@ func (w *backoffWatch) unwatch(l *loop) {
 
 // backoff stops watching for the next, doubled delay and returns the delay.
 func (w *backoffWatch) backoff(l *loop) time.Duration {
+	if w.failures == 0 {
+		w.shortSince = l.Now()
+	}
+	w.failures++
 	w.delay = nextBackoff(w.delay)
 	w.unwatch(l)
 	l.Schedule(&w.t, w.delay)
 	return w.delay
+}
+
+// succeeded records a success (an accept, a read) and, when it ends a run of
+// backoffs, returns how long they lasted, from the first, and how many there
+// were, so that the owner logs the recovery once; ok is false otherwise.
+func (w *backoffWatch) succeeded(l *loop) (backedOff time.Duration, failures int, ok bool) {
+	w.delay = 0
+	if w.failures == 0 {
+		return 0, 0, false
+	}
+	backedOff, failures = time.Duration(l.Now()-w.shortSince), w.failures
+	w.failures = 0
+	return backedOff, failures, true
 }
 
 // resume ends a backoff: the socket is watched again, which reports it at once if

@@ -134,6 +134,9 @@ type TCPProxy struct {
 	// accept, or a dial of a connection it accepted, found the node short - and
 	// its wait (tests use it; the default logs). It runs on an event loop.
 	acceptBackoff func(err error, delay time.Duration)
+	// acceptResumed, when set, is told instead of the log when accepting
+	// succeeds again after backoffs: how long since the first, and how many.
+	acceptResumed func(backedOff time.Duration, failures int)
 
 	initOnce sync.Once
 	// policy is the dial policy of new connections; a connection keeps the one
@@ -518,7 +521,9 @@ func (h *listenHandle) Handle(uint32) {
 				// Its dial ran short of sockets: backing off.
 				return
 			}
-			h.delay = 0
+			if d, n, ok := h.succeeded(l); ok {
+				h.resumed(d, n)
+			}
 			continue
 		case err == unix.EAGAIN:
 			l.emptyAccepts++
@@ -559,6 +564,18 @@ func (h *listenHandle) backoff(l *loop, err error, msg string) {
 	} else {
 		klog.ErrorS(err, msg, "service", h.ln.p.Service, "delay", delay)
 	}
+}
+
+// resumed logs, once, that accepting works again after failures backoffs over
+// backedOff, so that a log that reported the shortage also reports its end.
+func (h *listenHandle) resumed(backedOff time.Duration, failures int) {
+	p := h.ln.p
+	if f := p.acceptResumed; f != nil {
+		f(backedOff, failures)
+		return
+	}
+	klog.InfoS("Accepting again after a shortage", "service", p.Service,
+		"backedOff", backedOff.Round(time.Millisecond), "failures", failures)
 }
 
 // shortage backs the listener off after a dial of a connection it accepted found

@@ -855,6 +855,11 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 	var mu sync.Mutex
 	var delays []time.Duration
 	var errs []error
+	type resumption struct {
+		backedOff time.Duration
+		failures  int
+	}
+	var resumed []resumption
 	rec := &recorder{}
 	p := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Observer: rec}
 	p.acceptBackoff = func(err error, d time.Duration) {
@@ -862,6 +867,11 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		defer mu.Unlock()
 		delays = append(delays, d)
 		errs = append(errs, err)
+	}
+	p.acceptResumed = func(backedOff time.Duration, failures int) {
+		mu.Lock()
+		defer mu.Unlock()
+		resumed = append(resumed, resumption{backedOff, failures})
 	}
 	addr := startTCPProxy(t, p)
 	// A first round trip shows the proxy serving. The client's socket is made
@@ -911,6 +921,20 @@ func TestTCPProxyAcceptBacksOffWhenOutOfFiles(t *testing.T) {
 		if !errors.Is(err, syscall.EMFILE) {
 			t.Errorf("accept error: got %v, want EMFILE", err)
 		}
+	}
+	// The end of the shortage is reported once, with every backoff it took
+	// and how long since the first (5+10+20+40ms at least).
+	if len(resumed) != 1 || resumed[0].failures != len(delays) || resumed[0].backedOff < 75*time.Millisecond {
+		t.Errorf("accepting again: got %+v, want one report of %d failures over 75ms or more", resumed, len(delays))
+	}
+	mu.Unlock()
+	// Later connections, accepted at once, report nothing more.
+	if got, err := roundTrip(dialProxy(t, addr), []byte("again")); err != nil || string(got) != "again" {
+		t.Fatalf("round trip after the recovery: got %q, %v", got, err)
+	}
+	mu.Lock()
+	if len(resumed) != 1 {
+		t.Errorf("accepting again: got %d reports after a further connection, want still 1", len(resumed))
 	}
 	mu.Unlock()
 	client.Close()

@@ -258,7 +258,10 @@ func (s *udpSocket) Handle(uint32) {
 			}
 			return
 		}
-		s.delay = 0
+		if d, n, ok := s.succeeded(l); ok {
+			klog.InfoS("Reading UDP again after a shortage", "service", p.Service,
+				"backedOff", d.Round(time.Millisecond), "failures", n)
+		}
 		for i := range r.n {
 			from, local, size := r.source(i)
 			p.forward(l, s, from, local, r.datagram(i), size)
