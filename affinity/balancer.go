@@ -44,6 +44,19 @@ func (noEndpointsError) NoEndpoints() bool { return true }
 // table would cost more than the memory it frees.
 const minSweep = 1024
 
+// MaxAffinityEntries bounds a Balancer's ClientIP affinity table (one Service
+// port, one address family): each distinct client address adds an entry that
+// lives for the affinity timeout (3 hours by default), and with IPv6 one client
+// can use any number of addresses. A new client that finds the table full of
+// live entries evicts the least recently used ones (a sixteenth of the table
+// at a time, so the cost is amortised), counted in Counters.AffinityEvicted;
+// their clients are scheduled afresh at their next connection.
+const MaxAffinityEntries = 65536
+
+// AffinitySample is how many affinity entries State lists at most: the most
+// recently used. The count of all is AffinityEntries.
+const AffinitySample = 100
+
 // A Balancer picks endpoints for one Service port. It is safe for concurrent use; the
 // zero value is not usable, call NewBalancer.
 //
@@ -331,6 +344,9 @@ func (b *Balancer) Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPo
 		if !d.found && len(b.entries) >= b.sweepAt {
 			b.sweepLocked(now) // moves entries, but client has none
 		}
+		if !d.found && len(b.entries) >= MaxAffinityEntries {
+			b.evictLocked() // likewise
+		}
 	}
 	i := d.i
 	b.next = i + 1
@@ -465,6 +481,24 @@ func (b *Balancer) sweepLocked(now time.Time) int {
 	return removed
 }
 
+// evictLocked removes the least recently used entries, a sixteenth of the
+// bound, to make room in a table full of live ones. b.mu must be held.
+func (b *Balancer) evictLocked() {
+	keep := MaxAffinityEntries - MaxAffinityEntries/16
+	if len(b.entries) <= keep {
+		return
+	}
+	// The cutoff is the lastUsed of the newest entry to go: every entry used
+	// at or before it goes (ties may take a few more).
+	used := make([]int64, len(b.entries))
+	for i := range b.entries {
+		used[i] = b.entries[i].lastUsed.UnixNano()
+	}
+	slices.Sort(used)
+	cutoff := used[len(used)-keep-1]
+	b.counters.AffinityEvicted += uint64(b.compact(func(e *entry) bool { return e.lastUsed.UnixNano() > cutoff }))
+}
+
 // compact keeps the entries for which keep returns true (keep may modify them), in
 // order, and returns how many it dropped.
 func (b *Balancer) compact(keep func(*entry) bool) int {
@@ -597,6 +631,9 @@ type Counters struct {
 	// AffinityExpired counts entries that timed out, whether found by Pick, Update or
 	// a sweep.
 	AffinityExpired uint64 `json:"affinityExpired"`
+	// AffinityEvicted counts live entries removed to keep the table within
+	// MaxAffinityEntries.
+	AffinityEvicted uint64 `json:"affinityEvicted"`
 	// Ejections counts endpoints ejected by DialFailed; Readmissions counts
 	// ejected or probation endpoints that DialSucceeded re-admitted.
 	Ejections    uint64 `json:"ejections"`
@@ -615,9 +652,11 @@ type State struct {
 	NextReason             string         `json:"nextReason,omitempty"`
 	ClientIPAffinity       bool           `json:"clientIPAffinity"`
 	AffinityTimeoutSeconds float64        `json:"affinityTimeoutSeconds,omitempty"`
-	// Affinity holds the live entries, ordered by client.
-	Affinity []Entry  `json:"affinity,omitempty"`
-	Counters Counters `json:"counters"`
+	// AffinityEntries counts the live entries; Affinity holds the
+	// AffinitySample most recently used of them, ordered by client.
+	AffinityEntries int      `json:"affinityEntries,omitempty"`
+	Affinity        []Entry  `json:"affinity,omitempty"`
+	Counters        Counters `json:"counters"`
 }
 
 // EndpointState is one endpoint with its active connections (or UDP flows) and its
@@ -659,8 +698,8 @@ func (b *Balancer) endpointStates(now time.Time) []EndpointState {
 	return out
 }
 
-// State returns a snapshot of b. Expired entries that have not been swept yet are
-// left out.
+// State returns a snapshot of b, with a sample of its affinity table (see
+// AffinitySample). Expired entries that have not been swept yet are left out.
 func (b *Balancer) State() State {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -679,8 +718,13 @@ func (b *Balancer) State() State {
 		s.AffinityTimeoutSeconds = b.timeout.Seconds()
 		for _, e := range b.entries {
 			if b.live(e.lastUsed, now) {
+				s.AffinityEntries++
 				s.Affinity = append(s.Affinity, Entry{Client: e.client, Endpoint: b.eps[e.ep].addr, LastUsed: e.lastUsed})
 			}
+		}
+		if len(s.Affinity) > AffinitySample {
+			slices.SortFunc(s.Affinity, func(x, y Entry) int { return y.LastUsed.Compare(x.LastUsed) })
+			s.Affinity = slices.Clip(s.Affinity[:AffinitySample])
 		}
 		slices.SortFunc(s.Affinity, func(x, y Entry) int { return x.Client.Compare(y.Client) })
 	}

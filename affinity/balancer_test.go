@@ -342,8 +342,45 @@ func TestSweep(t *testing.T) {
 		if got := len(b.clients); got > 2*5000 {
 			t.Errorf("table: got %d entries, want at most %d", got, 2*5000)
 		}
-		if got := len(b.State().Affinity); got != 5000 {
+		if got := b.State().AffinityEntries; got != 5000 {
 			t.Errorf("live entries: got %d, want 5000", got)
+		}
+	})
+	t.Run("live entries are bounded, least recently used evicted", func(t *testing.T) {
+		b, clock := mkBalancer(t, "rr", addrs(epA, epB), true, 3*time.Hour)
+		// One new client a millisecond, all live: a table that only
+		// expired entries would grow by every one.
+		for i := range MaxAffinityEntries {
+			mustPick(t, b, clientAddr(i), nil)
+			clock.advance(time.Millisecond)
+		}
+		first := mustPick(t, b, clientAddr(0), nil) // the oldest, used again
+		const more = 100
+		for i := MaxAffinityEntries; i < MaxAffinityEntries+more; i++ {
+			mustPick(t, b, clientAddr(i), nil)
+			clock.advance(time.Millisecond)
+		}
+		st := b.State()
+		if n := len(b.entries); n > MaxAffinityEntries || st.AffinityEntries != n {
+			t.Errorf("table: got %d entries (State says %d), want at most %d", n, st.AffinityEntries, MaxAffinityEntries)
+		}
+		if got, want := st.Counters.AffinityEvicted, uint64(MaxAffinityEntries+more-len(b.entries)); got != want || got == 0 {
+			t.Errorf("evicted: got %d, want %d", got, want)
+		}
+		if _, ok := b.clients[keyOfClient(clientAddr(1))]; ok {
+			t.Errorf("client 1, the least recently used: still has an entry")
+		}
+		for _, i := range []int{0, MaxAffinityEntries + more - 1} {
+			if _, ok := b.clients[keyOfClient(clientAddr(i))]; !ok {
+				t.Errorf("client %d, recently used: no entry", i)
+			}
+		}
+		if ep, sticky, err := b.Peek(clientAddr(0)); err != nil || !sticky || ep != first {
+			t.Errorf("client 0: got %v sticky %v, %v, want %v sticky", ep, sticky, err, first)
+		}
+		// State lists a sample, the most recently used.
+		if len(st.Affinity) != AffinitySample || !slices.ContainsFunc(st.Affinity, func(e Entry) bool { return e.Client == clientAddr(MaxAffinityEntries+more-1) }) {
+			t.Errorf("State: got %d entries listed, want %d, the newest among them", len(st.Affinity), AffinitySample)
 		}
 	})
 }

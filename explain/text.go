@@ -149,7 +149,8 @@ func (x *explanation) writeText(w io.Writer) error {
 		}
 		if st.AffinityCounters != nil && st.SessionAffinity == "ClientIP" {
 			c := st.AffinityCounters
-			p("  Affinity: %d entries, %d hits, %d misses, %d resets after failed dials, %d expired.\n", len(st.Affinity), c.Hits, c.Misses, c.Resets, c.Expired)
+			entries := max(st.AffinityEntries, len(st.Affinity)) // a uproxy before the count gave the whole table
+			p("  Affinity: %d entries, %d hits, %d misses, %d resets after failed dials, %d expired, %d evicted.\n", entries, c.Hits, c.Misses, c.Resets, c.Expired, c.Evicted)
 		}
 	}
 	tw.Flush()

@@ -405,13 +405,15 @@ var (
 		"ClientIP affinity entries removed after a failed dial, by Service port.", []string{"service"}, nil)
 	descAffinityExpired = prometheus.NewDesc("uproxy_affinity_expired_total",
 		"ClientIP affinity entries that timed out, by Service port.", []string{"service"}, nil)
+	descAffinityEvicted = prometheus.NewDesc("uproxy_affinity_evicted_total",
+		"ClientIP affinity entries evicted, least recently used first, to keep the table within its bound (65536 per Service port and address family), by Service port.", []string{"service"}, nil)
 	descUDPClients = prometheus.NewDesc("uproxy_udp_clients",
 		"Entries in the UDP client table, by Service port.", []string{"service"}, nil)
 )
 
 func (portsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descEndpointActive, descEndpointEjected, descEndpointFailures,
-		descAffinityHits, descAffinityMisses, descAffinityResets, descAffinityExpired, descUDPClients,
+		descAffinityHits, descAffinityMisses, descAffinityResets, descAffinityExpired, descAffinityEvicted, descUDPClients,
 		descConnections, descRetries, descRetryBudgetRefusals, descActiveConnections, descConnectionDuration,
 		descBytes, descUDPExpiries, descUDPEndpointRemovals, descUDPDropped, descIdleTimeouts, descProxyPortReopens} {
 		ch <- d
@@ -468,6 +470,7 @@ func (portsCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descAffinityMisses, prometheus.CounterValue, float64(c.Misses), o.service)
 		ch <- prometheus.MustNewConstMetric(descAffinityResets, prometheus.CounterValue, float64(c.Resets), o.service)
 		ch <- prometheus.MustNewConstMetric(descAffinityExpired, prometheus.CounterValue, float64(c.Expired), o.service)
+		ch <- prometheus.MustNewConstMetric(descAffinityEvicted, prometheus.CounterValue, float64(c.Evicted), o.service)
 	}
 }
 

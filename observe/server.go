@@ -38,7 +38,11 @@ type ServiceState struct {
 	AffinityTimeout   int             `json:"affinityTimeoutSeconds,omitempty"`
 	Scheduler         string          `json:"scheduler"`
 	Endpoints         []EndpointState `json:"endpoints"`
-	Affinity          []AffinityEntry `json:"affinity"`
+	// AffinityEntries counts the live ClientIP affinity entries; Affinity
+	// lists a sample of them, the most recently used (at most
+	// affinity.AffinitySample per address family).
+	AffinityEntries int             `json:"affinityEntries,omitempty"`
+	Affinity        []AffinityEntry `json:"affinity"`
 	// NextEndpoint is the endpoint the next new client (one without an
 	// affinity entry, of the first family with endpoints) gets, by the
 	// balancer's own decision, and NextReason says why; empty where that
@@ -208,6 +212,8 @@ type AffinityCounters struct {
 	Misses  uint64 `json:"misses"`
 	Resets  uint64 `json:"resets"`
 	Expired uint64 `json:"expired"`
+	// Evicted counts live entries removed to keep the table within its bound.
+	Evicted uint64 `json:"evicted"`
 }
 
 // AffinityEntry is one ClientIP affinity entry.

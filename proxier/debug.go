@@ -98,6 +98,7 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 		}
 		st.Endpoints = append(st.Endpoints, es)
 	}
+	st.AffinityEntries = bs.AffinityEntries
 	for _, a := range bs.Affinity {
 		st.Affinity = append(st.Affinity, observe.AffinityEntry{
 			Client:   a.Client.String(),
@@ -111,6 +112,7 @@ func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	st.AffinityCounters = &observe.AffinityCounters{
 		Hits: bs.Counters.AffinityHits, Misses: bs.Counters.AffinityMisses,
 		Resets: bs.Counters.AffinityResets, Expired: bs.Counters.AffinityExpired,
+		Evicted: bs.Counters.AffinityEvicted,
 	}
 	if p.cfg.Events != nil {
 		st.RecentEvents = p.cfg.Events.Recent(st.Name, 10)

@@ -172,6 +172,7 @@ func portStats(sp *servicePort) func() observe.BalancerStats {
 			st.Affinity.Misses += c.AffinityMisses
 			st.Affinity.Resets += c.AffinityResets
 			st.Affinity.Expired += c.AffinityExpired
+			st.Affinity.Evicted += c.AffinityEvicted
 			for _, e := range eps {
 				// Stats leaves EjectedUntil zero once the ejection has ended.
 				es := observe.EndpointStats{Addr: e.Addr, Active: e.Active, Failures: e.Failures, Ejected: !e.EjectedUntil.IsZero()}
@@ -220,11 +221,13 @@ func (sp *servicePort) state() affinity.State {
 			}
 		}
 		out.Affinity = append(out.Affinity, s.Affinity...)
+		out.AffinityEntries += s.AffinityEntries
 		c := &out.Counters
 		c.AffinityHits += s.Counters.AffinityHits
 		c.AffinityMisses += s.Counters.AffinityMisses
 		c.AffinityResets += s.Counters.AffinityResets
 		c.AffinityExpired += s.Counters.AffinityExpired
+		c.AffinityEvicted += s.Counters.AffinityEvicted
 		c.Ejections += s.Counters.Ejections
 		c.Readmissions += s.Counters.Readmissions
 	}
