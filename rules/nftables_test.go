@@ -358,3 +358,31 @@ func TestProxyPortsOnNodeIPDNATFromOutside(t *testing.T) {
 		}
 	})
 }
+
+// TestNFTablesCommentOfAnyName: a Service port's name is the comment of its
+// elements, written in nft's quotes; a name that nft could not take there
+// (from a manifest: the API server allows none) is written without the
+// characters it cannot take, and the transaction still parses.
+func TestNFTablesCommentOfAnyName(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name, svc, portName, want string
+	}{
+		{"a quote", `a"b`, "", `comment "ns/a_b"`},
+		{"a backslash and a newline", `a\b`, "p\n", `comment "ns/a_b:p_"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			svc := port("ns", tt.svc, tt.portName, service.TCP, 80)
+			svc.ClusterIPs = ips("10.96.0.71")
+			p, k := newTestNFTables(t, Config{})
+			if err := p.Sync([]Portal{{Port: svc, ProxyPort: 40001}}); err != nil {
+				t.Fatalf("Sync: %v", err)
+			}
+			if got := writes(k, 0); !strings.Contains(got, tt.want) {
+				t.Errorf("transaction:\n%s\nwant an element with %s", got, tt.want)
+			}
+		})
+	}
+}

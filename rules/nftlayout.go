@@ -9,6 +9,7 @@ import (
 
 	"sigs.k8s.io/knftables"
 
+	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -414,10 +415,7 @@ func (els nftElements) changes(tx *knftables.Transaction, now nftElements) {
 }
 
 func (e nftElement) object(m string, k nftKey) *knftables.Element {
-	comment := e.owner.String()
-	if len(comment) > knftables.CommentLengthMax {
-		comment = comment[:knftables.CommentLengthMax]
-	}
+	comment := nftables.Comment(e.owner.String())
 	value := nftRefuseVerdict
 	if e.proxyPort != 0 {
 		value = strconv.Itoa(e.proxyPort)

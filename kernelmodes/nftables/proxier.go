@@ -596,10 +596,7 @@ func (ref *elemRef) object(id elemID) *knftables.Element {
 	e := element(id, ref.value)
 	if !isHairpin(id.set) {
 		// Shared hairpin pairs have no one owner to name.
-		comment := ref.comment
-		if len(comment) > knftables.CommentLengthMax {
-			comment = comment[:knftables.CommentLengthMax]
-		}
+		comment := nftables.Comment(ref.comment)
 		e.Comment = &comment
 	}
 	return e

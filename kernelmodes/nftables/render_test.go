@@ -603,3 +603,31 @@ func TestZoneFromSnapshot(t *testing.T) {
 		}
 	}
 }
+
+// TestElementCommentOfAnyName: a Service port's name, the comment of its
+// elements, is written without what nft cannot take in a quoted comment
+// (a name from a manifest may hold anything; the API server allows none of
+// it), so that one Service cannot make every transaction fail.
+func TestElementCommentOfAnyName(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name, svc, portName, want string
+	}{
+		{"a quote", `a"b`, "", `comment "shop/a_b"`},
+		{"a backslash and a newline", `a\b`, "p\n", `comment "shop/a_b:p_"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			svc := svcPort("shop", tt.svc, tt.portName, service.TCP, 80)
+			svc.ClusterIPs = addrs("10.96.0.71")
+			svc.Endpoints = eps("10.244.1.2:8080")
+			p, k, _ := newFake(t, Config{})
+			mustSync(t, p, snapshot(svc))
+			got := lines(k, -1, "add element")
+			if !strings.Contains(got, tt.want) || strings.Contains(got, `\`) {
+				t.Errorf("elements:\n%s\nwant each with %s and no escape", got, tt.want)
+			}
+		})
+	}
+}

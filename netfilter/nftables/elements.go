@@ -170,3 +170,35 @@ func encodeFields(fields []Field, text string) ([]byte, error) {
 
 // protocolNumbers are the protocols nft writes by name.
 var protocolNumbers = map[string]byte{"tcp": 6, "udp": 17, "sctp": 132}
+
+// Comment returns s as a comment nft takes whatever s holds: printable ASCII
+// but for '"' and '\', each other byte replaced by '_', and cut to
+// knftables.CommentLengthMax. knftables quotes a comment the way Go does
+// (%q), with escapes that nft does not know: a '"' ends the string early
+// and fails the whole transaction, and an escape makes the comment longer
+// than the text it came from, maybe too long for nft. Services and
+// endpoints from the API server have names that need none of this; one
+// from a manifest may not, and one object must not stop every sync.
+func Comment(s string) string {
+	clean := true
+	for i := 0; i < len(s); i++ {
+		if !commentByte(s[i]) {
+			clean = false
+			break
+		}
+	}
+	if clean {
+		return s[:min(len(s), knftables.CommentLengthMax)]
+	}
+	b := []byte(s[:min(len(s), knftables.CommentLengthMax)])
+	for i, c := range b {
+		if !commentByte(c) {
+			b[i] = '_'
+		}
+	}
+	return string(b)
+}
+
+func commentByte(c byte) bool {
+	return c >= ' ' && c <= '~' && c != '"' && c != '\\'
+}

@@ -3,6 +3,7 @@ package nftables
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -86,5 +87,33 @@ add element inet t hairpin4 { 10.1.0.3 . 10.1.0.3 }
 	}
 	if err := many.Check(); err == nil {
 		t.Errorf("Check of %d changes: got nil, want too many", len(many))
+	}
+}
+
+func TestComment(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name, in, want string
+	}{
+		{"a Service port's name: unchanged", "shop/web:http", "shop/web:http"},
+		{"empty", "", ""},
+		{"a quote, which ends nft's string", `default/a"b`, "default/a_b"},
+		{"a backslash, which knftables doubles", `default/a\b`, "default/a_b"},
+		{"control characters", "a\nb\tc\x00", "a_b_c_"},
+		{"non-ASCII, each byte", "ns/é", "ns/__"},
+		{"too long: cut", strings.Repeat("a", knftables.CommentLengthMax+5), strings.Repeat("a", knftables.CommentLengthMax)},
+		{"too long, with a quote beyond the cut", strings.Repeat("a", knftables.CommentLengthMax) + `"`, strings.Repeat("a", knftables.CommentLengthMax)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := Comment(tt.in)
+			if got != tt.want {
+				t.Errorf("Comment(%q): got %q, want %q", tt.in, got, tt.want)
+			}
+			// What knftables writes is then the comment itself, quoted.
+			if q := fmt.Sprintf("%q", got); q != `"`+got+`"` {
+				t.Errorf("Comment(%q) = %q is written as %s, with escapes nft does not know", tt.in, got, q)
+			}
+		})
 	}
 }

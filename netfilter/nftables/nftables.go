@@ -1,8 +1,9 @@
 // Package nftables is uproxy's one access to nftables, shared by every mode and
 // tool: a table's kernel boundary (Kernel: knftables for transactions, plus a
 // cheap read of the table's rules), the probe that says whether nft and the
-// kernel run a layout (Probe), the deletion of a table (Delete), and the name of
-// uproxy's tables (TableName).
+// kernel run a layout (Probe), the deletion of a table (Delete), the name of
+// uproxy's tables (TableName), and comments that nft takes whatever text they
+// come from (Comment).
 //
 // A mode builds its own objects with knftables and writes them in one
 // transaction; this package never decides what a table holds:
