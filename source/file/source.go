@@ -6,6 +6,10 @@
 //
 // A broken edit never takes Services away: a file that cannot be decoded keeps its
 // previous content, and an object that fails validation keeps its previous version.
+// Validation is the API server's as far as the proxy depends on it: what
+// service.ValidateService and service.ValidateEndpointSlice check, and names
+// and addresses besides (validate.go), which objects from the API server have
+// passed already.
 // Nor does a file or directory being replaced: while the file that Path names, or
 // the directory, is gone, its last content is served, and it is read again once
 // it is back (a directory replaced by another of the same name is followed).
@@ -250,6 +254,9 @@ type loader struct {
 	// version of each object.
 	svcs   []*v1.Service
 	slices []*discoveryv1.EndpointSlice
+	// loops caches, by slice, the previous load's finding of endpoints at
+	// the virtual IPs of the slice's Service (see withoutLoops).
+	loops map[*discoveryv1.EndpointSlice]loopCheck
 	// logged holds the errors of the previous load, each with what it is about
 	// (problemSubject), so that a broken file is logged when it breaks, when
 	// it is fixed and when another problem of the same object replaces it, not
@@ -326,7 +333,9 @@ func (l *loader) load() *service.Snapshot {
 		}
 		objs, derrs, broken := decodeFile(name, data, &st.decoded)
 		st.sum, st.read, st.errs = sum, true, derrs
-		if !broken {
+		if broken {
+			st.errs = append(st.errs, notUsed(name, derrs, len(st.objs)))
+		} else {
 			st.objs = objs
 		}
 	}
@@ -349,17 +358,21 @@ func (l *loader) load() *service.Snapshot {
 
 	snap := l.snaps.Build(svcs, epSlices)
 	for i, err := range snap.Errors {
-		// Say where the Service left out, or its port, is defined.
-		var svc service.PortName
+		// Say where the object is defined: the Service left out, or its
+		// port, or the one served with a problem (a bad policy annotation,
+		// no cluster IP).
+		var k objectKey
 		switch e := err.(type) {
 		case *service.Conflict:
-			svc = e.LeftOut
+			k = objectKey{"Service", e.LeftOut.Namespace, e.LeftOut.Name}
 		case *service.UnservedError:
-			svc = e.Port.Name
+			k = objectKey{"Service", e.Port.Name.Namespace, e.Port.Name.Name}
+		case *service.FieldError:
+			k = objectKey{e.Kind, e.Namespace, e.Name}
 		default:
 			continue
 		}
-		if at, ok := where[objectKey{"Service", svc.Namespace, svc.Name}]; ok {
+		if at, ok := where[k]; ok {
 			at.Err = err
 			snap.Errors[i] = &at
 		}
@@ -367,6 +380,34 @@ func (l *loader) load() *service.Snapshot {
 	snap.Errors = append(errs, snap.Errors...)
 	l.log(snap.Errors)
 	return snap
+}
+
+// ErrNotUsed marks the error about a whole file of which some document
+// cannot be decoded: its content is not used, and its last content that
+// could be decoded stays in force (see notUsed).
+var ErrNotUsed = errors.New("not used")
+
+// notUsed is the error of file, whose documents' errors are derrs, when its
+// content is not used because one of them cannot be decoded; kept is the
+// number of objects of its last content that could be, which stay in force.
+// The documents' own errors say what is wrong; this one says what follows
+// for the others, which are valid maybe but not used either.
+func notUsed(file string, derrs []error, kept int) error {
+	doc := "a document"
+	for _, err := range derrs {
+		var de *DocumentError
+		if errors.As(err, &de) && !errors.Is(err, ErrUnsupportedKind) && de.Doc > 0 {
+			doc = fmt.Sprintf("document %d", de.Doc)
+			break
+		}
+	}
+	var err error
+	if kept > 0 {
+		err = fmt.Errorf("%w, as %s cannot be decoded: none of its documents is read, and the %d objects of its last content that could be decoded stay in force", ErrNotUsed, doc, kept)
+	} else {
+		err = fmt.Errorf("%w, as %s cannot be decoded: none of its documents is read (there is no earlier content of it to keep) until it can be", ErrNotUsed, doc)
+	}
+	return &DocumentError{File: file, Err: err}
 }
 
 // list returns the manifest files to read, sorted by name.
@@ -448,9 +489,9 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 			if o.checked == nil {
 				var verrs []error
 				if o.svc != nil {
-					verrs = service.ValidateService(o.svc)
+					verrs = append(service.ValidateService(o.svc), validateServiceManifest(o.svc)...)
 				} else {
-					verrs = service.ValidateEndpointSlice(o.slice)
+					verrs = append(service.ValidateEndpointSlice(o.slice), validateSliceManifest(o.slice)...)
 				}
 				o.checked = valid
 				if len(verrs) > 0 {
@@ -487,10 +528,80 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 			}
 		}
 	}
+	epSlices, errs = l.withoutLoops(svcs, epSlices, first, errs)
 	// An object that is gone is forgotten: should it come back invalid, there
 	// is no earlier version of it to fall back to, as it is not among these.
 	l.svcs, l.slices = svcs, epSlices
 	return svcs, epSlices, first, errs
+}
+
+// withoutLoops leaves out of epSlices each slice with an endpoint at one of
+// its own Service's virtual IPs, with an error naming the endpoint at where
+// the slice is defined. The slice's last valid version takes its place when
+// it has no such endpoint: a Service that changed to an address of its
+// endpoints is what made the slice wrong, not the slice. The check depends on
+// the Service as well as the slice, so it is made on every load, from the
+// cache of the one before when both objects are the same.
+func (l *loader) withoutLoops(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, where map[objectKey]DocumentError, errs []error) ([]*discoveryv1.EndpointSlice, []error) {
+	if len(epSlices) == 0 {
+		l.loops = nil
+		return epSlices, errs
+	}
+	bySvc := keyed(svcs, func(s *v1.Service) objectKey { return objectKey{"Service", s.Namespace, s.Name} })
+	vips := make(map[*v1.Service]virtualIPs)
+	checked := make(map[*discoveryv1.EndpointSlice]loopCheck, len(epSlices))
+	check := func(s *discoveryv1.EndpointSlice) []error {
+		svc := bySvc[objectKey{"Service", s.Namespace, s.Labels[discoveryv1.LabelServiceName]}]
+		if svc == nil {
+			return nil
+		}
+		if c, ok := checked[s]; ok && c.svc == svc {
+			return c.errs
+		}
+		if c, ok := l.loops[s]; ok && c.svc == svc {
+			checked[s] = c
+			return c.errs
+		}
+		v, ok := vips[svc]
+		if !ok {
+			v = serviceVIPs(svc)
+			vips[svc] = v
+		}
+		c := loopCheck{svc: svc, errs: loops(s, svc.Name, v)}
+		checked[s] = c
+		return c.errs
+	}
+	var goodSlices map[objectKey]*discoveryv1.EndpointSlice
+	kept := epSlices[:0:0]
+	for _, s := range epSlices {
+		lerrs := check(s)
+		if len(lerrs) == 0 {
+			kept = append(kept, s)
+			continue
+		}
+		k := objectKey{"EndpointSlice", s.Namespace, s.Name}
+		for _, err := range lerrs {
+			at := where[k]
+			at.Err = err
+			errs = append(errs, &at)
+		}
+		if goodSlices == nil {
+			goodSlices = keyed(l.slices, func(s *discoveryv1.EndpointSlice) objectKey {
+				return objectKey{"EndpointSlice", s.Namespace, s.Name}
+			})
+		}
+		if good := goodSlices[k]; good != nil && good != s && len(check(good)) == 0 {
+			kept = append(kept, good)
+		}
+	}
+	l.loops = checked
+	return kept, errs
+}
+
+// loopCheck is what withoutLoops found for one slice with its Service svc.
+type loopCheck struct {
+	svc  *v1.Service
+	errs []error
 }
 
 // keyed maps each of objs by its key.

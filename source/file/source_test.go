@@ -507,7 +507,8 @@ spec:
 	if p := odd.Policy; p.DialHedge != nil || p.RetryBudget == nil || *p.RetryBudget != 5 {
 		t.Errorf("shop/odd policy: got %+v, want no hedge (bad) and a 5%% budget", p)
 	}
-	want := `Service shop/odd: metadata.annotations[uproxy.io/dial-hedge]: "soonish": `
+	// Said where the Service is defined, as every problem of a manifest.
+	want := filepath.Join(dir, "a.yaml") + `: document 2 (line 15): Service shop/odd: metadata.annotations[uproxy.io/dial-hedge]: "soonish": `
 	if errs := errorStrings(snap); len(errs) != 1 || !strings.HasPrefix(errs[0], want) {
 		t.Errorf("errors: got %q, want one starting %q", errs, want)
 	}

@@ -1,0 +1,185 @@
+package file
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	v1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apivalidation "k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// The checks here are the API server's that service.ValidateService and
+// service.ValidateEndpointSlice leave out, because objects read from the API
+// server have passed them already: names, and addresses that are not a
+// Service's or an endpoint's to take. A manifest has passed nothing, and a
+// name or address the API server would refuse can do harm here: a loopback
+// external IP captures the node's own 127.0.0.1 services, a loopback endpoint
+// lets a Service's clients reach servers that listen only on the node, and a
+// name is written into rule comments.
+
+// validateServiceManifest returns what the API server would refuse in svc
+// and service.ValidateService does not check, one *service.FieldError per
+// problem. Empty names and addresses that do not parse are left to
+// service.ValidateService, which reports them.
+func validateServiceManifest(svc *v1.Service) []error {
+	c := checker{kind: "Service", namespace: svc.Namespace, name: svc.Name}
+	c.checkName("metadata.name", svc.Name, "DNS-1035 label", apivalidation.IsDNS1035Label)
+	c.checkName("metadata.namespace", svc.Namespace, "DNS-1123 label", apivalidation.IsDNS1123Label)
+	for i, p := range svc.Spec.Ports {
+		c.checkName(fmt.Sprintf("spec.ports[%d].name", i), p.Name, "DNS-1123 label", apivalidation.IsDNS1123Label)
+	}
+	for i, ip := range svc.Spec.ClusterIPs {
+		c.ordinaryIP(fmt.Sprintf("spec.clusterIPs[%d]", i), ip)
+	}
+	if len(svc.Spec.ClusterIPs) == 0 || svc.Spec.ClusterIPs[0] != svc.Spec.ClusterIP {
+		// Reported once, under clusterIPs[0], when both say the same.
+		c.ordinaryIP("spec.clusterIP", svc.Spec.ClusterIP)
+	}
+	for i, ip := range svc.Spec.ExternalIPs {
+		c.ordinaryIP(fmt.Sprintf("spec.externalIPs[%d]", i), ip)
+	}
+	c.ordinaryIP("spec.loadBalancerIP", svc.Spec.LoadBalancerIP)
+	for i, ing := range svc.Status.LoadBalancer.Ingress {
+		c.ordinaryIP(fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i), ing.IP)
+	}
+	return c.errs
+}
+
+// validateSliceManifest is validateServiceManifest for an EndpointSlice.
+func validateSliceManifest(s *discoveryv1.EndpointSlice) []error {
+	c := checker{kind: "EndpointSlice", namespace: s.Namespace, name: s.Name}
+	c.checkName("metadata.name", s.Name, "DNS-1123 subdomain", apivalidation.IsDNS1123Subdomain)
+	c.checkName("metadata.namespace", s.Namespace, "DNS-1123 label", apivalidation.IsDNS1123Label)
+	if svc := s.Labels[discoveryv1.LabelServiceName]; svc != "" {
+		c.checkName("metadata.labels["+discoveryv1.LabelServiceName+"]", svc, "label value", apivalidation.IsValidLabelValue)
+	}
+	for i, p := range s.Ports {
+		if p.Name != nil {
+			c.checkName(fmt.Sprintf("ports[%d].name", i), *p.Name, "DNS-1123 label", apivalidation.IsDNS1123Label)
+		}
+	}
+	if s.AddressType == discoveryv1.AddressTypeFQDN {
+		return c.errs // the proxy ignores such slices
+	}
+	for i, ep := range s.Endpoints {
+		for j, a := range ep.Addresses {
+			// Slices hold most of a cluster's objects: field paths are only
+			// formatted for errors.
+			if ip, err := netip.ParseAddr(a); err == nil {
+				if kind := specialKind(ip); kind != "" {
+					c.addf(fmt.Sprintf("endpoints[%d].addresses[%d]", i, j), "%s is %s", a, kind)
+				}
+			}
+		}
+	}
+	return c.errs
+}
+
+// checker collects the FieldErrors of one object.
+type checker struct {
+	kind, namespace, name string
+	errs                  []error
+}
+
+func (c *checker) addf(field, format string, args ...any) {
+	c.errs = append(c.errs, &service.FieldError{Kind: c.kind, Namespace: c.namespace, Name: c.name,
+		Field: field, Msg: fmt.Sprintf(format, args...)})
+}
+
+// checkName checks a non-empty value with one of apimachinery's validators,
+// which return what is wrong with it (nothing when it is valid).
+func (c *checker) checkName(field, value, what string, valid func(string) []string) {
+	if value == "" {
+		return
+	}
+	if msgs := valid(value); len(msgs) > 0 {
+		c.addf(field, "%q is not a valid %s: %s", value, what, strings.Join(msgs, "; "))
+	}
+}
+
+// ordinaryIP reports an address that no Service may take. Values that are not
+// addresses ("None", typos) are left to service.ValidateService.
+func (c *checker) ordinaryIP(field, s string) {
+	ip, err := netip.ParseAddr(s)
+	if err != nil {
+		return
+	}
+	if kind := specialKind(ip); kind != "" {
+		c.addf(field, "%s is %s", s, kind)
+	}
+}
+
+// specialKind says what ip is when it is an address of the node itself or of
+// no single host: unspecified, loopback, link-local, multicast or the IPv4
+// broadcast address. Such addresses are refused as Service and endpoint
+// addresses, as the API server refuses the first three (the node's own and
+// its metadata services live there) and the others reach no one host. It is
+// "" for any other address. An IPv4-mapped IPv6 address is judged as the IPv4
+// address it holds, which is what a socket makes of it.
+func specialKind(ip netip.Addr) string {
+	ip = ip.Unmap()
+	switch {
+	case ip.IsUnspecified():
+		return "an unspecified address"
+	case ip.IsLoopback():
+		return "a loopback address"
+	case ip.IsLinkLocalUnicast():
+		return "a link-local address"
+	case ip.IsMulticast():
+		return "a multicast address"
+	case ip == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		return "the broadcast address"
+	}
+	return ""
+}
+
+// virtualIPs are the addresses of a Service that its portals capture.
+type virtualIPs map[netip.Addr]string // address -> the field that holds it
+
+// serviceVIPs returns svc's cluster, external and load balancer IPs.
+func serviceVIPs(svc *v1.Service) virtualIPs {
+	vips := make(virtualIPs)
+	add := func(field, s string) {
+		if ip, err := netip.ParseAddr(s); err == nil {
+			if _, dup := vips[ip.Unmap()]; !dup {
+				vips[ip.Unmap()] = field
+			}
+		}
+	}
+	add("spec.clusterIP", svc.Spec.ClusterIP)
+	for i, s := range svc.Spec.ClusterIPs {
+		add(fmt.Sprintf("spec.clusterIPs[%d]", i), s)
+	}
+	for i, s := range svc.Spec.ExternalIPs {
+		add(fmt.Sprintf("spec.externalIPs[%d]", i), s)
+	}
+	add("spec.loadBalancerIP", svc.Spec.LoadBalancerIP)
+	for i, ing := range svc.Status.LoadBalancer.Ingress {
+		add(fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i), ing.IP)
+	}
+	return vips
+}
+
+// loops returns an error for each endpoint address of s that is one of the
+// virtual IPs of s's Service (vips, named by svc): a connection to the Service
+// would be sent back to the Service, again and again.
+func loops(s *discoveryv1.EndpointSlice, svc string, vips virtualIPs) []error {
+	c := checker{kind: "EndpointSlice", namespace: s.Namespace, name: s.Name}
+	for i, ep := range s.Endpoints {
+		for j, a := range ep.Addresses {
+			ip, err := netip.ParseAddr(a)
+			if err != nil {
+				continue
+			}
+			if field, ok := vips[ip.Unmap()]; ok {
+				c.addf(fmt.Sprintf("endpoints[%d].addresses[%d]", i, j),
+					"%s is Service %s/%s's own address (%s): connections to it would loop back to the Service", a, s.Namespace, svc, field)
+			}
+		}
+	}
+	return c.errs
+}
