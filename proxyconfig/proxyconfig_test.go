@@ -6,7 +6,9 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 const header = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
@@ -276,5 +278,52 @@ func TestLoadNamesTheFile(t *testing.T) {
 	}
 	if _, _, err := Load(filepath.Join(t.TempDir(), "absent")); err == nil {
 		t.Errorf("Load of a missing file: got nil error, want one")
+	}
+}
+
+// TestLoadRefusesWhatItCannotReadSafely: a named pipe would block the open
+// until a writer comes, and a device or a huge file would fill the memory;
+// each is refused with an error naming the file (and the limit).
+func TestLoadRefusesWhatItCannotReadSafely(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo.conf")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	zero := filepath.Join(dir, "zero.conf")
+	if err := os.Symlink("/dev/zero", zero); err != nil {
+		t.Fatal(err)
+	}
+	large := filepath.Join(dir, "large.conf")
+	if err := os.WriteFile(large, []byte(header+"# "+strings.Repeat("x", MaxFileSize)+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name, path string
+		want       []string
+	}{
+		{"named pipe", fifo, []string{fifo, "not a regular file (a named pipe)"}},
+		{"link to /dev/zero", zero, []string{zero, "not a regular file (a character device)"}},
+		{"larger than the limit", large, []string{large, "larger than the limit of 4 MiB"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			done := make(chan error, 1)
+			go func() {
+				_, _, err := Load(tt.path)
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				for _, want := range tt.want {
+					if err == nil || !strings.Contains(err.Error(), want) {
+						t.Errorf("got error %v, want one containing %q", err, want)
+					}
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("Load(%s) still blocked after 10s, want an error", tt.path)
+			}
+		})
 	}
 }
