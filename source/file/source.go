@@ -13,6 +13,9 @@
 // Nor does a file or directory being replaced: while the file that Path names, or
 // the directory, is gone, its last content is served, and it is read again once
 // it is back (a directory replaced by another of the same name is followed).
+// Nor does a file that is not read: one that is not a regular file (a named
+// pipe would block the open), one larger than MaxFileSize, or one of 0 bytes
+// (taken for a file being written).
 // Every problem is still reported in Snapshot.Errors and logged once, when it
 // appears; its fix is logged too, and so is a summary of every reload.
 package file
@@ -43,6 +46,11 @@ import (
 // deploy tools touch a file several times per save.
 const DefaultDebounce = 100 * time.Millisecond
 
+// DefaultMaxDelay bounds how long a reload waits for file events to pause:
+// a file rewritten more often than the debounce would otherwise hold every
+// reload back for as long as it goes on.
+const DefaultMaxDelay = time.Second
+
 // ErrDeleted is the error of a manifest file that Path names and that was
 // deleted. Its last Services are kept, as for a file that cannot be read: a
 // file being replaced is briefly absent, and taking every Service away then
@@ -58,12 +66,20 @@ var ErrGone = errors.New("gone; the last content of its files is used until it i
 // Source follows the manifests at Path.
 type Source struct {
 	// Path is a manifest file, or a directory whose *.yaml, *.yml and *.json files
-	// (not recursive, dotfiles excluded) are read.
+	// (not recursive, dotfiles excluded) are read. A file that is a symbolic
+	// link is followed, and its target's directory watched.
 	Path    string
 	Options service.BuildOptions
 	// Debounce is the quiet time after a file event before reloading; if zero,
 	// DefaultDebounce.
 	Debounce time.Duration
+	// MaxDelay is the longest a reload waits after the first file event
+	// since the last reload, however many follow; if zero, DefaultMaxDelay.
+	MaxDelay time.Duration
+	// MaxFileSize bounds what is read of one manifest file; a larger file is
+	// reported and not read, and its last content is used. If zero,
+	// DefaultMaxFileSize.
+	MaxFileSize int64
 }
 
 func (s *Source) debounce() time.Duration {
@@ -71,6 +87,13 @@ func (s *Source) debounce() time.Duration {
 		return s.Debounce
 	}
 	return DefaultDebounce
+}
+
+func (s *Source) maxDelay() time.Duration {
+	if s.MaxDelay > 0 {
+		return s.MaxDelay
+	}
+	return DefaultMaxDelay
 }
 
 // Load reads the manifests at path once. Problems with single files or objects are in
@@ -119,6 +142,8 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	}
 
 	l := newLoader(s.Path, info.IsDir(), s.Options)
+	l.maxSize = s.MaxFileSize
+	lw := newLinkWatch(w, dw)
 	last := l.load()
 	klog.InfoS("Manifests loaded", loadSummary(s.Path, nil, last)...)
 	update(last)
@@ -126,6 +151,32 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	reload := time.NewTimer(time.Hour)
 	reload.Stop()
 	defer reload.Stop()
+	// pending is when the first event since the last reload came; zero when
+	// none did. The reload waits for events to pause (debounce), but no
+	// longer than maxDelay after pending.
+	var pending time.Time
+	schedule := func() {
+		now := time.Now()
+		if pending.IsZero() {
+			pending = now
+		}
+		reload.Reset(max(0, min(s.debounce(), pending.Add(s.maxDelay()).Sub(now))))
+	}
+	if lw.update(l.fileNames()) {
+		schedule() // what changed in a target before its watch was not seen
+	}
+	// Events that matter: about the directory itself (from its parent), a
+	// manifest's name in it (a new file), or a name on the way from a linked
+	// manifest to its target (a ConfigMap volume swaps the "..data" link, not
+	// the file). Those of other names are not even logged: a log file
+	// written in the directory must not make events by being written to.
+	relevant := func(name string) bool {
+		name = filepath.Clean(name)
+		if name == dw.dir || lw.relevant(name) {
+			return true
+		}
+		return info.IsDir() && filepath.Dir(name) == dw.dir && isManifest(filepath.Base(name))
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -134,12 +185,9 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			if !ok {
 				return fmt.Errorf("file source %s: watcher closed", s.Path)
 			}
-			klog.V(5).InfoS("Manifest event", "path", ev.Name, "op", ev.Op.String())
-			// Any event in the directory may matter (a ConfigMap volume swaps a
-			// symlinked directory, not the file); an unneeded reload changes nothing.
-			// Of the parent's events, only those about the directory itself do.
-			if dw.concerns(ev.Name) {
-				reload.Reset(s.debounce())
+			if relevant(ev.Name) {
+				klog.V(5).InfoS("Manifest event", "path", ev.Name, "op", ev.Op.String())
+				schedule()
 			}
 		case err, ok := <-w.Errors:
 			if !ok {
@@ -147,14 +195,18 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			}
 			// Usually an event queue overflow: events were lost, so reread everything.
 			klog.ErrorS(err, "Watching manifests", "dir", dir)
-			reload.Reset(s.debounce())
+			schedule()
 		case <-reload.C:
+			pending = time.Time{}
 			// Before the load, so that whatever changes in a directory that
 			// came back after its listing is announced by the new watch.
 			if err := dw.follow(); err != nil {
 				klog.ErrorS(err, "Watching manifests", "dir", dir)
 			}
 			snap := l.load()
+			if lw.update(l.fileNames()) {
+				schedule()
+			}
 			if last.Equal(snap) {
 				continue
 			}
@@ -201,13 +253,6 @@ func watchDir(w *fsnotify.Watcher, dir string) (*dirWatch, error) {
 	return d, nil
 }
 
-// concerns reports whether an event on name may change the manifests: an
-// event inside the directory, or about the directory itself (from the parent).
-func (d *dirWatch) concerns(name string) bool {
-	name = filepath.Clean(name)
-	return name == d.dir || filepath.Dir(name) == d.dir
-}
-
 // follow puts the watch on the directory that dir names now, or takes it off
 // while there is none. Adding a watch that exists only updates it, so the watch
 // is renewed each time: a directory made again may have the inode of the one
@@ -244,6 +289,8 @@ type objectKey struct {
 type loader struct {
 	path  string
 	isDir bool
+	// maxSize bounds what is read of one file; if zero, DefaultMaxFileSize.
+	maxSize int64
 
 	files map[string]*fileState // by file path
 	// snaps builds incrementally: the objects of a file whose content did not
@@ -257,6 +304,8 @@ type loader struct {
 	// loops caches, by slice, the previous load's finding of endpoints at
 	// the virtual IPs of the slice's Service (see withoutLoops).
 	loops map[*discoveryv1.EndpointSlice]loopCheck
+	// where is where the previous load took each object from.
+	where map[objectKey]DocumentError
 	// logged holds the errors of the previous load, each with what it is about
 	// (problemSubject), so that a broken file is logged when it breaks, when
 	// it is fixed and when another problem of the same object replaces it, not
@@ -286,6 +335,13 @@ func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
 	}
 }
 
+func (l *loader) maxFileSize() int64 {
+	if l.maxSize > 0 {
+		return l.maxSize
+	}
+	return DefaultMaxFileSize
+}
+
 // load rereads the manifests and builds a Snapshot, falling back to the last good
 // content of broken files and the last good version of invalid objects.
 func (l *loader) load() *service.Snapshot {
@@ -312,7 +368,7 @@ func (l *loader) load() *service.Snapshot {
 			st = &fileState{}
 			l.files[name] = st
 		}
-		data, err := os.ReadFile(name)
+		data, err := readRegular(name, l.maxFileSize())
 		switch {
 		case err != nil && l.isDir && errors.Is(err, os.ErrNotExist):
 			delete(present, name) // removed since the listing
@@ -320,9 +376,15 @@ func (l *loader) load() *service.Snapshot {
 		case errors.Is(err, os.ErrNotExist):
 			st.read, st.errs = false, []error{&DocumentError{File: name, Err: ErrDeleted}}
 			continue
+		case errors.Is(err, ErrNotRegular) || errors.Is(err, ErrTooLarge):
+			st.read, st.errs = false, []error{&DocumentError{File: name, Err: err}}
+			continue
 		case err != nil:
 			// Keep the last good objects of a file that cannot be read right now.
 			st.read, st.errs = false, []error{&DocumentError{File: name, Err: fmt.Errorf("read: %w", err)}}
+			continue
+		case len(data) == 0:
+			st.read, st.errs = false, []error{&DocumentError{File: name, Err: ErrEmpty}}
 			continue
 		}
 		// A digest rather than the content: the content would cost as much
@@ -410,6 +472,11 @@ func notUsed(file string, derrs []error, kept int) error {
 	return &DocumentError{File: file, Err: err}
 }
 
+// fileNames returns the manifest files of the last load.
+func (l *loader) fileNames() []string {
+	return slices.Collect(maps.Keys(l.files))
+}
+
 // list returns the manifest files to read, sorted by name.
 func (l *loader) list() ([]string, error) {
 	if !l.isDir {
@@ -458,6 +525,9 @@ func isManifest(name string) bool {
 // of each object, its current version when valid, else its last valid one (the
 // one the previous load built from). It returns where each object is first
 // defined too. Errors name the file and document of the offending definition.
+// An object defined in several files is the one of the file the previous load
+// took it from, while that file still defines it, wherever the others sort: a
+// new file does not take an object in force away from the file that has it.
 func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Service, []*discoveryv1.EndpointSlice, map[objectKey]DocumentError, []error) {
 	var svcs []*v1.Service
 	var epSlices []*discoveryv1.EndpointSlice
@@ -466,6 +536,9 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 	// The last valid versions, looked up only when an object is invalid.
 	var goodSvcs map[objectKey]*v1.Service
 	var goodSlices map[objectKey]*discoveryv1.EndpointSlice
+	// The definitions of the files of the previous load's objects, by file,
+	// looked up only when one of their objects is defined elsewhere too.
+	var defs map[string]map[objectKey]DocumentError
 	for _, name := range names {
 		st := l.files[name]
 		if st == nil || !present[name] {
@@ -474,8 +547,20 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 		for i := range st.objs {
 			o := &st.objs[i]
 			k := o.key()
+			prev, dup := first[k]
+			if !dup && k.name != "" {
+				if was, ok := l.where[k]; ok && was.File != name && present[was.File] {
+					if defs == nil {
+						defs = make(map[string]map[objectKey]DocumentError)
+					}
+					if defs[was.File] == nil {
+						defs[was.File] = l.definitions(was.File)
+					}
+					prev, dup = defs[was.File][k]
+				}
+			}
 			// Nameless objects are all invalid; validation reports them, not this.
-			if prev, dup := first[k]; dup && k.name != "" {
+			if dup && k.name != "" {
 				at := o.at(name)
 				at.Err = &service.FieldError{Kind: k.kind, Namespace: k.namespace, Name: k.name, Field: "metadata.name",
 					Msg: fmt.Sprintf("already defined in %s document %d; this definition is ignored", prev.File, prev.Doc)}
@@ -532,6 +617,7 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 	// An object that is gone is forgotten: should it come back invalid, there
 	// is no earlier version of it to fall back to, as it is not among these.
 	l.svcs, l.slices = svcs, epSlices
+	l.where = first
 	return svcs, epSlices, first, errs
 }
 
@@ -602,6 +688,22 @@ func (l *loader) withoutLoops(svcs []*v1.Service, epSlices []*discoveryv1.Endpoi
 type loopCheck struct {
 	svc  *v1.Service
 	errs []error
+}
+
+// definitions returns where file first defines each of its objects.
+func (l *loader) definitions(file string) map[objectKey]DocumentError {
+	st := l.files[file]
+	if st == nil {
+		return nil
+	}
+	defs := make(map[objectKey]DocumentError, len(st.objs))
+	for i := range st.objs {
+		o := &st.objs[i]
+		if _, ok := defs[o.key()]; !ok {
+			defs[o.key()] = o.at(file)
+		}
+	}
+	return defs
 }
 
 // keyed maps each of objs by its key.

@@ -142,10 +142,15 @@ type watch struct {
 
 func startWatch(t *testing.T, path string) *watch {
 	t.Helper()
+	return startSource(t, &Source{Path: path, Debounce: 20 * time.Millisecond})
+}
+
+// startSource runs src and collects its Snapshots.
+func startSource(t *testing.T, src *Source) *watch {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	w := &watch{t: t, snaps: make(chan *service.Snapshot, 128)}
 	done := make(chan error, 1)
-	src := &Source{Path: path, Debounce: 20 * time.Millisecond}
 	go func() { done <- src.Run(ctx, func(s *service.Snapshot) { w.snaps <- s }) }()
 	t.Cleanup(func() {
 		cancel()
