@@ -162,6 +162,12 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	}
 	klog.InfoS("Starting uproxy", start...)
 	srcErr := make(chan error, 1)
+	if kubeSrc == nil {
+		// The manifests' first load is pending from now: should it never
+		// come (a file system that hangs), /healthz fails once it is late,
+		// as for any update that is not synced.
+		health.Queued(time.Now())
+	}
 	go func() {
 		// Sources log their problems themselves, once each, when they appear.
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
