@@ -23,7 +23,8 @@ func TestPrintDemo(t *testing.T) {
 	if err := os.WriteFile(path, []byte(manifests), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	snap, err := file.Load(path, service.BuildOptions{})
+	// The demo's proxy ports listen on 127.0.0.1, so its loopback endpoints are taken.
+	snap, err := (&file.Source{Path: path, LoopbackEndpoints: true}).Load()
 	if err != nil || len(snap.Errors) > 0 {
 		t.Fatalf("load the demo's manifests: %v %v", err, snap.Errors)
 	}

@@ -74,7 +74,11 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 
 	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	// Manifests on disk when --services is given, else the API server.
-	fileSrc := &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName, Zone: cfg.zone}}
+	// Endpoints on loopback are the demo's: taken when only the node's own
+	// processes reach the proxy ports (file.Source.LoopbackEndpoints).
+	bind := cfg.specific.Userspace.BindAddress
+	fileSrc := &file.Source{Path: o.services, Options: service.BuildOptions{NodeName: cfg.nodeName, Zone: cfg.zone},
+		LoopbackEndpoints: bind.IsValid() && bind.Unmap().IsLoopback()}
 	var kubeSrc *kube.Source
 	var src syncloop.Source = fileSrc
 	srcName := o.services

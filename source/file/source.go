@@ -80,6 +80,30 @@ type Source struct {
 	// reported and not read, and its last content is used. If zero,
 	// DefaultMaxFileSize.
 	MaxFileSize int64
+	// LoopbackEndpoints accepts endpoints at loopback addresses, which are
+	// otherwise refused as the API server refuses them (they would let a
+	// Service's clients reach servers that listen only on the node). Set it
+	// when the proxy ports listen on a loopback address alone, as the demo's
+	// do: their only clients are the node's own processes, which reach its
+	// loopback servers anyway.
+	LoopbackEndpoints bool
+}
+
+// Load reads the manifests of Path once and returns their Snapshot, with
+// every problem in its Errors.
+func (s *Source) Load() (*service.Snapshot, error) {
+	info, err := os.Stat(s.Path)
+	if err != nil {
+		return nil, fmt.Errorf("load manifests: %w", err)
+	}
+	l := newLoader(s.Path, info.IsDir(), s.Options)
+	l.loopbackEndpoints = s.LoopbackEndpoints
+	if info.IsDir() {
+		if _, err := os.ReadDir(s.Path); err != nil {
+			return nil, fmt.Errorf("load manifests: %w", err)
+		}
+	}
+	return l.load(), nil
 }
 
 func (s *Source) debounce() time.Duration {
@@ -99,17 +123,7 @@ func (s *Source) maxDelay() time.Duration {
 // Load reads the manifests at path once. Problems with single files or objects are in
 // Snapshot.Errors; an error is returned only when path itself cannot be read.
 func Load(path string, opts service.BuildOptions) (*service.Snapshot, error) {
-	info, err := os.Stat(path)
-	if err != nil {
-		return nil, fmt.Errorf("load manifests: %w", err)
-	}
-	l := newLoader(path, info.IsDir(), opts)
-	if info.IsDir() {
-		if _, err := os.ReadDir(path); err != nil {
-			return nil, fmt.Errorf("load manifests: %w", err)
-		}
-	}
-	return l.load(), nil
+	return (&Source{Path: path, Options: opts}).Load()
 }
 
 // Run calls update with the Snapshot of Path, then again after every change of the
@@ -142,6 +156,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 	}
 
 	l := newLoader(s.Path, info.IsDir(), s.Options)
+	l.loopbackEndpoints = s.LoopbackEndpoints
 	l.maxSize = s.MaxFileSize
 	lw := newLinkWatch(w, dw)
 	last := l.load()
@@ -291,6 +306,8 @@ type loader struct {
 	isDir bool
 	// maxSize bounds what is read of one file; if zero, DefaultMaxFileSize.
 	maxSize int64
+	// loopbackEndpoints is Source.LoopbackEndpoints.
+	loopbackEndpoints bool
 
 	files map[string]*fileState // by file path
 	// snaps builds incrementally: the objects of a file whose content did not
@@ -576,7 +593,7 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 				if o.svc != nil {
 					verrs = append(service.ValidateService(o.svc), validateServiceManifest(o.svc)...)
 				} else {
-					verrs = append(service.ValidateEndpointSlice(o.slice), validateSliceManifest(o.slice)...)
+					verrs = append(service.ValidateEndpointSlice(o.slice), validateSliceManifest(o.slice, l.loopbackEndpoints)...)
 				}
 				o.checked = valid
 				if len(verrs) > 0 {

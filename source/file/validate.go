@@ -49,8 +49,9 @@ func validateServiceManifest(svc *v1.Service) []error {
 	return c.errs
 }
 
-// validateSliceManifest is validateServiceManifest for an EndpointSlice.
-func validateSliceManifest(s *discoveryv1.EndpointSlice) []error {
+// validateSliceManifest is validateServiceManifest for an EndpointSlice;
+// loopbackOK accepts endpoints at loopback addresses (Source.LoopbackEndpoints).
+func validateSliceManifest(s *discoveryv1.EndpointSlice, loopbackOK bool) []error {
 	c := checker{kind: "EndpointSlice", namespace: s.Namespace, name: s.Name}
 	c.checkName("metadata.name", s.Name, "DNS-1123 subdomain", apivalidation.IsDNS1123Subdomain)
 	c.checkName("metadata.namespace", s.Namespace, "DNS-1123 label", apivalidation.IsDNS1123Label)
@@ -70,7 +71,7 @@ func validateSliceManifest(s *discoveryv1.EndpointSlice) []error {
 			// Slices hold most of a cluster's objects: field paths are only
 			// formatted for errors.
 			if ip, err := netip.ParseAddr(a); err == nil {
-				if kind := specialKind(ip); kind != "" {
+				if kind := specialKind(ip); kind != "" && !(loopbackOK && ip.Unmap().IsLoopback()) {
 					c.addf(fmt.Sprintf("endpoints[%d].addresses[%d]", i, j), "%s is %s", a, kind)
 				}
 			}

@@ -357,3 +357,30 @@ spec: {ports: [{name: p, port: 80}]}
 		}
 	}
 }
+
+// TestLoopbackEndpointsWhereOnlyTheNodeConnects: with LoopbackEndpoints (proxy
+// ports on a loopback address alone, as the demo's) endpoints at loopback
+// addresses are taken; the other special addresses are still refused.
+func TestLoopbackEndpointsWhereOnlyTheNodeConnects(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "m.yaml")
+	writeFile(t, path, svcYAML("web", "10.96.0.12", 80)+"---\n"+webSliceYAML("127.0.0.2", "127.0.0.3"))
+	snap, err := (&Source{Path: path, LoopbackEndpoints: true}).Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if errs := errorStrings(snap); len(errs) > 0 {
+		t.Errorf("loopback endpoints with LoopbackEndpoints: got errors %q, want none", errs)
+	}
+	if p := snap.Lookup(service.PortName{Namespace: "default", Name: "web", Port: "p80"}); p == nil || len(p.Endpoints) != 2 {
+		t.Errorf("got %q, want default/web:p80 with both endpoints", summary(snap))
+	}
+	writeFile(t, path, svcYAML("web", "10.96.0.12", 80)+"---\n"+webSliceYAML("127.0.0.2", "0.0.0.0"))
+	snap, err = (&Source{Path: path, LoopbackEndpoints: true}).Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if errs := errorStrings(snap); len(errs) != 1 || !strings.Contains(errs[0], "0.0.0.0 is an unspecified address") {
+		t.Errorf("an unspecified endpoint with LoopbackEndpoints: got errors %q, want it refused", errs)
+	}
+}
