@@ -273,6 +273,11 @@ func setupUproxy(ctx context.Context, w *world, name, mode, rules, exe string) (
 		// uproxy sets the node namespace's timeouts, as kube-proxy would.
 		"--conntrack-max-per-core", "0",
 	}
+	if w.loopback {
+		// The backends listen on 127.0.0.1: endpoints uproxy takes only when
+		// its proxy ports listen on loopback alone.
+		args = append(args, "--bind-address", "127.0.0.1")
+	}
 	if mode == "" {
 		args = append(args, "--rules", rules)
 		if name == UserspaceNFTNode {
