@@ -93,14 +93,20 @@ func TestABCommand(t *testing.T) {
 
 // A dead address ends the run at --max-errors: the table is printed, and the
 // command fails saying why.
-func TestABCommandDeadAddress(t *testing.T) {
-	live := startEchoCommand(t)
+// deadAddress is a loopback address nothing listens on: a port just freed.
+func deadAddress(t *testing.T) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	dead := ln.Addr().String()
-	ln.Close()
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+func TestABCommandDeadAddress(t *testing.T) {
+	live := startEchoCommand(t)
+	dead := deadAddress(t)
 	stdout, _, err := runCommand(context.Background(), "ab", live, dead, "--max-errors", "10")
 	if err == nil || !strings.Contains(err.Error(), "stopped early: B ("+dead+") failed 10 connections (refused 10)") {
 		t.Errorf("got error %v, want the run stopped at B's 10th refused connection", err)
@@ -114,13 +120,8 @@ func TestABCommandDeadAddress(t *testing.T) {
 // comparison was made, and the exit status says so.
 func TestABCommandFailsWithoutASampleOnASide(t *testing.T) {
 	live := startEchoCommand(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dead := ln.Addr().String()
-	ln.Close()
-	_, _, err = runCommand(context.Background(), "ab", live, dead, "--connections", "5", "--interleave", "1")
+	dead := deadAddress(t)
+	_, _, err := runCommand(context.Background(), "ab", live, dead, "--connections", "5", "--interleave", "1")
 	if want := "every connection to B (" + dead + ") failed (5), so nothing was compared"; err == nil || !strings.Contains(err.Error(), want) {
 		t.Errorf("got error %v, want %q", err, want)
 	}

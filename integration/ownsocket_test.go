@@ -108,31 +108,7 @@ func TestOwnProxyPortEndpoint(t *testing.T) {
 	before := px.sockets()
 
 	// The connection, and meanwhile uproxy's descriptors, health and other Service.
-	done := make(chan error, 1)
-	go func() {
-		got, err := curl(tp, testbed.Pod, "10.96.0.11:80")
-		if err == nil && got != "" {
-			err = fmt.Errorf("got %q, want nothing", got)
-		}
-		done <- err
-	}()
-	most := before
-	deadline := time.Now().Add(2 * time.Second)
-	for time.Now().Before(deadline) {
-		most = max(most, px.sockets())
-		time.Sleep(10 * time.Millisecond)
-	}
-	select {
-	case err := <-done:
-		if isTimeout(err) || err != nil && strings.Contains(err.Error(), "got ") {
-			t.Errorf("curl of the Service whose endpoints are uproxy's own proxy port: %v; want it reset (or closed) at once, with nothing served", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Errorf("curl of the Service whose endpoints are uproxy's own proxy port: no end within 10s")
-	}
-	if most > before+6 {
-		t.Errorf("uproxy's sockets during one connection to its own proxy port: up to %d from %d; want a few at most (it dialed itself)", most, before)
-	}
+	loopEndsAtOnce(t, tp, px, "10.96.0.11:80", "the Service whose endpoint is uproxy's own proxy port")
 	if code, err := px.healthz(); err != nil || code != http.StatusOK {
 		t.Errorf("/healthz after the connection: %d, %v; want 200", code, err)
 	}
@@ -178,30 +154,7 @@ func TestServiceAddressEndpointsWithoutDialMark(t *testing.T) {
 	px := runUproxy(t, tp, join(a.yaml(), b.yaml()), launch{want: 2,
 		wrapper: []string{"prlimit", "--nofile=4096:4096", "--"},
 		flags:   []string{"--rules", "iptables", "--dial-mark-bit", "-1", "--shutdown-grace", "1s"}})
-	before := px.sockets()
-	done := make(chan error, 1)
-	go func() {
-		got, err := curl(tp, testbed.Pod, "10.96.0.11:80")
-		if err == nil && got != "" {
-			err = fmt.Errorf("got %q, want nothing", got)
-		}
-		done <- err
-	}()
-	most := before
-	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		most = max(most, px.sockets())
-	}
-	select {
-	case err := <-done:
-		if isTimeout(err) || err != nil && strings.Contains(err.Error(), "got ") {
-			t.Errorf("curl of a Service whose endpoint is another Service's ClusterIP: %v; want it reset (or closed) at once", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Errorf("curl of a Service whose endpoint is another Service's ClusterIP: no end within 10s")
-	}
-	if most > before+6 {
-		t.Errorf("uproxy's sockets during one connection: up to %d from %d; want a few at most (the Services passed it back and forth)", most, before)
-	}
+	loopEndsAtOnce(t, tp, px, "10.96.0.11:80", "a Service whose endpoint is another Service's ClusterIP")
 	metrics, err := px.get("/metrics")
 	if err != nil {
 		t.Fatal(err)
@@ -299,4 +252,36 @@ func TestControlPlaneKeepsItsReserve(t *testing.T) {
 		name, err := whoTCP(tp, testbed.Pod, "10.96.0.12:80")
 		return err == nil && name == "hold-1"
 	})
+}
+
+// loopEndsAtOnce makes one curl-like connection to addr, a Service whose
+// endpoints lead back into uproxy (what), and checks that it ends at once
+// with nothing served while uproxy's sockets stay within a few of where they
+// were: uproxy did not pass it to itself.
+func loopEndsAtOnce(t *testing.T, tp *testbed.Topology, px *proxy, addr, what string) {
+	t.Helper()
+	before := px.sockets()
+	done := make(chan error, 1)
+	go func() {
+		got, err := curl(tp, testbed.Pod, addr)
+		if err == nil && got != "" {
+			err = fmt.Errorf("got %q, want nothing", got)
+		}
+		done <- err
+	}()
+	most := before
+	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		most = max(most, px.sockets())
+	}
+	select {
+	case err := <-done:
+		if isTimeout(err) || err != nil && strings.Contains(err.Error(), "got ") {
+			t.Errorf("curl of %s: %v; want it reset (or closed) at once, with nothing served", what, err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Errorf("curl of %s: no end within 10s", what)
+	}
+	if most > before+6 {
+		t.Errorf("uproxy's sockets during one connection to %s: up to %d from %d; want a few at most (it dialed itself)", what, most, before)
+	}
 }

@@ -176,31 +176,25 @@ func TestRunSizeLimit(t *testing.T) {
 // cmd, a full disk, a write caught half-way) keeps its last content, with a
 // problem; one with only a comment has no objects.
 func TestRunEmptyFile(t *testing.T) {
-	for _, fileMode := range []bool{false, true} {
-		name := "directory"
+	inBothModes(t, func(t *testing.T, fileMode bool) {
+		dir := t.TempDir()
+		web := filepath.Join(dir, "web.yaml")
+		writeFile(t, web, svcYAML("web", "10.96.0.10", 80))
+		path := dir
 		if fileMode {
-			name = "file"
+			path = web
 		}
-		t.Run(name, func(t *testing.T) {
-			dir := t.TempDir()
-			web := filepath.Join(dir, "web.yaml")
-			writeFile(t, web, svcYAML("web", "10.96.0.10", 80))
-			path := dir
-			if fileMode {
-				path = web
-			}
-			w := startWatch(t, path)
-			w.await("the first load", hasPorts("default/web:p80=80/TCP[]"))
-			if err := os.Truncate(web, 0); err != nil {
-				t.Fatal(err)
-			}
-			w.await("the file emptied, its last content kept", all(hasPorts("default/web:p80=80/TCP[]"),
-				hasError(web+": empty (0 bytes): taken for a file being written, its last content is used")))
-			writeFile(t, web, "# none\n")
-			w.await("the file emptied on purpose", all(hasPorts(),
-				func(s *service.Snapshot) bool { return len(s.Errors) == 0 }))
-		})
-	}
+		w := startWatch(t, path)
+		w.await("the first load", hasPorts("default/web:p80=80/TCP[]"))
+		if err := os.Truncate(web, 0); err != nil {
+			t.Fatal(err)
+		}
+		w.await("the file emptied, its last content kept", all(hasPorts("default/web:p80=80/TCP[]"),
+			hasError(web+": empty (0 bytes): taken for a file being written, its last content is used")))
+		writeFile(t, web, "# none\n")
+		w.await("the file emptied on purpose", all(hasPorts(),
+			func(s *service.Snapshot) bool { return len(s.Errors) == 0 }))
+	})
 }
 
 // TestRunDuplicateNewFile: a new file that defines an object already served
@@ -236,43 +230,37 @@ func TestRunDuplicateNewFile(t *testing.T) {
 // directory is reloaded when that file changes, written in place or
 // replaced.
 func TestRunFollowsLinkTargets(t *testing.T) {
-	for _, fileMode := range []bool{false, true} {
-		name := "directory"
+	inBothModes(t, func(t *testing.T, fileMode bool) {
+		dir, real := t.TempDir(), t.TempDir()
+		target := filepath.Join(real, "svc.yaml")
+		writeFile(t, target, svcYAML("web", "10.96.0.10", 80))
+		link := filepath.Join(dir, "svc.yaml")
+		symlink(t, target, link)
+		path := dir
 		if fileMode {
-			name = "file"
+			path = link
 		}
-		t.Run(name, func(t *testing.T) {
-			dir, real := t.TempDir(), t.TempDir()
-			target := filepath.Join(real, "svc.yaml")
-			writeFile(t, target, svcYAML("web", "10.96.0.10", 80))
-			link := filepath.Join(dir, "svc.yaml")
-			symlink(t, target, link)
-			path := dir
-			if fileMode {
-				path = link
-			}
-			w := startWatch(t, path)
-			w.await("the first load", hasPorts("default/web:p80=80/TCP[]"))
+		w := startWatch(t, path)
+		w.await("the first load", hasPorts("default/web:p80=80/TCP[]"))
 
-			writeFile(t, target, svcYAML("web", "10.96.0.10", 81))
-			w.await("the target written in place", hasPorts("default/web:p81=81/TCP[]"))
-			replaceFile(t, target, svcYAML("web", "10.96.0.10", 82))
-			w.await("the target replaced", hasPorts("default/web:p82=82/TCP[]"))
+		writeFile(t, target, svcYAML("web", "10.96.0.10", 81))
+		w.await("the target written in place", hasPorts("default/web:p81=81/TCP[]"))
+		replaceFile(t, target, svcYAML("web", "10.96.0.10", 82))
+		w.await("the target replaced", hasPorts("default/web:p82=82/TCP[]"))
 
-			// The link moved to a file in a third directory: that one is
-			// followed now.
-			other := filepath.Join(t.TempDir(), "svc.yaml")
-			writeFile(t, other, svcYAML("web", "10.96.0.10", 83))
-			tmp := filepath.Join(dir, ".svc.yaml.tmp")
-			symlink(t, other, tmp)
-			if err := os.Rename(tmp, link); err != nil {
-				t.Fatal(err)
-			}
-			w.await("the link moved", hasPorts("default/web:p83=83/TCP[]"))
-			writeFile(t, other, svcYAML("web", "10.96.0.10", 84))
-			w.await("the new target written", hasPorts("default/web:p84=84/TCP[]"))
-		})
-	}
+		// The link moved to a file in a third directory: that one is
+		// followed now.
+		other := filepath.Join(t.TempDir(), "svc.yaml")
+		writeFile(t, other, svcYAML("web", "10.96.0.10", 83))
+		tmp := filepath.Join(dir, ".svc.yaml.tmp")
+		symlink(t, other, tmp)
+		if err := os.Rename(tmp, link); err != nil {
+			t.Fatal(err)
+		}
+		w.await("the link moved", hasPorts("default/web:p83=83/TCP[]"))
+		writeFile(t, other, svcYAML("web", "10.96.0.10", 84))
+		w.await("the new target written", hasPorts("default/web:p84=84/TCP[]"))
+	})
 }
 
 // writeUntilCleanup calls write every few milliseconds until the test ends.
@@ -309,44 +297,38 @@ func setVerbosity(t *testing.T, v string) {
 // time next to them (a log file, uproxy's own at -v=5 included), neither
 // holds reloads back nor is logged: logging its events would write it again.
 func TestRunIgnoresOtherFiles(t *testing.T) {
-	for _, fileMode := range []bool{false, true} {
-		name := "directory"
+	inBothModes(t, func(t *testing.T, fileMode bool) {
+		dir := t.TempDir()
+		web, appLog := filepath.Join(dir, "web.yaml"), filepath.Join(dir, "app.log")
+		writeFile(t, web, svcYAML("web", "10.96.0.10", 80))
+		path := dir
 		if fileMode {
-			name = "file"
+			path = web
 		}
-		t.Run(name, func(t *testing.T) {
-			dir := t.TempDir()
-			web, appLog := filepath.Join(dir, "web.yaml"), filepath.Join(dir, "app.log")
-			writeFile(t, web, svcYAML("web", "10.96.0.10", 80))
-			path := dir
-			if fileMode {
-				path = web
-			}
-			log := logs.Capture(t)
-			setVerbosity(t, "5")
-			// No maximum delay: only the debounce lets a reload through.
-			w := startSource(t, &Source{Path: path, Debounce: 300 * time.Millisecond, MaxDelay: time.Hour})
-			w.await("the first load", hasPorts("default/web:p80=80/TCP[]"))
-			writeUntilCleanup(t, 5*time.Millisecond, func() error {
-				f, err := os.OpenFile(appLog, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
-				if err != nil {
-					return err
-				}
-				_, err = f.WriteString("a line\n")
-				f.Close()
+		log := logs.Capture(t)
+		setVerbosity(t, "5")
+		// No maximum delay: only the debounce lets a reload through.
+		w := startSource(t, &Source{Path: path, Debounce: 300 * time.Millisecond, MaxDelay: time.Hour})
+		w.await("the first load", hasPorts("default/web:p80=80/TCP[]"))
+		writeUntilCleanup(t, 5*time.Millisecond, func() error {
+			f, err := os.OpenFile(appLog, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+			if err != nil {
 				return err
-			})
-			time.Sleep(100 * time.Millisecond) // the writes have begun
-			replaceFile(t, web, svcYAML("web", "10.96.0.10", 81))
-			w.await("the change, while app.log is written", hasPorts("default/web:p81=81/TCP[]"))
-			for _, line := range log.Since() {
-				if strings.Contains(line, "app.log") {
-					t.Errorf("got log line %q, want none about app.log", line)
-					break
-				}
 			}
+			_, err = f.WriteString("a line\n")
+			f.Close()
+			return err
 		})
-	}
+		time.Sleep(100 * time.Millisecond) // the writes have begun
+		replaceFile(t, web, svcYAML("web", "10.96.0.10", 81))
+		w.await("the change, while app.log is written", hasPorts("default/web:p81=81/TCP[]"))
+		for _, line := range log.Since() {
+			if strings.Contains(line, "app.log") {
+				t.Errorf("got log line %q, want none about app.log", line)
+				break
+			}
+		}
+	})
 }
 
 // TestRunMaxDelay: a manifest rewritten more often than the debounce does
@@ -372,5 +354,17 @@ func TestRunMaxDelay(t *testing.T) {
 	// the writes to stop, at the end of the test.
 	if took := time.Since(start); took > maxDelay+3*time.Second {
 		t.Errorf("got the change after %v, want it within about %v", took, maxDelay)
+	}
+}
+
+// inBothModes runs f as a subtest with Path a directory ("directory") and
+// with Path the file itself ("file").
+func inBothModes(t *testing.T, f func(t *testing.T, fileMode bool)) {
+	for _, fileMode := range []bool{false, true} {
+		name := "directory"
+		if fileMode {
+			name = "file"
+		}
+		t.Run(name, func(t *testing.T) { f(t, fileMode) })
 	}
 }
