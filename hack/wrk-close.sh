@@ -119,7 +119,7 @@ ip netns exec "$NS" nginx -p "$DIR/stream" -c "$DIR/stream/nginx.conf" -e "$DIR/
 NGINX=$!
 ip netns exec "$NS" haproxy -db -f "$DIR/haproxy.cfg" >"$DIR/haproxy.log" 2>&1 &
 HAPROXY=$!
-ip netns exec "$NS" "$UPROXY" --services "$DIR/services" --rules none --proxy-port-range $UPROXY_PORT-$UPROXY_PORT \
+ip netns exec "$NS" "$UPROXY" --services "$DIR/services" --rules none --bind-address 127.0.0.1 --proxy-port-range $UPROXY_PORT-$UPROXY_PORT \
 	--metrics-bind-address 127.0.0.1:10249 --healthz-bind-address 127.0.0.1:10256 \
 	--conntrack-max-per-core 0 "$@" >"$DIR/uproxy.log" 2>&1 &
 UPROXY_PID=$!
