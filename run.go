@@ -111,6 +111,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	changes := &observe.Changes{}
 	conflicts := &observe.Conflicts{}
 	unserved := &observe.Unserved{}
+	problems := &observe.Problems{}
 	// healthCheckNodePort servers of externalTrafficPolicy: Local Services.
 	hc := &observe.HealthCheckServer{IPs: nodePortIPs(cfg.common.NodePortAddresses), Conns: healthConns, Healthy: func() bool {
 		ok, _ := health.Healthy(time.Now())
@@ -154,6 +155,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	}
 	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug, srv.Profiling = modeName, mode, conflicts, events, health, o.debug, o.profiling
 	srv.Unserved = unserved
+	srv.Problems = problems
 	srv.Start()
 
 	start := []any{"version", version, "mode", modeName}
@@ -178,6 +180,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 			changes.Queued(s)
 			conflicts.Update(s)
 			unserved.Update(s)
+			problems.Update(s)
 			runner.Update(s)
 		})
 	}()

@@ -41,25 +41,34 @@ func (a *proxyAPI) mode() (string, error) {
 	return strings.TrimSpace(string(b)), err
 }
 
-// services returns the state of every Service port, with the next choice for
-// client when it is valid, and the address conflicts between Service ports.
-func (a *proxyAPI) services(client netip.Addr) ([]observe.ServiceState, []observe.ConflictState, error) {
+// servicesView is what /debug/services says: the state of every Service
+// port, the address conflicts between Service ports, the source's problems
+// (the first of Problems, of ProblemCount in all) and the Service ports the
+// last sync left out.
+type servicesView struct {
+	Services     []observe.ServiceState
+	Conflicts    []observe.ConflictState
+	Problems     []string
+	ProblemCount int
+	LeftOut      []string
+}
+
+// services returns /debug/services, with the next choice of each Service
+// port for client when it is valid.
+func (a *proxyAPI) services(client netip.Addr) (*servicesView, error) {
 	path := "/debug/services"
 	if client.IsValid() {
 		path += "?client=" + url.QueryEscape(client.String())
 	}
 	b, err := a.get(path)
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w (is uproxy running with --debug-handlers?)", err)
+		return nil, fmt.Errorf("%w (is uproxy running with --debug-handlers?)", err)
 	}
-	var body struct {
-		Services  []observe.ServiceState
-		Conflicts []observe.ConflictState
-	}
+	var body servicesView
 	if err := json.Unmarshal(b, &body); err != nil {
-		return nil, nil, fmt.Errorf("GET %s: %w", path, err)
+		return nil, fmt.Errorf("GET %s: %w", path, err)
 	}
-	return body.Services, body.Conflicts, nil
+	return &body, nil
 }
 
 // failures returns up to n recent events of service that are not plain

@@ -198,10 +198,11 @@ func Run(w io.Writer, destination string, o Options) error {
 		return fmt.Errorf("ask the running uproxy at %s (--metrics-address): %w", metrics, err)
 	}
 	x.Mode = mode
-	states, conflicts, err := api.services(client)
+	view, err := api.services(client)
 	if err != nil {
 		return err
 	}
+	states, conflicts := view.Services, view.Conflicts
 	local := localAddrs()
 	for _, c := range conflicts {
 		if matchConflict(c, dst, proto, local) {
@@ -235,6 +236,7 @@ func Run(w io.Writer, destination string, o Options) error {
 	if len(x.Services) == 0 {
 		x.Notes = append(x.Notes, fmt.Sprintf("no Service port of the running proxy has %s/%s (as a ClusterIP, ExternalIP, LoadBalancer IP, NodePort or proxy port)", dst, proto))
 	}
+	x.Notes = append(x.Notes, sourceNotes(view, x.Services)...)
 
 	if x.Mode == "userspace" {
 		if err := x.findNFTPortals(o, dst, proto, local[dst.Addr()] || dst.Addr().IsLoopback()); err != nil {
@@ -449,6 +451,48 @@ func (x *explanation) anyRewrite() bool {
 		}
 	}
 	return false
+}
+
+// maxSourceNotes bounds the problems and left-out Service ports a note lists.
+const maxSourceNotes = 5
+
+// sourceNotes says what of the source's problems and of the Service ports
+// the last sync left out concerns the destination: those naming a Service
+// port of matched, or, when nothing matched, all of them (the destination's
+// Service may be the one with a problem), at most maxSourceNotes of each.
+func sourceNotes(view *servicesView, matched []serviceMatch) []string {
+	concerns := func(msg string) bool {
+		if len(matched) == 0 {
+			return true
+		}
+		for _, m := range matched {
+			// "ns/name:port" in a left-out port's error; "Kind ns/name:" in a problem.
+			name := m.Service.Name
+			if svc, _, ok := strings.Cut(name, ":"); ok && (strings.Contains(msg, name) || strings.Contains(msg, "Service "+svc+":") || strings.Contains(msg, "EndpointSlice "+svc)) {
+				return true
+			}
+		}
+		return false
+	}
+	var notes []string
+	listed := 0
+	for _, p := range view.Problems {
+		if concerns(p) && listed < maxSourceNotes {
+			notes = append(notes, "problem of the Service source (the object is left out, or kept at its last good version): "+p)
+			listed++
+		}
+	}
+	if len(matched) == 0 && view.ProblemCount > listed {
+		notes = append(notes, fmt.Sprintf("the Service source has %d problems in all: /debug/services lists them", view.ProblemCount))
+	}
+	listed = 0
+	for _, l := range view.LeftOut {
+		if concerns(l) && listed < maxSourceNotes {
+			notes = append(notes, "left out of the last sync: "+l)
+			listed++
+		}
+	}
+	return notes
 }
 
 // parseDestination parses IP:PORT[/tcp|udp|sctp] (protocol default tcp).

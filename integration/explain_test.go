@@ -535,3 +535,67 @@ func (w *explainWorld) checkNextNewClient(t *testing.T, vip, name string, n int)
 		t.Fatalf("took %d samples while %s was ejected in 60s, want %d", samples, w.killed, n)
 	}
 }
+
+// TestExplainShowsSourceProblemsAndLeftOutPorts: what the log says once, when
+// it happens, /debug/services and uproxy explain say for as long as it lasts:
+// a Service port the last sync left out (no proxy port free) and an invalid
+// edit kept at the Service's last good version.
+func TestExplainShowsSourceProblemsAndLeftOutPorts(t *testing.T) {
+	tp := testbed.New(t)
+	pod := tp.NS(testbed.Pod)
+	ln := echoTCP(t, tp, testbed.Pod, pod.IPv4.String()+":0")
+	web := svc{name: "web", proto: "TCP", clusterIPs: []string{"10.96.0.10"}, port: 80,
+		endpoints: []string{pod.IPv4.String()}, endpointPorts: []int{ln.Addr().(*net.TCPAddr).Port}}
+	web2 := web
+	web2.name, web2.clusterIPs = "web2", []string{"10.96.0.20"}
+	px := startProxy(t, tp, web.yaml(), 1, "--proxy-port-range", "40000-40000")
+	px.write("services.yaml", join(web.yaml(), web2.yaml()))
+	explain := func(dst string) explained {
+		t.Helper()
+		js, err := tp.Exec(testbed.Node, uproxyBin, "explain", dst, "--metrics-address", px.metrics, "-o", "json")
+		if err != nil {
+			t.Fatalf("uproxy explain %s: %v: %s", dst, err, js)
+		}
+		var x explained
+		if err := json.Unmarshal(js, &x); err != nil {
+			t.Fatalf("decode explain -o json: %v\n%s", err, js)
+		}
+		return x
+	}
+	hasNote := func(x explained, want ...string) bool {
+		for _, n := range x.Notes {
+			if ok := func() bool {
+				for _, w := range want {
+					if !strings.Contains(n, w) {
+						return false
+					}
+				}
+				return true
+			}(); ok {
+				return true
+			}
+		}
+		return false
+	}
+	testbed.Await(t, 20*time.Second, "explain of web2 naming it left out for want of a proxy port", func() bool {
+		return hasNote(explain("10.96.0.20:80"), "left out of the last sync", "it/web2:p", "every TCP port of range 40000-40000 is in use")
+	})
+	var body struct{ LeftOut []string }
+	if b, err := px.get("/debug/services"); err != nil || json.Unmarshal([]byte(b), &body) != nil || len(body.LeftOut) != 1 {
+		t.Errorf("/debug/services leftOut: got %q (%v), want web2's port", body.LeftOut, err)
+	}
+
+	broken := web
+	broken.port = 0
+	px.write("services.yaml", join(broken.yaml(), web2.yaml()))
+	testbed.Await(t, 20*time.Second, "explain of web naming its invalid edit", func() bool {
+		return hasNote(explain("10.96.0.10:80"), "problem of the Service source", "Service it/web:", "spec.ports[0].port")
+	})
+	metrics, err := px.get("/metrics")
+	if err != nil || !strings.Contains(metrics, "uproxy_source_problems 1") {
+		t.Errorf("/metrics: want uproxy_source_problems 1 (%v)", err)
+	}
+	if x := explain("10.96.0.10:80"); len(x.Services) != 1 {
+		t.Errorf("explain of web while its edit is invalid: got %d Service ports, want its last good version served", len(x.Services))
+	}
+}

@@ -98,3 +98,50 @@ func (u *Unserved) List() []ServiceState {
 	defer u.mu.Unlock()
 	return u.list
 }
+
+// maxProblemsListed bounds the problems /debug/services lists; the count is
+// whole.
+const maxProblemsListed = 100
+
+// Problems keeps what the newest Snapshot a source produced found wrong with
+// its objects (a manifest's problems, an API object that does not validate;
+// each names its object and field), for /debug/services, uproxy explain and
+// the uproxy_source_problems gauge. An object with a problem is left out, or
+// kept at its last good version: the log says so once, when it appears, and
+// these say so for as long as it lasts. Unserved Service ports are not
+// among them: /debug/services lists them with the Service ports.
+type Problems struct {
+	mu    sync.Mutex
+	list  []string // replaced, never modified
+	count int
+}
+
+// Update records the problems of s.
+func (p *Problems) Update(s *service.Snapshot) {
+	var list []string
+	count := 0
+	for _, err := range s.Errors {
+		if _, ok := errors.AsType[*service.UnservedError](err); ok {
+			continue
+		}
+		count++
+		if len(list) < maxProblemsListed {
+			list = append(list, err.Error())
+		}
+	}
+	SourceProblems.Set(float64(count))
+	p.mu.Lock()
+	p.list, p.count = list, count
+	p.mu.Unlock()
+}
+
+// List returns the first problems last recorded (never nil) and how many
+// there are; the caller must not modify the list.
+func (p *Problems) List() ([]string, int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.list == nil {
+		return []string{}, p.count
+	}
+	return p.list, p.count
+}

@@ -1,6 +1,7 @@
 package observe_test
 
 import (
+	"fmt"
 	"reflect"
 	"testing"
 
@@ -57,5 +58,39 @@ func TestConflictsView(t *testing.T) {
 	}
 	if got, _ := metric(t, "uproxy_service_port_conflicts", nil); got != 0 {
 		t.Errorf("uproxy_service_port_conflicts after a Snapshot without conflicts: got %v, want 0", got)
+	}
+}
+
+// /debug/services lists the source's problems of the Snapshot last recorded,
+// the first hundred of them with their count, leaving out the unserved
+// Service ports (listed with the Service ports), and the gauge counts them.
+func TestProblemsView(t *testing.T) {
+	w := mkWorld(t, proxier.Config{})
+	problems := func() ([]string, int) {
+		var body struct {
+			Problems     []string
+			ProblemCount int
+		}
+		w.getJSON("/debug/services", &body)
+		return body.Problems, body.ProblemCount
+	}
+	errs := []error{&service.UnservedError{Port: &service.Port{}, Reason: "SCTP"}}
+	for i := range 150 {
+		errs = append(errs, fmt.Errorf("web.yaml: document %d: Service default/web: spec.ports[0].port: 0 is out of range", i+1))
+	}
+	w.problems.Update(&service.Snapshot{Errors: errs})
+	list, count := problems()
+	if count != 150 || len(list) != 100 || list[0] != errs[1].Error() {
+		t.Errorf("/debug/services: got %d problems listed of %d, the first %q; want 100 of 150, the first %q", len(list), count, list[0], errs[1].Error())
+	}
+	if got, ok := metric(t, "uproxy_source_problems", nil); !ok || got != 150 {
+		t.Errorf("uproxy_source_problems: got %v (present %v), want 150", got, ok)
+	}
+	w.problems.Update(&service.Snapshot{})
+	if list, count := problems(); list == nil || len(list) != 0 || count != 0 {
+		t.Errorf("after a Snapshot without problems: got %q, %d; want [], 0", list, count)
+	}
+	if got, _ := metric(t, "uproxy_source_problems", nil); got != 0 {
+		t.Errorf("uproxy_source_problems after a Snapshot without problems: got %v, want 0", got)
 	}
 }

@@ -68,6 +68,11 @@ var (
 		Name: "uproxy_service_port_conflicts",
 		Help: "Service ports left out because another Service port already serves one of their addresses (IP, port and protocol, or NodePort and protocol).",
 	})
+	// SourceProblems is set by Problems.Update.
+	SourceProblems = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "uproxy_source_problems",
+		Help: "Problems the source found in its objects at its last update (a manifest's, an API object's that does not validate): each object is left out, or kept at its last good version, while its problem lasts; /debug/services lists them.",
+	})
 )
 
 // Data path. Labels are the Service port (namespace/name:port) and, where it
@@ -209,7 +214,7 @@ func init() {
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		SyncDuration, SyncLastTimestamp, SyncLastQueuedTimestamp, NetworkProgrammingDuration,
 		ServiceChangesTotal, ServiceChangesPending, EndpointChangesTotal, EndpointChangesPending,
-		IPTablesRestoreFailures, ServicePortConflicts,
+		IPTablesRestoreFailures, ServicePortConflicts, SourceProblems,
 		DialAttempts, DialDuration, Ejections, Readmissions, AcceptBackoffs, DialSources,
 		LocalhostNodePortsAccepted,
 		portsCollector{},

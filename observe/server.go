@@ -258,6 +258,8 @@ type Server struct {
 	Conflicts *Conflicts
 	// Unserved, if set, are listed among the Service ports of /debug/services.
 	Unserved *Unserved
+	// Problems, if set, are listed by /debug/services.
+	Problems *Problems
 	Events   *Events
 	Health   *Health
 	// Debug enables the /debug/ handlers (default on via the flag).
@@ -347,7 +349,25 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	writeJSON(w, map[string]any{"mode": s.Mode, "services": states, "conflicts": conflicts})
+	body := map[string]any{"mode": s.Mode, "services": states, "conflicts": conflicts}
+	if s.Problems != nil {
+		body["problems"], body["problemCount"] = s.Problems.List()
+	}
+	leftOut := []string{}
+	if pv, ok := s.Services.(PortErrorsView); ok {
+		for _, err := range pv.PortErrors() {
+			leftOut = append(leftOut, err.Error())
+		}
+	}
+	body["leftOut"] = leftOut
+	writeJSON(w, body)
+}
+
+// A PortErrorsView says which Service ports the mode's last sync left out,
+// and why (no proxy port free, a NodePort held by another program); the
+// userspace mode implements it.
+type PortErrorsView interface {
+	PortErrors() []error
 }
 
 // serveEvents answers /debug/events with the filters of Query as parameters:

@@ -30,6 +30,7 @@ type world struct {
 	px        *proxier.Proxier
 	events    *observe.Events
 	conflicts *observe.Conflicts
+	problems  *observe.Problems
 	srv       *httptest.Server
 	ports     []*service.Port
 }
@@ -39,7 +40,7 @@ var serviceSeq atomic.Int32
 
 func mkWorld(t testing.TB, cfg proxier.Config) *world {
 	t.Helper()
-	w := &world{t: t, events: observe.NewEvents(64), conflicts: &observe.Conflicts{}}
+	w := &world{t: t, events: observe.NewEvents(64), conflicts: &observe.Conflicts{}, problems: &observe.Problems{}}
 	cfg.BindAddress = netip.MustParseAddr("127.0.0.1")
 	cfg.Events = w.events
 	px, err := proxier.New(cfg)
@@ -52,7 +53,7 @@ func mkWorld(t testing.TB, cfg proxier.Config) *world {
 		defer cancel()
 		px.Shutdown(ctx)
 	})
-	srv := &observe.Server{Mode: "userspace", Services: px, Conflicts: w.conflicts, Events: w.events,
+	srv := &observe.Server{Mode: "userspace", Services: px, Conflicts: w.conflicts, Problems: w.problems, Events: w.events,
 		Health: &observe.Health{Timeout: time.Minute}, Debug: true}
 	w.srv = httptest.NewServer(srv.MetricsHandler())
 	t.Cleanup(w.srv.Close)
