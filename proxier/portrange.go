@@ -75,6 +75,34 @@ type allocator struct {
 	// range given by the operator is an explicit choice and is used whole.
 	// nil when there are none.
 	reserved *portSet
+	// nodePorts are the NodePorts of the Services being synced, by protocol
+	// (setNodePorts): no proxy port may take one, since a NodePort is held by
+	// binding it, and while it could not be held its clients would reach the
+	// proxy socket on that port, another Service's.
+	nodePorts map[service.Protocol]*portSet
+}
+
+// setNodePorts records the NodePorts of ports, which the allocator skips
+// from now on.
+func (a *allocator) setNodePorts(ports []*service.Port) {
+	a.nodePorts = map[service.Protocol]*portSet{}
+	for _, p := range ports {
+		if p.NodePort == 0 {
+			continue
+		}
+		set := a.nodePorts[p.Protocol]
+		if set == nil {
+			set = &portSet{}
+			a.nodePorts[p.Protocol] = set
+		}
+		set.add(p.NodePort)
+	}
+}
+
+// isNodePort reports whether port is a NodePort of protocol proto as of the
+// last setNodePorts.
+func (a *allocator) isNodePort(proto service.Protocol, port int) bool {
+	return a.nodePorts[proto].contains(port)
 }
 
 // newAllocator returns an allocator over r; the zero PortRange means the kernel's
@@ -172,7 +200,7 @@ func (a *allocator) each(proto service.Protocol, try func(port int) (taken, stop
 	start := rand.IntN(n)
 	for i := 0; i < n; i++ {
 		p := a.r.First + (start+i)%n
-		if used[p] || a.reserved.contains(p) {
+		if used[p] || a.reserved.contains(p) || a.isNodePort(proto, p) {
 			continue
 		}
 		taken, stop := try(p)

@@ -260,7 +260,9 @@ func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) 
 	zoneChanged := p.zone != s.Zone
 	p.mu.RUnlock()
 	for i, port := range s.Ports {
-		if prev := synced[i].port; prev != port && !service.IdentityEqual(prev, port) {
+		if prev := synced[i].port; prev != port && (!service.IdentityEqual(prev, port) || prev.NodePort != port.NodePort) {
+			// A NodePort that changed may now be a proxy socket's port, which
+			// the long way moves.
 			return nil, false
 		}
 		// Opening or closing an external route is the long way's job.
@@ -304,18 +306,36 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 	}
 
 	// Close what is gone or changed identity first, so a re-opened port may reuse
-	// the proxy port range.
+	// the proxy port range; and what holds a port that is now a NodePort, to
+	// be reopened on another.
+	p.alloc.setNodePorts(s.Ports)
 	p.mu.Lock()
 	var closing []*servicePort
+	var moving []*service.Port
 	for name, sp := range p.ports {
-		if d := desired[name]; d == nil || !service.IdentityEqual(sp.port.Load(), d) {
-			closing = append(closing, sp)
-			delete(p.ports, name)
+		d := desired[name]
+		if d != nil && service.IdentityEqual(sp.port.Load(), d) && p.holdsNodePort(sp) {
+			klog.InfoS("Moving a proxy port: a Service declares it as its NodePort", "service", name)
+			moving = append(moving, d)
+		} else if d != nil && service.IdentityEqual(sp.port.Load(), d) {
+			continue
 		}
+		closing = append(closing, sp)
+		delete(p.ports, name)
 	}
 	p.mu.Unlock()
 	for _, sp := range closing {
 		p.closePort(sp)
+	}
+	// A Service port that served goes on serving, on another port, before new
+	// Service ports take what the range has left (an error is the loop's to
+	// report, as for any port it opens).
+	for _, port := range moving {
+		if sp, err := p.openPort(port); err == nil {
+			p.mu.Lock()
+			p.ports[port.Name] = sp
+			p.mu.Unlock()
+		}
 	}
 
 	p.mu.Lock()
@@ -402,6 +422,17 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 	}
 	p.mu.Unlock()
 	return portals, portErrs
+}
+
+// holdsNodePort reports whether one of sp's proxy sockets is on a port a
+// Service declares as its NodePort (allocator.setNodePorts).
+func (p *Proxier) holdsNodePort(sp *servicePort) bool {
+	for _, r := range sp.routes() {
+		if ls := r.listener.Load(); ls != nil && p.alloc.isNodePort(sp.protocol, ls.proxyPort) {
+			return true
+		}
+	}
+	return false
 }
 
 // MaxStarvedReopens bounds the proxy sockets that failed for want of file

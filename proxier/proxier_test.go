@@ -251,6 +251,87 @@ func TestPortRange(t *testing.T) {
 	}
 }
 
+// freeAdjacentPorts returns two adjacent ports free on 127.0.0.1 just now.
+func freeAdjacentPorts(t *testing.T) PortRange {
+	t.Helper()
+	for range 100 {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		pn := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		if l2, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", pn+1)); err == nil {
+			l2.Close()
+			return PortRange{First: pn, Last: pn + 1}
+		}
+	}
+	t.Fatal("no two adjacent free ports")
+	return PortRange{}
+}
+
+// TestNodePortIsNeverAProxyPort: a port a Service declares as its NodePort is
+// never given to a proxy socket, and a proxy socket already on it moves to
+// another port of the range (a NodePort is held by binding it; had it stayed,
+// the NodePort's clients would reach the other Service).
+func TestNodePortIsNeverAProxyPort(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	r := freeAdjacentPorts(t)
+	p := newProxier(t, Config{PortRange: r})
+	one := port("one", service.TCP, a)
+	if err := p.Sync(snapshot(one)); err != nil {
+		t.Fatal(err)
+	}
+	name := service.PortName{Namespace: "default", Name: "one", Port: "p"}
+	taken := p.ProxyPort(name)
+	np := port("np", service.TCP, a)
+	np.NodePort = taken
+	if err := p.Sync(snapshot(np, one)); err != nil {
+		t.Fatal(err)
+	}
+	moved := p.ProxyPort(name)
+	if moved == taken || moved < r.First || moved > r.Last {
+		t.Errorf("one's proxy port after np declared NodePort %d: got %d, want the other port of %v", taken, moved, r)
+	}
+	if got, err := getTCP(t, moved); err != nil || got != "a" {
+		t.Errorf("one on its new proxy port: got %q, %v; want a", got, err)
+	}
+	// np's own proxy socket finds no port: the range's other one is taken.
+	if pp := p.ProxyPort(service.PortName{Namespace: "default", Name: "np", Port: "p"}); pp == taken {
+		t.Errorf("np got its own NodePort %d as proxy port", pp)
+	}
+
+	// The same when np's NodePort changes to one's new port: a sync that
+	// changes no Service port's identity.
+	np.NodePort = 0
+	if err := p.Sync(snapshot(np, one)); err != nil {
+		t.Fatal(err)
+	}
+	before := p.ProxyPort(name)
+	np2 := *np
+	np2.NodePort = before
+	if err := p.Sync(snapshot(&np2, one)); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"one", "np"} {
+		if pp := p.ProxyPort(service.PortName{Namespace: "default", Name: n, Port: "p"}); pp == before {
+			t.Errorf("%s: proxy port %d after np's NodePort changed to it, want none on it", n, pp)
+		}
+	}
+
+	fresh := newProxier(t, Config{PortRange: r})
+	np.NodePort = r.First
+	if err := fresh.Sync(snapshot(np, one)); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"one", "np"} {
+		if pp := fresh.ProxyPort(service.PortName{Namespace: "default", Name: n, Port: "p"}); pp == r.First {
+			t.Errorf("%s: got proxy port %d, np's NodePort", n, pp)
+		}
+	}
+}
+
 // TestEndpointUpdatesUnderTraffic swaps endpoints while clients connect: every
 // connection must reach a backend (removed endpoints are closed after the swap,
 // and retries cover the window).
