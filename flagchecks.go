@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/proxymode"
 )
 
@@ -137,6 +138,16 @@ func checkBindAddress(addr netip.Addr) error {
 		return fmt.Errorf("--bind-address %s: %s: %w", addr, hint, err)
 	}
 	ln.Close()
+	// The kernel lets a socket bind more than the node's addresses: a
+	// subnet's broadcast address, any address with net.ipv4.ip_nonlocal_bind.
+	// No client connects to those, so the address must be an interface's
+	// (any loopback address reaches lo).
+	if !addr.IsLoopback() {
+		addrs, err := nodeaddr.List()
+		if err == nil && !slices.Contains(addrs, addr.Unmap().WithZone("")) {
+			return fmt.Errorf("--bind-address %s: not an address of this node: no interface has it (the kernel lets a broadcast address, or any address with net.ipv4.ip_nonlocal_bind, be bound, but no client connects there)", addr)
+		}
+	}
 	return nil
 }
 

@@ -2,10 +2,13 @@ package main
 
 import (
 	"net/netip"
+	"os/exec"
 	"strings"
 	"testing"
 
 	"github.com/spf13/cobra"
+
+	"github.com/uproxy/uproxy/testbed"
 )
 
 // A flag the chosen mode does not use is refused naming it, unless kube-proxy
@@ -82,6 +85,35 @@ func TestCheckBindAddress(t *testing.T) {
 		"127.0.0.1": "",
 		"192.0.2.1": "--bind-address 192.0.2.1: not an address of this node",
 		"fe80::1":   "--bind-address fe80::1: a link-local address needs its interface",
+	} {
+		err := checkBindAddress(netip.MustParseAddr(addr))
+		if (want == "") != (err == nil) || (err != nil && !strings.HasPrefix(err.Error(), want)) {
+			t.Errorf("checkBindAddress(%s): got %v, want %q", addr, err, want)
+		}
+	}
+}
+
+// In a namespace of its own with 10.9.0.1/24 on lo: the subnet's broadcast
+// address, which the kernel lets a socket bind, and an address bound only
+// through net.ipv4.ip_nonlocal_bind are refused; the interface's address is
+// taken.
+func TestCheckBindAddressWantsAnInterfacesAddress(t *testing.T) {
+	if !testbed.InOwnNetns(t) {
+		return
+	}
+	for _, cmd := range [][]string{
+		{"ip", "link", "set", "lo", "up"},
+		{"ip", "addr", "add", "10.9.0.1/24", "brd", "10.9.0.255", "dev", "lo"},
+		{"sysctl", "-q", "-w", "net.ipv4.ip_nonlocal_bind=1"},
+	} {
+		if out, err := exec.Command(cmd[0], cmd[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v: %s", cmd, err, out)
+		}
+	}
+	for addr, want := range map[string]string{
+		"10.9.0.1":   "",
+		"10.9.0.255": "--bind-address 10.9.0.255: not an address of this node: no interface has it",
+		"192.0.2.1":  "--bind-address 192.0.2.1: not an address of this node: no interface has it",
 	} {
 		err := checkBindAddress(netip.MustParseAddr(addr))
 		if (want == "") != (err == nil) || (err != nil && !strings.HasPrefix(err.Error(), want)) {
