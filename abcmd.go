@@ -114,6 +114,10 @@ alone makes here.`,
 					cfg.Live = true
 				}
 			}
+			// The settings' errors name their flags, as the checks above do.
+			if err := cfg.Check(); err != nil {
+				return err
+			}
 			ctx, stop := interruptible(cmd)
 			defer stop()
 			rep, err := ab.Run(ctx, cfg)

@@ -255,6 +255,13 @@ func (e *closedError) Error() string {
 		"ask for one request per connection (--requests-per-connection 1, or --http-close)", e.done, e.want)
 }
 
+// Check returns the error Run would return for cfg's settings, naming the
+// flag, without running anything.
+func (c Config) Check() error {
+	c.setDefaults()
+	return c.validate()
+}
+
 // Run measures both addresses and returns the report. It stops early, with a
 // report of what it measured and Report.Stopped saying why, when ctx ends or
 // an address reaches MaxErrors; the error is for bad configuration only.
