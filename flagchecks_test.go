@@ -79,18 +79,13 @@ func TestValidateRefusesIgnoredFlags(t *testing.T) {
 
 // A specific --bind-address must be one of the node's; unspecified binds all.
 func TestCheckBindAddress(t *testing.T) {
-	for addr, want := range map[string]string{
+	checkBindAddresses(t, map[string]string{
 		"0.0.0.0":   "",
 		"::":        "",
 		"127.0.0.1": "",
 		"192.0.2.1": "--bind-address 192.0.2.1: not an address of this node",
 		"fe80::1":   "--bind-address fe80::1: a link-local address needs its interface",
-	} {
-		err := checkBindAddress(netip.MustParseAddr(addr))
-		if (want == "") != (err == nil) || (err != nil && !strings.HasPrefix(err.Error(), want)) {
-			t.Errorf("checkBindAddress(%s): got %v, want %q", addr, err, want)
-		}
-	}
+	})
 }
 
 // In a namespace of its own with 10.9.0.1/24 on lo: the subnet's broadcast
@@ -110,14 +105,21 @@ func TestCheckBindAddressWantsAnInterfacesAddress(t *testing.T) {
 			t.Fatalf("%v: %v: %s", cmd, err, out)
 		}
 	}
-	for addr, want := range map[string]string{
+	checkBindAddresses(t, map[string]string{
 		"10.9.0.1":   "",
 		"10.9.0.255": "--bind-address 10.9.0.255: not an address of this node: no interface has it",
 		"192.0.2.1":  "--bind-address 192.0.2.1: not an address of this node: no interface has it",
-	} {
+	})
+}
+
+// checkBindAddresses checks each address of want with checkBindAddress: ""
+// for none, else the start of the error.
+func checkBindAddresses(t *testing.T, want map[string]string) {
+	t.Helper()
+	for addr, w := range want {
 		err := checkBindAddress(netip.MustParseAddr(addr))
-		if (want == "") != (err == nil) || (err != nil && !strings.HasPrefix(err.Error(), want)) {
-			t.Errorf("checkBindAddress(%s): got %v, want %q", addr, err, want)
+		if (w == "") != (err == nil) || (err != nil && !strings.HasPrefix(err.Error(), w)) {
+			t.Errorf("checkBindAddress(%s): got %v, want %q", addr, err, w)
 		}
 	}
 }
