@@ -268,6 +268,9 @@ func (o *options) validate() (*config, error) {
 			return nil, fmt.Errorf("%s %q: port %q is not a number from 0 to 65535", a.flag, a.v, port)
 		}
 	}
+	if overlap(o.metricsBindAddress, o.healthzBindAddress) {
+		return nil, fmt.Errorf("--metrics-bind-address %s and --healthz-bind-address %s: the same port on overlapping addresses; each needs its own", o.metricsBindAddress, o.healthzBindAddress)
+	}
 	if o.syncPeriod <= 0 {
 		return nil, fmt.Errorf("--sync-period %v: must be positive", o.syncPeriod)
 	}
@@ -366,6 +369,25 @@ func (o *options) validate() (*config, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// overlap reports whether two HOST:PORT addresses (checked) would claim the
+// same socket: one port other than 0, and the same host, or an unspecified
+// one, which takes every address of the port.
+func overlap(a, b string) bool {
+	if a == "" || b == "" {
+		return false
+	}
+	ha, pa, _ := net.SplitHostPort(a)
+	hb, pb, _ := net.SplitHostPort(b)
+	if pa != pb || pa == "0" {
+		return false
+	}
+	unspecified := func(h string) bool {
+		ip, err := netip.ParseAddr(h)
+		return h == "" || err == nil && ip.IsUnspecified()
+	}
+	return ha == hb || unspecified(ha) || unspecified(hb)
 }
 
 // checkChainPrefix checks --chain-prefix, for every command that touches rules

@@ -52,6 +52,8 @@ func TestValidateNamesTheBadFlag(t *testing.T) {
 		{[]string{"--bind-address=not-an-ip"}, "--bind-address"},
 		{[]string{"--rules=ipfw"}, "--rules"},
 		{[]string{"--events=-5"}, "--events"},
+		{[]string{"--metrics-bind-address=127.0.0.1:10256"}, "--metrics-bind-address 127.0.0.1:10256 and --healthz-bind-address 0.0.0.0:10256: the same port"},
+		{[]string{"--metrics-bind-address=127.0.0.1:10256", "--healthz-bind-address=0.0.0.0:10256"}, "--metrics-bind-address 127.0.0.1:10256 and"},
 		{[]string{"--events=100001"}, "--events"},
 		{[]string{"--events=4611686018427387904"}, "--events"},
 		{[]string{"--bind-address=224.0.0.1"}, "--bind-address"},
