@@ -90,6 +90,30 @@ func TestRunLogs(t *testing.T) {
 				{"I", `"Manifests reloaded"`, "services=1", `removed="default/db:p5433"`, "problems=0"},
 			},
 		},
+		{
+			name:   "a file with a problem",
+			change: func() { replaceFile(t, db, svcYAML("db", "10.96.0.11", 70000)) },
+			await: func(w *watch) {
+				w.await("its problem", hasPortsAndError("70000", "default/web:p80=80/TCP[10.0.0.1:8080 10.0.0.2:8080]"))
+			},
+			want: [][]string{{"E", `"Manifest problem"`, "70000"}, {"I", `"Manifests reloaded"`, "problems=1"}},
+		},
+		{
+			name: "that file deleted: its problem goes with it, not fixed",
+			change: func() {
+				if err := os.Remove(db); err != nil {
+					t.Fatal(err)
+				}
+			},
+			await: func(w *watch) {
+				w.await("no problem", func(s *service.Snapshot) bool { return len(s.Errors) == 0 })
+			},
+			want: [][]string{
+				{"I", `"Manifest file deleted; its objects are gone"`, `file="` + db + `"`},
+				{"I", `"Manifest problem gone with its file"`, `was="` + db + `: document 1 (line 1): Service default/db: spec.ports[0].port: 70000 is out of range 1-65535"`},
+				{"I", `"Manifests reloaded"`, "problems=0"},
+			},
+		},
 	}
 	for _, st := range steps {
 		if st.change != nil {

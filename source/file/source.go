@@ -327,7 +327,13 @@ type loader struct {
 	// (problemSubject), so that a broken file is logged when it breaks, when
 	// it is fixed and when another problem of the same object replaces it, not
 	// on every reload.
-	logged map[string]string
+	logged map[string]loggedProblem
+}
+
+// loggedProblem is what log keeps of a problem it reported: what it is about
+// (problemSubject) and its file ("" for none).
+type loggedProblem struct {
+	subject, file string
 }
 
 type fileState struct {
@@ -348,7 +354,7 @@ func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
 		isDir:  isDir,
 		files:  make(map[string]*fileState),
 		snaps:  service.NewBuilder(opts),
-		logged: make(map[string]string),
+		logged: make(map[string]loggedProblem),
 	}
 }
 
@@ -743,21 +749,36 @@ func (o *object) key() objectKey {
 // previous load that are gone: as changed, when a new one is about the same
 // object (or document), else as fixed.
 func (l *loader) log(errs []error) {
-	now := make(map[string]string, len(errs))
+	now := make(map[string]loggedProblem, len(errs))
 	var appeared []error
 	for _, err := range errs {
 		msg := err.Error()
-		now[msg] = problemSubject(err)
+		lp := loggedProblem{subject: problemSubject(err)}
+		if de, ok := errors.AsType[*DocumentError](err); ok {
+			lp.file = de.File
+		}
+		now[msg] = lp
 		if _, ok := l.logged[msg]; !ok {
 			appeared = append(appeared, err)
 		}
 	}
-	// gone holds the problems of the previous load that are gone, by subject.
+	// gone holds the problems of the previous load that are gone, by subject;
+	// removed those whose file is gone too, which were not fixed.
 	gone := make(map[string][]string)
-	for msg, subject := range l.logged {
-		if _, ok := now[msg]; !ok {
-			gone[subject] = append(gone[subject], msg)
+	var removed []string
+	for msg, lp := range l.logged {
+		if _, ok := now[msg]; ok {
+			continue
 		}
+		if lp.file != "" && lp.file != l.path && l.files[lp.file] == nil {
+			removed = append(removed, msg)
+			continue
+		}
+		gone[lp.subject] = append(gone[lp.subject], msg)
+	}
+	slices.Sort(removed)
+	for _, msg := range removed {
+		klog.InfoS("Manifest problem gone with its file", "path", l.path, "was", msg)
 	}
 	for _, msgs := range gone {
 		slices.Sort(msgs)
@@ -772,7 +793,7 @@ func (l *loader) log(errs []error) {
 			klog.InfoS("Manifest directory gone; its files' last content is used until it is back", "dir", l.path)
 			continue
 		}
-		subject := now[err.Error()]
+		subject := now[err.Error()].subject
 		if was := gone[subject]; len(was) > 0 {
 			klog.ErrorS(err, "Manifest problem changed", "path", l.path, "was", was[0])
 			gone[subject] = was[1:]
