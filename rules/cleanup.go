@@ -1,9 +1,9 @@
 package rules
 
 import (
+	"errors"
 	"fmt"
 
-	"github.com/hashicorp/go-multierror"
 	"sigs.k8s.io/knftables"
 
 	"github.com/uproxy/uproxy/netfilter/iptables"
@@ -42,7 +42,7 @@ func CleanupExcept(active Backend, prefix string) error {
 			errs = append(errs, err)
 		}
 	}
-	return multierror.Append(nil, errs...).ErrorOrNil()
+	return errors.Join(errs...)
 }
 
 func cleanup(k iptables.Kernel, c chains) error {

@@ -1,9 +1,8 @@
 package registry
 
 import (
+	"errors"
 	"fmt"
-
-	"github.com/hashicorp/go-multierror"
 
 	"github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
@@ -34,7 +33,7 @@ func CleanupOthers(active string, portals rules.Backend, prefix string) error {
 	err := cleanupExcept(active, prefix)
 	if active == proxymode.Userspace && portals != "" && portals != rules.BackendNone {
 		if perr := rules.CleanupExcept(portals, prefix); perr != nil {
-			err = multierror.Append(err, fmt.Errorf("remove the other portal backend's leftovers: %w", perr)).ErrorOrNil()
+			err = errors.Join(err, fmt.Errorf("remove the other portal backend's leftovers: %w", perr))
 		}
 	}
 	return err
@@ -56,5 +55,5 @@ func cleanupExcept(active, prefix string) error {
 			errs = append(errs, fmt.Errorf("clean up %s mode: %w", m, err))
 		}
 	}
-	return multierror.Append(nil, errs...).ErrorOrNil()
+	return errors.Join(errs...)
 }
