@@ -26,18 +26,18 @@ package proxyconfig
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"sigs.k8s.io/yaml"
+
+	"github.com/uproxy/uproxy/regularfile"
 )
 
 // The only configuration type and version read.
@@ -188,7 +188,10 @@ const MaxFileSize = 4 << 20
 // Load reads the configuration file at path; see Parse. path must be a
 // regular file of at most MaxFileSize bytes.
 func Load(path string) (settings []Setting, ignoredFields []string, err error) {
-	data, err := readRegular(path, MaxFileSize)
+	data, err := regularfile.Read(path, MaxFileSize, "configuration file")
+	if errors.Is(err, regularfile.ErrNotRegular) || errors.Is(err, regularfile.ErrTooLarge) {
+		err = fmt.Errorf("%s: %w", path, err) // the others name it
+	}
 	if err != nil {
 		return nil, nil, fmt.Errorf("config file: %w", err)
 	}
@@ -197,64 +200,6 @@ func Load(path string) (settings []Setting, ignoredFields []string, err error) {
 		return nil, nil, fmt.Errorf("config file %s: %w", path, err)
 	}
 	return settings, ignoredFields, nil
-}
-
-// readRegular reads the regular file path, at most limit bytes. This package
-// depends on nothing of this module (docs/architecture.md), hence its own
-// copy of what the manifest source does too.
-func readRegular(path string, limit int64) ([]byte, error) {
-	// Checked before opening: opening a named pipe waits for a writer, and
-	// opening a device may have effects of its own.
-	info, err := os.Stat(path)
-	if err != nil {
-		return nil, err
-	}
-	if !info.Mode().IsRegular() {
-		return nil, notRegular(path, info.Mode())
-	}
-	// O_NONBLOCK: the file may have been replaced by a named pipe since.
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	if info, err = f.Stat(); err != nil {
-		return nil, err
-	}
-	if !info.Mode().IsRegular() {
-		return nil, notRegular(path, info.Mode())
-	}
-	tooLarge := fmt.Errorf("%s: larger than the limit of %d MiB for a configuration file: not read", path, limit>>20)
-	if info.Size() > limit {
-		return nil, tooLarge
-	}
-	// The limit holds for what is read, not only for the size the file
-	// reports: a file may grow, and one in /proc reports 0 bytes.
-	data, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err != nil {
-		return nil, err
-	}
-	if int64(len(data)) > limit {
-		return nil, tooLarge
-	}
-	return data, nil
-}
-
-func notRegular(path string, m os.FileMode) error {
-	kind := "mode " + m.Type().String()
-	switch {
-	case m.IsDir():
-		kind = "a directory"
-	case m&os.ModeNamedPipe != 0:
-		kind = "a named pipe"
-	case m&os.ModeSocket != 0:
-		kind = "a socket"
-	case m&os.ModeCharDevice != 0:
-		kind = "a character device"
-	case m&os.ModeDevice != 0:
-		kind = "a block device"
-	}
-	return fmt.Errorf("%s: not a regular file (%s): not read", path, kind)
 }
 
 // Parse reads a KubeProxyConfiguration in YAML or JSON. It returns a setting

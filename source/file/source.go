@@ -39,6 +39,7 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/regularfile"
 	"github.com/uproxy/uproxy/service"
 )
 
@@ -391,7 +392,7 @@ func (l *loader) load() *service.Snapshot {
 			st = &fileState{}
 			l.files[name] = st
 		}
-		data, err := readRegular(name, l.maxFileSize())
+		data, err := regularfile.Read(name, l.maxFileSize(), "manifest file")
 		switch {
 		case err != nil && l.isDir && errors.Is(err, os.ErrNotExist):
 			delete(present, name) // removed since the listing
@@ -399,7 +400,7 @@ func (l *loader) load() *service.Snapshot {
 		case errors.Is(err, os.ErrNotExist):
 			st.read, st.errs = false, []error{&DocumentError{File: name, Err: ErrDeleted}}
 			continue
-		case errors.Is(err, ErrNotRegular) || errors.Is(err, ErrTooLarge):
+		case errors.Is(err, regularfile.ErrNotRegular) || errors.Is(err, regularfile.ErrTooLarge):
 			st.read, st.errs = false, []error{&DocumentError{File: name, Err: err}}
 			continue
 		case err != nil:
