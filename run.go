@@ -54,7 +54,8 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	// The HTTP servers hold at most a quarter of the descriptors the data path
 	// leaves to the rest of the process: an eighth for the metrics address,
 	// an eighth for /healthz and the health check ports together.
-	metricsConns, healthConns := observe.NewConnLimit(socket.CurrentReserve()/8), observe.NewConnLimit(socket.CurrentReserve()/8)
+	share := socket.CurrentReserve() / 8
+	metricsConns, healthConns := observe.NewConnLimit(share), observe.NewConnLimit(share)
 	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn, MetricsAddress: cfg.metricsAddr, HealthzAddress: cfg.healthzAddr,
 		MetricsConns: metricsConns, HealthzConns: healthConns}
 	defer srv.Stop(context.Background())

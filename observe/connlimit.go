@@ -41,14 +41,6 @@ func NewConnLimit(n int) *ConnLimit {
 	return &ConnLimit{slots: make(chan struct{}, max(n, 1))}
 }
 
-// Cap is the number of connections c allows; 0 for none.
-func (c *ConnLimit) Cap() int {
-	if c == nil {
-		return 0
-	}
-	return cap(c.slots)
-}
-
 // Listener returns ln with its accepted connections counted against c.
 func (c *ConnLimit) Listener(ln net.Listener) net.Listener {
 	if c == nil || c.slots == nil {

@@ -7,12 +7,14 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/nodeaddr"
+	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 )
 
 // ownSockets tells the data path which endpoints are the proxier's own proxy
-// sockets, or lead to them through the portals. An endpoint that is one (127.0.0.1:<a proxy port>, the node's
-// address and that port, [::1], 0.0.0.0 ...) would have every connection to
+// sockets, or lead to them through the portals. An endpoint that is one
+// (127.0.0.1:<a proxy port>, the node's address and that port, [::1],
+// 0.0.0.0 ...) would have every connection to
 // its Service accepted again by the proxier, which would dial it again, and
 // again, until the process ran out of descriptors. Its dials are refused
 // instead (socket.TCPProxy.OwnSocket), whatever address spells it.
@@ -57,13 +59,14 @@ type protoPort struct {
 
 // steer records what portals steer (nil: nothing, as when the dials are
 // marked to pass the portals).
-func (o *ownSockets) steer(portals []*service.Port) {
+func (o *ownSockets) steer(portals []rules.Portal) {
 	if portals == nil {
 		o.steered.Store(nil)
 		return
 	}
 	s := &steeredAddrs{vips: map[protoAddrPort]bool{}, nodePorts: map[protoPort]bool{}}
-	for _, p := range portals {
+	for _, pt := range portals {
+		p := pt.Port
 		for _, ips := range [...][]netip.Addr{p.ClusterIPs, p.ExternalIPs, p.LoadBalancerIPs} {
 			for _, ip := range ips {
 				s.vips[protoAddrPort{p.Protocol, netip.AddrPortFrom(ip.Unmap(), uint16(p.Port))}] = true

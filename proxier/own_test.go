@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/testbed"
@@ -162,13 +163,13 @@ func TestSteeredAddressesReachTheProxy(t *testing.T) {
 	local := map[netip.Addr]bool{netip.MustParseAddr("10.9.0.1"): true}
 	o.local.Store(&local)
 	ip := netip.MustParseAddr
-	o.steer([]*service.Port{{
+	o.steer([]rules.Portal{{Port: &service.Port{
 		Protocol: service.TCP, Port: 80,
 		ClusterIPs:      []netip.Addr{ip("10.96.0.10"), ip("fd00:96::10")},
 		ExternalIPs:     []netip.Addr{ip("192.0.2.7")},
 		LoadBalancerIPs: []netip.Addr{ip("198.51.100.9")},
 		NodePort:        30080,
-	}})
+	}}})
 	for _, tc := range []struct {
 		proto service.Protocol
 		ep    string

@@ -234,14 +234,9 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 // dials carry no mark to pass the portals (own.go).
 func (p *Proxier) steerOwn(portals []rules.Portal) {
 	if _, none := p.cfg.Portals.(rules.None); none || p.cfg.DialMark != 0 {
-		p.own.steer(nil)
-		return
+		portals = nil
 	}
-	ports := make([]*service.Port, 0, len(portals))
-	for _, pt := range portals {
-		ports = append(ports, pt.Port)
-	}
-	p.own.steer(ports)
+	p.own.steer(portals)
 }
 
 // syncSameListeners is Sync's short way, for the common case of a Snapshot with
@@ -314,11 +309,12 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 	var moving []*service.Port
 	for name, sp := range p.ports {
 		d := desired[name]
-		if d != nil && service.IdentityEqual(sp.port.Load(), d) && p.holdsNodePort(sp) {
+		if d != nil && service.IdentityEqual(sp.port.Load(), d) {
+			if !p.holdsNodePort(sp) {
+				continue
+			}
 			klog.InfoS("Moving a proxy port: a Service declares it as its NodePort", "service", name)
 			moving = append(moving, d)
-		} else if d != nil && service.IdentityEqual(sp.port.Load(), d) {
-			continue
 		}
 		closing = append(closing, sp)
 		delete(p.ports, name)

@@ -135,7 +135,7 @@ func newNFTFamily(f int, nodeIP netip.Addr, nodePortAddresses []netip.Prefix) nf
 func (l *nftLayout) write(tx *knftables.Transaction) {
 	tx.Add(&knftables.Table{})
 	tx.Delete(&knftables.Table{})
-	tx.Add(&knftables.Table{Comment: knftables.PtrTo("uproxy userspace-mode portals: Service IPs and NodePorts to proxy ports")})
+	tx.Add(&knftables.Table{Comment: knftables.PtrTo(nftables.CommentPrefix + "userspace-mode portals: Service IPs and NodePorts to proxy ports")})
 	for _, c := range []struct {
 		name string
 		typ  knftables.BaseChainType

@@ -223,7 +223,7 @@ type tableLayout struct {
 func (l *tableLayout) write(tx *knftables.Transaction) {
 	tx.Add(&knftables.Table{})
 	tx.Delete(&knftables.Table{})
-	tx.Add(&knftables.Table{Comment: knftables.PtrTo("uproxy nftables kernel mode: Service IPs and NodePorts DNATed to endpoints")})
+	tx.Add(&knftables.Table{Comment: knftables.PtrTo(nftables.CommentPrefix + "nftables kernel mode: Service IPs and NodePorts DNATed to endpoints")})
 	for _, c := range baseChains {
 		tx.Add(&knftables.Chain{
 			Name:     c.name,
