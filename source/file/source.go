@@ -97,8 +97,7 @@ func (s *Source) Load() (*service.Snapshot, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load manifests: %w", err)
 	}
-	l := newLoader(s.Path, info.IsDir(), s.Options)
-	l.loopbackEndpoints = s.LoopbackEndpoints
+	l := s.newLoader(info.IsDir())
 	if info.IsDir() {
 		if _, err := os.ReadDir(s.Path); err != nil {
 			return nil, fmt.Errorf("load manifests: %w", err)
@@ -156,9 +155,7 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 		return fmt.Errorf("file source %s: %w", s.Path, err)
 	}
 
-	l := newLoader(s.Path, info.IsDir(), s.Options)
-	l.loopbackEndpoints = s.LoopbackEndpoints
-	l.maxSize = s.MaxFileSize
+	l := s.newLoader(info.IsDir())
 	lw := newLinkWatch(w, dw)
 	last := l.load()
 	klog.InfoS("Manifests loaded", loadSummary(s.Path, nil, last)...)
@@ -357,6 +354,13 @@ func newLoader(path string, isDir bool, opts service.BuildOptions) *loader {
 		snaps:  service.NewBuilder(opts),
 		logged: make(map[string]loggedProblem),
 	}
+}
+
+// newLoader returns the loader of s, whose Path is a directory when isDir.
+func (s *Source) newLoader(isDir bool) *loader {
+	l := newLoader(s.Path, isDir, s.Options)
+	l.maxSize, l.loopbackEndpoints = s.MaxFileSize, s.LoopbackEndpoints
+	return l
 }
 
 func (l *loader) maxFileSize() int64 {
