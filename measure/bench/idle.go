@@ -55,6 +55,11 @@ type IdleResult struct {
 	HeapAfter      int64    `json:"heapAfterBytes,omitempty"`
 	HeapKiBPerConn *float64 `json:"heapKibPerConnection,omitempty"`
 	HeapNoiseKiB   float64  `json:"heapNoiseKibPerConnection,omitempty"`
+	// HeapRoomKiB is the room the heap's spans had free before the
+	// connections (in use, less allocated), per connection: objects made then
+	// can fill it without a new resident page, so resident memory may grow by
+	// up to that much less than the heap.
+	HeapRoomKiB float64 `json:"heapRoomKibPerConnection,omitempty"`
 	// Note says why a figure is absent.
 	Note string `json:"note,omitempty"`
 }
@@ -86,8 +91,9 @@ func abs(v int64) int64 {
 
 // memoryReading is one reading of a proxy's memory.
 type memoryReading struct {
-	rss, heap int64
-	collected bool
+	// heap is what is allocated, inuse the spans that hold it.
+	rss, heap, inuse int64
+	collected        bool
 }
 
 // readMemory reads p's proxy: uproxy through /debug/memory?gc=1 (a collection
@@ -105,6 +111,7 @@ func (p *path) readMemory() (memoryReading, error) {
 	var m struct {
 		Collected      bool  `json:"collected"`
 		HeapAllocBytes int64 `json:"heapAllocBytes"`
+		HeapInuseBytes int64 `json:"heapInuseBytes"`
 		RSSBytes       int64 `json:"rssBytes"`
 	}
 	if resp.StatusCode != 200 {
@@ -117,7 +124,7 @@ func (p *path) readMemory() (memoryReading, error) {
 	if !m.Collected || m.RSSBytes <= 0 {
 		return memoryReading{}, fmt.Errorf("/debug/memory?gc=1: collected %v, RSS %d: want a collection and the RSS", m.Collected, m.RSSBytes)
 	}
-	return memoryReading{rss: m.RSSBytes, heap: m.HeapAllocBytes, collected: true}, nil
+	return memoryReading{rss: m.RSSBytes, heap: m.HeapAllocBytes, inuse: m.HeapInuseBytes, collected: true}, nil
 }
 
 // readMemoryTwice reads p's proxy twice, readingGap apart: the pair's change
@@ -250,6 +257,7 @@ func runIdle(ctx context.Context, p *path, n int) (*IdleResult, error) {
 	if ir.Collected {
 		ir.HeapBefore, ir.HeapAfter = before[1].heap, after[1].heap
 		ir.HeapKiBPerConn, ir.HeapNoiseKiB = growth([2]int64{before[0].heap, before[1].heap}, [2]int64{after[0].heap, after[1].heap}, n, pageSize)
+		ir.HeapRoomKiB = float64(max(0, before[1].inuse-before[1].heap)) / 1024 / float64(n)
 	}
 	var notes []string
 	if ir.KiBPerConn == nil {
