@@ -68,11 +68,15 @@ func New(b Backend, cfg Config) (Portals, error) {
 	default:
 		return nil, fmt.Errorf("--rules %q: want nftables, iptables or none", b)
 	}
+	flag := "--rules " + string(b)
+	if cfg.Chosen {
+		flag = "--rules auto, which chose " + string(b)
+	}
 	if _, ok := errors.AsType[*NoNodeIPError](err); ok {
-		return nil, fmt.Errorf("--rules %s: %w (give an interface an address, set --bind-address to the node IP, or run with --rules none)", b, err)
+		return nil, fmt.Errorf("%s: %w (give an interface an address, set --bind-address to the node IP, or run with --rules none)", flag, err)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("--rules %s: %w", b, err)
+		return nil, fmt.Errorf("%s: %w", flag, err)
 	}
 	return p, nil
 }

@@ -3,6 +3,7 @@ package rules
 import (
 	"errors"
 	"net/netip"
+	"strings"
 	"testing"
 
 	"github.com/uproxy/uproxy/testbed"
@@ -31,6 +32,14 @@ func TestNewBackend(t *testing.T) {
 	_, err := New(BackendIPTables, Config{})
 	if _, ok := errors.AsType[*NoNodeIPError](err); !ok {
 		t.Errorf("New(iptables) without a node IP: got %v, want the missing node IP", err)
+	}
+	// The flag is named as the user gave it.
+	if !strings.HasPrefix(err.Error(), "--rules iptables: ") {
+		t.Errorf("New(iptables): got %q, want it to begin with the flag", err)
+	}
+	_, err = New(BackendIPTables, Config{Chosen: true})
+	if err == nil || !strings.HasPrefix(err.Error(), "--rules auto, which chose iptables: ") {
+		t.Errorf("New(iptables) chosen by auto: got %v, want it to say auto chose it", err)
 	}
 }
 

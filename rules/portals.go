@@ -133,6 +133,8 @@ func (r Refusal) Refused(external, ipv6 bool) bool {
 
 // Config configures IPTables and NFTables. The zero value needs only NodeIPs.
 type Config struct {
+	// Chosen says --rules auto chose the backend New builds: its errors say so.
+	Chosen bool
 	// ChainPrefix names the chains; iptables.DefaultChainPrefix when empty.
 	// NFTables names its table after it, lower-cased (nftables.TableName).
 	ChainPrefix string

@@ -39,8 +39,10 @@ type Userspace struct {
 	// Config is the proxier's; New sets its Portals and KeepClientAddress, and
 	// clears its DialMark where the process may not set one.
 	proxier.Config
-	// Rules is the portals' backend (--rules); Resolve turns auto into one.
-	Rules rules.Backend
+	// Rules is the portals' backend (--rules); Resolve turns auto into one,
+	// and sets RulesChosen.
+	Rules       rules.Backend
+	RulesChosen bool
 	// ClientAddressMark is the mark of the replies to dials from a client's
 	// address (--client-address-mark-bit, with --preserve-client-address); 0:
 	// endpoints see the node's address.

@@ -27,8 +27,9 @@ func Resolve(name string, c *proxymode.Common, s *Specific, np *NodePorts) error
 	if err := resolveNodePorts(name, c, s, np); err != nil {
 		return err
 	}
-	if name == proxymode.Userspace {
+	if name == proxymode.Userspace && s.Userspace.Rules == rules.BackendAuto {
 		s.Userspace.Rules = rules.ChooseBackend(s.Userspace.Rules, c.ChainPrefix, c.NodeIPs)
+		s.Userspace.RulesChosen = true
 	}
 	return nil
 }

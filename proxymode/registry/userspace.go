@@ -42,6 +42,7 @@ func newUserspace(c proxymode.Common, s *Specific) (proxymode.Mode, error) {
 		DialMark:           cfg.DialMark,
 		ClientAddressMark:  clientAddressMark(u.ClientAddressMark, cfg.DialMark),
 		ProxyPortsOnNodeIP: bind.IsValid() && !bind.IsUnspecified(),
+		Chosen:             u.RulesChosen,
 	}
 	if rc.ProxyPortsOnNodeIP {
 		other := "IPv6"
