@@ -37,15 +37,25 @@ func (n names) nat() []string          { return []string{n.services, n.postrouti
 func (n names) filterChains() []string { return []string{n.filter, n.firewall, n.nodePorts} }
 
 // jumps lists the rules in built-in chains, each inserted first when missing.
+// Each comment begins with iptables.CommentPrefix, which tells the mode's
+// chains from another program's of the same name.
 func (n names) jumps() []iptables.Jump {
 	newOnly := []string{"-m", "conntrack", "--ctstate", "NEW"}
+	jump := func(table, chain, comment, target string) iptables.Jump {
+		return iptables.Jump{Table: table, Chain: chain, Spec: []string{"-m", "comment", "--comment", iptables.CommentPrefix + comment, "-j", target}}
+	}
+	newJump := func(chain, comment, target string) iptables.Jump {
+		j := jump("filter", chain, comment, target)
+		j.Spec = slices.Concat(newOnly, j.Spec)
+		return j
+	}
 	return []iptables.Jump{
-		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
-		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
-		{Table: "nat", Chain: "POSTROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs postrouting rules", "-j", n.postrouting}},
-		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs load balancer firewall", "-j", n.firewall})},
-		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs service IPs", "-j", n.filter})},
-		{Table: "filter", Chain: "INPUT", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs NodePorts", "-j", n.nodePorts}},
+		jump("nat", "PREROUTING", "ipvs service portals", n.services),
+		jump("nat", "OUTPUT", "ipvs service portals", n.services),
+		jump("nat", "POSTROUTING", "ipvs postrouting rules", n.postrouting),
+		newJump("INPUT", "ipvs load balancer firewall", n.firewall),
+		newJump("INPUT", "ipvs service IPs", n.filter),
+		jump("filter", "INPUT", "ipvs NodePorts", n.nodePorts),
 	}
 }
 

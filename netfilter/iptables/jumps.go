@@ -6,6 +6,10 @@ import (
 	"github.com/hashicorp/go-multierror"
 )
 
+// CommentPrefix begins the comment of every rule uproxy writes in a chain not
+// its own: the jumps from the built-in chains to its chains.
+const CommentPrefix = "uproxy "
+
 // Jump is a rule in a built-in chain that leads to a chain of ours. Jumps are
 // added one by one after the restore that creates their targets, because a
 // jump to a chain that does not exist yet is refused, and because a restore
