@@ -45,8 +45,10 @@ func CleanupExcept(active Backend, prefix string) error {
 	return errors.Join(errs...)
 }
 
+// cleanup removes the portals' chains and the jumps to them; another
+// program's chain of the portals' names is left, and named in the error.
 func cleanup(k iptables.Kernel, c chains) error {
-	return iptables.RemoveChains(k, iptables.ChainSet{"nat": c.nat(), "filter": c.filter(), "mangle": c.mangle()}.Has)
+	return iptables.RemoveChains(k, c.ours())
 }
 
 func cleanupNFTables(prefix string) error {

@@ -332,6 +332,12 @@ func (c chains) filter() []string { return []string{c.nodePortNonLocal, c.noEndp
 // mangle are the chains in the mangle table, in the order they are declared.
 func (c chains) mangle() []string { return []string{c.clientAddress, c.canary.Chain} }
 
+// ours is every chain of the portals' names, the client-address chain
+// whether or not c writes it.
+func (c chains) ours() iptables.Ours {
+	return iptables.Ours{Chains: iptables.ChainSet{"nat": c.nat(), "filter": c.filter(), "mangle": c.mangle()}.Has}
+}
+
 // withClientAddressChain returns c with the mangle chain of transparent dials,
 // and the canary in the mangle table as well.
 func (c chains) withClientAddressChain() chains {

@@ -707,7 +707,8 @@ func (p *Proxier) Cleanup() error {
 		fam.written, fam.udp = nil, nil
 	}
 	p.last, p.programmed = nil, nil
-	if err := cleanup(p.cfg.IPTables, p.n); err != nil {
+	err := cleanup(p.cfg.IPTables, p.n)
+	if !removedOurs(err) {
 		return err
 	}
 	p.acct = nil
@@ -717,10 +718,10 @@ func (p *Proxier) Cleanup() error {
 	if !p.localhost {
 		// No counter of this mode's; one a run with localhost NodePorts
 		// left is `uproxy cleanup`'s (Cleanup).
-		return nil
+		return err
 	}
 	acct, _ := p.accounting() // nil when nfacct is missing: deleteCounter finds none
-	return deleteCounter(acct, p.acctName)
+	return errors.Join(err, deleteCounter(acct, p.acctName))
 }
 
 // DebugServices implements observe.ServicesView: every Service port of the last

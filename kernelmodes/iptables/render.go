@@ -87,7 +87,7 @@ func (n names) portChain(kind string, name service.PortName, proto service.Proto
 
 // jumps lists the rules in built-in chains, each inserted first when missing.
 // Each comment begins with ipt.CommentPrefix, which tells uproxy's chains from
-// another program's of the same name. The filter jumps carry --ctstate
+// another program's of the same name (ours). The filter jumps carry --ctstate
 // NEW: only a connection's first packet can be rejected or dropped for having
 // no endpoint.
 func (n names) jumps() []ipt.Jump {
@@ -124,6 +124,30 @@ func (n names) localnetJumps() []ipt.Jump {
 	return []ipt.Jump{
 		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(comment, []string{"-j", n.blockLocalnet})},
 		{Table: "filter", Chain: "OUTPUT", Spec: slices.Concat(comment, []string{"-j", n.blockLocalnet})},
+	}
+}
+
+// uncommentedJumps are the localnet jumps as uproxy wrote them before its
+// jumps carried ipt.CommentPrefix. A node may still hold them, which is no
+// sign of another program's chain; the first sync leaves them beside the new
+// ones (the guard is the same), and a cleanup deletes both.
+func (n names) uncommentedJumps() []ipt.Jump {
+	return []ipt.Jump{
+		{Table: "filter", Chain: "INPUT", Spec: []string{"-j", n.blockLocalnet}},
+		{Table: "filter", Chain: "OUTPUT", Spec: []string{"-j", n.blockLocalnet}},
+	}
+}
+
+// ours is everything of the iptables mode's in a family's tables: its fixed
+// chains, its per-port chains in nat, and the jumps it once wrote without a
+// comment.
+func (n names) ours() ipt.Ours {
+	fixed := ipt.ChainSet{"nat": n.natChains(), "filter": n.filterChains()}
+	return ipt.Ours{
+		Chains: func(table, chain string) bool {
+			return fixed.Has(table, chain) || table == "nat" && n.isPortChain(chain)
+		},
+		Uncommented: n.uncommentedJumps(),
 	}
 }
 

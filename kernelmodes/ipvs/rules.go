@@ -36,6 +36,12 @@ func namesOf(prefix string) names {
 func (n names) nat() []string          { return []string{n.services, n.postrouting, n.canary.Chain} }
 func (n names) filterChains() []string { return []string{n.filter, n.firewall, n.nodePorts} }
 
+// ours is the mode's chains, for cleanup and the check that none is another
+// program's (iptables.Claim).
+func (n names) ours() iptables.Ours {
+	return iptables.Ours{Chains: iptables.ChainSet{"nat": n.nat(), "filter": n.filterChains()}.Has}
+}
+
 // jumps lists the rules in built-in chains, each inserted first when missing.
 // Each comment begins with iptables.CommentPrefix, which tells the mode's
 // chains from another program's of the same name.
@@ -220,9 +226,10 @@ func (p *Proxier) syncRules(s *service.Snapshot, v6 bool) error {
 }
 
 // cleanupRules deletes the IPVS mode's chains and the jumps to them in both
-// families.
+// families; another program's chain of the mode's names is left, and named in
+// the error.
 func cleanupRules(k iptables.Kernel, n names) error {
-	if err := iptables.RemoveChains(k, iptables.ChainSet{"nat": n.nat(), "filter": n.filterChains()}.Has); err != nil {
+	if err := iptables.RemoveChains(k, n.ours()); err != nil {
 		return fmt.Errorf("clean up IPVS-mode rules: %w", err)
 	}
 	return nil
