@@ -45,6 +45,17 @@ func deleteCounter(acct Accounting, name string) error {
 	return nil
 }
 
+// Chains returns what the iptables mode owns of a family's tables with this
+// chain prefix ("" for the default), for a check that none of it is another
+// program's before anything is written (iptables.Claim).
+func Chains(prefix string) (ipt.Ours, error) {
+	prefix, err := ipt.ChainPrefix(prefix)
+	if err != nil {
+		return ipt.Ours{}, err
+	}
+	return namesOf(prefix).ours(), nil
+}
+
 // cleanup removes the mode's chains and the jumps to them; another program's
 // chain of the mode's names is left, and named in the error.
 func cleanup(k ipt.Kernel, n names) error {
