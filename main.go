@@ -101,8 +101,10 @@ func newCleanupCommand() *cobra.Command {
 		Short: "Remove every rule and chain uproxy installs, then exit",
 		Long: `Remove every rule, chain, table, link and virtual server that uproxy installs
 with --chain-prefix, in every mode, then exit. Nothing of kube-proxy's is touched:
-a KUBE prefix is refused. While a uproxy with the same prefix runs on this node,
-cleanup is refused (naming its pid) unless --force.`,
+a KUBE prefix is refused. Another program's table or chain of uproxy's names
+(Docker's DOCKER-FORWARD for --chain-prefix DOCKER) is left as it is, with the
+rules that jump to it, and named; cleanup then exits 1. While a uproxy with the
+same prefix runs on this node, cleanup is refused (naming its pid) unless --force.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return runCleanup(opts, force)

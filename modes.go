@@ -53,6 +53,13 @@ func startMode(o *options, cfg *config) (name string, mode proxymode.Mode, lock 
 			lock = nil
 		}
 	}()
+	// A prefix whose chains another program has would have them flushed by
+	// the mode's first write, or removed with the other modes' leftovers.
+	if touchesRules {
+		if err = registry.ClaimChains(o.chainPrefix); err != nil {
+			return "", nil, nil, err
+		}
+	}
 	if mode, err = registry.New(name, cfg.common, cfg.specific); err != nil {
 		return "", nil, nil, err
 	}

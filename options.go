@@ -191,7 +191,7 @@ const maxEventLoops = 256
 // hundred thousand keeps it near 20 MB.
 const maxEvents = 100_000
 
-const chainPrefixHelp = "prefix of every iptables chain uproxy owns; lower-cased, the name of its nftables table (--rules nftables), which uproxy marks with a comment: another program's table of that name (e.g. inet filter for FILTER) is never changed or deleted, and a start that would need it is refused"
+const chainPrefixHelp = "prefix of every iptables chain uproxy owns; lower-cased, the name of its nftables table (--rules nftables). uproxy marks its tables, and its jumps to its chains, with comments: another program's table or chain of uproxy's names (e.g. inet filter for FILTER, Docker's DOCKER-FORWARD for DOCKER) is never changed or deleted, and a start that would write the table, or under a prefix with such a chain, is refused"
 
 // kube-proxy's packet mark bits (its --iptables-masquerade-bit default, and the
 // drop mark of its iptables mode): the dial mark must not collide with them when

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/uproxy/uproxy/kernelmodes"
 	"github.com/uproxy/uproxy/testbed"
 )
 
@@ -228,5 +229,142 @@ func TestAnotherProgramsTableLeftAlone(t *testing.T) {
 		if got := tp.NFTRuleset(t); got != before {
 			t.Errorf("nft list ruleset after uproxy %s:\n%s\nwant as before:\n%s", name, got, before)
 		}
+	}
+}
+
+// dockerAndCalico gives the node, in both families, chains as Docker and Calico
+// make them: Docker's DOCKER-FORWARD, jumped to from FORWARD without a
+// comment, is the iptables mode's forward chain of --chain-prefix DOCKER;
+// Calico's cali-FORWARD and cali-POSTROUTING, jumped to with comments of its
+// own, are that mode's of cali.
+func dockerAndCalico(t *testing.T, tp *testbed.Topology) {
+	t.Helper()
+	for _, cmd := range []string{"iptables", "ip6tables"} {
+		for _, args := range [][]string{
+			{"-t", "filter", "-N", "DOCKER-FORWARD"},
+			{"-t", "filter", "-A", "DOCKER-FORWARD", "-i", "docker0", "-j", "ACCEPT"},
+			{"-t", "filter", "-A", "FORWARD", "-j", "DOCKER-FORWARD"},
+			{"-t", "filter", "-N", "cali-FORWARD"},
+			{"-t", "filter", "-A", "cali-FORWARD", "-m", "mark", "--mark", "0x10000/0x10000", "-j", "ACCEPT"},
+			{"-t", "filter", "-A", "FORWARD", "-m", "comment", "--comment", "cali:wUHhoiAYhphO9Mso", "-j", "cali-FORWARD"},
+			{"-t", "nat", "-N", "cali-POSTROUTING"},
+			{"-t", "nat", "-A", "cali-POSTROUTING", "-m", "mark", "--mark", "0x10000/0x10000", "-j", "MASQUERADE"},
+			{"-t", "nat", "-A", "POSTROUTING", "-m", "comment", "--comment", "cali:O3lYWMrLQYEMJtB5", "-j", "cali-POSTROUTING"},
+		} {
+			if out, err := tp.Exec(testbed.Node, append([]string{cmd}, args...)...); err != nil {
+				t.Fatalf("%s %v: %v: %s", cmd, args, err, out)
+			}
+		}
+	}
+}
+
+// TestAnotherProgramsChainsLeftAlone: a --chain-prefix under which uproxy's
+// chains would be another program's (DOCKER: Docker's DOCKER-FORWARD; cali:
+// Calico's cali-FORWARD) neither flushes nor deletes them. `uproxy cleanup`
+// and `--cleanup` leave them, and the rules that lead to them, naming each and
+// exiting 1; a start in the iptables mode, in the userspace mode with iptables
+// portals, and in the IPVS mode (which this kernel refuses first where it has
+// no IPVS) is refused. iptables-save and ip6tables-save stay as they were.
+func TestAnotherProgramsChainsLeftAlone(t *testing.T) {
+	tp := testbed.New(t, testbed.WithIPv6())
+	testbed.Needs(t, testbed.IPTables)
+	dockerAndCalico(t, tp)
+	before4, before6 := tp.SavedRules(t, false), tp.SavedRules(t, true)
+	var verdict kernelmodes.Verdict
+	tp.Run(testbed.Node, func() error { verdict = kernelmodes.Probe("rr"); return nil })
+
+	notOurs := func(prefix string) []string {
+		chains := []string{"chain " + prefix + "-FORWARD (table filter) is not uproxy's"}
+		if prefix == "cali" {
+			chains = append(chains, "chain cali-POSTROUTING (table nat) is not uproxy's")
+		}
+		var out []string
+		for _, cmd := range []string{"iptables ", "ip6tables "} {
+			for _, c := range chains {
+				out = append(out, cmd+c)
+			}
+		}
+		return append(out, "choose another --chain-prefix")
+	}
+	dir := t.TempDir()
+	// A start that is not refused would run on and program the node: the
+	// conntrack table's size is the machine's (see runUproxy).
+	run := []string{"--services", dir, "--metrics-bind-address", "127.0.0.1:0", "--healthz-bind-address", "", "--conntrack-max-per-core", "0"}
+	type start struct {
+		args []string
+		want []string
+		// code is the exit code wanted; 0 for any but 0 and timeout's 124.
+		code int
+	}
+	cases := []start{
+		{[]string{"cleanup", "--chain-prefix", "DOCKER"}, notOurs("DOCKER"), 1},
+		{[]string{"--cleanup", "--chain-prefix", "cali"}, notOurs("cali"), 1},
+	}
+	for _, prefix := range []string{"DOCKER", "cali"} {
+		cases = append(cases,
+			start{append([]string{"--proxy-mode", "iptables", "--chain-prefix", prefix}, run...), notOurs(prefix), 0},
+			start{append([]string{"--proxy-mode", "userspace", "--rules", "iptables", "--chain-prefix", prefix}, run...), notOurs(prefix), 0})
+		ipvs := start{append([]string{"--proxy-mode", "ipvs", "--chain-prefix", prefix}, run...), notOurs(prefix), 0}
+		if !verdict.IPVS() {
+			ipvs.want = []string{"ipvs mode unavailable on this kernel"}
+		}
+		cases = append(cases, ipvs)
+	}
+	for _, tc := range cases {
+		name := strings.Join(tc.args, " ")
+		out, err := tp.Exec(testbed.Node, append([]string{"timeout", "10", uproxyBin}, tc.args...)...)
+		switch code := exitCode(err); {
+		case tc.code != 0 && code != tc.code:
+			t.Errorf("uproxy %s: exit %d (%v), want %d; output:\n%s", name, code, err, tc.code, tail(string(out), 10))
+		case code == 0 || code == -1 || code == 124:
+			t.Errorf("uproxy %s: exit %d (%v), want a refusal; output:\n%s", name, code, err, tail(string(out), 10))
+		}
+		for _, want := range tc.want {
+			if !strings.Contains(string(out), want) {
+				t.Errorf("uproxy %s: output lacks %q:\n%s", name, want, tail(string(out), 10))
+			}
+		}
+		if got := tp.SavedRules(t, false); got != before4 {
+			t.Errorf("iptables-save after uproxy %s:\n%s\nwant as before:\n%s", name, got, before4)
+		}
+		if got := tp.SavedRules(t, true); got != before6 {
+			t.Errorf("ip6tables-save after uproxy %s:\n%s\nwant as before:\n%s", name, got, before6)
+		}
+	}
+}
+
+// TestOwnLeftoverChainsRemoved: chains of the same names that uproxy itself
+// wrote (a run in the iptables mode with --chain-prefix DOCKER, on a node
+// without Docker) are uproxy's leftovers: a start in the userspace mode
+// removes them, and `uproxy cleanup` removes the portals' after it, exiting
+// 0 and leaving the node's rules as they were before either run.
+func TestOwnLeftoverChainsRemoved(t *testing.T) {
+	tp := testbed.New(t, testbed.WithIPv6())
+	testbed.Needs(t, testbed.IPTables)
+	before4, before6 := tp.SavedRules(t, false), tp.SavedRules(t, true)
+	manifests := webService(t, tp)
+
+	px := runUproxy(t, tp, manifests, launch{want: -1, flags: []string{"--proxy-mode", "iptables", "--chain-prefix", "DOCKER"}})
+	px.stop()
+	for v6, want := range map[bool]string{false: "-A FORWARD -m comment --comment \"uproxy forwarding rules\" -j DOCKER-FORWARD", true: ":DOCKER-FORWARD "} {
+		if got := tp.SavedRules(t, v6); !strings.Contains(got, want) {
+			t.Fatalf("rules after the iptables-mode run (v6=%v) lack %q:\n%s", v6, want, got)
+		}
+	}
+
+	px = startProxy(t, tp, manifests, 1, "--chain-prefix", "DOCKER")
+	px.stop()
+	if got := tp.SavedRules(t, false); strings.Contains(got, "DOCKER-FORWARD") || !strings.Contains(got, ":DOCKER-PORTALS-CONTAINER ") {
+		t.Errorf("rules after the userspace run: want its portals and no DOCKER-FORWARD, got:\n%s", got)
+	}
+
+	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup", "--chain-prefix", "DOCKER"); err != nil {
+		t.Fatalf("uproxy cleanup --chain-prefix DOCKER: %v: %s", err, out)
+	}
+	if got := tp.SavedRules(t, false); got != before4 {
+		t.Errorf("iptables-save after cleanup:\n%s\nwant as before:\n%s", got, before4)
+	}
+	if got := tp.SavedRules(t, true); got != before6 {
+		t.Errorf("ip6tables-save after cleanup:\n%s\nwant as before:\n%s", got, before6)
 	}
 }

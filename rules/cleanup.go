@@ -45,8 +45,22 @@ func CleanupExcept(active Backend, prefix string) error {
 	return errors.Join(errs...)
 }
 
+// IPTablesChains returns what the iptables portals own of a family's tables
+// with this chain prefix ("" for the default), the client-address chain
+// among them, for a check that none of it is another program's before
+// anything is written (iptables.Claim).
+func IPTablesChains(prefix string) (iptables.Ours, error) {
+	prefix, err := iptables.ChainPrefix(prefix)
+	if err != nil {
+		return iptables.Ours{}, err
+	}
+	return chainNames(prefix).ours(), nil
+}
+
+// cleanup removes the portals' chains and the jumps to them; another
+// program's chain of the portals' names is left, and named in the error.
 func cleanup(k iptables.Kernel, c chains) error {
-	return iptables.RemoveChains(k, iptables.ChainSet{"nat": c.nat(), "filter": c.filter(), "mangle": c.mangle()}.Has)
+	return iptables.RemoveChains(k, c.ours())
 }
 
 func cleanupNFTables(prefix string) error {

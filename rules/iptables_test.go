@@ -684,10 +684,10 @@ COMMIT
 -X UPROXY-PORTALS-CONTAINER
 COMMIT
 `}},
-		{"jump left behind, chain in filter", [2]string{"", "*filter\n:INPUT ACCEPT [0:0]\n:UPROXY-NODEPORT-NON-LOCAL - [0:0]\n-A INPUT -m comment --comment \"uproxy NodePorts\" -j UPROXY-NODEPORT-NON-LOCAL\n-A INPUT -j UPROXY-NODEPORT-NON-LOCAL\nCOMMIT\n"}, [2]error{}, [2]string{"", `*filter
+		{"jump left behind, chain in filter", [2]string{"", "*filter\n:INPUT ACCEPT [0:0]\n:UPROXY-NODEPORT-NON-LOCAL - [0:0]\n-A INPUT -m comment --comment \"uproxy NodePorts\" -j UPROXY-NODEPORT-NON-LOCAL\n-A INPUT -m comment --comment \"uproxy NodePorts\" -j UPROXY-NODEPORT-NON-LOCAL\nCOMMIT\n"}, [2]error{}, [2]string{"", `*filter
 :UPROXY-NODEPORT-NON-LOCAL - [0:0]
 -D INPUT -m comment --comment "uproxy NodePorts" -j UPROXY-NODEPORT-NON-LOCAL
--D INPUT -j UPROXY-NODEPORT-NON-LOCAL
+-D INPUT -m comment --comment "uproxy NodePorts" -j UPROXY-NODEPORT-NON-LOCAL
 -X UPROXY-NODEPORT-NON-LOCAL
 COMMIT
 `}},

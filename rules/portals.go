@@ -334,6 +334,12 @@ func (c chains) filter() []string { return []string{c.nodePortNonLocal, c.noEndp
 // mangle are the chains in the mangle table, in the order they are declared.
 func (c chains) mangle() []string { return []string{c.clientAddress, c.canary.Chain} }
 
+// ours is every chain of the portals' names, the client-address chain
+// whether or not c writes it.
+func (c chains) ours() iptables.Ours {
+	return iptables.Ours{Chains: iptables.ChainSet{"nat": c.nat(), "filter": c.filter(), "mangle": c.mangle()}.Has}
+}
+
 // withClientAddressChain returns c with the mangle chain of transparent dials,
 // and the canary in the mangle table as well.
 func (c chains) withClientAddressChain() chains {
@@ -349,24 +355,31 @@ func (c chains) withClientAddressChain() chains {
 // hooks a connection's first packet may take, as kube-proxy's no-endpoint
 // rejects do: into the node (INPUT), through it (FORWARD: a pod or another
 // host to a virtual IP), and out of it (OUTPUT: the node's own).
+//
+// Each comment begins with iptables.CommentPrefix, which tells the portals'
+// chains from another program's of the same name.
 func (c chains) jumps() []iptables.Jump {
+	comment := func(text string) []string {
+		return []string{"-m", "comment", "--comment", iptables.CommentPrefix + text}
+	}
+	local := []string{"-m", "addrtype", "--dst-type", "LOCAL"}
 	noEndpoints := func(chain string) iptables.Jump {
-		return iptables.Jump{Table: "filter", Chain: chain, Spec: []string{"-m", "conntrack", "--ctstate", "NEW",
-			"-m", "comment", "--comment", "uproxy Services without endpoints", "-j", c.noEndpoints}}
+		return iptables.Jump{Table: "filter", Chain: chain, Spec: slices.Concat([]string{"-m", "conntrack", "--ctstate", "NEW"},
+			comment("Services without endpoints"), []string{"-j", c.noEndpoints})}
 	}
 	var clientAddress []iptables.Jump
 	if c.withClientAddress {
 		for _, hook := range []string{"PREROUTING", "OUTPUT"} {
 			clientAddress = append(clientAddress, iptables.Jump{Table: "mangle", Chain: hook,
-				Spec: []string{"-m", "comment", "--comment", "uproxy dials from client addresses and their replies", "-j", c.clientAddress}})
+				Spec: slices.Concat(comment("dials from client addresses and their replies"), []string{"-j", c.clientAddress})})
 		}
 	}
 	return append([]iptables.Jump{
-		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsContainer}},
-		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", "uproxy service portals", "-j", c.portalsHost}},
-		{Table: "nat", Chain: "PREROUTING", Last: true, Spec: []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortContainer}},
-		{Table: "nat", Chain: "OUTPUT", Last: true, Spec: []string{"-m", "addrtype", "--dst-type", "LOCAL", "-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortHost}},
-		{Table: "filter", Chain: "INPUT", Spec: []string{"-m", "comment", "--comment", "uproxy NodePorts", "-j", c.nodePortNonLocal}},
+		{Table: "nat", Chain: "PREROUTING", Spec: slices.Concat(comment("service portals"), []string{"-j", c.portalsContainer})},
+		{Table: "nat", Chain: "OUTPUT", Spec: slices.Concat(comment("service portals"), []string{"-j", c.portalsHost})},
+		{Table: "nat", Chain: "PREROUTING", Last: true, Spec: slices.Concat(local, comment("NodePorts"), []string{"-j", c.nodePortContainer})},
+		{Table: "nat", Chain: "OUTPUT", Last: true, Spec: slices.Concat(local, comment("NodePorts"), []string{"-j", c.nodePortHost})},
+		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(comment("NodePorts"), []string{"-j", c.nodePortNonLocal})},
 		noEndpoints("INPUT"),
 		noEndpoints("FORWARD"),
 		noEndpoints("OUTPUT"),

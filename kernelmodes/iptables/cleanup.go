@@ -19,10 +19,11 @@ func Cleanup(prefix string) error {
 	if err != nil {
 		return err
 	}
-	if err := cleanup(ipt.Commands{}, namesOf(prefix)); err != nil {
+	err = cleanup(ipt.Commands{}, namesOf(prefix))
+	if !removedOurs(err) {
 		return err
 	}
-	return deleteCounter(nil, LocalhostNodePortsCounter(prefix))
+	return errors.Join(err, deleteCounter(nil, LocalhostNodePortsCounter(prefix)))
 }
 
 // deleteCounter removes the localhost NodePort counter, which no rule names
@@ -44,13 +45,34 @@ func deleteCounter(acct Accounting, name string) error {
 	return nil
 }
 
-func cleanup(k ipt.Kernel, n names) error {
-	fixed := ipt.ChainSet{"nat": n.natChains(), "filter": n.filterChains()}
-	err := ipt.RemoveChains(k, func(table, chain string) bool {
-		return fixed.Has(table, chain) || table == "nat" && n.isPortChain(chain)
-	})
+// Chains returns what the iptables mode owns of a family's tables with this
+// chain prefix ("" for the default), for a check that none of it is another
+// program's before anything is written (iptables.Claim).
+func Chains(prefix string) (ipt.Ours, error) {
+	prefix, err := ipt.ChainPrefix(prefix)
 	if err != nil {
+		return ipt.Ours{}, err
+	}
+	return namesOf(prefix).ours(), nil
+}
+
+// cleanup removes the mode's chains and the jumps to them; another program's
+// chain of the mode's names is left, and named in the error.
+func cleanup(k ipt.Kernel, n names) error {
+	if err := ipt.RemoveChains(k, n.ours()); err != nil {
 		return fmt.Errorf("clean up iptables-mode rules: %w", err)
 	}
 	return nil
+}
+
+// removedOurs reports whether cleanup, returning err, removed the mode's own
+// rules, and with them every rule that counts into the localhost NodePort
+// counter: it succeeded, or left another program's chains alone. When a
+// restore failed as well, the counter's deletion fails too, the counter busy.
+func removedOurs(err error) bool {
+	if err == nil {
+		return true
+	}
+	_, others := errors.AsType[*ipt.NotOursError](err)
+	return others
 }

@@ -94,8 +94,8 @@ const (
 	allLocal   = `-A UPROXY-SERVICES -m addrtype --dst-type LOCAL -m comment --comment "uproxy service nodeports; NOTE: this must be the last rule in this chain" -j UPROXY-NODEPORTS`
 	notLoV4    = `-A UPROXY-SERVICES ! -d 127.0.0.0/8 -m addrtype --dst-type LOCAL -m comment --comment "uproxy service nodeports; NOTE: this must be the last rule in this chain" -j UPROXY-NODEPORTS`
 	notLoV6    = `-A UPROXY-SERVICES ! -d ::1/128 -m addrtype --dst-type LOCAL -m comment --comment "uproxy service nodeports; NOTE: this must be the last rule in this chain" -j UPROXY-NODEPORTS`
-	inputJump  = `filter -A INPUT -j UPROXY-BLOCK-LOCALNET`
-	outputJump = `filter -A OUTPUT -j UPROXY-BLOCK-LOCALNET`
+	inputJump  = `filter -A INPUT -m comment --comment "uproxy localnet guard" -j UPROXY-BLOCK-LOCALNET`
+	outputJump = `filter -A OUTPUT -m comment --comment "uproxy localnet guard" -j UPROXY-BLOCK-LOCALNET`
 )
 
 func lines(s string) []string { return strings.Split(strings.TrimSuffix(s, "\n"), "\n") }

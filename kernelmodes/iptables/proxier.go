@@ -668,13 +668,19 @@ func (p *Proxier) Intact() bool {
 
 // existingPortChains returns the per-port chains of our prefix in the nat
 // table, and the rules of P-SERVICES and P-NODEPORTS as iptables-save prints
-// them (nil when P-SERVICES is missing).
+// them (nil when P-SERVICES is missing). A chain of the mode's names that is
+// another program's is an error (*ipt.NotOursError): a whole sync declares
+// every chain it writes, which would flush it.
 func (p *Proxier) existingPortChains(v6 bool) ([]string, []byte, error) {
 	saved, err := p.cfg.IPTables.Save(v6)
 	if err != nil {
 		return nil, nil, fmt.Errorf("read %s rules: %w", ipt.FamilyName(v6), err)
 	}
-	nat := ipt.Parse(saved).Table("nat")
+	rs := ipt.Parse(saved)
+	if err := rs.NotOurs(v6, p.n.ours()); err != nil {
+		return nil, nil, err
+	}
+	nat := rs.Table("nat")
 	var out []string
 	if nat != nil {
 		for _, c := range nat.Chains {
@@ -707,7 +713,8 @@ func (p *Proxier) Cleanup() error {
 		fam.written, fam.udp = nil, nil
 	}
 	p.last, p.programmed = nil, nil
-	if err := cleanup(p.cfg.IPTables, p.n); err != nil {
+	err := cleanup(p.cfg.IPTables, p.n)
+	if !removedOurs(err) {
 		return err
 	}
 	p.acct = nil
@@ -717,10 +724,10 @@ func (p *Proxier) Cleanup() error {
 	if !p.localhost {
 		// No counter of this mode's; one a run with localhost NodePorts
 		// left is `uproxy cleanup`'s (Cleanup).
-		return nil
+		return err
 	}
 	acct, _ := p.accounting() // nil when nfacct is missing: deleteCounter finds none
-	return deleteCounter(acct, p.acctName)
+	return errors.Join(err, deleteCounter(acct, p.acctName))
 }
 
 // DebugServices implements observe.ServicesView: every Service port of the last

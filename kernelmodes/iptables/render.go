@@ -86,26 +86,33 @@ func (n names) portChain(kind string, name service.PortName, proto service.Proto
 }
 
 // jumps lists the rules in built-in chains, each inserted first when missing.
-// The filter jumps carry --ctstate NEW: only a connection's first packet can
-// be rejected or dropped for having no endpoint.
+// Each comment begins with ipt.CommentPrefix, which tells uproxy's chains from
+// another program's of the same name (ours). The filter jumps carry --ctstate
+// NEW: only a connection's first packet can be rejected or dropped for having
+// no endpoint.
 func (n names) jumps() []ipt.Jump {
-	const svc = "uproxy kernel-mode service portals"
+	svc := ipt.CommentPrefix + "kernel-mode service portals"
 	newOnly := []string{"-m", "conntrack", "--ctstate", "NEW"}
+	jump := func(table, chain, comment, target string) ipt.Jump {
+		return ipt.Jump{Table: table, Chain: chain, Spec: []string{"-m", "comment", "--comment", comment, "-j", target}}
+	}
 	filterJump := func(chain, comment, target string) ipt.Jump {
-		return ipt.Jump{Table: "filter", Chain: chain, Spec: slices.Concat(newOnly, []string{"-m", "comment", "--comment", comment, "-j", target})}
+		j := jump("filter", chain, comment, target)
+		j.Spec = slices.Concat(newOnly, j.Spec)
+		return j
 	}
 	return []ipt.Jump{
-		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", svc, "-j", n.services}},
-		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", svc, "-j", n.services}},
-		{Table: "nat", Chain: "POSTROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy postrouting rules", "-j", n.postrouting}},
-		filterJump("INPUT", "uproxy externally-visible service portals", n.externalServices),
-		filterJump("INPUT", "uproxy load balancer firewall", n.firewall),
-		{Table: "filter", Chain: "FORWARD", Spec: []string{"-m", "comment", "--comment", "uproxy forwarding rules", "-j", n.forward}},
+		jump("nat", "PREROUTING", svc, n.services),
+		jump("nat", "OUTPUT", svc, n.services),
+		jump("nat", "POSTROUTING", ipt.CommentPrefix+"postrouting rules", n.postrouting),
+		filterJump("INPUT", ipt.CommentPrefix+"externally-visible service portals", n.externalServices),
+		filterJump("INPUT", ipt.CommentPrefix+"load balancer firewall", n.firewall),
+		jump("filter", "FORWARD", ipt.CommentPrefix+"forwarding rules", n.forward),
 		filterJump("FORWARD", svc, n.filterServices),
-		filterJump("FORWARD", "uproxy externally-visible service portals", n.externalServices),
-		filterJump("FORWARD", "uproxy load balancer firewall", n.firewall),
+		filterJump("FORWARD", ipt.CommentPrefix+"externally-visible service portals", n.externalServices),
+		filterJump("FORWARD", ipt.CommentPrefix+"load balancer firewall", n.firewall),
 		filterJump("OUTPUT", svc, n.filterServices),
-		filterJump("OUTPUT", "uproxy load balancer firewall", n.firewall),
+		filterJump("OUTPUT", ipt.CommentPrefix+"load balancer firewall", n.firewall),
 	}
 }
 
@@ -113,9 +120,34 @@ func (n names) jumps() []ipt.Jump {
 // blockLocalnet, first, as kube-proxy's (and kubelet's) KUBE-FIREWALL: the
 // guard must see the packets other rules would accept.
 func (n names) localnetJumps() []ipt.Jump {
+	comment := []string{"-m", "comment", "--comment", ipt.CommentPrefix + "localnet guard"}
+	return []ipt.Jump{
+		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(comment, []string{"-j", n.blockLocalnet})},
+		{Table: "filter", Chain: "OUTPUT", Spec: slices.Concat(comment, []string{"-j", n.blockLocalnet})},
+	}
+}
+
+// uncommentedJumps are the localnet jumps as uproxy wrote them before its
+// jumps carried ipt.CommentPrefix. A node may still hold them, which is no
+// sign of another program's chain; the first sync leaves them beside the new
+// ones (the guard is the same), and a cleanup deletes both.
+func (n names) uncommentedJumps() []ipt.Jump {
 	return []ipt.Jump{
 		{Table: "filter", Chain: "INPUT", Spec: []string{"-j", n.blockLocalnet}},
 		{Table: "filter", Chain: "OUTPUT", Spec: []string{"-j", n.blockLocalnet}},
+	}
+}
+
+// ours is everything of the iptables mode's in a family's tables: its fixed
+// chains, its per-port chains in nat, and the jumps it once wrote without a
+// comment.
+func (n names) ours() ipt.Ours {
+	fixed := ipt.ChainSet{"nat": n.natChains(), "filter": n.filterChains()}
+	return ipt.Ours{
+		Chains: func(table, chain string) bool {
+			return fixed.Has(table, chain) || table == "nat" && n.isPortChain(chain)
+		},
+		Uncommented: n.uncommentedJumps(),
 	}
 }
 

@@ -56,6 +56,17 @@ func Cleanup(prefix string) error {
 	return cleanup(k, iptables.Commands{}, namesOf(prefix))
 }
 
+// Chains returns what the IPVS mode owns of a family's iptables tables with
+// this chain prefix ("" for the default), for a check that none of it is
+// another program's before anything is written (iptables.Claim).
+func Chains(prefix string) (iptables.Ours, error) {
+	prefix, err := iptables.ChainPrefix(prefix)
+	if err != nil {
+		return iptables.Ours{}, err
+	}
+	return namesOf(prefix).ours(), nil
+}
+
 // cleanup removes the IPVS mode's state; k may be nil (no IPVS socket), and a
 // k whose Services fails (no IPVS family) still gets its dummy link removed.
 func cleanup(k Kernel, rk iptables.Kernel, n names) error {

@@ -36,16 +36,32 @@ func namesOf(prefix string) names {
 func (n names) nat() []string          { return []string{n.services, n.postrouting, n.canary.Chain} }
 func (n names) filterChains() []string { return []string{n.filter, n.firewall, n.nodePorts} }
 
+// ours is the mode's chains, for cleanup and the check that none is another
+// program's (iptables.Claim).
+func (n names) ours() iptables.Ours {
+	return iptables.Ours{Chains: iptables.ChainSet{"nat": n.nat(), "filter": n.filterChains()}.Has}
+}
+
 // jumps lists the rules in built-in chains, each inserted first when missing.
+// Each comment begins with iptables.CommentPrefix, which tells the mode's
+// chains from another program's of the same name.
 func (n names) jumps() []iptables.Jump {
 	newOnly := []string{"-m", "conntrack", "--ctstate", "NEW"}
+	jump := func(table, chain, comment, target string) iptables.Jump {
+		return iptables.Jump{Table: table, Chain: chain, Spec: []string{"-m", "comment", "--comment", iptables.CommentPrefix + comment, "-j", target}}
+	}
+	newJump := func(chain, comment, target string) iptables.Jump {
+		j := jump("filter", chain, comment, target)
+		j.Spec = slices.Concat(newOnly, j.Spec)
+		return j
+	}
 	return []iptables.Jump{
-		{Table: "nat", Chain: "PREROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
-		{Table: "nat", Chain: "OUTPUT", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs service portals", "-j", n.services}},
-		{Table: "nat", Chain: "POSTROUTING", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs postrouting rules", "-j", n.postrouting}},
-		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs load balancer firewall", "-j", n.firewall})},
-		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(newOnly, []string{"-m", "comment", "--comment", "uproxy ipvs service IPs", "-j", n.filter})},
-		{Table: "filter", Chain: "INPUT", Spec: []string{"-m", "comment", "--comment", "uproxy ipvs NodePorts", "-j", n.nodePorts}},
+		jump("nat", "PREROUTING", "ipvs service portals", n.services),
+		jump("nat", "OUTPUT", "ipvs service portals", n.services),
+		jump("nat", "POSTROUTING", "ipvs postrouting rules", n.postrouting),
+		newJump("INPUT", "ipvs load balancer firewall", n.firewall),
+		newJump("INPUT", "ipvs service IPs", n.filter),
+		jump("filter", "INPUT", "ipvs NodePorts", n.nodePorts),
 	}
 }
 
@@ -210,9 +226,10 @@ func (p *Proxier) syncRules(s *service.Snapshot, v6 bool) error {
 }
 
 // cleanupRules deletes the IPVS mode's chains and the jumps to them in both
-// families.
+// families; another program's chain of the mode's names is left, and named in
+// the error.
 func cleanupRules(k iptables.Kernel, n names) error {
-	if err := iptables.RemoveChains(k, iptables.ChainSet{"nat": n.nat(), "filter": n.filterChains()}.Has); err != nil {
+	if err := iptables.RemoveChains(k, n.ours()); err != nil {
 		return fmt.Errorf("clean up IPVS-mode rules: %w", err)
 	}
 	return nil

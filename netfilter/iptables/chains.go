@@ -1,12 +1,11 @@
 package iptables
 
 import (
+	"errors"
 	"fmt"
 	"regexp"
 	"slices"
 	"strings"
-
-	"github.com/hashicorp/go-multierror"
 )
 
 // DefaultChainPrefix prefixes every chain of every mode when none is given. It
@@ -35,7 +34,7 @@ func ChainPrefix(prefix string) (string, error) {
 type ChainSet map[string][]string
 
 // Has reports whether the set holds chain in table; as a method value it is
-// the ours of RemoveChains.
+// the Chains of Ours.
 func (s ChainSet) Has(table, chain string) bool { return slices.Contains(s[table], chain) }
 
 // removalChainsPerRestore bounds the chains one cleanup restore deletes. The
@@ -44,12 +43,14 @@ func (s ChainSet) Has(table, chain string) bool { return slices.Contains(s[table
 // restore and 1.7 s in restores of this many.
 const removalChainsPerRestore = 1500
 
-// RemoveChains deletes, in both families, the chains ours accepts and every rule
+// RemoveChains deletes, in both families, the chains of ours and every rule
 // elsewhere that jumps to them. Each family's tables are read once and changed
-// in one restore, or in several when there are many chains (RemovalSteps). What
-// is already gone, including a missing ip6tables, is not an error; the
-// families' errors are collected. Every mode's cleanup uses it.
-func RemoveChains(k Kernel, ours func(table, chain string) bool) error {
+// in one restore, or in several when there are many chains (RemovalSteps). A
+// chain of uproxy's names that is another program's is left as it is, with
+// the rules that lead to it, and returned as a *NotOursError. What is already
+// gone, including a missing ip6tables, is not an error; the families' errors
+// are collected. Every mode's cleanup uses it.
+func RemoveChains(k Kernel, ours Ours) error {
 	var errs []error
 	for _, v6 := range []bool{false, true} {
 		saved, err := k.Save(v6)
@@ -60,35 +61,42 @@ func RemoveChains(k Kernel, ours func(table, chain string) bool) error {
 			errs = append(errs, fmt.Errorf("read rules for cleanup: %w", err))
 			continue
 		}
-		for _, input := range Parse(saved).RemovalSteps(ours, removalChainsPerRestore) {
+		rs := Parse(saved)
+		if err := rs.NotOurs(v6, ours); err != nil {
+			errs = append(errs, err)
+		}
+		for _, input := range rs.RemovalSteps(ours, removalChainsPerRestore) {
 			if err := k.Restore(v6, input); err != nil {
 				errs = append(errs, fmt.Errorf("cleanup: %w", err))
 				break
 			}
 		}
 	}
-	return multierror.Append(nil, errs...).ErrorOrNil()
+	return errors.Join(errs...)
 }
 
 // removal is what one table holds of ours: our chains, and the rules elsewhere
-// that jump or go to them.
+// that jump or go to them. Another program's chains of our names are in
+// neither.
 type removal struct {
 	table   string
 	present []string
 	jumps   []*Rule
 }
 
-func (rs *Ruleset) removals(ours func(table, chain string) bool) []removal {
+func (rs *Ruleset) removals(ours Ours) []removal {
 	var out []removal
 	for _, t := range rs.Tables {
+		others := t.others(ours)
+		mine := func(chain string) bool { return ours.Chains(t.Name, chain) && others[chain] == nil }
 		r := removal{table: t.Name}
 		for _, c := range t.Chains {
-			if ours(t.Name, c.Name) {
+			if mine(c.Name) {
 				r.present = append(r.present, c.Name)
 				continue
 			}
 			for _, rule := range c.Rules {
-				if target := rule.Target(); target != "" && ours(t.Name, target) {
+				if target := rule.Target(); target != "" && mine(target) {
 					r.jumps = append(r.jumps, rule)
 				}
 			}
@@ -100,14 +108,17 @@ func (rs *Ruleset) removals(ours func(table, chain string) bool) []removal {
 	return out
 }
 
-// Removal returns the restore input that deletes the chains ours accepts and
-// the rules elsewhere that jump or go to them; nothing when none is there. Only
-// what exists is named: a -D or -X of something absent would fail the whole
-// restore, and declaring a chain in a table that does not exist would create
-// the table.
-func (rs *Ruleset) Removal(ours func(table, chain string) bool) []byte {
+// Removal returns the restore input that deletes the chains of ours and the
+// rules elsewhere that jump or go to them; nothing when none is there. Another
+// program's chains of our names (NotOurs) and the rules that lead to them are
+// left out. Only what exists is named: a -D or -X of something absent would
+// fail the whole restore, and declaring a chain in a table that does not exist
+// would create the table.
+func (rs *Ruleset) Removal(ours Ours) []byte { return removalInput(rs.removals(ours)) }
+
+func removalInput(removals []removal) []byte {
 	var b strings.Builder
-	for _, r := range rs.removals(ours) {
+	for _, r := range removals {
 		b.WriteString("*" + r.table + "\n")
 		// Declaring a chain flushes it, so -X finds it empty.
 		writeLines(&b, ":%s - [0:0]\n", r.present)
@@ -124,14 +135,14 @@ func (rs *Ruleset) Removal(ours func(table, chain string) bool) []byte {
 // chains are present. With more, it returns restores of at most per chains
 // each: first the flushes (the first of each table also deletes the jumps to
 // ours from elsewhere), then the deletions, which find every chain empty.
-func (rs *Ruleset) RemovalSteps(ours func(table, chain string) bool, per int) [][]byte {
+func (rs *Ruleset) RemovalSteps(ours Ours, per int) [][]byte {
 	removals := rs.removals(ours)
 	n := 0
 	for _, r := range removals {
 		n += len(r.present)
 	}
 	if n <= per {
-		if in := rs.Removal(ours); len(in) > 0 {
+		if in := removalInput(removals); len(in) > 0 {
 			return [][]byte{in}
 		}
 		return nil

@@ -6,10 +6,16 @@ import (
 	"github.com/hashicorp/go-multierror"
 )
 
-// Jump is a rule in a built-in chain that leads to a chain of ours. Jumps are
-// added one by one after the restore that creates their targets, because a
-// jump to a chain that does not exist yet is refused, and because a restore
-// cannot add a rule only when it is missing.
+// CommentPrefix begins the comment of every rule uproxy writes in a chain not
+// its own: the jumps from the built-in chains to its chains.
+const CommentPrefix = "uproxy "
+
+// Jump is a rule in a built-in chain that leads to a chain of ours. Its Spec
+// carries a comment beginning with CommentPrefix, which is how a chain of
+// uproxy's names is told from another program's (Claim). Jumps are added one
+// by one after the restore that creates their targets, because a jump to a
+// chain that does not exist yet is refused, and because a restore cannot add
+// a rule only when it is missing.
 type Jump struct {
 	Table, Chain string
 	// Last appends the rule; otherwise it goes first in the chain.

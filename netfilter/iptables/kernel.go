@@ -1,8 +1,8 @@
 // Package iptables is uproxy's one access to iptables, shared by every mode and
 // tool: the kernel boundary (Kernel, and Commands, the real one), the parser of
-// iptables-save output (Parse), the removal of a mode's chains (RemoveChains),
-// the jumps from built-in chains (EnsureJumps) and the canary that notices an
-// external flush (Canary).
+// iptables-save output (Parse), which chains are uproxy's (Claim, owner.go),
+// the removal of a mode's chains (RemoveChains), the jumps from built-in chains
+// (EnsureJumps) and the canary that notices an external flush (Canary).
 //
 // A mode renders its own rules as iptables-restore input and writes them all in
 // one Restore per family; this package never decides what the rules say:
@@ -10,7 +10,10 @@
 //	k := iptables.Commands{}
 //	err := k.Restore(false, input) // iptables-restore --noflush
 //	...
-//	err = iptables.RemoveChains(k, iptables.ChainSet{"nat": {"UPROXY-SERVICES"}}.Has)
+//	ours := iptables.Ours{Chains: iptables.ChainSet{"nat": {"UPROXY-SERVICES"}}.Has}
+//	err = iptables.Claim(k, ours) // before the first write: none of them another program's
+//	...
+//	err = iptables.RemoveChains(k, ours)
 //
 // It is one backend of the kernel's packet filter; the UDP conntrack cleanup
 // every backend needs lives beside it in netfilter/conntrack, so an nftables

@@ -37,6 +37,12 @@ func dump(k *iptablestest.Fake, v6 bool) string {
 	return b.String()
 }
 
+// jump is restore input's line of a jump from chain to target as uproxy
+// writes it, with its comment.
+func jump(chain, target string) string {
+	return "-A " + chain + ` -m comment --comment "` + iptables.CommentPrefix + `test" -j ` + target + "\n"
+}
+
 func mustApply(t *testing.T, k *iptablestest.Fake, v6 bool, input string) {
 	t.Helper()
 	if err := k.Apply(v6, input); err != nil {
@@ -117,10 +123,10 @@ func TestEnsureJumps(t *testing.T) {
 
 func TestRemoveChains(t *testing.T) {
 	t.Parallel()
-	ours := iptables.ChainSet{"nat": {"UPX-SERVICES"}, "filter": {"UPX-FILTER"}}
+	ours := iptables.Ours{Chains: iptables.ChainSet{"nat": {"UPX-SERVICES"}, "filter": {"UPX-FILTER"}}.Has}
 	others := "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j RETURN\nCOMMIT\n"
-	mine := "*nat\n:UPX-SERVICES - [0:0]\n-A UPX-SERVICES -j RETURN\n-A PREROUTING -j UPX-SERVICES\n-A OUTPUT -j UPX-SERVICES\nCOMMIT\n" +
-		"*filter\n:UPX-FILTER - [0:0]\n-A INPUT -j UPX-FILTER\nCOMMIT\n"
+	mine := "*nat\n:UPX-SERVICES - [0:0]\n-A UPX-SERVICES -j RETURN\n" + jump("PREROUTING", "UPX-SERVICES") + jump("OUTPUT", "UPX-SERVICES") + "COMMIT\n" +
+		"*filter\n:UPX-FILTER - [0:0]\n" + jump("INPUT", "UPX-FILTER") + "COMMIT\n"
 	for _, tc := range []struct {
 		name    string
 		saveErr [2]error
@@ -140,7 +146,7 @@ func TestRemoveChains(t *testing.T) {
 				mustApply(t, k, v6, mine)
 				k.FailSave(v6, tc.saveErr[i])
 			}
-			err := iptables.RemoveChains(k, ours.Has)
+			err := iptables.RemoveChains(k, ours)
 			if (err == nil) != (tc.wantErr == "") || err != nil && !strings.Contains(err.Error(), tc.wantErr) {
 				t.Errorf("got error %v, want %q", err, tc.wantErr)
 			}
@@ -153,7 +159,7 @@ func TestRemoveChains(t *testing.T) {
 			}
 			// Readable again, what was left goes; then there is nothing to write.
 			for range 2 {
-				if err := iptables.RemoveChains(k, ours.Has); err != nil {
+				if err := iptables.RemoveChains(k, ours); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -171,14 +177,14 @@ func TestRemoveChains(t *testing.T) {
 
 func TestRemovalSteps(t *testing.T) {
 	t.Parallel()
-	ours := iptables.ChainSet{"nat": {"UPX-SERVICES", "UPX-SVC-A", "UPX-SVC-B", "UPX-SEP-A", "UPX-SEP-B"}, "filter": {"UPX-FILTER", "UPX-FW"}}
+	ours := iptables.Ours{Chains: iptables.ChainSet{"nat": {"UPX-SERVICES", "UPX-SVC-A", "UPX-SVC-B", "UPX-SEP-A", "UPX-SEP-B"}, "filter": {"UPX-FILTER", "UPX-FW"}}.Has}
 	others := "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j RETURN\nCOMMIT\n"
 	// Our chains jump to one another, and built-in chains jump to them.
 	mine := "*nat\n:UPX-SERVICES - [0:0]\n:UPX-SVC-A - [0:0]\n:UPX-SVC-B - [0:0]\n:UPX-SEP-A - [0:0]\n:UPX-SEP-B - [0:0]\n" +
 		"-A UPX-SERVICES -d 10.96.0.1/32 -j UPX-SVC-A\n-A UPX-SERVICES -d 10.96.0.2/32 -j UPX-SVC-B\n" +
 		"-A UPX-SVC-A -j UPX-SEP-A\n-A UPX-SVC-B -j UPX-SEP-B\n-A UPX-SEP-A -j RETURN\n-A UPX-SEP-B -j UPX-SVC-A\n" +
-		"-A PREROUTING -j UPX-SERVICES\n-A OUTPUT -j UPX-SERVICES\nCOMMIT\n" +
-		"*filter\n:UPX-FILTER - [0:0]\n:UPX-FW - [0:0]\n-A UPX-FILTER -j UPX-FW\n-A INPUT -j UPX-FILTER\nCOMMIT\n"
+		jump("PREROUTING", "UPX-SERVICES") + jump("OUTPUT", "UPX-SERVICES") + "COMMIT\n" +
+		"*filter\n:UPX-FILTER - [0:0]\n:UPX-FW - [0:0]\n-A UPX-FILTER -j UPX-FW\n" + jump("INPUT", "UPX-FILTER") + "COMMIT\n"
 	for _, tc := range []struct {
 		per, steps int
 	}{
@@ -198,12 +204,12 @@ func TestRemovalSteps(t *testing.T) {
 				t.Fatal(err)
 			}
 			rs := iptables.Parse(saved)
-			steps := rs.RemovalSteps(ours.Has, tc.per)
+			steps := rs.RemovalSteps(ours, tc.per)
 			if len(steps) != tc.steps {
 				t.Errorf("got %d restores, want %d", len(steps), tc.steps)
 			}
-			if tc.steps == 1 && len(steps) == 1 && string(steps[0]) != string(rs.Removal(ours.Has)) {
-				t.Errorf("one restore: got\n%s\nwant Removal's\n%s", steps[0], rs.Removal(ours.Has))
+			if tc.steps == 1 && len(steps) == 1 && string(steps[0]) != string(rs.Removal(ours)) {
+				t.Errorf("one restore: got\n%s\nwant Removal's\n%s", steps[0], rs.Removal(ours))
 			}
 			for i, in := range steps {
 				if n := strings.Count(string(in), "\n:") + strings.Count(string(in), "\n-X "); tc.steps > 1 && n > tc.per {
@@ -214,7 +220,7 @@ func TestRemovalSteps(t *testing.T) {
 			if got := dump(k, false); got != before {
 				t.Errorf("after the restores:\n%s\nwant:\n%s", got, before)
 			}
-			if again := iptables.Parse([]byte(dump(k, false))).RemovalSteps(ours.Has, tc.per); len(again) != 0 {
+			if again := iptables.Parse([]byte(dump(k, false))).RemovalSteps(ours, tc.per); len(again) != 0 {
 				t.Errorf("nothing left: got restores %q, want none", again)
 			}
 		})

@@ -112,7 +112,7 @@ func TestFieldsQuote(t *testing.T) {
 
 func TestRemoval(t *testing.T) {
 	t.Parallel()
-	ours := ChainSet{"nat": {"UPROXY-SERVICES", "UPROXY-SEP-A"}, "filter": {"UPROXY-FILTER"}}
+	ours := Ours{Chains: ChainSet{"nat": {"UPROXY-SERVICES", "UPROXY-SEP-A"}, "filter": {"UPROXY-FILTER"}}.Has}
 	tests := []struct {
 		name, saved, want string
 	}{
@@ -139,7 +139,7 @@ func TestRemoval(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := string(Parse([]byte(tt.saved)).Removal(ours.Has)); got != tt.want {
+			if got := string(Parse([]byte(tt.saved)).Removal(ours)); got != tt.want {
 				t.Errorf("got:\n%s\nwant:\n%s", got, tt.want)
 			}
 		})

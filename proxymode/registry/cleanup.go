@@ -3,13 +3,53 @@ package registry
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/kernelmodes/nftables"
+	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/rules"
 )
+
+// chains name what each mode owns of iptables under a chain prefix; the
+// nftables mode owns a table instead, which it claims itself.
+var chains = map[string]func(prefix string) (ipt.Ours, error){
+	proxymode.Userspace: rules.IPTablesChains,
+	proxymode.IPTables:  iptables.Chains,
+	proxymode.IPVS:      ipvs.Chains,
+}
+
+// ClaimChains refuses a chain prefix under which any mode's iptables chain,
+// in either family, is another program's (a *ipt.NotOursError for each, from
+// ipt.Claim), reading the real iptables once per family. Call it when
+// starting in any mode that touches rules, before anything is written: the
+// mode declares its chains, which flushes them, and its leftover removal
+// (CleanupOthers) takes every mode's, so a prefix is usable only when none of
+// its chains is taken. Its names are Docker's for DOCKER (DOCKER-FORWARD),
+// Calico's for cali (cali-FORWARD).
+func ClaimChains(prefix string) error { return claimChains(ipt.Commands{}, prefix) }
+
+func claimChains(k ipt.Kernel, prefix string) error {
+	var all []ipt.Ours
+	for _, m := range proxymode.Names {
+		if chainsOf := chains[m]; chainsOf != nil {
+			o, err := chainsOf(prefix)
+			if err != nil {
+				return err
+			}
+			all = append(all, o)
+		}
+	}
+	union := ipt.Ours{Chains: func(table, chain string) bool {
+		return slices.ContainsFunc(all, func(o ipt.Ours) bool { return o.Chains(table, chain) })
+	}}
+	for _, o := range all {
+		union.Uncommented = append(union.Uncommented, o.Uncommented...)
+	}
+	return ipt.Claim(k, union)
+}
 
 // cleaners remove one mode's kernel state for a chain prefix; a var so tests
 // can watch which run.

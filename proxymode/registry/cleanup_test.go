@@ -93,9 +93,9 @@ func TestModeSwitches(t *testing.T) {
 		}
 		// What an IPVS-mode run would leave in iptables (IPVS itself cannot run here).
 		must(t, "iptables", "-t", "nat", "-N", "UPROXY-IPVS-SERVICES")
-		must(t, "iptables", "-t", "nat", "-I", "PREROUTING", "-j", "UPROXY-IPVS-SERVICES")
+		must(t, "iptables", "-t", "nat", "-I", "PREROUTING", "-m", "comment", "--comment", "uproxy ipvs service portals", "-j", "UPROXY-IPVS-SERVICES")
 		must(t, "iptables", "-t", "filter", "-N", "UPROXY-IPVS-FILTER")
-		must(t, "iptables", "-t", "filter", "-I", "INPUT", "-j", "UPROXY-IPVS-FILTER")
+		must(t, "iptables", "-t", "filter", "-I", "INPUT", "-m", "comment", "--comment", "uproxy ipvs service IPs", "-j", "UPROXY-IPVS-FILTER")
 	}
 	// nftPortals stands for the nftables portals' table among the chains.
 	const nftPortals = "table inet uproxy"
