@@ -384,3 +384,51 @@ func TestLoopbackEndpointsWhereOnlyTheNodeConnects(t *testing.T) {
 		t.Errorf("an unspecified endpoint with LoopbackEndpoints: got errors %q, want it refused", errs)
 	}
 }
+
+// TestLoadRefusesInvalidServiceFields: the fields of a Service's spec that
+// the proxy has no use for are still checked as the API server checks them,
+// and a Service it would refuse is not served, with the field named. A field
+// the API server defaults is accepted unset.
+func TestLoadRefusesInvalidServiceFields(t *testing.T) {
+	t.Parallel()
+	const prefix = "document 1 (line 1): Service default/web: "
+	tests := []struct {
+		name string
+		spec string // the Service's spec, YAML flow style
+		want []string
+	}{
+		{name: "targetPort unset", spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80}]}`},
+		{name: "targetPort 0, defaulted to the port", spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: 0}]}`},
+		{name: `targetPort "", defaulted to the port`, spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: ""}]}`},
+		{name: "targetPort a number", spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: 65535}]}`},
+		{name: "targetPort a name", spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: http-alt}]}`},
+		{
+			name: "targetPort out of range",
+			spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: 70000}, {name: p81, port: 81, targetPort: -5}]}`,
+			want: []string{
+				prefix + "spec.ports[0].targetPort: 70000 is out of range 1-65535",
+				prefix + "spec.ports[1].targetPort: -5 is out of range 1-65535",
+			},
+		},
+		{
+			name: "targetPort not a port name",
+			spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: http_alt}, {name: p81, port: 81, targetPort: "8080"}]}`,
+			want: []string{
+				prefix + `spec.ports[0].targetPort: "http_alt" is not a valid port name: must contain only alpha-numeric characters (a-z, 0-9), and hyphens (-)`,
+				prefix + `spec.ports[1].targetPort: "8080" is not a valid port name: must contain at least one letter (a-z)`,
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			snap, errs := loadOne(t, "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: "+tt.spec+"\n")
+			if !slices.Equal(errs, tt.want) {
+				t.Errorf("errors:\ngot  %q\nwant %q", errs, tt.want)
+			}
+			if served := len(snap.Ports) > 0; served != (len(tt.want) == 0) {
+				t.Errorf("got served %v, want %v (ports %q)", served, len(tt.want) == 0, summary(snap))
+			}
+		})
+	}
+}
