@@ -211,7 +211,10 @@ func (v *validator) clusterIPs(spec *v1.ServiceSpec) {
 		if i == 1 && len(ips) == 1 && ips[0].Is4() == ip.Is4() {
 			v.addf(field, "%s is %s like spec.clusterIPs[0]; a dual-stack Service needs one address of each family", ip, familyOf(ip))
 		}
-		if i < len(spec.IPFamilies) && spec.IPFamilies[i] != familyOf(ip) {
+		// A value that is no family is the API server's to refuse (and a
+		// manifest's checks report it): saying that it is not ip's family too
+		// would report it twice.
+		if i < len(spec.IPFamilies) && isFamily(spec.IPFamilies[i]) && spec.IPFamilies[i] != familyOf(ip) {
 			v.addf(field, "%s is %s but spec.ipFamilies[%d] is %s", ip, familyOf(ip), i, spec.IPFamilies[i])
 		}
 		ips = append(ips, ip)
@@ -317,6 +320,8 @@ func parseSourceRange(s string) (netip.Prefix, bool) {
 }
 
 func validPort(p int32) bool { return p >= 1 && p <= 65535 }
+
+func isFamily(f v1.IPFamily) bool { return f == v1.IPv4Protocol || f == v1.IPv6Protocol }
 
 func familyOf(ip netip.Addr) v1.IPFamily {
 	if ip.Is4() {

@@ -36,6 +36,18 @@ func validateServiceManifest(svc *v1.Service) []error {
 		c.checkName(fmt.Sprintf("spec.ports[%d].name", i), p.Name, "DNS-1123 label", apivalidation.IsDNS1123Label)
 		c.targetPort(fmt.Sprintf("spec.ports[%d].targetPort", i), p.TargetPort)
 	}
+	if p := svc.Spec.IPFamilyPolicy; p != nil {
+		switch *p {
+		case v1.IPFamilyPolicySingleStack, v1.IPFamilyPolicyPreferDualStack, v1.IPFamilyPolicyRequireDualStack:
+		default:
+			c.addf("spec.ipFamilyPolicy", "unsupported value %q (want SingleStack, PreferDualStack or RequireDualStack)", *p)
+		}
+	}
+	for i, f := range svc.Spec.IPFamilies {
+		if f != v1.IPv4Protocol && f != v1.IPv6Protocol {
+			c.addf(fmt.Sprintf("spec.ipFamilies[%d]", i), "unsupported value %q (want IPv4 or IPv6)", f)
+		}
+	}
 	for i, ip := range svc.Spec.ClusterIPs {
 		c.ordinaryIP(fmt.Sprintf("spec.clusterIPs[%d]", i), ip)
 	}

@@ -418,6 +418,20 @@ func TestLoadRefusesInvalidServiceFields(t *testing.T) {
 				prefix + `spec.ports[1].targetPort: "8080" is not a valid port name: must contain at least one letter (a-z)`,
 			},
 		},
+		{name: "IP families", spec: `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, "fd00::10"], ipFamilyPolicy: RequireDualStack, ipFamilies: [IPv4, IPv6], ports: [{name: p80, port: 80}]}`},
+		{
+			name: "ipFamilyPolicy not a policy",
+			spec: `{clusterIP: 10.96.0.10, ipFamilyPolicy: DualStack, ports: [{name: p80, port: 80}]}`,
+			want: []string{prefix + `spec.ipFamilyPolicy: unsupported value "DualStack" (want SingleStack, PreferDualStack or RequireDualStack)`},
+		},
+		{
+			name: "ipFamilies not families, one beside its cluster IP: said once",
+			spec: `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10], ipFamilies: [IPv5, ipv6], ports: [{name: p80, port: 80}]}`,
+			want: []string{
+				prefix + `spec.ipFamilies[0]: unsupported value "IPv5" (want IPv4 or IPv6)`,
+				prefix + `spec.ipFamilies[1]: unsupported value "ipv6" (want IPv4 or IPv6)`,
+			},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
