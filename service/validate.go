@@ -299,6 +299,32 @@ func noClusterIP(svc *v1.Service) error {
 		Msg: "not set, so no cluster IP reaches the Service (only its NodePort, external or load balancer IPs, and in the userspace mode its proxy port); the API server would have assigned one: give one from the cluster's service CIDR"}
 }
 
+// noNodePorts warns of each port of a NodePort or LoadBalancer Service that has
+// no nodePort. The API server allocates one to every such port (a LoadBalancer
+// Service's unless allocateLoadBalancerNodePorts is false); a hand-written
+// manifest has no allocator, and the port is then served on no NodePort,
+// which would otherwise go unsaid.
+func noNodePorts(svc *v1.Service) []error {
+	switch svc.Spec.Type {
+	case v1.ServiceTypeNodePort:
+	case v1.ServiceTypeLoadBalancer:
+		if a := svc.Spec.AllocateLoadBalancerNodePorts; a != nil && !*a {
+			return nil
+		}
+	default:
+		return nil
+	}
+	var errs []error
+	for i, p := range svc.Spec.Ports {
+		if p.NodePort != 0 {
+			continue
+		}
+		errs = append(errs, &FieldError{Kind: "Service", Namespace: svc.Namespace, Name: svc.Name, Field: fmt.Sprintf("spec.ports[%d].nodePort", i),
+			Msg: fmt.Sprintf("not set: manifests are not allocated NodePorts (the API server would have allocated one), so this port of the %s Service is reached on no NodePort; set it to a port of the cluster's NodePort range", svc.Spec.Type)})
+	}
+	return errs
+}
+
 // parseIP accepts an IPv4 or IPv6 address without zone: a zone has no meaning for a
 // Service or endpoint address and would make two spellings of one address differ.
 func parseIP(s string) (netip.Addr, bool) {

@@ -358,6 +358,26 @@ spec: {ports: [{name: p, port: 80}]}
 	}
 }
 
+// TestLoadWarnsOfNoNodePort: a manifest's NodePort Service without its
+// nodePort (nothing allocates one to a manifest) is served, on its cluster
+// IP, and the problem says that the field must be set.
+func TestLoadWarnsOfNoNodePort(t *testing.T) {
+	t.Parallel()
+	snap, errs := loadOne(t, `apiVersion: v1
+kind: Service
+metadata: {name: web}
+spec: {type: NodePort, clusterIP: 10.96.0.12, ports: [{name: p80, port: 80, nodePort: 30080}, {name: p81, port: 81}]}
+`)
+	want := []string{"document 1 (line 1): Service default/web: spec.ports[1].nodePort: not set: manifests are not allocated NodePorts " +
+		"(the API server would have allocated one), so this port of the NodePort Service is reached on no NodePort; set it to a port of the cluster's NodePort range"}
+	if !slices.Equal(errs, want) {
+		t.Errorf("errors:\ngot  %q\nwant %q", errs, want)
+	}
+	if got, want := summary(snap), []string{"default/web:p80=80/TCP[]", "default/web:p81=81/TCP[]"}; !slices.Equal(got, want) {
+		t.Errorf("got ports %q, want %q: served all the same", got, want)
+	}
+}
+
 // TestLoopbackEndpointsWhereOnlyTheNodeConnects: with LoopbackEndpoints (proxy
 // ports on a loopback address alone, as the demo's) endpoints at loopback
 // addresses are taken; the other special addresses are still refused.
