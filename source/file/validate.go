@@ -96,6 +96,36 @@ func validateSliceManifest(s *discoveryv1.EndpointSlice, loopbackOK bool) []erro
 	return c.errs
 }
 
+// The API server's limits on an EndpointSlice's lists (its discovery
+// validation; the type's documentation says 100 ports, the API server takes
+// up to 20000).
+const (
+	maxSliceEndpoints    = 1000
+	maxSlicePorts        = 20000
+	maxEndpointAddresses = 100
+)
+
+// sliceLimits returns an error for each of the API server's limits on a
+// list that s exceeds. Such a slice is refused whole, and its items are not
+// checked one by one: a manifest of 64 MiB holds millions of them, and as
+// many errors would say nothing more.
+func sliceLimits(s *discoveryv1.EndpointSlice) []error {
+	c := checker{kind: "EndpointSlice", namespace: s.Namespace, name: s.Name}
+	if n := len(s.Ports); n > maxSlicePorts {
+		c.addf("ports", "%d items, must have at most %d", n, maxSlicePorts)
+	}
+	if n := len(s.Endpoints); n > maxSliceEndpoints {
+		c.addf("endpoints", "%d items, must have at most %d", n, maxSliceEndpoints)
+		return c.errs
+	}
+	for i, ep := range s.Endpoints {
+		if n := len(ep.Addresses); n > maxEndpointAddresses {
+			c.addf(fmt.Sprintf("endpoints[%d].addresses", i), "%d items, must have at most %d", n, maxEndpointAddresses)
+		}
+	}
+	return c.errs
+}
+
 // checker collects the FieldErrors of one object.
 type checker struct {
 	kind, namespace, name string

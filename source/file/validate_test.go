@@ -1,6 +1,7 @@
 package file
 
 import (
+	"fmt"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -354,6 +355,70 @@ spec: {ports: [{name: p, port: 80}]}
 	for i := range want {
 		if !strings.HasPrefix(errs[i], want[i]) {
 			t.Errorf("error %d: got %q, want it to start %q", i, errs[i], want[i])
+		}
+	}
+}
+
+// TestLoadRefusesSlicesOverTheLimits: an EndpointSlice over one of the API
+// server's limits (1000 endpoints, 20000 ports, 100 addresses an endpoint) is
+// refused whole, naming the list, and its last good version stays; over the
+// endpoints' limit its endpoints are not checked one by one.
+func TestLoadRefusesSlicesOverTheLimits(t *testing.T) {
+	t.Parallel()
+	// slice is web's slice of nPorts ports (the first p80) and nEndpoints
+	// endpoints at addr(i), the first with addresses addresses.
+	slice := func(nPorts, nEndpoints, addresses int, addr func(i int) string) string {
+		var b strings.Builder
+		b.WriteString("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports:\n")
+		for i := range nPorts {
+			fmt.Fprintf(&b, "- {name: p%d, port: %d}\n", 80+i, 8080+i%1000)
+		}
+		b.WriteString("endpoints:\n")
+		for i := range nEndpoints {
+			addrs := []string{addr(i)}
+			for j := 1; i == 0 && j < addresses; j++ {
+				addrs = append(addrs, fmt.Sprintf("10.1.0.%d", j))
+			}
+			fmt.Fprintf(&b, "- addresses: [%s]\n", strings.Join(addrs, ", "))
+		}
+		return b.String()
+	}
+	ordinary := func(i int) string { return fmt.Sprintf("10.0.%d.%d", i/256, i%256) }
+	path := filepath.Join(t.TempDir(), "web.yaml")
+	l := newLoader(path, false, service.BuildOptions{})
+	svc := svcYAML("web", "10.96.0.12", 80) + "---\n"
+	const at = "document 2 (line 11): EndpointSlice default/web-1: "
+	steps := []struct {
+		name          string
+		slice         string
+		wantEndpoints int // of default/web:p80; 0: not counted
+		wantErrs      []string
+	}{
+		{"an endpoint at the limit", slice(1, 1, 100, ordinary), 0, nil},
+		{"the slice at the limits", slice(20000, 1000, 1, ordinary), 1000, nil},
+		{"an endpoint over", slice(1, 2, 101, ordinary), 1000, []string{at + "endpoints[0].addresses: 101 items, must have at most 100"}},
+		{"endpoints over", slice(1, 1001, 1, ordinary), 1000, []string{at + "endpoints: 1001 items, must have at most 1000"}},
+		{"endpoints over, each of them refused too: said once", slice(1, 50000, 1, func(int) string { return "127.0.0.1" }), 1000,
+			[]string{at + "endpoints: 50000 items, must have at most 1000"}},
+		{"ports over", slice(20001, 1, 1, ordinary), 1000, []string{at + "ports: 20001 items, must have at most 20000"}},
+		{"within again", slice(1, 2, 1, ordinary), 2, nil},
+	}
+	for _, st := range steps {
+		writeFile(t, path, svc+st.slice)
+		snap := l.load()
+		var errs []string
+		for _, e := range errorStrings(snap) {
+			errs = append(errs, strings.TrimPrefix(e, path+": "))
+		}
+		if !slices.Equal(errs, st.wantErrs) {
+			t.Errorf("%s: errors:\ngot  %q\nwant %q", st.name, errs, st.wantErrs)
+		}
+		p := snap.Lookup(service.PortName{Namespace: "default", Name: "web", Port: "p80"})
+		switch {
+		case p == nil:
+			t.Errorf("%s: default/web:p80 not served", st.name)
+		case st.wantEndpoints > 0 && len(p.Endpoints) != st.wantEndpoints:
+			t.Errorf("%s: got default/web:p80 with %d endpoints, want %d", st.name, len(p.Endpoints), st.wantEndpoints)
 		}
 	}
 }
