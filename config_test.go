@@ -33,9 +33,15 @@ func loadArgs(t *testing.T, args ...string) (*options, *config, error) {
 // writeConfig writes a KubeProxyConfiguration with the given fields.
 func writeConfig(t *testing.T, fields string) string {
 	t.Helper()
+	return writeConfigFile(t, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"+fields)
+}
+
+// writeConfigFile writes data to a configuration file of its own and
+// returns its path.
+func writeConfigFile(t *testing.T, data string) string {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "config.conf")
-	doc := "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n" + fields
-	if err := os.WriteFile(path, []byte(doc), 0o644); err != nil {
+	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return path
@@ -171,6 +177,35 @@ func TestConfigFileErrorNamesTheField(t *testing.T) {
 			msg := err.Error()
 			if !strings.Contains(msg, `field "`+tt.wantField+`"`) || !strings.Contains(msg, config) {
 				t.Errorf("%q: got error %q, want one naming the file and field %s", tt.fields, msg, tt.wantField)
+			}
+		})
+	}
+}
+
+// Every error of --config begins "--config FILE: " and names the file there
+// only, whatever step finds it: reading the file, parsing it, setting a
+// flag from a field or checking the value.
+func TestConfigFileErrorsBeginAlike(t *testing.T) {
+	dir := t.TempDir()
+	tests := []struct {
+		name, path, want string // want: what follows the prefix
+	}{
+		{"missing", filepath.Join(dir, "missing.conf"), "no such file or directory"},
+		{"a directory", dir, "not a regular file (a directory): not read"},
+		{"not YAML", writeConfigFile(t, "a: [\n"), "parse: "},
+		{"unknown field", writeConfig(t, "oops: 1\n"), `unknown field "oops"`},
+		{"a field's flag refuses the value", writeConfig(t, "clientConnection: {burst: 1.5}\n"), `field "clientConnection.burst": strconv.ParseInt: parsing "1.5": invalid syntax`},
+		{"a field's value refused", writeConfig(t, "iptables: {syncPeriod: -5s}\n"), `field "iptables.syncPeriod" -5s: must be positive`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, _, err := loadArgs(t, "--config", tt.path, "--hostname-override", "n")
+			if err == nil {
+				t.Fatalf("got no error, want one starting %q", "--config "+tt.path+": "+tt.want)
+			}
+			msg := err.Error()
+			if !strings.HasPrefix(msg, "--config "+tt.path+": "+tt.want) || strings.Count(msg, tt.path) != 1 || strings.Contains(msg, "config file") {
+				t.Errorf("got %q, want it to start %q and name the file once", msg, "--config "+tt.path+": "+tt.want)
 			}
 		})
 	}

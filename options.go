@@ -418,7 +418,7 @@ func (o *options) applyConfigFile() error {
 	}
 	settings, ignored, err := proxyconfig.Load(o.configFile)
 	if err != nil {
-		return fmt.Errorf("--config: %w", err)
+		return fmt.Errorf("--config %w", err) // "--config FILE: ...": Load's errors begin with the file
 	}
 	for _, field := range ignored {
 		klog.InfoS("Ignoring a kube-proxy setting uproxy does not use", "config", o.configFile, "field", field)
@@ -427,7 +427,7 @@ func (o *options) applyConfigFile() error {
 	for _, st := range settings {
 		fl := o.flags.Lookup(st.Flag)
 		if fl == nil {
-			return fmt.Errorf("--config %s: field %s: %q is not supported (no --%s flag)", o.configFile, st.Field, st.Value, st.Flag)
+			return fmt.Errorf("--config %s: field %q: %q is not supported (no --%s flag)", o.configFile, st.Field, st.Value, st.Flag)
 		}
 		if st.Flag == "hostname-override" && fl.Changed && o.hostnameOverride != "" {
 			if strings.TrimSpace(o.hostnameOverride) == "" {
@@ -443,7 +443,12 @@ func (o *options) applyConfigFile() error {
 			klog.InfoS("Ignoring a flag that --config sets, as kube-proxy does", "flag", "--"+st.Flag, "given", fl.Value.String(), "config", o.configFile, "field", st.Field, "value", value)
 		}
 		if err := o.flags.Set(st.Flag, value); err != nil {
-			return fmt.Errorf("--config %s: field %s: %w", o.configFile, st.Field, err)
+			// The flag set's error names the flag: the value's own says
+			// what is wrong with the field.
+			if verr := fl.Value.Set(value); verr != nil {
+				err = verr
+			}
+			return fmt.Errorf("--config %s: field %q: %w", o.configFile, st.Field, err)
 		}
 		o.configFields[st.Flag] = st.Field
 	}

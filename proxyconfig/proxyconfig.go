@@ -28,6 +28,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/netip"
 	"slices"
@@ -186,18 +187,21 @@ var schema = map[string]any{
 const MaxFileSize = 4 << 20
 
 // Load reads the configuration file at path; see Parse. path must be a
-// regular file of at most MaxFileSize bytes.
+// regular file of at most MaxFileSize bytes. Every error begins with path,
+// and names it only there.
 func Load(path string) (settings []Setting, ignoredFields []string, err error) {
 	data, err := regularfile.Read(path, MaxFileSize, "configuration file")
-	if errors.Is(err, regularfile.ErrNotRegular) || errors.Is(err, regularfile.ErrTooLarge) {
-		err = fmt.Errorf("%s: %w", path, err) // the others name it
-	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("config file: %w", err)
+		// The system's errors name the file after their operation ("stat
+		// PATH: no such file or directory"); only what went wrong is kept.
+		if pe, ok := errors.AsType[*fs.PathError](err); ok {
+			err = pe.Err
+		}
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
 	settings, ignoredFields, err = Parse(data)
 	if err != nil {
-		return nil, nil, fmt.Errorf("config file %s: %w", path, err)
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return settings, ignoredFields, nil
 }
