@@ -194,6 +194,7 @@ func TestConfigFileErrorsBeginAlike(t *testing.T) {
 		{"a directory", dir, "not a regular file (a directory): not read"},
 		{"not YAML", writeConfigFile(t, "a: [\n"), "parse: "},
 		{"unknown field", writeConfig(t, "oops: 1\n"), `unknown field "oops"`},
+		{"two documents", writeConfig(t, "mode: iptables\n---\nmode: ipvs\n"), "more than one YAML document: the file must hold one KubeProxyConfiguration"},
 		{"a field's flag refuses the value", writeConfig(t, "clientConnection: {burst: 1.5}\n"), `field "clientConnection.burst": strconv.ParseInt: parsing "1.5": invalid syntax`},
 		{"a field's value refused", writeConfig(t, "iptables: {syncPeriod: -5s}\n"), `field "iptables.syncPeriod" -5s: must be positive`},
 	}

@@ -28,6 +28,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"net"
 	"net/netip"
@@ -36,6 +37,7 @@ import (
 	"strings"
 	"time"
 
+	yamlv2 "go.yaml.in/yaml/v2"
 	"sigs.k8s.io/yaml"
 
 	"github.com/uproxy/uproxy/regularfile"
@@ -206,7 +208,8 @@ func Load(path string) (settings []Setting, ignoredFields []string, err error) {
 	return settings, ignoredFields, nil
 }
 
-// Parse reads a KubeProxyConfiguration in YAML or JSON. It returns a setting
+// Parse reads a KubeProxyConfiguration in YAML or JSON, the one document of
+// data (a trailing empty one aside). It returns a setting
 // for every field that maps to a flag, ordered by field path, with
 // kube-proxy's default for a field left out or zero, and the fields that hold
 // a value uproxy does not use. Unknown fields, duplicate keys, values of the
@@ -216,6 +219,9 @@ func Load(path string) (settings []Setting, ignoredFields []string, err error) {
 // the mode is empty, "userspace" or "iptables"), as kube-proxy does; the other
 // sections' periods are ignored.
 func Parse(data []byte) (settings []Setting, ignoredFields []string, err error) {
+	if err := oneDocument(data); err != nil {
+		return nil, nil, err
+	}
 	js, err := yaml.YAMLToJSONStrict(data)
 	if err != nil {
 		return nil, nil, fmt.Errorf("parse: %w", err)
@@ -246,6 +252,33 @@ func Parse(data []byte) (settings []Setting, ignoredFields []string, err error) 
 		return nil, nil, err
 	}
 	return settings, w.ignored, nil
+}
+
+// oneDocument refuses YAML of more than one document: the YAML reader of
+// Parse takes the first one only, and a second KubeProxyConfiguration, or
+// text that is not YAML at all, would be ignored without a word. A document
+// that holds nothing (after a trailing "---", or of comments alone) is
+// none. The first document's own errors are left to Parse, which reads it
+// strictly.
+func oneDocument(data []byte) error {
+	const one = "the file must hold one KubeProxyConfiguration"
+	dec := yamlv2.NewDecoder(bytes.NewReader(data))
+	for n := 1; ; n++ {
+		var doc any
+		err := dec.Decode(&doc)
+		switch {
+		case err == io.EOF:
+			return nil
+		case n == 1 && err != nil:
+			return nil
+		case n > 1 && err != nil:
+			// Not the parser's error: its line numbers are not always the
+			// file's.
+			return fmt.Errorf("more than one YAML document (document %d does not parse as YAML): %s", n, one)
+		case n > 1 && doc != nil:
+			return fmt.Errorf("more than one YAML document: %s", one)
+		}
+	}
 }
 
 // appliesTo reports whether the field counts when the file's mode section is

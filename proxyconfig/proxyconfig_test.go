@@ -255,6 +255,12 @@ func TestParseErrors(t *testing.T) {
 		{"object expected", header + "ipvs: rr\n", `field "ipvs": want an object`},
 		{"bind address neither IP nor IP:PORT", header + "metricsBindAddress: localhost\n", `field "metricsBindAddress": "localhost" is neither IP:PORT nor an IP address`},
 		{"not YAML", "{", "parse"},
+		{"a second document", header + "mode: iptables\n---\n" + header + "mode: ipvs\n",
+			"more than one YAML document: the file must hold one KubeProxyConfiguration"},
+		{"a second document, not YAML", header + "---\n: : [\n",
+			"more than one YAML document (document 2 does not parse as YAML): the file must hold one KubeProxyConfiguration"},
+		{"a second document after an empty one", header + "---\n---\nmode: ipvs\n", "more than one YAML document"},
+		{"JSON, then another object", `{"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration"}` + "\n{}\n", "more than one YAML document"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -268,6 +274,21 @@ func TestParseErrors(t *testing.T) {
 
 // TestLoadNamesTheFile: every error begins with the file, and names it
 // there only.
+// A document that holds nothing after the configuration (a trailing "---",
+// comments) is no second one.
+func TestParseTakesAnEmptyLastDocument(t *testing.T) {
+	for _, doc := range []string{
+		"---\n" + header,
+		header + "---\n",
+		header + "--- # end\n# nothing more\n",
+		header + "...\n",
+	} {
+		if _, _, err := Parse([]byte(doc)); err != nil {
+			t.Errorf("%q: got error %v, want none", doc, err)
+		}
+	}
+}
+
 func TestLoadNamesTheFile(t *testing.T) {
 	t.Parallel()
 	path := filepath.Join(t.TempDir(), "config.conf")
