@@ -211,3 +211,37 @@ func TestConfigFileErrorsBeginAlike(t *testing.T) {
 		})
 	}
 }
+
+// A minSyncPeriod above syncPeriod is refused naming the file's fields; when
+// the file leaves minSyncPeriod to its default, syncPeriod, which it sets, is
+// the one blamed. The flags keep their own wording.
+func TestConfigFileSyncPeriods(t *testing.T) {
+	tests := []struct {
+		fields string
+		want   string // what follows "--config FILE: "; "" for no error
+	}{
+		{"mode: nftables\nnftables: {syncPeriod: 1ns}\n",
+			`field "nftables.syncPeriod" 1ns: must be at least 1s, the default value of nftables.minSyncPeriod (which the file leaves out or zero)`},
+		{"iptables: {syncPeriod: 1ns, minSyncPeriod: 0s}\n",
+			`field "iptables.syncPeriod" 1ns: must be at least 1s, the default value of iptables.minSyncPeriod (which the file leaves out or zero)`},
+		{"mode: ipvs\nipvs: {syncPeriod: 1ns}\n", ""}, // ipvs.minSyncPeriod's default is 0
+		{"mode: ipvs\nipvs: {minSyncPeriod: 1m}\n",
+			`field "ipvs.minSyncPeriod" 1m0s: must be between 0 and ipvs.syncPeriod (30s, its default value)`},
+		{"mode: iptables\niptables: {syncPeriod: 10s, minSyncPeriod: 20s}\n",
+			`field "iptables.minSyncPeriod" 20s: must be between 0 and iptables.syncPeriod (10s)`},
+	}
+	for _, tt := range tests {
+		config := writeConfig(t, tt.fields)
+		_, _, err := loadArgs(t, "--config", config, "--hostname-override", "n")
+		switch {
+		case tt.want == "" && err != nil:
+			t.Errorf("%q: got %v, want no error", tt.fields, err)
+		case tt.want != "" && (err == nil || err.Error() != "--config "+config+": "+tt.want):
+			t.Errorf("%q: got %v, want %q", tt.fields, err, "--config "+config+": "+tt.want)
+		}
+	}
+	want := "--min-sync-period 1s: must be between 0 and --sync-period (1ns)"
+	if _, _, err := loadArgs(t, "--sync-period", "1ns"); err == nil || err.Error() != want {
+		t.Errorf("--sync-period 1ns: got %v, want %q", err, want)
+	}
+}

@@ -77,7 +77,7 @@ func (o *options) checkModeFlags(mode string) error {
 	auto := o.proxyMode == "" || o.proxyMode == proxymode.Auto
 	var refused []string
 	for _, f := range modeFlags {
-		if !o.flags.Changed(f.name) || o.configFields[f.name] != "" || slices.Contains(f.modes, mode) {
+		if !o.flags.Changed(f.name) || o.configFields[f.name].Field != "" || slices.Contains(f.modes, mode) {
 			continue
 		}
 		if f.warn || auto {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/uproxy/uproxy/proxyconfig"
 	"github.com/uproxy/uproxy/testbed"
 )
 
@@ -48,7 +49,7 @@ func TestCheckModeFlags(t *testing.T) {
 	o.addFlags(&cobra.Command{Use: "uproxy"})
 	o.flags.Set("udp-timeout", "1s")
 	o.proxyMode = "iptables"
-	o.configFields = map[string]string{"udp-timeout": "udpIdleTimeout"}
+	o.configFields = map[string]proxyconfig.Setting{"udp-timeout": {Field: "udpIdleTimeout", Flag: "udp-timeout"}}
 	if err := o.checkModeFlags("iptables"); err != nil {
 		t.Errorf("a field of --config the mode does not use: got %v, want none (kube-proxy takes it)", err)
 	}

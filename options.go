@@ -78,8 +78,9 @@ type options struct {
 	// configFile is a KubeProxyConfiguration that decides the flags standing
 	// for its fields (applyConfigFile).
 	configFile string
-	// configFields maps the flags configFile set to their fields, for errors.
-	configFields map[string]string
+	// configFields maps the flags configFile set to the settings of their
+	// fields, for errors.
+	configFields map[string]proxyconfig.Setting
 	flags        *pflag.FlagSet // the flags, to tell given from default ones
 }
 
@@ -271,11 +272,8 @@ func (o *options) validate() (*config, error) {
 	if overlap(o.metricsBindAddress, o.healthzBindAddress) {
 		return nil, fmt.Errorf("--metrics-bind-address %s and --healthz-bind-address %s: the same port on overlapping addresses; each needs its own", o.metricsBindAddress, o.healthzBindAddress)
 	}
-	if o.syncPeriod <= 0 {
-		return nil, fmt.Errorf("--sync-period %v: must be positive", o.syncPeriod)
-	}
-	if o.minSyncPeriod < 0 || o.minSyncPeriod > o.syncPeriod {
-		return nil, fmt.Errorf("--min-sync-period %v: must be between 0 and --sync-period (%v)", o.minSyncPeriod, o.syncPeriod)
+	if err := o.checkSyncPeriods(); err != nil {
+		return nil, err
 	}
 	if err := checkChainPrefix(o.chainPrefix); err != nil {
 		return nil, err
@@ -371,6 +369,33 @@ func (o *options) validate() (*config, error) {
 	return c, nil
 }
 
+// checkSyncPeriods checks --sync-period, and --min-sync-period against it.
+// --config sets both from one section of the file: the error then names the
+// file's fields, and when minSyncPeriod is the default of a field the file
+// leaves out, it is syncPeriod, the one field the file sets, that is wrong.
+func (o *options) checkSyncPeriods() error {
+	if o.syncPeriod <= 0 {
+		return fmt.Errorf("--sync-period %v: must be positive", o.syncPeriod)
+	}
+	if o.minSyncPeriod >= 0 && o.minSyncPeriod <= o.syncPeriod {
+		return nil
+	}
+	least, fromFile := o.configFields["min-sync-period"]
+	most := o.configFields["sync-period"]
+	switch {
+	case !fromFile:
+		return fmt.Errorf("--min-sync-period %v: must be between 0 and --sync-period (%v)", o.minSyncPeriod, o.syncPeriod)
+	case least.Defaulted:
+		return fmt.Errorf("--config %s: field %q %v: must be at least %v, the default value of %s (which the file leaves out or zero)",
+			o.configFile, most.Field, o.syncPeriod, o.minSyncPeriod, least.Field)
+	}
+	of := fmt.Sprint(o.syncPeriod)
+	if most.Defaulted {
+		of += ", its default value"
+	}
+	return fmt.Errorf("--config %s: field %q %v: must be between 0 and %s (%s)", o.configFile, least.Field, o.minSyncPeriod, most.Field, of)
+}
+
 // overlap reports whether two HOST:PORT addresses (checked) would claim the
 // same socket: one port other than 0, and the same host, or an unspecified
 // one, which takes every address of the port.
@@ -423,7 +448,7 @@ func (o *options) applyConfigFile() error {
 	for _, field := range ignored {
 		klog.InfoS("Ignoring a kube-proxy setting uproxy does not use", "config", o.configFile, "field", field)
 	}
-	o.configFields = map[string]string{}
+	o.configFields = map[string]proxyconfig.Setting{}
 	for _, st := range settings {
 		fl := o.flags.Lookup(st.Flag)
 		if fl == nil {
@@ -450,7 +475,7 @@ func (o *options) applyConfigFile() error {
 			}
 			return fmt.Errorf("--config %s: field %q: %w", o.configFile, st.Field, err)
 		}
-		o.configFields[st.Flag] = st.Field
+		o.configFields[st.Flag] = st
 	}
 	return nil
 }
@@ -460,10 +485,10 @@ func (o *options) applyConfigFile() error {
 // with the flag).
 func (o *options) configFieldError(err error) error {
 	msg := err.Error()
-	for flag, field := range o.configFields {
+	for flag, st := range o.configFields {
 		rest, ok := strings.CutPrefix(msg, "--"+flag)
 		if ok && (rest == "" || rest[0] == ' ' || rest[0] == ':' || rest[0] == ',') {
-			return &renamedError{msg: fmt.Sprintf("--config %s: field %q%s", o.configFile, field, rest), err: err}
+			return &renamedError{msg: fmt.Sprintf("--config %s: field %q%s", o.configFile, st.Field, rest), err: err}
 		}
 	}
 	return err

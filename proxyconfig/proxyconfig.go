@@ -59,6 +59,10 @@ type Setting struct {
 	// uproxy's; ipvs.scheduler: rr in both): the flag takes its default value
 	// and Value is empty.
 	Default bool
+	// Defaulted says the file leaves the field out, null or zero (out or null
+	// for a pointer field): Value is what kube-proxy makes of that, its
+	// default, rather than a value the file asks for.
+	Defaulted bool
 }
 
 func (s Setting) String() string {
@@ -428,7 +432,7 @@ func (w *walker) resolve() ([]Setting, error) {
 }
 
 func (w *walker) setting(path string, f field) (Setting, error) {
-	st := Setting{Field: path, Flag: f.flag, Value: w.values[path]}
+	st := Setting{Field: path, Flag: f.flag, Value: w.values[path], Defaulted: w.values[path] == ""}
 	switch {
 	case f.port != 0:
 		// kube-proxy's bind addresses: the default host follows bindAddress's

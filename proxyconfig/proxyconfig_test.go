@@ -274,6 +274,26 @@ func TestParseErrors(t *testing.T) {
 
 // TestLoadNamesTheFile: every error begins with the file, and names it
 // there only.
+// Defaulted tells a value the file asks for from kube-proxy's default for a
+// field it leaves out or zero; a pointer field's zero is a value.
+func TestParseDefaulted(t *testing.T) {
+	settings, _, err := Parse([]byte(header + "iptables: {syncPeriod: 10s, minSyncPeriod: 0s}\nconntrack: {maxPerCore: 0}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]bool{
+		"iptables.syncPeriod":    false,
+		"iptables.minSyncPeriod": true,
+		"conntrack.maxPerCore":   false,
+		"conntrack.min":          true,
+	}
+	for _, st := range settings {
+		if d, ok := want[st.Field]; ok && st.Defaulted != d {
+			t.Errorf("%s: got Defaulted %v, want %v", st, st.Defaulted, d)
+		}
+	}
+}
+
 // A document that holds nothing after the configuration (a trailing "---",
 // comments) is no second one.
 func TestParseTakesAnEmptyLastDocument(t *testing.T) {
