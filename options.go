@@ -81,7 +81,9 @@ type options struct {
 	// configFields maps the flags configFile set to the settings of their
 	// fields, for errors.
 	configFields map[string]proxyconfig.Setting
-	flags        *pflag.FlagSet // the flags, to tell given from default ones
+	// configNotes are applyConfigFile's log lines, until logConfigNotes.
+	configNotes []configNote
+	flags       *pflag.FlagSet // the flags, to tell given from default ones
 }
 
 func defaultOptions() *options {
@@ -253,6 +255,13 @@ func (o *options) validate() (*config, error) {
 	case proxymode.Auto, "", proxymode.IPTables, proxymode.NFTables, proxymode.IPVS:
 	default:
 		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables, nftables or ipvs", o.proxyMode)
+	}
+	if o.proxyMode != proxymode.Auto && o.proxyMode != "" {
+		// A mode that is asked for is the one that runs, if any does: the
+		// flags it does not use are refused now, before anything is logged.
+		if err := o.checkModeFlags(o.proxyMode); err != nil {
+			return nil, err
+		}
 	}
 	if o.events < 0 || o.events > maxEvents {
 		return nil, fmt.Errorf("--events %d: want 0 (none kept) to %d", o.events, maxEvents)
@@ -436,7 +445,8 @@ func checkChainPrefix(prefix string) error {
 // command line's value of such a flag is ignored (with a warning here; kube-proxy
 // is silent). The one exception among them is --hostname-override, which wins
 // when given, as in kube-proxy. Flags without a field (--master, -v, uproxy's
-// own) apply as given.
+// own) apply as given. What it has to say is logged by logConfigNotes, once
+// the flags are known to be good.
 func (o *options) applyConfigFile() error {
 	if o.configFile == "" || o.flags == nil {
 		return nil
@@ -446,7 +456,7 @@ func (o *options) applyConfigFile() error {
 		return fmt.Errorf("--config %w", err) // "--config FILE: ...": Load's errors begin with the file
 	}
 	for _, field := range ignored {
-		klog.InfoS("Ignoring a kube-proxy setting uproxy does not use", "config", o.configFile, "field", field)
+		o.note("Ignoring a kube-proxy setting uproxy does not use", "config", o.configFile, "field", field)
 	}
 	o.configFields = map[string]proxyconfig.Setting{}
 	for _, st := range settings {
@@ -465,7 +475,7 @@ func (o *options) applyConfigFile() error {
 			value = fl.DefValue
 		}
 		if fl.Changed {
-			klog.InfoS("Ignoring a flag that --config sets, as kube-proxy does", "flag", "--"+st.Flag, "given", fl.Value.String(), "config", o.configFile, "field", st.Field, "value", value)
+			o.note("Ignoring a flag that --config sets, as kube-proxy does", "flag", "--"+st.Flag, "given", fl.Value.String(), "config", o.configFile, "field", st.Field, "value", value)
 		}
 		if err := o.flags.Set(st.Flag, value); err != nil {
 			// The flag set's error names the flag: the value's own says
@@ -478,6 +488,27 @@ func (o *options) applyConfigFile() error {
 		o.configFields[st.Flag] = st
 	}
 	return nil
+}
+
+// configNote is a line for the log, held until the flags are checked.
+type configNote struct {
+	msg           string
+	keysAndValues []any
+}
+
+// note holds a line of applyConfigFile's for logConfigNotes.
+func (o *options) note(msg string, keysAndValues ...any) {
+	o.configNotes = append(o.configNotes, configNote{msg, keysAndValues})
+}
+
+// logConfigNotes logs what applyConfigFile had to say. The caller calls it
+// once every flag is checked: a start that a bad flag refuses logs nothing
+// before its error.
+func (o *options) logConfigNotes() {
+	for _, n := range o.configNotes {
+		klog.InfoS(n.msg, n.keysAndValues...)
+	}
+	o.configNotes = nil
 }
 
 // configFieldError rewrites an error of validate about a flag that --config
