@@ -33,9 +33,15 @@ func loadArgs(t *testing.T, args ...string) (*options, *config, error) {
 // writeConfig writes a KubeProxyConfiguration with the given fields.
 func writeConfig(t *testing.T, fields string) string {
 	t.Helper()
+	return writeConfigFile(t, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"+fields)
+}
+
+// writeConfigFile writes data to a configuration file of its own and
+// returns its path.
+func writeConfigFile(t *testing.T, data string) string {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "config.conf")
-	doc := "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n" + fields
-	if err := os.WriteFile(path, []byte(doc), 0o644); err != nil {
+	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return path
@@ -173,5 +179,69 @@ func TestConfigFileErrorNamesTheField(t *testing.T) {
 				t.Errorf("%q: got error %q, want one naming the file and field %s", tt.fields, msg, tt.wantField)
 			}
 		})
+	}
+}
+
+// Every error of --config begins "--config FILE: " and names the file there
+// only, whatever step finds it: reading the file, parsing it, setting a
+// flag from a field or checking the value.
+func TestConfigFileErrorsBeginAlike(t *testing.T) {
+	dir := t.TempDir()
+	tests := []struct {
+		name, path, want string // want: what follows the prefix
+	}{
+		{"missing", filepath.Join(dir, "missing.conf"), "no such file or directory"},
+		{"a directory", dir, "not a regular file (a directory): not read"},
+		{"not YAML", writeConfigFile(t, "a: [\n"), "parse: "},
+		{"unknown field", writeConfig(t, "oops: 1\n"), `unknown field "oops"`},
+		{"two documents", writeConfig(t, "mode: iptables\n---\nmode: ipvs\n"), "more than one YAML document: the file must hold one KubeProxyConfiguration"},
+		{"a field's flag refuses the value", writeConfig(t, "clientConnection: {burst: 1.5}\n"), `field "clientConnection.burst": strconv.ParseInt: parsing "1.5": invalid syntax`},
+		{"a field's value refused", writeConfig(t, "iptables: {syncPeriod: -5s}\n"), `field "iptables.syncPeriod" -5s: must be positive`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, _, err := loadArgs(t, "--config", tt.path, "--hostname-override", "n")
+			if err == nil {
+				t.Fatalf("got no error, want one starting %q", "--config "+tt.path+": "+tt.want)
+			}
+			msg := err.Error()
+			if !strings.HasPrefix(msg, "--config "+tt.path+": "+tt.want) || strings.Count(msg, tt.path) != 1 || strings.Contains(msg, "config file") {
+				t.Errorf("got %q, want it to start %q and name the file once", msg, "--config "+tt.path+": "+tt.want)
+			}
+		})
+	}
+}
+
+// A minSyncPeriod above syncPeriod is refused naming the file's fields; when
+// the file leaves minSyncPeriod to its default, syncPeriod, which it sets, is
+// the one blamed. The flags keep their own wording.
+func TestConfigFileSyncPeriods(t *testing.T) {
+	tests := []struct {
+		fields string
+		want   string // what follows "--config FILE: "; "" for no error
+	}{
+		{"mode: nftables\nnftables: {syncPeriod: 1ns}\n",
+			`field "nftables.syncPeriod" 1ns: must be at least 1s, the default value of nftables.minSyncPeriod (which the file leaves out or zero)`},
+		{"iptables: {syncPeriod: 1ns, minSyncPeriod: 0s}\n",
+			`field "iptables.syncPeriod" 1ns: must be at least 1s, the default value of iptables.minSyncPeriod (which the file leaves out or zero)`},
+		{"mode: ipvs\nipvs: {syncPeriod: 1ns}\n", ""}, // ipvs.minSyncPeriod's default is 0
+		{"mode: ipvs\nipvs: {minSyncPeriod: 1m}\n",
+			`field "ipvs.minSyncPeriod" 1m0s: must be between 0 and ipvs.syncPeriod (30s, its default value)`},
+		{"mode: iptables\niptables: {syncPeriod: 10s, minSyncPeriod: 20s}\n",
+			`field "iptables.minSyncPeriod" 20s: must be between 0 and iptables.syncPeriod (10s)`},
+	}
+	for _, tt := range tests {
+		config := writeConfig(t, tt.fields)
+		_, _, err := loadArgs(t, "--config", config, "--hostname-override", "n")
+		switch {
+		case tt.want == "" && err != nil:
+			t.Errorf("%q: got %v, want no error", tt.fields, err)
+		case tt.want != "" && (err == nil || err.Error() != "--config "+config+": "+tt.want):
+			t.Errorf("%q: got %v, want %q", tt.fields, err, "--config "+config+": "+tt.want)
+		}
+	}
+	want := "--min-sync-period 1s: must be between 0 and --sync-period (1ns)"
+	if _, _, err := loadArgs(t, "--sync-period", "1ns"); err == nil || err.Error() != want {
+		t.Errorf("--sync-period 1ns: got %v, want %q", err, want)
 	}
 }

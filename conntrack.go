@@ -120,8 +120,8 @@ func (o *options) conntrackError(err error) error {
 		if errors.As(e, &se) {
 			flag := conntrackFlags[se.Key]
 			name, keep := "--"+flag[0], "--"+flag[0]+"="+flag[1]
-			if field, ok := o.configFields[flag[0]]; ok {
-				name, keep = fmt.Sprintf("--config %s: field %q", o.configFile, field), field+": "+flag[1]
+			if st, ok := o.configFields[flag[0]]; ok {
+				name, keep = fmt.Sprintf("--config %s: field %q", o.configFile, st.Field), st.Field+": "+flag[1]
 			}
 			msg = fmt.Sprintf("%s: %s; %s leaves it as it is", name, msg, keep)
 		}

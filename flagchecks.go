@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -63,33 +64,52 @@ func usesFlag(mode, name string) bool {
 	return true
 }
 
-// checkModeFlags refuses the flags given on the command line that mode does
-// not use, so that a flag is never accepted and then ignored; it warns of them
-// instead, once each, for a flag marked warn (kube-proxy takes it in every
-// mode), or when the mode was chosen by --proxy-mode auto rather than by the
-// user. Flags that
-// --config set are its fields, which kube-proxy takes in every mode: they are
-// left alone.
-func (o *options) checkModeFlags(mode string) error {
+// unusedModeFlags returns the flags given on the command line that mode does
+// not use: those refused, and those only warned of, a flag marked warn
+// (kube-proxy takes it in every mode) or any when the mode was chosen by
+// --proxy-mode auto rather than by the user. Flags that --config set are its
+// fields, which kube-proxy takes in every mode: they are left alone.
+func (o *options) unusedModeFlags(mode string) (refused, warned []modeFlag) {
 	if o.flags == nil {
-		return nil
+		return nil, nil
 	}
 	auto := o.proxyMode == "" || o.proxyMode == proxymode.Auto
-	var refused []string
 	for _, f := range modeFlags {
-		if !o.flags.Changed(f.name) || o.configFields[f.name] != "" || slices.Contains(f.modes, mode) {
+		_, fromFile := o.configFields[f.name]
+		if !o.flags.Changed(f.name) || fromFile || slices.Contains(f.modes, mode) {
 			continue
 		}
 		if f.warn || auto {
-			klog.InfoS("Ignoring a flag the proxy mode does not use", "flag", "--"+f.name, "mode", mode, "usedBy", strings.Join(f.modes, ", "))
-			continue
+			warned = append(warned, f)
+		} else {
+			refused = append(refused, f)
 		}
-		refused = append(refused, fmt.Sprintf("--%s: the %s mode does not use it (the %s mode does); leave it out", f.name, mode, strings.Join(f.modes, ", ")))
 	}
-	if len(refused) > 0 {
-		return fmt.Errorf("%s", strings.Join(refused, "; "))
+	return refused, warned
+}
+
+// checkModeFlags refuses the flags given on the command line that mode does
+// not use (see unusedModeFlags), so that a flag is never accepted and then
+// ignored. It logs nothing: it runs before the start logs anything.
+func (o *options) checkModeFlags(mode string) error {
+	refused, _ := o.unusedModeFlags(mode)
+	if len(refused) == 0 {
+		return nil
 	}
-	return nil
+	msgs := make([]string, len(refused))
+	for i, f := range refused {
+		msgs[i] = fmt.Sprintf("--%s: the %s mode does not use it (the %s mode does); leave it out", f.name, mode, strings.Join(f.modes, ", "))
+	}
+	return errors.New(strings.Join(msgs, "; "))
+}
+
+// warnModeFlags logs, once each, the flags mode does not use that
+// checkModeFlags lets pass.
+func (o *options) warnModeFlags(mode string) {
+	_, warned := o.unusedModeFlags(mode)
+	for _, f := range warned {
+		klog.InfoS("Ignoring a flag the proxy mode does not use", "flag", "--"+f.name, "mode", mode, "usedBy", strings.Join(f.modes, ", "))
+	}
 }
 
 // checkSourceFlags refuses the flags of the API source beside --services,

@@ -1,14 +1,18 @@
 package main
 
 import (
+	"context"
 	"net/netip"
 	"os/exec"
 	"strings"
 	"testing"
 
 	"github.com/spf13/cobra"
+	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/proxyconfig"
 	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/testbed/logs"
 )
 
 // A flag the chosen mode does not use is refused naming it, unless kube-proxy
@@ -48,10 +52,58 @@ func TestCheckModeFlags(t *testing.T) {
 	o.addFlags(&cobra.Command{Use: "uproxy"})
 	o.flags.Set("udp-timeout", "1s")
 	o.proxyMode = "iptables"
-	o.configFields = map[string]string{"udp-timeout": "udpIdleTimeout"}
+	o.configFields = map[string]proxyconfig.Setting{"udp-timeout": {Field: "udpIdleTimeout", Flag: "udp-timeout"}}
 	if err := o.checkModeFlags("iptables"); err != nil {
 		t.Errorf("a field of --config the mode does not use: got %v, want none (kube-proxy takes it)", err)
 	}
+}
+
+// A flag the mode asked for does not use is refused before anything is
+// logged: the lines --config has to say (a flag it sets, a field uproxy does
+// not use) and the mode's come after the flags are known good.
+func TestModeFlagsRefusedBeforeAnyLog(t *testing.T) {
+	config := writeConfig(t, "mode: iptables\nmetricsBindAddress: 127.0.0.1:0\nhealthzBindAddress: 127.0.0.1:0\nfeatureGates: {SomeGate: true}\n")
+	services := t.TempDir()
+	for _, args := range [][]string{
+		{"--config", config, "--sync-period", "5s", "--rules", "nftables"},
+		{"--proxy-mode", "iptables", "--metrics-bind-address", "127.0.0.1:0", "--healthz-bind-address", "127.0.0.1:0", "--rules", "nftables"},
+	} {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			log := logs.Capture(t)
+			o := defaultOptions()
+			cmd := &cobra.Command{Use: "uproxy"}
+			o.addFlags(cmd)
+			if err := cmd.Flags().Parse(append(args, "--services", services, "--hostname-override", "n")); err != nil {
+				t.Fatal(err)
+			}
+			err := runProxy(context.Background(), o, nil)
+			const want = "--rules: the iptables mode does not use it (the userspace mode does); leave it out"
+			if err == nil || err.Error() != want {
+				t.Errorf("got %v, want %q", err, want)
+			}
+			klog.Flush()
+			if lines := log.Since(); len(lines) > 0 {
+				t.Errorf("log before the refusal: got\n%s\nwant nothing", strings.Join(lines, "\n"))
+			}
+		})
+	}
+
+	// Flags that pass have them logged when the start goes on.
+	log := logs.Capture(t)
+	o, _, err := loadArgs(t, "--config", writeConfig(t, "featureGates: {SomeGate: true}\n"), "--sync-period", "5s", "--hostname-override", "n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	klog.Flush()
+	if lines := log.Since(); len(lines) > 0 {
+		t.Errorf("log of applying and checking the flags: got\n%s\nwant nothing yet", strings.Join(lines, "\n"))
+	}
+	o.logConfigNotes()
+	klog.Flush()
+	logs.Check(t, "--config's notes", log.Since(), [][]string{
+		{"I", `"Ignoring a kube-proxy setting uproxy does not use"`, `field="featureGates"`},
+		{"I", `"Ignoring a flag that --config sets, as kube-proxy does"`, `flag="--sync-period"`, `given="5s"`, `value="30s"`},
+	})
 }
 
 // The flags of the API source are refused beside --services, whose manifests

@@ -29,9 +29,9 @@ func startMode(o *options, cfg *config) (name string, mode proxymode.Mode, lock 
 		return "", nil, nil, err
 	}
 	klog.InfoS("Proxy mode", "mode", name, "reason", reason)
-	if err := o.checkModeFlags(name); err != nil {
-		return "", nil, nil, err
-	}
+	// A mode asked for had the flags it does not use refused with the other
+	// flags (validate); one chosen by auto refuses none.
+	o.warnModeFlags(name)
 	bind := cfg.specific.Userspace.BindAddress
 	cfg.common.NodeIPs = nodeIPs(bind)
 	cfg.common.IPv6 = proxymode.HasIPv6(cfg.common.NodeIPs)

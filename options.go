@@ -78,9 +78,12 @@ type options struct {
 	// configFile is a KubeProxyConfiguration that decides the flags standing
 	// for its fields (applyConfigFile).
 	configFile string
-	// configFields maps the flags configFile set to their fields, for errors.
-	configFields map[string]string
-	flags        *pflag.FlagSet // the flags, to tell given from default ones
+	// configFields maps the flags configFile set to the settings of their
+	// fields, for errors.
+	configFields map[string]proxyconfig.Setting
+	// configNotes are applyConfigFile's log lines, until logConfigNotes.
+	configNotes []configNote
+	flags       *pflag.FlagSet // the flags, to tell given from default ones
 }
 
 func defaultOptions() *options {
@@ -253,6 +256,13 @@ func (o *options) validate() (*config, error) {
 	default:
 		return nil, fmt.Errorf("--proxy-mode %q: want auto, userspace, iptables, nftables or ipvs", o.proxyMode)
 	}
+	if o.proxyMode != proxymode.Auto && o.proxyMode != "" {
+		// A mode that is asked for is the one that runs, if any does: the
+		// flags it does not use are refused now, before anything is logged.
+		if err := o.checkModeFlags(o.proxyMode); err != nil {
+			return nil, err
+		}
+	}
 	if o.events < 0 || o.events > maxEvents {
 		return nil, fmt.Errorf("--events %d: want 0 (none kept) to %d", o.events, maxEvents)
 	}
@@ -271,11 +281,8 @@ func (o *options) validate() (*config, error) {
 	if overlap(o.metricsBindAddress, o.healthzBindAddress) {
 		return nil, fmt.Errorf("--metrics-bind-address %s and --healthz-bind-address %s: the same port on overlapping addresses; each needs its own", o.metricsBindAddress, o.healthzBindAddress)
 	}
-	if o.syncPeriod <= 0 {
-		return nil, fmt.Errorf("--sync-period %v: must be positive", o.syncPeriod)
-	}
-	if o.minSyncPeriod < 0 || o.minSyncPeriod > o.syncPeriod {
-		return nil, fmt.Errorf("--min-sync-period %v: must be between 0 and --sync-period (%v)", o.minSyncPeriod, o.syncPeriod)
+	if err := o.checkSyncPeriods(); err != nil {
+		return nil, err
 	}
 	if err := checkChainPrefix(o.chainPrefix); err != nil {
 		return nil, err
@@ -371,6 +378,33 @@ func (o *options) validate() (*config, error) {
 	return c, nil
 }
 
+// checkSyncPeriods checks --sync-period, and --min-sync-period against it.
+// --config sets both from one section of the file: the error then names the
+// file's fields, and when minSyncPeriod is the default of a field the file
+// leaves out, it is syncPeriod, the one field the file sets, that is wrong.
+func (o *options) checkSyncPeriods() error {
+	if o.syncPeriod <= 0 {
+		return fmt.Errorf("--sync-period %v: must be positive", o.syncPeriod)
+	}
+	if o.minSyncPeriod >= 0 && o.minSyncPeriod <= o.syncPeriod {
+		return nil
+	}
+	least, fromFile := o.configFields["min-sync-period"]
+	most := o.configFields["sync-period"]
+	switch {
+	case !fromFile:
+		return fmt.Errorf("--min-sync-period %v: must be between 0 and --sync-period (%v)", o.minSyncPeriod, o.syncPeriod)
+	case least.Defaulted:
+		return fmt.Errorf("--config %s: field %q %v: must be at least %v, the default value of %s (which the file leaves out or zero)",
+			o.configFile, most.Field, o.syncPeriod, o.minSyncPeriod, least.Field)
+	}
+	of := fmt.Sprint(o.syncPeriod)
+	if most.Defaulted {
+		of += ", its default value"
+	}
+	return fmt.Errorf("--config %s: field %q %v: must be between 0 and %s (%s)", o.configFile, least.Field, o.minSyncPeriod, most.Field, of)
+}
+
 // overlap reports whether two HOST:PORT addresses (checked) would claim the
 // same socket: one port other than 0, and the same host, or an unspecified
 // one, which takes every address of the port.
@@ -411,23 +445,24 @@ func checkChainPrefix(prefix string) error {
 // command line's value of such a flag is ignored (with a warning here; kube-proxy
 // is silent). The one exception among them is --hostname-override, which wins
 // when given, as in kube-proxy. Flags without a field (--master, -v, uproxy's
-// own) apply as given.
+// own) apply as given. What it has to say is logged by logConfigNotes, once
+// the flags are known to be good.
 func (o *options) applyConfigFile() error {
 	if o.configFile == "" || o.flags == nil {
 		return nil
 	}
 	settings, ignored, err := proxyconfig.Load(o.configFile)
 	if err != nil {
-		return fmt.Errorf("--config: %w", err)
+		return fmt.Errorf("--config %w", err) // "--config FILE: ...": Load's errors begin with the file
 	}
 	for _, field := range ignored {
-		klog.InfoS("Ignoring a kube-proxy setting uproxy does not use", "config", o.configFile, "field", field)
+		o.note("Ignoring a kube-proxy setting uproxy does not use", "config", o.configFile, "field", field)
 	}
-	o.configFields = map[string]string{}
+	o.configFields = map[string]proxyconfig.Setting{}
 	for _, st := range settings {
 		fl := o.flags.Lookup(st.Flag)
 		if fl == nil {
-			return fmt.Errorf("--config %s: field %s: %q is not supported (no --%s flag)", o.configFile, st.Field, st.Value, st.Flag)
+			return fmt.Errorf("--config %s: field %q: %q is not supported (no --%s flag)", o.configFile, st.Field, st.Value, st.Flag)
 		}
 		if st.Flag == "hostname-override" && fl.Changed && o.hostnameOverride != "" {
 			if strings.TrimSpace(o.hostnameOverride) == "" {
@@ -440,14 +475,40 @@ func (o *options) applyConfigFile() error {
 			value = fl.DefValue
 		}
 		if fl.Changed {
-			klog.InfoS("Ignoring a flag that --config sets, as kube-proxy does", "flag", "--"+st.Flag, "given", fl.Value.String(), "config", o.configFile, "field", st.Field, "value", value)
+			o.note("Ignoring a flag that --config sets, as kube-proxy does", "flag", "--"+st.Flag, "given", fl.Value.String(), "config", o.configFile, "field", st.Field, "value", value)
 		}
 		if err := o.flags.Set(st.Flag, value); err != nil {
-			return fmt.Errorf("--config %s: field %s: %w", o.configFile, st.Field, err)
+			// The flag set's error names the flag: the value's own says
+			// what is wrong with the field.
+			if verr := fl.Value.Set(value); verr != nil {
+				err = verr
+			}
+			return fmt.Errorf("--config %s: field %q: %w", o.configFile, st.Field, err)
 		}
-		o.configFields[st.Flag] = st.Field
+		o.configFields[st.Flag] = st
 	}
 	return nil
+}
+
+// configNote is a line for the log, held until the flags are checked.
+type configNote struct {
+	msg           string
+	keysAndValues []any
+}
+
+// note holds a line of applyConfigFile's for logConfigNotes.
+func (o *options) note(msg string, keysAndValues ...any) {
+	o.configNotes = append(o.configNotes, configNote{msg, keysAndValues})
+}
+
+// logConfigNotes logs what applyConfigFile had to say. The caller calls it
+// once every flag is checked: a start that a bad flag refuses logs nothing
+// before its error.
+func (o *options) logConfigNotes() {
+	for _, n := range o.configNotes {
+		klog.InfoS(n.msg, n.keysAndValues...)
+	}
+	o.configNotes = nil
 }
 
 // configFieldError rewrites an error of validate about a flag that --config
@@ -455,10 +516,10 @@ func (o *options) applyConfigFile() error {
 // with the flag).
 func (o *options) configFieldError(err error) error {
 	msg := err.Error()
-	for flag, field := range o.configFields {
+	for flag, st := range o.configFields {
 		rest, ok := strings.CutPrefix(msg, "--"+flag)
 		if ok && (rest == "" || rest[0] == ' ' || rest[0] == ':' || rest[0] == ',') {
-			return &renamedError{msg: fmt.Sprintf("--config %s: field %q%s", o.configFile, field, rest), err: err}
+			return &renamedError{msg: fmt.Sprintf("--config %s: field %q%s", o.configFile, st.Field, rest), err: err}
 		}
 	}
 	return err

@@ -66,6 +66,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	if err := o.checkServicesPath(); err != nil {
 		return err
 	}
+	o.logConfigNotes()
 	raiseFileLimit()
 	if ctx == nil {
 		ctx = context.Background()

@@ -28,6 +28,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"io/fs"
 	"net"
 	"net/netip"
 	"slices"
@@ -35,6 +37,7 @@ import (
 	"strings"
 	"time"
 
+	yamlv2 "go.yaml.in/yaml/v2"
 	"sigs.k8s.io/yaml"
 
 	"github.com/uproxy/uproxy/regularfile"
@@ -56,6 +59,10 @@ type Setting struct {
 	// uproxy's; ipvs.scheduler: rr in both): the flag takes its default value
 	// and Value is empty.
 	Default bool
+	// Defaulted says the file leaves the field out, null or zero (out or null
+	// for a pointer field): Value is what kube-proxy makes of that, its
+	// default, rather than a value the file asks for.
+	Defaulted bool
 }
 
 func (s Setting) String() string {
@@ -186,23 +193,27 @@ var schema = map[string]any{
 const MaxFileSize = 4 << 20
 
 // Load reads the configuration file at path; see Parse. path must be a
-// regular file of at most MaxFileSize bytes.
+// regular file of at most MaxFileSize bytes. Every error begins with path,
+// and names it only there.
 func Load(path string) (settings []Setting, ignoredFields []string, err error) {
 	data, err := regularfile.Read(path, MaxFileSize, "configuration file")
-	if errors.Is(err, regularfile.ErrNotRegular) || errors.Is(err, regularfile.ErrTooLarge) {
-		err = fmt.Errorf("%s: %w", path, err) // the others name it
-	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("config file: %w", err)
+		// The system's errors name the file after their operation ("stat
+		// PATH: no such file or directory"); only what went wrong is kept.
+		if pe, ok := errors.AsType[*fs.PathError](err); ok {
+			err = pe.Err
+		}
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
 	settings, ignoredFields, err = Parse(data)
 	if err != nil {
-		return nil, nil, fmt.Errorf("config file %s: %w", path, err)
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return settings, ignoredFields, nil
 }
 
-// Parse reads a KubeProxyConfiguration in YAML or JSON. It returns a setting
+// Parse reads a KubeProxyConfiguration in YAML or JSON, the one document of
+// data (a trailing empty one aside). It returns a setting
 // for every field that maps to a flag, ordered by field path, with
 // kube-proxy's default for a field left out or zero, and the fields that hold
 // a value uproxy does not use. Unknown fields, duplicate keys, values of the
@@ -212,6 +223,9 @@ func Load(path string) (settings []Setting, ignoredFields []string, err error) {
 // the mode is empty, "userspace" or "iptables"), as kube-proxy does; the other
 // sections' periods are ignored.
 func Parse(data []byte) (settings []Setting, ignoredFields []string, err error) {
+	if err := oneDocument(data); err != nil {
+		return nil, nil, err
+	}
 	js, err := yaml.YAMLToJSONStrict(data)
 	if err != nil {
 		return nil, nil, fmt.Errorf("parse: %w", err)
@@ -242,6 +256,33 @@ func Parse(data []byte) (settings []Setting, ignoredFields []string, err error) 
 		return nil, nil, err
 	}
 	return settings, w.ignored, nil
+}
+
+// oneDocument refuses YAML of more than one document: the YAML reader of
+// Parse takes the first one only, and a second KubeProxyConfiguration, or
+// text that is not YAML at all, would be ignored without a word. A document
+// that holds nothing (after a trailing "---", or of comments alone) is
+// none. The first document's own errors are left to Parse, which reads it
+// strictly.
+func oneDocument(data []byte) error {
+	const one = "the file must hold one KubeProxyConfiguration"
+	dec := yamlv2.NewDecoder(bytes.NewReader(data))
+	for n := 1; ; n++ {
+		var doc any
+		err := dec.Decode(&doc)
+		switch {
+		case err == io.EOF:
+			return nil
+		case n == 1 && err != nil:
+			return nil
+		case n > 1 && err != nil:
+			// Not the parser's error: its line numbers are not always the
+			// file's.
+			return fmt.Errorf("more than one YAML document (document %d does not parse as YAML): %s", n, one)
+		case n > 1 && doc != nil:
+			return fmt.Errorf("more than one YAML document: %s", one)
+		}
+	}
 }
 
 // appliesTo reports whether the field counts when the file's mode section is
@@ -391,7 +432,7 @@ func (w *walker) resolve() ([]Setting, error) {
 }
 
 func (w *walker) setting(path string, f field) (Setting, error) {
-	st := Setting{Field: path, Flag: f.flag, Value: w.values[path]}
+	st := Setting{Field: path, Flag: f.flag, Value: w.values[path], Defaulted: w.values[path] == ""}
 	switch {
 	case f.port != 0:
 		// kube-proxy's bind addresses: the default host follows bindAddress's

@@ -255,6 +255,12 @@ func TestParseErrors(t *testing.T) {
 		{"object expected", header + "ipvs: rr\n", `field "ipvs": want an object`},
 		{"bind address neither IP nor IP:PORT", header + "metricsBindAddress: localhost\n", `field "metricsBindAddress": "localhost" is neither IP:PORT nor an IP address`},
 		{"not YAML", "{", "parse"},
+		{"a second document", header + "mode: iptables\n---\n" + header + "mode: ipvs\n",
+			"more than one YAML document: the file must hold one KubeProxyConfiguration"},
+		{"a second document, not YAML", header + "---\n: : [\n",
+			"more than one YAML document (document 2 does not parse as YAML): the file must hold one KubeProxyConfiguration"},
+		{"a second document after an empty one", header + "---\n---\nmode: ipvs\n", "more than one YAML document"},
+		{"JSON, then another object", `{"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration"}` + "\n{}\n", "more than one YAML document"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -266,18 +272,58 @@ func TestParseErrors(t *testing.T) {
 	}
 }
 
+// TestLoadNamesTheFile: every error begins with the file, and names it
+// there only.
+// Defaulted tells a value the file asks for from kube-proxy's default for a
+// field it leaves out or zero; a pointer field's zero is a value.
+func TestParseDefaulted(t *testing.T) {
+	settings, _, err := Parse([]byte(header + "iptables: {syncPeriod: 10s, minSyncPeriod: 0s}\nconntrack: {maxPerCore: 0}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]bool{
+		"iptables.syncPeriod":    false,
+		"iptables.minSyncPeriod": true,
+		"conntrack.maxPerCore":   false,
+		"conntrack.min":          true,
+	}
+	for _, st := range settings {
+		if d, ok := want[st.Field]; ok && st.Defaulted != d {
+			t.Errorf("%s: got Defaulted %v, want %v", st, st.Defaulted, d)
+		}
+	}
+}
+
+// A document that holds nothing after the configuration (a trailing "---",
+// comments) is no second one.
+func TestParseTakesAnEmptyLastDocument(t *testing.T) {
+	for _, doc := range []string{
+		"---\n" + header,
+		header + "---\n",
+		header + "--- # end\n# nothing more\n",
+		header + "...\n",
+	} {
+		if _, _, err := Parse([]byte(doc)); err != nil {
+			t.Errorf("%q: got error %v, want none", doc, err)
+		}
+	}
+}
+
 func TestLoadNamesTheFile(t *testing.T) {
 	t.Parallel()
 	path := filepath.Join(t.TempDir(), "config.conf")
 	if err := os.WriteFile(path, []byte(header+"oops: 1\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	_, _, err := Load(path)
-	if err == nil || !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), `"oops"`) {
-		t.Errorf("got %v, want an error naming %s and the field", err, path)
-	}
-	if _, _, err := Load(filepath.Join(t.TempDir(), "absent")); err == nil {
-		t.Errorf("Load of a missing file: got nil error, want one")
+	absent := filepath.Join(t.TempDir(), "absent")
+	for path, want := range map[string]string{
+		path:   path + `: unknown field "oops"`,
+		absent: absent + ": no such file or directory",
+	} {
+		_, _, err := Load(path)
+		if err == nil || err.Error() != want {
+			t.Errorf("Load(%s): got %v, want %q", path, err, want)
+		}
 	}
 }
 
@@ -303,9 +349,9 @@ func TestLoadRefusesWhatItCannotReadSafely(t *testing.T) {
 		name, path string
 		want       []string
 	}{
-		{"named pipe", fifo, []string{fifo, "not a regular file (a named pipe)"}},
-		{"link to /dev/zero", zero, []string{zero, "not a regular file (a character device)"}},
-		{"larger than the limit", large, []string{large, "larger than the limit of 4 MiB"}},
+		{"named pipe", fifo, []string{fifo + ": not a regular file (a named pipe)"}},
+		{"link to /dev/zero", zero, []string{zero + ": not a regular file (a character device)"}},
+		{"larger than the limit", large, []string{large + ": larger than the limit of 4 MiB"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -81,7 +81,8 @@ type objectKey struct{ namespace, name string }
 // Service whose uproxy.io/ policy annotations do not parse (see ParsePolicy) is
 // served, with the flags' policy in place of each bad one, and each such error
 // goes to Snapshot.Errors; so does a Service without a cluster IP (see
-// noClusterIP), which is served too. A Service port of a protocol the mode cannot serve
+// noClusterIP), or a NodePort or LoadBalancer Service port without a nodePort
+// (see noNodePorts), which is served too. A Service port of a protocol the mode cannot serve
 // (BuildOptions.Unserved) is left out, with an UnservedError in Errors. Build
 // never modifies its arguments, which may come straight from an informer cache,
 // and accepts nil entries.
@@ -144,7 +145,7 @@ type svcState struct {
 	objectState
 	// policy is a valid Service's own policy. servedErrs are its problems that
 	// leave it served all the same (annotations that did not parse, no cluster
-	// IP): they go to Snapshot.Errors.
+	// IP, a port without its nodePort): they go to Snapshot.Errors.
 	policy     Policy
 	servedErrs []error
 }
@@ -281,6 +282,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 				if err := noClusterIP(svc); err != nil {
 					st.servedErrs = append(st.servedErrs, err)
 				}
+				st.servedErrs = append(st.servedErrs, noNodePorts(svc)...)
 			}
 			b.svcs[svc] = st
 		}

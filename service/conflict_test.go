@@ -53,9 +53,11 @@ func udp(s *v1.ServiceSpec) {
 	}
 }
 
+// lbIngress makes a LoadBalancer Service of ip, without NodePorts.
 func lbIngress(ip string) func(*v1.Service) {
 	return func(s *v1.Service) {
 		s.Spec.Type = v1.ServiceTypeLoadBalancer
+		s.Spec.AllocateLoadBalancerNodePorts = ptr(false)
 		s.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: ip}}
 	}
 }

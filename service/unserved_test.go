@@ -2,6 +2,7 @@ package service
 
 import (
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -85,5 +86,39 @@ func TestBuildWarnsOfNoClusterIP(t *testing.T) {
 	want := "Service ns/bare: spec.clusterIP: not set, so no cluster IP reaches the Service"
 	if len(snap.Errors) != 1 || !strings.HasPrefix(snap.Errors[0].Error(), want) {
 		t.Errorf("errors: got %v, want one starting %q", snap.Errors, want)
+	}
+}
+
+// A NodePort or LoadBalancer Service port without a nodePort (the API server
+// would have allocated one; a manifest has no allocator) is served, on its
+// other addresses, and warned of; a LoadBalancer Service that asks for no
+// NodePorts, and a port that has one, are not.
+func TestBuildWarnsOfNoNodePort(t *testing.T) {
+	t.Parallel()
+	twoPorts := withPorts(v1.ServicePort{Name: "a", Port: 80}, v1.ServicePort{Name: "b", Port: 81, NodePort: 30081})
+	np := testService("ns", "np", twoPorts, withSpec(func(s *v1.ServiceSpec) { s.Type = v1.ServiceTypeNodePort }))
+	lb := testService("ns", "lb", withSpec(func(s *v1.ServiceSpec) { s.ClusterIP = "10.96.0.11"; s.Type = v1.ServiceTypeLoadBalancer }))
+	lbWithout := testService("ns", "lb-without", withSpec(func(s *v1.ServiceSpec) {
+		s.ClusterIP = "10.96.0.12"
+		s.Type = v1.ServiceTypeLoadBalancer
+		s.AllocateLoadBalancerNodePorts = ptr(false)
+	}))
+	np.Spec.ClusterIP = "10.96.0.13"
+	snap := Build([]*v1.Service{np, lb, lbWithout}, nil, BuildOptions{})
+	if got, want := len(snap.Ports), 4; got != want {
+		t.Errorf("got %d ports %s, want %d: every port served", got, dump(snap.Ports), want)
+	}
+	var errs []string
+	for _, err := range snap.Errors {
+		errs = append(errs, err.Error())
+	}
+	want := []string{
+		"Service ns/lb: spec.ports[0].nodePort: not set: manifests are not allocated NodePorts (the API server would have allocated one), " +
+			"so this port of the LoadBalancer Service is reached on no NodePort; set it to a port of the cluster's NodePort range",
+		"Service ns/np: spec.ports[0].nodePort: not set: manifests are not allocated NodePorts (the API server would have allocated one), " +
+			"so this port of the NodePort Service is reached on no NodePort; set it to a port of the cluster's NodePort range",
+	}
+	if !slices.Equal(errs, want) {
+		t.Errorf("errors:\ngot  %q\nwant %q", errs, want)
 	}
 }

@@ -211,7 +211,10 @@ func (v *validator) clusterIPs(spec *v1.ServiceSpec) {
 		if i == 1 && len(ips) == 1 && ips[0].Is4() == ip.Is4() {
 			v.addf(field, "%s is %s like spec.clusterIPs[0]; a dual-stack Service needs one address of each family", ip, familyOf(ip))
 		}
-		if i < len(spec.IPFamilies) && spec.IPFamilies[i] != familyOf(ip) {
+		// A value that is no family is the API server's to refuse (and a
+		// manifest's checks report it): saying that it is not ip's family too
+		// would report it twice.
+		if i < len(spec.IPFamilies) && isFamily(spec.IPFamilies[i]) && spec.IPFamilies[i] != familyOf(ip) {
 			v.addf(field, "%s is %s but spec.ipFamilies[%d] is %s", ip, familyOf(ip), i, spec.IPFamilies[i])
 		}
 		ips = append(ips, ip)
@@ -296,6 +299,32 @@ func noClusterIP(svc *v1.Service) error {
 		Msg: "not set, so no cluster IP reaches the Service (only its NodePort, external or load balancer IPs, and in the userspace mode its proxy port); the API server would have assigned one: give one from the cluster's service CIDR"}
 }
 
+// noNodePorts warns of each port of a NodePort or LoadBalancer Service that has
+// no nodePort. The API server allocates one to every such port (a LoadBalancer
+// Service's unless allocateLoadBalancerNodePorts is false); a hand-written
+// manifest has no allocator, and the port is then served on no NodePort,
+// which would otherwise go unsaid.
+func noNodePorts(svc *v1.Service) []error {
+	switch svc.Spec.Type {
+	case v1.ServiceTypeNodePort:
+	case v1.ServiceTypeLoadBalancer:
+		if a := svc.Spec.AllocateLoadBalancerNodePorts; a != nil && !*a {
+			return nil
+		}
+	default:
+		return nil
+	}
+	var errs []error
+	for i, p := range svc.Spec.Ports {
+		if p.NodePort != 0 {
+			continue
+		}
+		errs = append(errs, &FieldError{Kind: "Service", Namespace: svc.Namespace, Name: svc.Name, Field: fmt.Sprintf("spec.ports[%d].nodePort", i),
+			Msg: fmt.Sprintf("not set: manifests are not allocated NodePorts (the API server would have allocated one), so this port of the %s Service is reached on no NodePort; set it to a port of the cluster's NodePort range", svc.Spec.Type)})
+	}
+	return errs
+}
+
 // parseIP accepts an IPv4 or IPv6 address without zone: a zone has no meaning for a
 // Service or endpoint address and would make two spellings of one address differ.
 func parseIP(s string) (netip.Addr, bool) {
@@ -317,6 +346,8 @@ func parseSourceRange(s string) (netip.Prefix, bool) {
 }
 
 func validPort(p int32) bool { return p >= 1 && p <= 65535 }
+
+func isFamily(f v1.IPFamily) bool { return f == v1.IPv4Protocol || f == v1.IPv6Protocol }
 
 func familyOf(ip netip.Addr) v1.IPFamily {
 	if ip.Is4() {

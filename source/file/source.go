@@ -603,7 +603,7 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 				var verrs []error
 				if o.svc != nil {
 					verrs = append(service.ValidateService(o.svc), validateServiceManifest(o.svc)...)
-				} else {
+				} else if verrs = sliceLimits(o.slice); verrs == nil {
 					verrs = append(service.ValidateEndpointSlice(o.slice), validateSliceManifest(o.slice, l.loopbackEndpoints)...)
 				}
 				o.checked = valid

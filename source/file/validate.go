@@ -7,6 +7,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	apivalidation "k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/uproxy/uproxy/service"
@@ -14,12 +15,14 @@ import (
 
 // The checks here are the API server's that service.ValidateService and
 // service.ValidateEndpointSlice leave out, because objects read from the API
-// server have passed them already: names, and addresses that are not a
-// Service's or an endpoint's to take. A manifest has passed nothing, and a
-// name or address the API server would refuse can do harm here: a loopback
-// external IP captures the node's own 127.0.0.1 services, a loopback endpoint
-// lets a Service's clients reach servers that listen only on the node, and a
-// name is written into rule comments.
+// server have passed them already: names, addresses that are not a
+// Service's or an endpoint's to take, and fields the proxy does not use. A
+// manifest has passed nothing, and a name or address the API server would
+// refuse can do harm here: a loopback external IP captures the node's own
+// 127.0.0.1 services, a loopback endpoint lets a Service's clients reach
+// servers that listen only on the node, and a name is written into rule
+// comments. A field the proxy does not use is checked all the same, so that a
+// manifest that works here works when applied to a cluster.
 
 // validateServiceManifest returns what the API server would refuse in svc
 // and service.ValidateService does not check, one *service.FieldError per
@@ -31,6 +34,19 @@ func validateServiceManifest(svc *v1.Service) []error {
 	c.checkName("metadata.namespace", svc.Namespace, "DNS-1123 label", apivalidation.IsDNS1123Label)
 	for i, p := range svc.Spec.Ports {
 		c.checkName(fmt.Sprintf("spec.ports[%d].name", i), p.Name, "DNS-1123 label", apivalidation.IsDNS1123Label)
+		c.targetPort(fmt.Sprintf("spec.ports[%d].targetPort", i), p.TargetPort)
+	}
+	if p := svc.Spec.IPFamilyPolicy; p != nil {
+		switch *p {
+		case v1.IPFamilyPolicySingleStack, v1.IPFamilyPolicyPreferDualStack, v1.IPFamilyPolicyRequireDualStack:
+		default:
+			c.addf("spec.ipFamilyPolicy", "unsupported value %q (want SingleStack, PreferDualStack or RequireDualStack)", *p)
+		}
+	}
+	for i, f := range svc.Spec.IPFamilies {
+		if f != v1.IPv4Protocol && f != v1.IPv6Protocol {
+			c.addf(fmt.Sprintf("spec.ipFamilies[%d]", i), "unsupported value %q (want IPv4 or IPv6)", f)
+		}
 	}
 	for i, ip := range svc.Spec.ClusterIPs {
 		c.ordinaryIP(fmt.Sprintf("spec.clusterIPs[%d]", i), ip)
@@ -80,6 +96,36 @@ func validateSliceManifest(s *discoveryv1.EndpointSlice, loopbackOK bool) []erro
 	return c.errs
 }
 
+// The API server's limits on an EndpointSlice's lists (its discovery
+// validation; the type's documentation says 100 ports, the API server takes
+// up to 20000).
+const (
+	maxSliceEndpoints    = 1000
+	maxSlicePorts        = 20000
+	maxEndpointAddresses = 100
+)
+
+// sliceLimits returns an error for each of the API server's limits on a
+// list that s exceeds. Such a slice is refused whole, and its items are not
+// checked one by one: a manifest of 64 MiB holds millions of them, and as
+// many errors would say nothing more.
+func sliceLimits(s *discoveryv1.EndpointSlice) []error {
+	c := checker{kind: "EndpointSlice", namespace: s.Namespace, name: s.Name}
+	if n := len(s.Ports); n > maxSlicePorts {
+		c.addf("ports", "%d items, must have at most %d", n, maxSlicePorts)
+	}
+	if n := len(s.Endpoints); n > maxSliceEndpoints {
+		c.addf("endpoints", "%d items, must have at most %d", n, maxSliceEndpoints)
+		return c.errs
+	}
+	for i, ep := range s.Endpoints {
+		if n := len(ep.Addresses); n > maxEndpointAddresses {
+			c.addf(fmt.Sprintf("endpoints[%d].addresses", i), "%d items, must have at most %d", n, maxEndpointAddresses)
+		}
+	}
+	return c.errs
+}
+
 // checker collects the FieldErrors of one object.
 type checker struct {
 	kind, namespace, name string
@@ -99,6 +145,18 @@ func (c *checker) checkName(field, value, what string, valid func(string) []stri
 	}
 	if msgs := valid(value); len(msgs) > 0 {
 		c.addf(field, "%q is not a valid %s: %s", value, what, strings.Join(msgs, "; "))
+	}
+}
+
+// targetPort checks a Service port's targetPort: a port number or the name
+// of a container port (an IANA_SVC_NAME). Its zero value, 0 or "", is the
+// API server's to default to the port, as it does before validating.
+func (c *checker) targetPort(field string, tp intstr.IntOrString) {
+	switch {
+	case tp.Type == intstr.String:
+		c.checkName(field, tp.StrVal, "port name", apivalidation.IsValidPortName)
+	case tp.IntVal < 0 || tp.IntVal > 65535:
+		c.addf(field, "%d is out of range 1-65535", tp.IntVal)
 	}
 }
 

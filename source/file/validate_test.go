@@ -1,6 +1,7 @@
 package file
 
 import (
+	"fmt"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -358,6 +359,90 @@ spec: {ports: [{name: p, port: 80}]}
 	}
 }
 
+// TestLoadRefusesSlicesOverTheLimits: an EndpointSlice over one of the API
+// server's limits (1000 endpoints, 20000 ports, 100 addresses an endpoint) is
+// refused whole, naming the list, and its last good version stays; over the
+// endpoints' limit its endpoints are not checked one by one.
+func TestLoadRefusesSlicesOverTheLimits(t *testing.T) {
+	t.Parallel()
+	// slice is web's slice of nPorts ports (the first p80) and nEndpoints
+	// endpoints at addr(i), the first with addresses addresses.
+	slice := func(nPorts, nEndpoints, addresses int, addr func(i int) string) string {
+		var b strings.Builder
+		b.WriteString("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports:\n")
+		for i := range nPorts {
+			fmt.Fprintf(&b, "- {name: p%d, port: %d}\n", 80+i, 8080+i%1000)
+		}
+		b.WriteString("endpoints:\n")
+		for i := range nEndpoints {
+			addrs := []string{addr(i)}
+			for j := 1; i == 0 && j < addresses; j++ {
+				addrs = append(addrs, fmt.Sprintf("10.1.0.%d", j))
+			}
+			fmt.Fprintf(&b, "- addresses: [%s]\n", strings.Join(addrs, ", "))
+		}
+		return b.String()
+	}
+	ordinary := func(i int) string { return fmt.Sprintf("10.0.%d.%d", i/256, i%256) }
+	path := filepath.Join(t.TempDir(), "web.yaml")
+	l := newLoader(path, false, service.BuildOptions{})
+	svc := svcYAML("web", "10.96.0.12", 80) + "---\n"
+	const at = "document 2 (line 11): EndpointSlice default/web-1: "
+	steps := []struct {
+		name          string
+		slice         string
+		wantEndpoints int // of default/web:p80; 0: not counted
+		wantErrs      []string
+	}{
+		{"an endpoint at the limit", slice(1, 1, 100, ordinary), 0, nil},
+		{"the slice at the limits", slice(20000, 1000, 1, ordinary), 1000, nil},
+		{"an endpoint over", slice(1, 2, 101, ordinary), 1000, []string{at + "endpoints[0].addresses: 101 items, must have at most 100"}},
+		{"endpoints over", slice(1, 1001, 1, ordinary), 1000, []string{at + "endpoints: 1001 items, must have at most 1000"}},
+		{"endpoints over, each of them refused too: said once", slice(1, 50000, 1, func(int) string { return "127.0.0.1" }), 1000,
+			[]string{at + "endpoints: 50000 items, must have at most 1000"}},
+		{"ports over", slice(20001, 1, 1, ordinary), 1000, []string{at + "ports: 20001 items, must have at most 20000"}},
+		{"within again", slice(1, 2, 1, ordinary), 2, nil},
+	}
+	for _, st := range steps {
+		writeFile(t, path, svc+st.slice)
+		snap := l.load()
+		var errs []string
+		for _, e := range errorStrings(snap) {
+			errs = append(errs, strings.TrimPrefix(e, path+": "))
+		}
+		if !slices.Equal(errs, st.wantErrs) {
+			t.Errorf("%s: errors:\ngot  %q\nwant %q", st.name, errs, st.wantErrs)
+		}
+		p := snap.Lookup(service.PortName{Namespace: "default", Name: "web", Port: "p80"})
+		switch {
+		case p == nil:
+			t.Errorf("%s: default/web:p80 not served", st.name)
+		case st.wantEndpoints > 0 && len(p.Endpoints) != st.wantEndpoints:
+			t.Errorf("%s: got default/web:p80 with %d endpoints, want %d", st.name, len(p.Endpoints), st.wantEndpoints)
+		}
+	}
+}
+
+// TestLoadWarnsOfNoNodePort: a manifest's NodePort Service without its
+// nodePort (nothing allocates one to a manifest) is served, on its cluster
+// IP, and the problem says that the field must be set.
+func TestLoadWarnsOfNoNodePort(t *testing.T) {
+	t.Parallel()
+	snap, errs := loadOne(t, `apiVersion: v1
+kind: Service
+metadata: {name: web}
+spec: {type: NodePort, clusterIP: 10.96.0.12, ports: [{name: p80, port: 80, nodePort: 30080}, {name: p81, port: 81}]}
+`)
+	want := []string{"document 1 (line 1): Service default/web: spec.ports[1].nodePort: not set: manifests are not allocated NodePorts " +
+		"(the API server would have allocated one), so this port of the NodePort Service is reached on no NodePort; set it to a port of the cluster's NodePort range"}
+	if !slices.Equal(errs, want) {
+		t.Errorf("errors:\ngot  %q\nwant %q", errs, want)
+	}
+	if got, want := summary(snap), []string{"default/web:p80=80/TCP[]", "default/web:p81=81/TCP[]"}; !slices.Equal(got, want) {
+		t.Errorf("got ports %q, want %q: served all the same", got, want)
+	}
+}
+
 // TestLoopbackEndpointsWhereOnlyTheNodeConnects: with LoopbackEndpoints (proxy
 // ports on a loopback address alone, as the demo's) endpoints at loopback
 // addresses are taken; the other special addresses are still refused.
@@ -382,5 +467,67 @@ func TestLoopbackEndpointsWhereOnlyTheNodeConnects(t *testing.T) {
 	}
 	if errs := errorStrings(snap); len(errs) != 1 || !strings.Contains(errs[0], "0.0.0.0 is an unspecified address") {
 		t.Errorf("an unspecified endpoint with LoopbackEndpoints: got errors %q, want it refused", errs)
+	}
+}
+
+// TestLoadRefusesInvalidServiceFields: the fields of a Service's spec that
+// the proxy has no use for are still checked as the API server checks them,
+// and a Service it would refuse is not served, with the field named. A field
+// the API server defaults is accepted unset.
+func TestLoadRefusesInvalidServiceFields(t *testing.T) {
+	t.Parallel()
+	const prefix = "document 1 (line 1): Service default/web: "
+	tests := []struct {
+		name string
+		spec string // the Service's spec, YAML flow style
+		want []string
+	}{
+		{name: "targetPort unset", spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80}]}`},
+		{name: "targetPort 0, defaulted to the port", spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: 0}]}`},
+		{name: `targetPort "", defaulted to the port`, spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: ""}]}`},
+		{name: "targetPort a number", spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: 65535}]}`},
+		{name: "targetPort a name", spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: http-alt}]}`},
+		{
+			name: "targetPort out of range",
+			spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: 70000}, {name: p81, port: 81, targetPort: -5}]}`,
+			want: []string{
+				prefix + "spec.ports[0].targetPort: 70000 is out of range 1-65535",
+				prefix + "spec.ports[1].targetPort: -5 is out of range 1-65535",
+			},
+		},
+		{
+			name: "targetPort not a port name",
+			spec: `{clusterIP: 10.96.0.10, ports: [{name: p80, port: 80, targetPort: http_alt}, {name: p81, port: 81, targetPort: "8080"}]}`,
+			want: []string{
+				prefix + `spec.ports[0].targetPort: "http_alt" is not a valid port name: must contain only alpha-numeric characters (a-z, 0-9), and hyphens (-)`,
+				prefix + `spec.ports[1].targetPort: "8080" is not a valid port name: must contain at least one letter (a-z)`,
+			},
+		},
+		{name: "IP families", spec: `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, "fd00::10"], ipFamilyPolicy: RequireDualStack, ipFamilies: [IPv4, IPv6], ports: [{name: p80, port: 80}]}`},
+		{
+			name: "ipFamilyPolicy not a policy",
+			spec: `{clusterIP: 10.96.0.10, ipFamilyPolicy: DualStack, ports: [{name: p80, port: 80}]}`,
+			want: []string{prefix + `spec.ipFamilyPolicy: unsupported value "DualStack" (want SingleStack, PreferDualStack or RequireDualStack)`},
+		},
+		{
+			name: "ipFamilies not families, one beside its cluster IP: said once",
+			spec: `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10], ipFamilies: [IPv5, ipv6], ports: [{name: p80, port: 80}]}`,
+			want: []string{
+				prefix + `spec.ipFamilies[0]: unsupported value "IPv5" (want IPv4 or IPv6)`,
+				prefix + `spec.ipFamilies[1]: unsupported value "ipv6" (want IPv4 or IPv6)`,
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			snap, errs := loadOne(t, "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: "+tt.spec+"\n")
+			if !slices.Equal(errs, tt.want) {
+				t.Errorf("errors:\ngot  %q\nwant %q", errs, tt.want)
+			}
+			if served := len(snap.Ports) > 0; served != (len(tt.want) == 0) {
+				t.Errorf("got served %v, want %v (ports %q)", served, len(tt.want) == 0, summary(snap))
+			}
+		})
 	}
 }
