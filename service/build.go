@@ -532,9 +532,7 @@ func portEndpoints(sp v1.ServicePort, eps []*discoveryv1.EndpointSlice, opts Bui
 			continue
 		}
 		nums[i] = num
-		for _, ep := range s.Endpoints {
-			n += len(ep.Addresses)
-		}
+		n += len(s.Endpoints)
 	}
 	if n == 0 {
 		return nil
@@ -570,14 +568,18 @@ func portEndpoints(sp v1.ServicePort, eps []*discoveryv1.EndpointSlice, opts Bui
 					e.ForThisNode = e.ForThisNode || (opts.NodeName != "" && n.Name == opts.NodeName)
 				}
 			}
-			for _, a := range ep.Addresses {
-				ip, ok := parseIP(a)
-				if !ok {
-					continue // unreachable after validation; kept for safety
-				}
-				e.Addr = netip.AddrPortFrom(ip, nums[i])
-				out = append(out, e)
+			// An endpoint is its first address: the API defines nothing for
+			// the others, which the EndpointSlice controller never writes
+			// and kube-proxy does not read.
+			if len(ep.Addresses) == 0 {
+				continue // unreachable after validation; kept for safety
 			}
+			ip, ok := parseIP(ep.Addresses[0])
+			if !ok {
+				continue // likewise
+			}
+			e.Addr = netip.AddrPortFrom(ip, nums[i])
+			out = append(out, e)
 		}
 	}
 	// A stable sort keeps duplicates in slice order, so after it the first ready

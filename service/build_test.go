@@ -145,7 +145,7 @@ func TestBuildConversion(t *testing.T) {
 			},
 		},
 		{
-			name: "several slices merged, duplicate address keeps the ready one",
+			name: "several slices merged, duplicate address keeps the ready one, an endpoint is its first address",
 			svcs: []*v1.Service{testService("default", "web")},
 			slices: []*discoveryv1.EndpointSlice{
 				testSlice("default", "web-b", "web", discoveryv1.AddressTypeIPv4, slicePorts(":8080"),
@@ -161,7 +161,8 @@ func TestBuildConversion(t *testing.T) {
 				Name: web, Protocol: TCP, Port: 80,
 				ClusterIPs: []netip.Addr{ip("10.96.0.10")},
 				Endpoints: []Endpoint{
-					readyEP("10.0.0.1:8080"), readyEP("10.0.0.2:8080"), readyEP("10.0.0.3:8080"), readyEP("10.0.0.4:8080"),
+					// 10.0.0.4, a second address of 10.0.0.1's endpoint, is none.
+					readyEP("10.0.0.1:8080"), readyEP("10.0.0.2:8080"), readyEP("10.0.0.3:8080"),
 				},
 			}},
 		},

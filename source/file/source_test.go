@@ -38,8 +38,17 @@ ports:
 - name: p%d
   port: %d
 endpoints:
-- addresses: ["%s"]
-`, name, svc, port, port+8000, strings.Join(addrs, `", "`))
+%s`, name, svc, port, port+8000, endpointsYAML(addrs))
+}
+
+// endpointsYAML lists an endpoint per address, as the EndpointSlice
+// controller writes them.
+func endpointsYAML(addrs []string) string {
+	var b strings.Builder
+	for _, a := range addrs {
+		fmt.Fprintf(&b, "- addresses: [%q]\n", a)
+	}
+	return b.String()
 }
 
 // summary renders a Snapshot's ports as "ns/name:port=80/TCP[endpoints]", sorted.

@@ -124,11 +124,11 @@ func TestLoadRefusesSpecialEndpointAddresses(t *testing.T) {
 			svc:   web,
 			addrs: []string{"10.0.0.1", "127.0.0.1", "0.0.0.0", "255.255.255.255", "224.0.0.5", "169.254.1.1"},
 			want: []string{
-				"document 2 (line 11): EndpointSlice default/web-1: endpoints[0].addresses[1]: 127.0.0.1 is a loopback address",
-				"document 2 (line 11): EndpointSlice default/web-1: endpoints[0].addresses[2]: 0.0.0.0 is an unspecified address",
-				"document 2 (line 11): EndpointSlice default/web-1: endpoints[0].addresses[3]: 255.255.255.255 is the broadcast address",
-				"document 2 (line 11): EndpointSlice default/web-1: endpoints[0].addresses[4]: 224.0.0.5 is a multicast address",
-				"document 2 (line 11): EndpointSlice default/web-1: endpoints[0].addresses[5]: 169.254.1.1 is a link-local address",
+				"document 2 (line 11): EndpointSlice default/web-1: endpoints[1].addresses[0]: 127.0.0.1 is a loopback address",
+				"document 2 (line 11): EndpointSlice default/web-1: endpoints[2].addresses[0]: 0.0.0.0 is an unspecified address",
+				"document 2 (line 11): EndpointSlice default/web-1: endpoints[3].addresses[0]: 255.255.255.255 is the broadcast address",
+				"document 2 (line 11): EndpointSlice default/web-1: endpoints[4].addresses[0]: 224.0.0.5 is a multicast address",
+				"document 2 (line 11): EndpointSlice default/web-1: endpoints[5].addresses[0]: 169.254.1.1 is a link-local address",
 			},
 		},
 		{
@@ -142,7 +142,7 @@ func TestLoadRefusesSpecialEndpointAddresses(t *testing.T) {
 			name:  "the Service's own external IP",
 			svc:   strings.Replace(web, "  ports:", "  externalIPs: [192.0.2.7]\n  ports:", 1),
 			addrs: []string{"10.0.0.1", "192.0.2.7"},
-			want: []string{"document 2 (line 12): EndpointSlice default/web-1: endpoints[0].addresses[1]: 192.0.2.7 is Service default/web's own address " +
+			want: []string{"document 2 (line 12): EndpointSlice default/web-1: endpoints[1].addresses[0]: 192.0.2.7 is Service default/web's own address " +
 				"(spec.externalIPs[0]): connections to it would loop back to the Service"},
 		},
 		{
