@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/netip"
 	"os"
@@ -137,6 +138,9 @@ func (o *options) checkServicesPath() error {
 		return nil
 	}
 	if _, err := os.Stat(o.services); err != nil {
+		if pe, ok := errors.AsType[*fs.PathError](err); ok {
+			err = pe.Err // the path is named once, with the flag
+		}
 		return fmt.Errorf("--services %s: %w", o.services, err)
 	}
 	return nil

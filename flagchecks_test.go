@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/netip"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -173,5 +174,19 @@ func checkBindAddresses(t *testing.T, want map[string]string) {
 		if (w == "") != (err == nil) || (err != nil && !strings.HasPrefix(err.Error(), w)) {
 			t.Errorf("checkBindAddress(%s): got %v, want %q", addr, err, w)
 		}
+	}
+}
+
+// A --services path that is not there is named once, with the flag.
+func TestCheckServicesPath(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "missing")
+	o := &options{services: missing}
+	want := "--services " + missing + ": no such file or directory"
+	if err := o.checkServicesPath(); err == nil || err.Error() != want {
+		t.Errorf("got %v, want %q", err, want)
+	}
+	o.services = t.TempDir()
+	if err := o.checkServicesPath(); err != nil {
+		t.Errorf("an existing directory: got %v, want none", err)
 	}
 }
