@@ -23,7 +23,7 @@ func TestFlagsRefusedAtStart(t *testing.T) {
 	}{
 		{[]string{"--services", dir, "--rules", "none", "--bind-address", "10.9.9.9"}, []string{"--bind-address 10.9.9.9: not an address of this node"}},
 		{[]string{"--services", dir, "--rules", "none", "--bind-address", "fe80::1"}, []string{"--bind-address fe80::1: a link-local address needs its interface"}},
-		{[]string{"--services", "/nonexistent", "--rules", "none"}, []string{"--services /nonexistent: stat /nonexistent: no such file or directory"}},
+		{[]string{"--services", "/nonexistent", "--rules", "none"}, []string{"--services /nonexistent: no such file or directory"}},
 		{[]string{"--services", dir, "--kubeconfig", "/etc/kubeconfig"}, []string{`--kubeconfig "/etc/kubeconfig": the Services come from --services`}},
 		{[]string{"--services", dir, "--master", "https://10.0.0.1:6443"}, []string{`--master "https://10.0.0.1:6443": the Services come from --services`}},
 		{[]string{"--services", dir, "--service-proxy-name", "uproxy"}, []string{`--service-proxy-name "uproxy": the Services come from --services`}},
