@@ -82,7 +82,8 @@ type objectKey struct{ namespace, name string }
 // served, with the flags' policy in place of each bad one, and each such error
 // goes to Snapshot.Errors; so does a Service without a cluster IP (see
 // noClusterIP), or a NodePort or LoadBalancer Service port without a nodePort
-// (see noNodePorts), which is served too. A Service port of a protocol the mode cannot serve
+// (see noNodePorts), which is served too, or a load balancer ingress IP that
+// is the node's own or no one host's (see specialIngress), which is left out. A Service port of a protocol the mode cannot serve
 // (BuildOptions.Unserved) is left out, with an UnservedError in Errors. Build
 // never modifies its arguments, which may come straight from an informer cache,
 // and accepts nil entries.
@@ -283,6 +284,7 @@ func (b *Builder) Build(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlic
 					st.servedErrs = append(st.servedErrs, err)
 				}
 				st.servedErrs = append(st.servedErrs, noNodePorts(svc)...)
+				st.servedErrs = append(st.servedErrs, specialIngress(svc)...)
 			}
 			b.svcs[svc] = st
 		}
@@ -479,7 +481,9 @@ func servicePorts(svc *v1.Service, policy Policy, eps []*discoveryv1.EndpointSli
 	base.ClusterIPs = parseIPs(clusterIPs)
 	base.ExternalIPs = parseIPs(spec.ExternalIPs)
 	for _, ing := range svc.Status.LoadBalancer.Ingress {
-		if ip, ok := parseIP(ing.IP); ok {
+		// The API server checks no ingress IP for what it is (specialIngress
+		// reports those left out here).
+		if ip, ok := parseIP(ing.IP); ok && SpecialAddressKind(ip) == "" {
 			base.LoadBalancerIPs = append(base.LoadBalancerIPs, ip)
 		}
 	}

@@ -2,6 +2,7 @@ package service
 
 import (
 	"errors"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -117,6 +118,44 @@ func TestBuildWarnsOfNoNodePort(t *testing.T) {
 			"so this port of the LoadBalancer Service is reached on no NodePort; set it to a port of the cluster's NodePort range",
 		"Service ns/np: spec.ports[0].nodePort: not set: manifests are not allocated NodePorts (the API server would have allocated one), " +
 			"so this port of the NodePort Service is reached on no NodePort; set it to a port of the cluster's NodePort range",
+	}
+	if !slices.Equal(errs, want) {
+		t.Errorf("errors:\ngot  %q\nwant %q", errs, want)
+	}
+}
+
+// A load balancer ingress IP that is the node's own or no one host's (the API
+// server takes any) is left out and reported; the Service is served on its
+// other addresses, a good ingress IP among them.
+func TestBuildLeavesOutSpecialIngressIPs(t *testing.T) {
+	t.Parallel()
+	lb := testService("ns", "lb", withSpec(func(s *v1.ServiceSpec) {
+		s.ClusterIP = "10.96.0.11"
+		s.Type = v1.ServiceTypeLoadBalancer
+		s.AllocateLoadBalancerNodePorts = ptr(false)
+	}))
+	for _, a := range []string{"127.0.0.1", "192.0.2.5", "169.254.169.254", "0.0.0.0", "224.0.0.1", "255.255.255.255", "::ffff:127.0.0.1"} {
+		lb.Status.LoadBalancer.Ingress = append(lb.Status.LoadBalancer.Ingress, v1.LoadBalancerIngress{IP: a})
+	}
+	snap := Build([]*v1.Service{lb}, nil, BuildOptions{})
+	if len(snap.Ports) != 1 {
+		t.Fatalf("got ports %s, want the Service's one port served", dump(snap.Ports))
+	}
+	if got, want := snap.Ports[0].LoadBalancerIPs, []netip.Addr{netip.MustParseAddr("192.0.2.5")}; !slices.Equal(got, want) {
+		t.Errorf("got load balancer IPs %v, want %v", got, want)
+	}
+	var errs []string
+	for _, err := range snap.Errors {
+		errs = append(errs, err.Error())
+	}
+	const left = ": left out, the Service is served on its other addresses"
+	want := []string{
+		"Service ns/lb: status.loadBalancer.ingress[0].ip: 127.0.0.1 is a loopback address" + left,
+		"Service ns/lb: status.loadBalancer.ingress[2].ip: 169.254.169.254 is a link-local address" + left,
+		"Service ns/lb: status.loadBalancer.ingress[3].ip: 0.0.0.0 is an unspecified address" + left,
+		"Service ns/lb: status.loadBalancer.ingress[4].ip: 224.0.0.1 is a multicast address" + left,
+		"Service ns/lb: status.loadBalancer.ingress[5].ip: 255.255.255.255 is the broadcast address" + left,
+		"Service ns/lb: status.loadBalancer.ingress[6].ip: ::ffff:127.0.0.1 is a loopback address" + left,
 	}
 	if !slices.Equal(errs, want) {
 		t.Errorf("errors:\ngot  %q\nwant %q", errs, want)

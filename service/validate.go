@@ -325,6 +325,52 @@ func noNodePorts(svc *v1.Service) []error {
 	return errs
 }
 
+// specialIngress reports each load balancer ingress IP of svc that
+// SpecialAddressKind names. The API server takes any address there, from
+// whoever may write a Service's status: 127.0.0.1 would capture the node's own
+// servers on the Service's ports (uproxy's metrics among them), as
+// externalIPs would if the API server let them be such addresses. The
+// Service is served without them.
+func specialIngress(svc *v1.Service) []error {
+	var errs []error
+	for i, ing := range svc.Status.LoadBalancer.Ingress {
+		ip, ok := parseIP(ing.IP)
+		if !ok {
+			continue
+		}
+		if kind := SpecialAddressKind(ip); kind != "" {
+			errs = append(errs, &FieldError{Kind: "Service", Namespace: svc.Namespace, Name: svc.Name,
+				Field: fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i),
+				Msg:   fmt.Sprintf("%s is %s: left out, the Service is served on its other addresses", ing.IP, kind)})
+		}
+	}
+	return errs
+}
+
+// SpecialAddressKind says what ip is when it is an address of the node itself or of
+// no single host: unspecified, loopback, link-local, multicast or the IPv4
+// broadcast address. Such addresses are refused as Service and endpoint
+// addresses, as the API server refuses the first three (the node's own and
+// its metadata services live there) and the others reach no one host. It is
+// "" for any other address. An IPv4-mapped IPv6 address is judged as the IPv4
+// address it holds, which is what a socket makes of it.
+func SpecialAddressKind(ip netip.Addr) string {
+	ip = ip.Unmap()
+	switch {
+	case ip.IsUnspecified():
+		return "an unspecified address"
+	case ip.IsLoopback():
+		return "a loopback address"
+	case ip.IsLinkLocalUnicast():
+		return "a link-local address"
+	case ip.IsMulticast():
+		return "a multicast address"
+	case ip == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		return "the broadcast address"
+	}
+	return ""
+}
+
 // parseIP accepts an IPv4 or IPv6 address without zone: a zone has no meaning for a
 // Service or endpoint address and would make two spellings of one address differ.
 func parseIP(s string) (netip.Addr, bool) {

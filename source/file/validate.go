@@ -87,7 +87,7 @@ func validateSliceManifest(s *discoveryv1.EndpointSlice, loopbackOK bool) []erro
 			// Slices hold most of a cluster's objects: field paths are only
 			// formatted for errors.
 			if ip, err := netip.ParseAddr(a); err == nil {
-				if kind := specialKind(ip); kind != "" && !(loopbackOK && ip.Unmap().IsLoopback()) {
+				if kind := service.SpecialAddressKind(ip); kind != "" && !(loopbackOK && ip.Unmap().IsLoopback()) {
 					c.addf(fmt.Sprintf("endpoints[%d].addresses[%d]", i, j), "%s is %s", a, kind)
 				}
 			}
@@ -167,33 +167,9 @@ func (c *checker) ordinaryIP(field, s string) {
 	if err != nil {
 		return
 	}
-	if kind := specialKind(ip); kind != "" {
+	if kind := service.SpecialAddressKind(ip); kind != "" {
 		c.addf(field, "%s is %s", s, kind)
 	}
-}
-
-// specialKind says what ip is when it is an address of the node itself or of
-// no single host: unspecified, loopback, link-local, multicast or the IPv4
-// broadcast address. Such addresses are refused as Service and endpoint
-// addresses, as the API server refuses the first three (the node's own and
-// its metadata services live there) and the others reach no one host. It is
-// "" for any other address. An IPv4-mapped IPv6 address is judged as the IPv4
-// address it holds, which is what a socket makes of it.
-func specialKind(ip netip.Addr) string {
-	ip = ip.Unmap()
-	switch {
-	case ip.IsUnspecified():
-		return "an unspecified address"
-	case ip.IsLoopback():
-		return "a loopback address"
-	case ip.IsLinkLocalUnicast():
-		return "a link-local address"
-	case ip.IsMulticast():
-		return "a multicast address"
-	case ip == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
-		return "the broadcast address"
-	}
-	return ""
 }
 
 // virtualIPs are the addresses of a Service that its portals capture.
