@@ -2,6 +2,7 @@ package proxier
 
 import (
 	"fmt"
+	"net"
 	"net/netip"
 	"testing"
 
@@ -35,4 +36,33 @@ func TestOpenedProxyPortLogged(t *testing.T) {
 	// Endpoints change under open ports: nothing is opened, nothing logged.
 	mustSync(t, p, snapshot(port("dns", service.UDP), port("web", service.TCP)))
 	logs.Check(t, "endpoint change", log.Since(), nil)
+}
+
+// A Service port left out of a sync is logged when the problem appears, not at
+// every sync that retries it, and once more when it is gone.
+func TestLeftOutPortLoggedOnce(t *testing.T) {
+	w := newWorld(t)
+	a := w.tcpBackend("a", "127.0.0.2")
+	// The whole proxy port range is one port, taken by someone else at first.
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pn := taken.Addr().(*net.TCPAddr).Port
+	log := logs.Capture(t)
+	p := newProxier(t, Config{PortRange: PortRange{First: pn, Last: pn}})
+	web := snapshot(port("web", service.TCP, a))
+	mustSync(t, p, web)
+	logs.Check(t, "first sync", log.Since(), [][]string{
+		{"E", `"Service port left out of the sync, whole or in part; retried at every sync, logged again when it is gone"`, "default/web:p", "address already in use"},
+	})
+	mustSync(t, p, web)
+	mustSync(t, p, web)
+	logs.Check(t, "the same problem at the next syncs", log.Since(), nil)
+	taken.Close()
+	mustSync(t, p, web)
+	logs.Check(t, "once the port is free", log.Since(), [][]string{
+		{"I", `"Opened proxy port"`, `service="default/web:p"`},
+		{"I", `"Service port problem gone"`, "default/web:p"},
+	})
 }

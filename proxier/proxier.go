@@ -220,14 +220,38 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	var left []error
 	if portErrs != nil {
 		left = portErrs.Errors
-		for _, e := range left {
-			klog.ErrorS(e, "Service port left out of this sync; retried on the next")
-		}
 	}
 	p.mu.Lock()
+	was := p.portErrors
 	p.portErrors = left
 	p.mu.Unlock()
+	logPortErrors(was, left)
 	return errs.ErrorOrNil()
+}
+
+// logPortErrors logs what changed between the per-port problems of two syncs:
+// each new one once, while every sync retries it, and each one gone once. A
+// problem that lasts (a NodePort another program holds) is not logged again at
+// every sync; /debug/services and uproxy explain show it meanwhile.
+func logPortErrors(was, now []error) {
+	texts := func(errs []error) map[string]bool {
+		m := make(map[string]bool, len(errs))
+		for _, e := range errs {
+			m[e.Error()] = true
+		}
+		return m
+	}
+	before, after := texts(was), texts(now)
+	for _, e := range now {
+		if !before[e.Error()] {
+			klog.ErrorS(e, "Service port left out of the sync, whole or in part; retried at every sync, logged again when it is gone")
+		}
+	}
+	for _, e := range was {
+		if !after[e.Error()] {
+			klog.InfoS("Service port problem gone", "was", e.Error())
+		}
+	}
 }
 
 // steerOwn tells the own-socket check what portals steer, when the proxy's

@@ -91,7 +91,7 @@ func (h *nodePortHolder) sync(entries []entry, enabled [2]bool) []error {
 		s, err := h.listen(k.network, k.address)
 		if err != nil {
 			errs = append(errs, &PortalError{Service: c.entry.name, Protocol: c.entry.protocol, Port: c.entry.nodePort,
-				Err: fmt.Errorf("hold NodePort: %w", err)})
+				Err: fmt.Errorf("NodePort not served, the Service's other addresses are: %w", err)})
 			failed[c.entry][c.family] = true
 			continue
 		}
