@@ -38,19 +38,34 @@ func newNFTables(c proxymode.Common, s *Specific) (proxymode.Mode, error) {
 type nftablesWithRelay struct {
 	*nftables.Proxier
 	relay *localnodeports.Relay
+	// relayErr is what the relay's last sync failed of, "" when nothing:
+	// a problem is logged when it changes, not at every sync.
+	relayErr string
 }
 
 // Sync syncs the mode, then the relay: before the sync is reported done, so
 // a client that waits for that finds the loopback NodePorts listening too. A
-// relay's problem is logged; it is not the sync's failure.
+// relay's problem is logged when it appears or changes, and once when it is
+// gone; it is not the sync's failure. Syncs are serial.
 func (m *nftablesWithRelay) Sync(s *service.Snapshot) error {
 	if err := m.Proxier.Sync(s); err != nil {
 		return err
 	}
-	if err := m.relay.Sync(s); err != nil {
-		klog.ErrorS(err, "Localhost NodePorts")
-	}
+	m.logRelay(m.relay.Sync(s))
 	return nil
+}
+
+// logRelay logs the relay's sync error err when it differs from the last
+// one, and once when a sync succeeds after one that failed.
+func (m *nftablesWithRelay) logRelay(err error) {
+	switch {
+	case err != nil && err.Error() != m.relayErr:
+		klog.ErrorS(err, "Localhost NodePorts: some are not served; retried at every sync, logged again when it changes")
+		m.relayErr = err.Error()
+	case err == nil && m.relayErr != "":
+		klog.InfoS("Localhost NodePorts: every one served again", "was", m.relayErr)
+		m.relayErr = ""
+	}
 }
 
 // Shutdown closes the relay's sockets, its connections within ctx.
