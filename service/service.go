@@ -282,6 +282,10 @@ type FieldError struct {
 	Name      string
 	Field     string // JSON path, e.g. spec.ports[1].port
 	Msg       string
+	// Served says the object is served all the same, without what the
+	// field would have given it; else it is left out (or its last valid
+	// version kept).
+	Served bool
 }
 
 func (e *FieldError) Error() string {

@@ -296,7 +296,7 @@ func noClusterIP(svc *v1.Service) error {
 		return nil
 	}
 	return &FieldError{Kind: "Service", Namespace: svc.Namespace, Name: svc.Name, Field: "spec.clusterIP",
-		Msg: "not set, so no cluster IP reaches the Service (only its NodePort, external or load balancer IPs, and in the userspace mode its proxy port); the API server would have assigned one: give one from the cluster's service CIDR"}
+		Served: true, Msg: "not set, so no cluster IP reaches the Service (only its NodePort, external or load balancer IPs, and in the userspace mode its proxy port); the API server would have assigned one: give one from the cluster's service CIDR"}
 }
 
 // noNodePorts warns of each port of a NodePort or LoadBalancer Service that has
@@ -319,7 +319,7 @@ func noNodePorts(svc *v1.Service) []error {
 		if p.NodePort != 0 {
 			continue
 		}
-		errs = append(errs, &FieldError{Kind: "Service", Namespace: svc.Namespace, Name: svc.Name, Field: fmt.Sprintf("spec.ports[%d].nodePort", i),
+		errs = append(errs, &FieldError{Kind: "Service", Namespace: svc.Namespace, Name: svc.Name, Field: fmt.Sprintf("spec.ports[%d].nodePort", i), Served: true,
 			Msg: fmt.Sprintf("not set: manifests are not allocated NodePorts (the API server would have allocated one), so this port of the %s Service is reached on no NodePort; set it to a port of the cluster's NodePort range", svc.Spec.Type)})
 	}
 	return errs
@@ -340,8 +340,8 @@ func specialIngress(svc *v1.Service) []error {
 		}
 		if kind := SpecialAddressKind(ip); kind != "" {
 			errs = append(errs, &FieldError{Kind: "Service", Namespace: svc.Namespace, Name: svc.Name,
-				Field: fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i),
-				Msg:   fmt.Sprintf("%s is %s: left out, the Service is served on its other addresses", ing.IP, kind)})
+				Field: fmt.Sprintf("status.loadBalancer.ingress[%d].ip", i), Served: true,
+				Msg: fmt.Sprintf("%s is %s: left out, the Service is served on its other addresses", ing.IP, kind)})
 		}
 	}
 	return errs

@@ -217,6 +217,8 @@ func (b *builder) log(errs []error) {
 			klog.ErrorS(err, "Service port not served in this mode")
 		} else if service.IsPolicyError(err) {
 			klog.ErrorS(err, "Ignoring a Service annotation")
+		} else if fe, ok := err.(*service.FieldError); ok && fe.Served {
+			klog.ErrorS(err, "Serving a Service without what one of its fields gives")
 		} else {
 			klog.ErrorS(err, "Ignoring invalid object")
 		}

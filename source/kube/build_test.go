@@ -1,6 +1,7 @@
 package kube
 
 import (
+	"github.com/uproxy/uproxy/testbed/logs"
 	"slices"
 	"strings"
 	"testing"
@@ -225,4 +226,22 @@ func TestBuilderRepeatsErrorsOfUnchangedObjects(t *testing.T) {
 			t.Errorf("build %d: got errors %v, want one about spec.externalIPs", i, snap.Errors)
 		}
 	}
+}
+
+// An object served without one of its fields is logged as served, once; an
+// invalid one as ignored.
+func TestBuilderLogsServedProblemsAsServed(t *testing.T) {
+	log := logs.Capture(t)
+	b := newBuilder("")
+	lb := testService("a", "10.96.0.1", nil)
+	lb.Status.LoadBalancer.Ingress = []v1.LoadBalancerIngress{{IP: "127.0.0.1"}}
+	bad := testService("b", "10.96.0.2", nil)
+	bad.Spec.ExternalIPs = []string{"010.1.2.3"}
+	for range 2 {
+		b.build([]*v1.Service{lb, bad}, []*discoveryv1.EndpointSlice{testSlice("a-1", "a", "10.0.0.1")})
+	}
+	logs.Check(t, "two builds", log.Since(), [][]string{
+		{"E", `"Ignoring invalid object"`, "spec.externalIPs"},
+		{"E", `"Serving a Service without what one of its fields gives"`, "status.loadBalancer.ingress[0].ip: 127.0.0.1 is a loopback address"},
+	})
 }
