@@ -368,3 +368,71 @@ func TestOwnLeftoverChainsRemoved(t *testing.T) {
 		t.Errorf("ip6tables-save after cleanup:\n%s\nwant as before:\n%s", got, before6)
 	}
 }
+
+// TestOtherPrefixLeavesSharedReplyRoute: the policy route of the replies to
+// dials from a client's address (priority and table 21840) carries no chain
+// prefix. Beside a running userspace uproxy that uses it, `uproxy cleanup
+// --chain-prefix OTHER` and a start in the iptables mode under OTHER (its
+// removal of other modes' leftovers) leave it, saying which uproxy uses it;
+// once that uproxy has stopped, `uproxy cleanup --chain-prefix OTHER` removes
+// it.
+func TestOtherPrefixLeavesSharedReplyRoute(t *testing.T) {
+	tp := testbed.New(t)
+	testbed.Needs(t, testbed.IPTables)
+	manifests := webService(t, tp)
+	px := startProxy(t, tp, manifests, 1)
+	hasRoute := func() bool {
+		rule, err := tp.Exec(testbed.Node, "ip", "-4", "rule")
+		if err != nil {
+			t.Fatal(err)
+		}
+		route, err := tp.Exec(testbed.Node, "ip", "-4", "route", "show", "table", "21840")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Contains(string(rule), "lookup 21840") && strings.Contains(string(route), "local default dev lo")
+	}
+	if !hasRoute() {
+		t.Fatalf("the running userspace uproxy wrote no policy route of table 21840")
+	}
+	left := []string{"Left the policy route", fmt.Sprintf("process %d with --chain-prefix UPROXY", px.cmd.Process.Pid)}
+
+	out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup", "--chain-prefix", "OTHER")
+	if err != nil {
+		t.Fatalf("uproxy cleanup --chain-prefix OTHER: %v: %s", err, out)
+	}
+	if !hasRoute() {
+		t.Errorf("after uproxy cleanup --chain-prefix OTHER beside the running uproxy: the policy route is gone, want it left")
+	}
+	for _, want := range left {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("uproxy cleanup --chain-prefix OTHER: output lacks %q:\n%s", want, out)
+		}
+	}
+
+	other := runUproxy(t, tp, manifests, launch{want: -1, flags: []string{"--proxy-mode", "iptables", "--chain-prefix", "OTHER",
+		"--metrics-bind-address", "127.0.0.1:10259", "--healthz-bind-address", "127.0.0.1:10266"}})
+	other.stop()
+	if !hasRoute() {
+		t.Errorf("after a start in the iptables mode under OTHER beside the running uproxy: the policy route is gone, want it left")
+	}
+	for _, want := range left {
+		if !strings.Contains(other.logText(), want) {
+			t.Errorf("the iptables-mode uproxy's log lacks %q:\n%s", want, other.logText())
+		}
+	}
+	if name, err := whoTCP(tp, testbed.Pod, "10.96.0.10:80"); err != nil || !strings.HasPrefix(name, "web-") {
+		t.Errorf("the running uproxy's Service afterwards: got %q (%v), want a web backend", name, err)
+	}
+
+	px.stop()
+	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup", "--chain-prefix", "OTHER"); err != nil {
+		t.Fatalf("uproxy cleanup --chain-prefix OTHER once uproxy has stopped: %v: %s", err, out)
+	}
+	if hasRoute() {
+		t.Errorf("after uproxy cleanup --chain-prefix OTHER with no uproxy running: the policy route is still there, want it removed")
+	}
+	if out, err := tp.Exec(testbed.Node, uproxyBin, "cleanup"); err != nil {
+		t.Fatalf("uproxy cleanup: %v: %s", err, out)
+	}
+}

@@ -37,8 +37,9 @@ func CleanupExcept(active Backend, prefix string) error {
 		}
 	}
 	if active == "" || active == BackendNone {
-		// Either backend's policy route of the replies to transparent dials.
-		if err := removeReplyRoutes(); err != nil {
+		// Either backend's policy route of the replies to transparent dials,
+		// unless the portals of another prefix use it.
+		if err := removeReplyRoutes(prefix); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -1,13 +1,18 @@
 package rules
 
 import (
+	"bufio"
+	"bytes"
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strconv"
+	"strings"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
 	"sigs.k8s.io/knftables"
 )
 
@@ -75,9 +80,99 @@ func clientAddressChains(tx *knftables.Transaction, mark, dialMark uint32) {
 // replyRoute is the policy routing rule and the table of the replies to
 // transparent dials, for the families enabled, with mark as the rule's
 // selector. Its methods act on the network namespace of the calling thread.
+//
+// The rule and the table carry no chain prefix: uproxies of several prefixes
+// on one node share them (their content is the same; a rule per mark bit).
+// So the portals of a prefix say they use them by listening on an abstract
+// unix socket of that prefix (replyRouteUser) from before their first write
+// until their Cleanup, and no uproxy removes them while a socket of another
+// prefix listens. Like the rules lock, the name belongs to the network
+// namespace and the kernel frees it when the process dies, however it dies.
 type replyRoute struct {
 	mark    uint32
 	enabled [2]bool
+	// prefix is the portals' chain prefix; user, when not nil, is the socket
+	// that says they use the route.
+	prefix string
+	user   net.Listener
+}
+
+// replyRouteUser is the abstract socket name that says the portals of a chain
+// prefix use the reply route.
+const replyRouteUser = "@uproxy-reply-route-"
+
+// use says that these portals use the route, before they write it. A socket
+// of the prefix that is taken already (EADDRINUSE) is another Portals of this
+// prefix in this process, which says the same; the next sync tries again.
+func (r *replyRoute) use() {
+	if r.user != nil {
+		return
+	}
+	if ln, err := net.Listen("unix", replyRouteUser+r.prefix); err == nil {
+		r.user = ln
+	}
+}
+
+// release says that these portals no longer use the route.
+func (r *replyRoute) release() {
+	if r.user != nil {
+		r.user.Close()
+		r.user = nil
+	}
+}
+
+// replyRouteUsers returns the chain prefixes, but except, of the portals that
+// use the reply route in the calling thread's network namespace, each with the
+// process that holds it ("process PID", or "a process" when the pid cannot be
+// told). It reads the listening abstract sockets of the namespace.
+func replyRouteUsers(except string) ([]routeUser, error) {
+	// thread-self: the namespace of this thread, which a test may have moved.
+	data, err := os.ReadFile("/proc/thread-self/net/unix")
+	if err != nil {
+		return nil, fmt.Errorf("list the uproxies that use the policy route of table %d: %w", ClientAddressTable, err)
+	}
+	var users []routeUser
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for sc.Scan() {
+		// Num RefCount Protocol Flags Type St Inode Path; a listener's flags
+		// are __SO_ACCEPTCON (00010000). The connections queued on it show its
+		// name too, with other flags.
+		f := strings.Fields(sc.Text())
+		if len(f) < 8 || f[3] != "00010000" || !strings.HasPrefix(f[7], replyRouteUser) {
+			continue
+		}
+		if prefix := strings.TrimPrefix(f[7], replyRouteUser); prefix != except {
+			users = append(users, routeUser{prefix: prefix, holder: listenerOf(f[7])})
+		}
+	}
+	return users, nil
+}
+
+// routeUser is a chain prefix whose portals use the reply route, and the
+// process that runs them.
+type routeUser struct{ prefix, holder string }
+
+func (u routeUser) String() string { return u.holder + " with --chain-prefix " + u.prefix }
+
+// listenerOf names the process listening on the abstract socket name, as the
+// kernel recorded its credentials: "process PID", or "a process".
+func listenerOf(name string) string {
+	c, err := net.Dial("unix", name)
+	if err != nil {
+		return "a process"
+	}
+	defer c.Close()
+	raw, err := c.(*net.UnixConn).SyscallConn()
+	if err != nil {
+		return "a process"
+	}
+	holder := "a process"
+	raw.Control(func(fd uintptr) {
+		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+			holder = "process " + strconv.Itoa(int(cred.Pid))
+		}
+	})
+	return holder
 }
 
 func (r replyRoute) families() []int {
@@ -113,10 +208,11 @@ func localDefault(family, lo int) *netlink.Route {
 // ensure adds the rule and the route where they are missing (or replaces a
 // route someone changed); it is cheap enough for every sync: a dump of the
 // rules of one table and one route replacement per family.
-func (r replyRoute) ensure() error {
+func (r *replyRoute) ensure() error {
 	if r.mark == 0 {
 		return nil
 	}
+	r.use()
 	lo, err := netlink.LinkByName("lo")
 	if err != nil {
 		return fmt.Errorf("client-address replies: loopback: %w", err)
@@ -157,9 +253,23 @@ func (r replyRoute) present() bool {
 }
 
 // removeReplyRoutes deletes the rules and the table of the replies to
-// transparent dials, whatever their mark, in both families. What is gone
-// already is not an error.
-func removeReplyRoutes() error {
+// transparent dials, whatever their mark, in both families, for the chain
+// prefix prefix: unless the portals of another prefix use them (replyRoute),
+// which it then says, naming them. What is gone already is not an error.
+func removeReplyRoutes(prefix string) error {
+	users, err := replyRouteUsers(prefix)
+	if err != nil {
+		return err
+	}
+	if len(users) > 0 {
+		names := make([]string, len(users))
+		for i, u := range users {
+			names[i] = u.String()
+		}
+		klog.InfoS("Left the policy route of the replies to dials from a client's address: another uproxy uses it",
+			"rule", fmt.Sprintf("priority %d, table %d", ClientAddressTable, ClientAddressTable), "prefix", prefix, "usedBy", names)
+		return nil
+	}
 	var errs []error
 	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
 		filter := &netlink.Rule{Table: ClientAddressTable, Priority: ClientAddressTable}

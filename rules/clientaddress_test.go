@@ -111,3 +111,77 @@ func TestClientAddressReplyRoute(t *testing.T) {
 		})
 	}
 }
+
+// The policy route carries no chain prefix, so the portals of one prefix
+// share it with those of another: a cleanup of another prefix (`uproxy
+// cleanup`, and the leftover removal at a start in another mode) and the
+// Cleanup of another prefix's portals (--cleanup-on-exit) leave it while these
+// portals use it. Once they are cleaned up, nothing keeps it: their own
+// Cleanup removes it, and so does a cleanup of another prefix.
+func TestClientAddressReplyRouteSharedByPrefixes(t *testing.T) {
+	for _, b := range realBackends {
+		t.Run(b.name, func(t *testing.T) {
+			testbed.Needs(t, b.need)
+			tp := testbed.New(t)
+			node := tp.NS(testbed.Node)
+			run := func(what string, fn func() error) {
+				t.Helper()
+				if err := tp.Run(testbed.Node, fn); err != nil {
+					t.Fatalf("%s: %v", what, err)
+				}
+			}
+			hasRule := func() bool {
+				out, err := tp.Exec(testbed.Node, "ip", "-4", "rule")
+				if err != nil {
+					t.Fatal(err)
+				}
+				return strings.Contains(string(out), "lookup 21840")
+			}
+			hasRoute := func() bool {
+				out, err := tp.Exec(testbed.Node, "ip", "-4", "route", "show", "table", "21840")
+				if err != nil {
+					t.Fatal(err)
+				}
+				return strings.Contains(string(out), "local default dev lo")
+			}
+			build := func(prefix string) (p Portals) {
+				run("build "+prefix, func() error {
+					p, _ = b.build(t, Config{ChainPrefix: prefix, NodeIPs: []netip.Addr{node.IPv4}, DialMark: testDialMark, ClientAddressMark: testClientMark})
+					return nil
+				})
+				return p
+			}
+
+			running := build("UPROXY")
+			run("sync UPROXY", func() error { return running.Sync(nil) })
+			if !hasRule() || !hasRoute() {
+				t.Fatalf("after the sync of UPROXY's portals: rule %v, route %v, want both", hasRule(), hasRoute())
+			}
+
+			run("Cleanup(OTHER)", func() error { return Cleanup("OTHER") })
+			if !hasRule() || !hasRoute() {
+				t.Errorf("after a cleanup of OTHER beside UPROXY's portals: rule %v, route %v, want both left", hasRule(), hasRoute())
+			}
+
+			other := build("OTHER")
+			run("sync OTHER", func() error { return other.Sync(nil) })
+			run("cleanup OTHER's portals", other.Cleanup)
+			if !hasRule() || !hasRoute() {
+				t.Errorf("after the Cleanup of OTHER's portals beside UPROXY's: rule %v, route %v, want both left", hasRule(), hasRoute())
+			}
+
+			run("cleanup UPROXY's portals", running.Cleanup)
+			if hasRule() || hasRoute() {
+				t.Errorf("after the Cleanup of the last portals: rule %v, route %v, want neither", hasRule(), hasRoute())
+			}
+
+			// A route that a uproxy killed left behind, with no portals running.
+			tp.MustExec(t, testbed.Node, "ip", "-4", "rule", "add", "fwmark", "0x1000/0x1000", "lookup", "21840", "pref", "21840")
+			tp.MustExec(t, testbed.Node, "ip", "-4", "route", "add", "local", "default", "dev", "lo", "table", "21840")
+			run("Cleanup(OTHER) of a leftover", func() error { return Cleanup("OTHER") })
+			if hasRule() || hasRoute() {
+				t.Errorf("after a cleanup of OTHER with no portals running: rule %v, route %v, want neither", hasRule(), hasRoute())
+			}
+		})
+	}
+}

@@ -65,6 +65,7 @@ func NewIPTables(cfg Config) (*IPTables, error) {
 	cfg.IPTables = cmp.Or[iptables.Kernel](cfg.IPTables, iptables.Commands{})
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p := &IPTables{cfg: cfg, chains: chainNames(prefix)}
+	p.reply.prefix = prefix
 	if cfg.ClientAddressMark != 0 && cfg.DialMark != 0 {
 		p.chains = p.chains.withClientAddressChain()
 		p.reply.mark = cfg.ClientAddressMark
@@ -204,7 +205,8 @@ func (p *IPTables) Cleanup() error {
 	}
 	err := cleanup(p.cfg.IPTables, p.chains)
 	if p.reply.mark != 0 {
-		err = errors.Join(err, removeReplyRoutes())
+		p.reply.release()
+		err = errors.Join(err, removeReplyRoutes(p.reply.prefix))
 	}
 	return err
 }

@@ -127,7 +127,7 @@ func NewNFTables(cfg Config) (*NFTables, error) {
 	cfg.Conntrack = cmp.Or(cfg.Conntrack, conntrack.Netlink())
 	p.cfg = cfg
 	p.holder = nodePortHolder{listen: p.cfg.listen, prefixes: cfg.NodePortAddresses, held: map[holdKey]*hold{}}
-	p.reply.mark = p.layout.clientMark
+	p.reply.mark, p.reply.prefix = p.layout.clientMark, prefix
 	return p, nil
 }
 
@@ -258,7 +258,8 @@ func (p *NFTables) Cleanup() error {
 		errs = append(errs, fmt.Errorf("delete nftables table %s: %w", p.table, err))
 	}
 	if p.reply.mark != 0 {
-		errs = append(errs, removeReplyRoutes())
+		p.reply.release()
+		errs = append(errs, removeReplyRoutes(p.reply.prefix))
 	}
 	return errors.Join(errs...)
 }
