@@ -6,7 +6,7 @@ import (
 	"net"
 	"syscall"
 
-	"golang.org/x/sys/unix"
+	"github.com/uproxy/uproxy/rules"
 )
 
 // rulesLock says that this process programs the node's rules under one chain
@@ -27,7 +27,7 @@ func lockRules(prefix string) (*rulesLock, error) {
 	}
 	held := &rulesHeldError{prefix: prefix, holder: "another process",
 		remedy: "stop it first, or give this one another --chain-prefix (or --rules none, which touches no rule)"}
-	if pid := lockHolder(name); pid > 0 {
+	if pid := rules.SocketHolder(name); pid > 0 {
 		held.holder = fmt.Sprintf("process %d", pid)
 	}
 	return nil, held
@@ -43,27 +43,6 @@ type rulesHeldError struct {
 
 func (e *rulesHeldError) Error() string {
 	return fmt.Sprintf("another uproxy (%s) programs this node's rules with --chain-prefix %s: %s", e.holder, e.prefix, e.remedy)
-}
-
-// lockHolder returns the pid of the process listening on the abstract socket
-// name (0 when it cannot tell): the kernel records the listener's credentials.
-func lockHolder(name string) int {
-	c, err := net.Dial("unix", name)
-	if err != nil {
-		return 0
-	}
-	defer c.Close()
-	raw, err := c.(*net.UnixConn).SyscallConn()
-	if err != nil {
-		return 0
-	}
-	pid := 0
-	raw.Control(func(fd uintptr) {
-		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
-			pid = int(cred.Pid)
-		}
-	})
-	return pid
 }
 
 // Close releases the lock.

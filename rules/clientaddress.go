@@ -154,25 +154,35 @@ type routeUser struct{ prefix, holder string }
 
 func (u routeUser) String() string { return u.holder + " with --chain-prefix " + u.prefix }
 
-// listenerOf names the process listening on the abstract socket name, as the
-// kernel recorded its credentials: "process PID", or "a process".
+// listenerOf names the process listening on the abstract socket name:
+// "process PID", or "a process" when it cannot be told.
 func listenerOf(name string) string {
+	if pid := SocketHolder(name); pid != 0 {
+		return "process " + strconv.Itoa(pid)
+	}
+	return "a process"
+}
+
+// SocketHolder returns the pid of the process listening on the unix socket
+// name (abstract when it begins with '@'), as the kernel recorded its
+// credentials when it listened; 0 when none listens or it cannot be told.
+func SocketHolder(name string) int {
 	c, err := net.Dial("unix", name)
 	if err != nil {
-		return "a process"
+		return 0
 	}
 	defer c.Close()
 	raw, err := c.(*net.UnixConn).SyscallConn()
 	if err != nil {
-		return "a process"
+		return 0
 	}
-	holder := "a process"
+	pid := 0
 	raw.Control(func(fd uintptr) {
 		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
-			holder = "process " + strconv.Itoa(int(cred.Pid))
+			pid = int(cred.Pid)
 		}
 	})
-	return holder
+	return pid
 }
 
 func (r replyRoute) families() []int {
