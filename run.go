@@ -170,12 +170,13 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	}
 	klog.InfoS("Starting uproxy", start...)
 	srcErr := make(chan error, 1)
-	if kubeSrc == nil {
-		// The manifests' first load is pending from now: should it never
-		// come (a file system that hangs), /healthz fails once it is late,
-		// as for any update that is not synced.
-		health.Queued(time.Now())
-	}
+	// The source's first Snapshot is pending from now: should it never come
+	// (manifests on a file system that hangs, an API server that cannot be
+	// reached or forbids a list), /healthz fails once it is late, as for any
+	// update that is not synced. kube-proxy's /healthz answers 200 until its
+	// first sync, however late: a node that proxies nothing would look
+	// healthy.
+	health.Queued(time.Now())
 	go func() {
 		// Sources log their problems themselves, once each, when they appear.
 		srcErr <- src.Run(ctx, func(s *service.Snapshot) {

@@ -2,12 +2,19 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/spf13/cobra"
+
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/syncloop"
+	"github.com/uproxy/uproxy/testbed/logs"
 )
 
 // syncingMode is a Mode whose Sync blocks until released, and whose Cleanup
@@ -86,5 +93,64 @@ func TestFinishWaitsForTheSyncInFlight(t *testing.T) {
 	}
 	if m.cleanedMidSync {
 		t.Error("Cleanup ran while a sync was in flight; want it after the sync loop returned")
+	}
+}
+
+// With the API server as the source, the first Snapshot counts as an update
+// queued at the start, as the manifests' first load does: when it never comes
+// (here every request is forbidden), /livez, and so /healthz, answers 503 once
+// it is two --sync-periods late, where it had answered 200 for ever.
+func TestAPISourceFirstSnapshotIsQueued(t *testing.T) {
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusForbidden)
+		fmt.Fprint(w, `{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"Forbidden","code":403}`)
+	}))
+	defer api.Close()
+	free, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	healthz := free.Addr().String()
+	free.Close()
+
+	logs.Capture(t) // the failures are logged; not this test's business
+	o := defaultOptions()
+	cmd := &cobra.Command{Use: "uproxy"}
+	o.addFlags(cmd)
+	const syncPeriod = 500 * time.Millisecond
+	if err := cmd.Flags().Parse([]string{"--master", api.URL, "--rules", "none", "--hostname-override", "node-a",
+		"--sync-period", syncPeriod.String(), "--min-sync-period", "0",
+		"--metrics-bind-address", "", "--healthz-bind-address", healthz}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() { done <- runProxy(ctx, o, nil) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("runProxy: %v", err)
+		}
+	}()
+
+	livez := func() int {
+		resp, err := http.Get("http://" + healthz + "/livez")
+		if err != nil {
+			return 0 // not serving yet
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for livez() != http.StatusServiceUnavailable {
+		if time.Now().After(deadline) {
+			t.Fatalf("/livez, nothing ever synced: got %d %v after the start, want 503 after 2 × --sync-period (%v)", livez(), time.Since(start).Round(time.Millisecond), 2*syncPeriod)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if took := time.Since(start); took < 2*syncPeriod {
+		t.Errorf("/livez failed %v after the start, before 2 × --sync-period (%v)", took, 2*syncPeriod)
 	}
 }

@@ -41,8 +41,9 @@ type ClientOptions struct {
 var ErrNoConfig = errors.New("no API server: give --kubeconfig or --master, or run in a cluster")
 
 // ClientConfig builds the client configuration that opts describe. Its
-// clients log failed requests at the default verbosity, rate-limited
-// (failureLog), which client-go's informers would only retry.
+// clients log failed requests at the default verbosity, rate-limited, apart
+// for the server and for each resource (failureLog); a Source's informers
+// leave those failures to them.
 func ClientConfig(opts ClientOptions) (*rest.Config, error) {
 	var cfg *rest.Config
 	var err error

@@ -53,6 +53,8 @@ const (
 // Source follows the Services and EndpointSlices of an API server. The zero value
 // is not usable: set Client.
 type Source struct {
+	// Client reaches the API server. Built from ClientConfig, it logs the
+	// failed requests; the informers log them only at -v=2.
 	Client kubernetes.Interface
 	// NodeName is this node's name: endpoints on it are Local, and the Node object
 	// of that name is watched for its zone (topology.kubernetes.io/zone, which
@@ -160,6 +162,13 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc},
 			func(o *metav1.ListOptions) { o.LabelSelector = sliceSel })
 	})
+	// failureLog (ClientConfig) logs the failed requests, rate-limited; the
+	// informers' own lines would repeat each of them.
+	for _, inf := range []cache.SharedIndexInformer{svcInformer, sliceInformer} {
+		if err := inf.SetWatchErrorHandlerWithContext(watchError); err != nil {
+			return fmt.Errorf("kube source: watch error handler: %w", err)
+		}
+	}
 	if _, err := svcInformer.AddEventHandler(handler); err != nil {
 		return fmt.Errorf("kube source: service handler: %w", err)
 	}
@@ -201,6 +210,9 @@ func (s *Source) Run(ctx context.Context, update func(*service.Snapshot)) error 
 			}))
 		nodeInformer := nodeFactory.Core().V1().Nodes().Informer()
 		nodeStore = nodeInformer.GetStore()
+		if err := nodeInformer.SetWatchErrorHandlerWithContext(watchError); err != nil {
+			return fmt.Errorf("kube source: watch error handler: %w", err)
+		}
 		if _, err := nodeInformer.AddEventHandler(s.nodeHandler(setZone)); err != nil {
 			return fmt.Errorf("kube source: node handler: %w", err)
 		}
