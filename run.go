@@ -194,9 +194,11 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 		runner.Run(ctx)
 	}()
 
+	srcDone := false
 	select {
 	case <-ctx.Done():
 	case err = <-srcErr:
+		srcDone = true
 		switch {
 		case err != nil && o.services != "":
 			err = fmt.Errorf("--services %s: %w", srcName, err)
@@ -210,8 +212,20 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 		shutdown = m.Shutdown
 	}
 	finish(syncDone, shutdown, o.shutdownGrace, mode, o.cleanupOnExit)
+	if !srcDone {
+		// The source ends with the context (the API source once its
+		// informers have); a read of a hung file system may not.
+		select {
+		case <-srcErr:
+		case <-time.After(sourceStopWait):
+			klog.InfoS("The source has not stopped; exiting without it", "waited", sourceStopWait)
+		}
+	}
 	return err
 }
+
+// sourceStopWait bounds how long a run that ends waits for its source.
+const sourceStopWait = 5 * time.Second
 
 // finish ends a run whose context is done: it waits for the sync loop to return
 // (a sync in flight completes first), so that no sync can rewrite what the
