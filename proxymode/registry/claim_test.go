@@ -1,6 +1,7 @@
 package registry
 
 import (
+	"errors"
 	"slices"
 	"testing"
 
@@ -54,5 +55,23 @@ func TestClaimChains(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// Rules that cannot be read refuse nothing (a node whose kernel has no
+// iptables runs the nftables mode); another program's chain in the family
+// that can be read still does.
+func TestClaimChainsWithAnUnreadableFamily(t *testing.T) {
+	k := iptablestest.New()
+	if err := k.Apply(true, "*filter\n:DOCKER-FORWARD - [0:0]\n-A FORWARD -j DOCKER-FORWARD\nCOMMIT\n"); err != nil {
+		t.Fatal(err)
+	}
+	k.FailSave(false, errors.New("iptables-save: Failed to initialize nft: Protocol not supported"))
+	if err := claimChains(k, "UPROXY"); err != nil {
+		t.Errorf("IPv4 unreadable, nothing taken in IPv6: got %v, want no refusal", err)
+	}
+	named, others := iptablestest.NotOurs(claimChains(k, "DOCKER"))
+	if want := []string{"IPv6 filter/DOCKER-FORWARD"}; !slices.Equal(named, want) || others != nil {
+		t.Errorf("IPv4 unreadable, Docker's chain in IPv6: got errors naming %q and %v besides, want %q alone", named, others, want)
 	}
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"slices"
 
+	"k8s.io/klog/v2"
+
 	"github.com/uproxy/uproxy/kernelmodes/iptables"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/kernelmodes/nftables"
@@ -48,7 +50,33 @@ func claimChains(k ipt.Kernel, prefix string) error {
 	for _, o := range all {
 		union.Uncommented = append(union.Uncommented, o.Uncommented...)
 	}
-	return ipt.Claim(k, union)
+	notOurs, unread := splitNotOurs(ipt.Claim(k, union))
+	for _, err := range unread {
+		// Nothing is refused for rules that cannot be read: a mode that
+		// writes iptables says so at its first sync, and one that does not
+		// (nftables, on a node whose kernel has no iptables) must still start.
+		klog.ErrorS(err, "Cannot check that no iptables chain of this --chain-prefix is another program's", "prefix", prefix)
+	}
+	return errors.Join(notOurs...)
+}
+
+// splitNotOurs walks the errors err joins: the *ipt.NotOursErrors, and the
+// others.
+func splitNotOurs(err error) (notOurs, others []error) {
+	if err == nil {
+		return nil, nil
+	}
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		for _, e := range j.Unwrap() {
+			n, o := splitNotOurs(e)
+			notOurs, others = append(notOurs, n...), append(others, o...)
+		}
+		return notOurs, others
+	}
+	if _, ok := errors.AsType[*ipt.NotOursError](err); ok {
+		return []error{err}, nil
+	}
+	return nil, []error{err}
 }
 
 // cleaners remove one mode's kernel state for a chain prefix; a var so tests
