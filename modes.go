@@ -160,6 +160,9 @@ func runCleanup(o *options, force bool) error {
 	lock, err := lockRules(o.chainPrefix)
 	var held *rulesHeldError
 	switch {
+	case errors.As(err, &held) && held.notUproxy:
+		// No uproxy runs under the prefix: its rules are anyone's to remove.
+		klog.InfoS("The lock of this --chain-prefix is held by a process that is not root, so no uproxy: cleaning up all the same", "holder", held.holder, "lock", held.name)
 	case errors.As(err, &held) && force:
 		klog.InfoS("Removing the rules of a running uproxy (--force): it writes them back at its next sync", "holder", held.holder, "prefix", o.chainPrefix)
 	case errors.As(err, &held):

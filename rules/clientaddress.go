@@ -157,32 +157,33 @@ func (u routeUser) String() string { return u.holder + " with --chain-prefix " +
 // listenerOf names the process listening on the abstract socket name:
 // "process PID", or "a process" when it cannot be told.
 func listenerOf(name string) string {
-	if pid := SocketHolder(name); pid != 0 {
-		return "process " + strconv.Itoa(pid)
+	if cred, ok := SocketHolder(name); ok {
+		return "process " + strconv.Itoa(int(cred.Pid))
 	}
 	return "a process"
 }
 
-// SocketHolder returns the pid of the process listening on the unix socket
-// name (abstract when it begins with '@'), as the kernel recorded its
-// credentials when it listened; 0 when none listens or it cannot be told.
-func SocketHolder(name string) int {
+// SocketHolder returns the credentials of the process listening on the unix
+// socket name (abstract when it begins with '@'), as the kernel recorded them
+// when it listened; ok is false when none listens or they cannot be told.
+// Any process may bind an abstract name, root or not: its uid tells uproxy,
+// which programs rules as root, from anyone else.
+func SocketHolder(name string) (cred unix.Ucred, ok bool) {
 	c, err := net.Dial("unix", name)
 	if err != nil {
-		return 0
+		return cred, false
 	}
 	defer c.Close()
 	raw, err := c.(*net.UnixConn).SyscallConn()
 	if err != nil {
-		return 0
+		return cred, false
 	}
-	pid := 0
 	raw.Control(func(fd uintptr) {
-		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
-			pid = int(cred.Pid)
+		if uc, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+			cred, ok = *uc, true
 		}
 	})
-	return pid
+	return cred, ok
 }
 
 func (r replyRoute) families() []int {
