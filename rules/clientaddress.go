@@ -141,9 +141,15 @@ func replyRouteUsers(except string) ([]routeUser, error) {
 		if len(f) < 8 || f[3] != "00010000" || !strings.HasPrefix(f[7], replyRouteUser) {
 			continue
 		}
-		if prefix := strings.TrimPrefix(f[7], replyRouteUser); prefix != except {
-			users = append(users, routeUser{prefix: prefix, holder: listenerOf(f[7])})
+		prefix := strings.TrimPrefix(f[7], replyRouteUser)
+		if prefix == except {
+			continue
 		}
+		// Any process may bind an abstract name; portals run as root.
+		if cred, ok := SocketHolder(f[7]); ok && cred.Uid != 0 && os.Geteuid() == 0 {
+			continue
+		}
+		users = append(users, routeUser{prefix: prefix, holder: listenerOf(f[7])})
 	}
 	return users, nil
 }
