@@ -3,43 +3,12 @@ package main
 import (
 	"errors"
 	"fmt"
-	"net"
 	"os"
-	"runtime"
 	"strings"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/uproxy/uproxy/testbed"
 )
-
-// listenAs listens on the abstract unix socket name with effective uid uid,
-// as another user's process would: credentials are a thread's, so only a
-// locked thread of this process changes, and it ends with the goroutine.
-func listenAs(t *testing.T, name string, uid int) net.Listener {
-	t.Helper()
-	type result struct {
-		ln  net.Listener
-		err error
-	}
-	done := make(chan result)
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
-		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, ^uintptr(0), uintptr(uid), ^uintptr(0)); e != 0 {
-			done <- result{err: e}
-			return
-		}
-		ln, err := net.Listen("unix", name)
-		done <- result{ln, err}
-	}()
-	r := <-done
-	if r.err != nil {
-		t.Fatalf("listen on %s as uid %d: %v", name, uid, r.err)
-	}
-	t.Cleanup(func() { r.ln.Close() })
-	return r.ln
-}
 
 // Any process may bind an abstract name: a lock's name held by a process that
 // is not root is said to be no uproxy's, naming the process and its uid, and
@@ -47,7 +16,7 @@ func listenAs(t *testing.T, name string, uid int) net.Listener {
 func TestRulesLockNameTakenByAnotherUser(t *testing.T) {
 	testbed.Needs(t, testbed.Root)
 	prefix := fmt.Sprintf("Q%d", os.Getpid()%100000)
-	listenAs(t, "@uproxy-rules-"+prefix, 65534)
+	testbed.ListenAs(t, "unix", "@uproxy-rules-"+prefix, 65534)
 	_, err := lockRules(prefix)
 	var held *rulesHeldError
 	if !errors.As(err, &held) || !held.notUproxy {

@@ -4,11 +4,8 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"runtime"
 	"slices"
 	"testing"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/testbed"
 )
@@ -24,21 +21,7 @@ func TestReplyRouteUsersAreRoots(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	done := make(chan error)
-	var other net.Listener
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
-		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, ^uintptr(0), 65534, ^uintptr(0)); e != 0 {
-			done <- e
-			return
-		}
-		other, err = net.Listen("unix", replyRouteUser+squat)
-		done <- err
-	}()
-	if err := <-done; err != nil {
-		t.Fatalf("listen as uid 65534: %v", err)
-	}
-	defer other.Close()
+	testbed.ListenAs(t, "unix", replyRouteUser+squat, 65534)
 	users, err := replyRouteUsers("")
 	if err != nil {
 		t.Fatal(err)
