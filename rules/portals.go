@@ -359,27 +359,24 @@ func (c chains) withClientAddressChain() chains {
 // Each comment begins with iptables.CommentPrefix, which tells the portals'
 // chains from another program's of the same name.
 func (c chains) jumps() []iptables.Jump {
-	comment := func(text string) []string {
-		return []string{"-m", "comment", "--comment", iptables.CommentPrefix + text}
-	}
 	local := []string{"-m", "addrtype", "--dst-type", "LOCAL"}
 	noEndpoints := func(chain string) iptables.Jump {
-		return iptables.Jump{Table: "filter", Chain: chain, Spec: slices.Concat([]string{"-m", "conntrack", "--ctstate", "NEW"},
-			comment("Services without endpoints"), []string{"-j", c.noEndpoints})}
+		return iptables.Jump{Table: "filter", Chain: chain,
+			Spec: iptables.JumpSpec([]string{"-m", "conntrack", "--ctstate", "NEW"}, "Services without endpoints", c.noEndpoints)}
 	}
 	var clientAddress []iptables.Jump
 	if c.withClientAddress {
 		for _, hook := range []string{"PREROUTING", "OUTPUT"} {
 			clientAddress = append(clientAddress, iptables.Jump{Table: "mangle", Chain: hook,
-				Spec: slices.Concat(comment("dials from client addresses and their replies"), []string{"-j", c.clientAddress})})
+				Spec: iptables.JumpSpec(nil, "dials from client addresses and their replies", c.clientAddress)})
 		}
 	}
 	return append([]iptables.Jump{
-		{Table: "nat", Chain: "PREROUTING", Spec: slices.Concat(comment("service portals"), []string{"-j", c.portalsContainer})},
-		{Table: "nat", Chain: "OUTPUT", Spec: slices.Concat(comment("service portals"), []string{"-j", c.portalsHost})},
-		{Table: "nat", Chain: "PREROUTING", Last: true, Spec: slices.Concat(local, comment("NodePorts"), []string{"-j", c.nodePortContainer})},
-		{Table: "nat", Chain: "OUTPUT", Last: true, Spec: slices.Concat(local, comment("NodePorts"), []string{"-j", c.nodePortHost})},
-		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(comment("NodePorts"), []string{"-j", c.nodePortNonLocal})},
+		{Table: "nat", Chain: "PREROUTING", Spec: iptables.JumpSpec(nil, "service portals", c.portalsContainer)},
+		{Table: "nat", Chain: "OUTPUT", Spec: iptables.JumpSpec(nil, "service portals", c.portalsHost)},
+		{Table: "nat", Chain: "PREROUTING", Last: true, Spec: iptables.JumpSpec(local, "NodePorts", c.nodePortContainer)},
+		{Table: "nat", Chain: "OUTPUT", Last: true, Spec: iptables.JumpSpec(local, "NodePorts", c.nodePortHost)},
+		{Table: "filter", Chain: "INPUT", Spec: iptables.JumpSpec(nil, "NodePorts", c.nodePortNonLocal)},
 		noEndpoints("INPUT"),
 		noEndpoints("FORWARD"),
 		noEndpoints("OUTPUT"),

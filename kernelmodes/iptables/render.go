@@ -91,28 +91,23 @@ func (n names) portChain(kind string, name service.PortName, proto service.Proto
 // NEW: only a connection's first packet can be rejected or dropped for having
 // no endpoint.
 func (n names) jumps() []ipt.Jump {
-	svc := ipt.CommentPrefix + "kernel-mode service portals"
+	const svc = "kernel-mode service portals"
 	newOnly := []string{"-m", "conntrack", "--ctstate", "NEW"}
-	jump := func(table, chain, comment, target string) ipt.Jump {
-		return ipt.Jump{Table: table, Chain: chain, Spec: []string{"-m", "comment", "--comment", comment, "-j", target}}
-	}
-	filterJump := func(chain, comment, target string) ipt.Jump {
-		j := jump("filter", chain, comment, target)
-		j.Spec = slices.Concat(newOnly, j.Spec)
-		return j
+	jump := func(table, chain string, match []string, text, target string) ipt.Jump {
+		return ipt.Jump{Table: table, Chain: chain, Spec: ipt.JumpSpec(match, text, target)}
 	}
 	return []ipt.Jump{
-		jump("nat", "PREROUTING", svc, n.services),
-		jump("nat", "OUTPUT", svc, n.services),
-		jump("nat", "POSTROUTING", ipt.CommentPrefix+"postrouting rules", n.postrouting),
-		filterJump("INPUT", ipt.CommentPrefix+"externally-visible service portals", n.externalServices),
-		filterJump("INPUT", ipt.CommentPrefix+"load balancer firewall", n.firewall),
-		jump("filter", "FORWARD", ipt.CommentPrefix+"forwarding rules", n.forward),
-		filterJump("FORWARD", svc, n.filterServices),
-		filterJump("FORWARD", ipt.CommentPrefix+"externally-visible service portals", n.externalServices),
-		filterJump("FORWARD", ipt.CommentPrefix+"load balancer firewall", n.firewall),
-		filterJump("OUTPUT", svc, n.filterServices),
-		filterJump("OUTPUT", ipt.CommentPrefix+"load balancer firewall", n.firewall),
+		jump("nat", "PREROUTING", nil, svc, n.services),
+		jump("nat", "OUTPUT", nil, svc, n.services),
+		jump("nat", "POSTROUTING", nil, "postrouting rules", n.postrouting),
+		jump("filter", "INPUT", newOnly, "externally-visible service portals", n.externalServices),
+		jump("filter", "INPUT", newOnly, "load balancer firewall", n.firewall),
+		jump("filter", "FORWARD", nil, "forwarding rules", n.forward),
+		jump("filter", "FORWARD", newOnly, svc, n.filterServices),
+		jump("filter", "FORWARD", newOnly, "externally-visible service portals", n.externalServices),
+		jump("filter", "FORWARD", newOnly, "load balancer firewall", n.firewall),
+		jump("filter", "OUTPUT", newOnly, svc, n.filterServices),
+		jump("filter", "OUTPUT", newOnly, "load balancer firewall", n.firewall),
 	}
 }
 
@@ -120,10 +115,9 @@ func (n names) jumps() []ipt.Jump {
 // blockLocalnet, first, as kube-proxy's (and kubelet's) KUBE-FIREWALL: the
 // guard must see the packets other rules would accept.
 func (n names) localnetJumps() []ipt.Jump {
-	comment := []string{"-m", "comment", "--comment", ipt.CommentPrefix + "localnet guard"}
 	return []ipt.Jump{
-		{Table: "filter", Chain: "INPUT", Spec: slices.Concat(comment, []string{"-j", n.blockLocalnet})},
-		{Table: "filter", Chain: "OUTPUT", Spec: slices.Concat(comment, []string{"-j", n.blockLocalnet})},
+		{Table: "filter", Chain: "INPUT", Spec: ipt.JumpSpec(nil, "localnet guard", n.blockLocalnet)},
+		{Table: "filter", Chain: "OUTPUT", Spec: ipt.JumpSpec(nil, "localnet guard", n.blockLocalnet)},
 	}
 }
 

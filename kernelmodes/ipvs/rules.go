@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"net/netip"
-	"slices"
 	"strconv"
 	"strings"
 
@@ -47,21 +46,16 @@ func (n names) ours() iptables.Ours {
 // chains from another program's of the same name.
 func (n names) jumps() []iptables.Jump {
 	newOnly := []string{"-m", "conntrack", "--ctstate", "NEW"}
-	jump := func(table, chain, comment, target string) iptables.Jump {
-		return iptables.Jump{Table: table, Chain: chain, Spec: []string{"-m", "comment", "--comment", iptables.CommentPrefix + comment, "-j", target}}
-	}
-	newJump := func(chain, comment, target string) iptables.Jump {
-		j := jump("filter", chain, comment, target)
-		j.Spec = slices.Concat(newOnly, j.Spec)
-		return j
+	jump := func(table, chain string, match []string, text, target string) iptables.Jump {
+		return iptables.Jump{Table: table, Chain: chain, Spec: iptables.JumpSpec(match, text, target)}
 	}
 	return []iptables.Jump{
-		jump("nat", "PREROUTING", "ipvs service portals", n.services),
-		jump("nat", "OUTPUT", "ipvs service portals", n.services),
-		jump("nat", "POSTROUTING", "ipvs postrouting rules", n.postrouting),
-		newJump("INPUT", "ipvs load balancer firewall", n.firewall),
-		newJump("INPUT", "ipvs service IPs", n.filter),
-		jump("filter", "INPUT", "ipvs NodePorts", n.nodePorts),
+		jump("nat", "PREROUTING", nil, "ipvs service portals", n.services),
+		jump("nat", "OUTPUT", nil, "ipvs service portals", n.services),
+		jump("nat", "POSTROUTING", nil, "ipvs postrouting rules", n.postrouting),
+		jump("filter", "INPUT", newOnly, "ipvs load balancer firewall", n.firewall),
+		jump("filter", "INPUT", newOnly, "ipvs service IPs", n.filter),
+		jump("filter", "INPUT", nil, "ipvs NodePorts", n.nodePorts),
 	}
 }
 

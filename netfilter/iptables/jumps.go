@@ -2,6 +2,7 @@ package iptables
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/hashicorp/go-multierror"
 )
@@ -9,6 +10,13 @@ import (
 // CommentPrefix begins the comment of every rule uproxy writes in a chain not
 // its own: the jumps from the built-in chains to its chains.
 const CommentPrefix = "uproxy "
+
+// JumpSpec is the Spec of a Jump: match, then a comment of CommentPrefix and
+// text, then the jump to target. Every mode builds its jumps with it, so every
+// one carries the comment that tells its chains from another program's.
+func JumpSpec(match []string, text, target string) []string {
+	return slices.Concat(match, []string{"-m", "comment", "--comment", CommentPrefix + text, "-j", target})
+}
 
 // Jump is a rule in a built-in chain that leads to a chain of ours. Its Spec
 // carries a comment beginning with CommentPrefix, which is how a chain of
