@@ -11,7 +11,7 @@
 //	err := k.Restore(false, input) // iptables-restore --noflush
 //	...
 //	ours := iptables.Ours{Chains: iptables.ChainSet{"nat": {"UPROXY-SERVICES"}}.Has}
-//	err = iptables.Claim(k, ours) // before the first write: none of them another program's
+//	notOurs, unread := iptables.Claim(k, ours) // before the first write: none of them another program's
 //	...
 //	err = iptables.RemoveChains(k, ours)
 //

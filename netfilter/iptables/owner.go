@@ -46,23 +46,23 @@ func (e *NotOursError) Error() string {
 		command(e.V6, ""), e.Chain, e.Table, e.Rule, CommentPrefix)
 }
 
-// Claim reads both families' rules and returns a *NotOursError for each
-// chain ours names that is another program's (joined), the error of a read
-// that failed, or nil. A missing command (no ip6tables) holds no chain of
-// anyone's.
-func Claim(k Kernel, ours Ours) error {
-	var errs []error
+// Claim reads both families' rules and returns, apart, a *NotOursError for
+// each chain ours names that is another program's (joined), and the errors of
+// the reads that failed: a refusal, and what could not be checked. A missing
+// command (no ip6tables) holds no chain of anyone's.
+func Claim(k Kernel, ours Ours) (notOurs, unread error) {
+	var refusals, reads []error
 	for _, v6 := range []bool{false, true} {
 		saved, err := k.Save(v6)
 		if err != nil {
 			if !isMissingCommand(err) {
-				errs = append(errs, fmt.Errorf("read %s rules: %w", FamilyName(v6), err))
+				reads = append(reads, fmt.Errorf("read %s rules: %w", FamilyName(v6), err))
 			}
 			continue
 		}
-		errs = append(errs, Parse(saved).NotOurs(v6, ours))
+		refusals = append(refusals, Parse(saved).NotOurs(v6, ours))
 	}
-	return errors.Join(errs...)
+	return errors.Join(refusals...), errors.Join(reads...)
 }
 
 // NotOurs returns a *NotOursError for each chain ours names that rs shows to

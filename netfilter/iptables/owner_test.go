@@ -173,7 +173,8 @@ func TestClaim(t *testing.T) {
 				mustApply(t, k, v6, anotherProgram)
 				k.FailSave(v6, tc.saveErr[i])
 			}
-			errs := unjoin(iptables.Claim(k, forwardChains(tc.prefix)))
+			notOurs, unread := iptables.Claim(k, forwardChains(tc.prefix))
+			errs := append(unjoin(notOurs), unjoin(unread)...)
 			if len(errs) != len(tc.want) {
 				t.Fatalf("got %d errors %v, want %d beginning %q", len(errs), errs, len(tc.want), tc.want)
 			}

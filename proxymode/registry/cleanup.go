@@ -25,7 +25,8 @@ var chains = map[string]func(prefix string) (ipt.Ours, error){
 
 // ClaimChains refuses a chain prefix under which any mode's iptables chain,
 // in either family, is another program's (a *ipt.NotOursError for each, from
-// ipt.Claim), reading the real iptables once per family. Call it when
+// ipt.Claim), reading the real iptables once per family; rules that cannot
+// be read are logged. Call it when
 // starting in any mode that touches rules, before anything is written: the
 // mode declares its chains, which flushes them, and its leftover removal
 // (CleanupOthers) takes every mode's, so a prefix is usable only when none of
@@ -50,33 +51,14 @@ func claimChains(k ipt.Kernel, prefix string) error {
 	for _, o := range all {
 		union.Uncommented = append(union.Uncommented, o.Uncommented...)
 	}
-	notOurs, unread := splitNotOurs(ipt.Claim(k, union))
-	for _, err := range unread {
+	notOurs, unread := ipt.Claim(k, union)
+	if unread != nil {
 		// Nothing is refused for rules that cannot be read: a mode that
 		// writes iptables says so at its first sync, and one that does not
 		// (nftables, on a node whose kernel has no iptables) must still start.
-		klog.ErrorS(err, "Cannot check that no iptables chain of this --chain-prefix is another program's", "prefix", prefix)
+		klog.ErrorS(unread, "Cannot check that no iptables chain of this --chain-prefix is another program's", "prefix", prefix)
 	}
-	return errors.Join(notOurs...)
-}
-
-// splitNotOurs walks the errors err joins: the *ipt.NotOursErrors, and the
-// others.
-func splitNotOurs(err error) (notOurs, others []error) {
-	if err == nil {
-		return nil, nil
-	}
-	if j, ok := err.(interface{ Unwrap() []error }); ok {
-		for _, e := range j.Unwrap() {
-			n, o := splitNotOurs(e)
-			notOurs, others = append(notOurs, n...), append(others, o...)
-		}
-		return notOurs, others
-	}
-	if _, ok := errors.AsType[*ipt.NotOursError](err); ok {
-		return []error{err}, nil
-	}
-	return nil, []error{err}
+	return notOurs
 }
 
 // cleaners remove one mode's kernel state for a chain prefix; a var so tests
