@@ -145,11 +145,15 @@ func replyRouteUsers(except string) ([]routeUser, error) {
 		if prefix == except {
 			continue
 		}
-		// Any process may bind an abstract name; portals run as root.
-		if cred, ok := SocketHolder(f[7]); ok && cred.Uid != 0 && os.Geteuid() == 0 {
-			continue
+		u := routeUser{prefix: prefix, holder: "a process"}
+		if cred, ok := SocketHolder(f[7]); ok {
+			// Any process may bind an abstract name; portals run as root.
+			if cred.Uid != 0 && os.Geteuid() == 0 {
+				continue
+			}
+			u.holder = "process " + strconv.Itoa(int(cred.Pid))
 		}
-		users = append(users, routeUser{prefix: prefix, holder: listenerOf(f[7])})
+		users = append(users, u)
 	}
 	return users, nil
 }
@@ -159,15 +163,6 @@ func replyRouteUsers(except string) ([]routeUser, error) {
 type routeUser struct{ prefix, holder string }
 
 func (u routeUser) String() string { return u.holder + " with --chain-prefix " + u.prefix }
-
-// listenerOf names the process listening on the abstract socket name:
-// "process PID", or "a process" when it cannot be told.
-func listenerOf(name string) string {
-	if cred, ok := SocketHolder(name); ok {
-		return "process " + strconv.Itoa(int(cred.Pid))
-	}
-	return "a process"
-}
 
 // SocketHolder returns the credentials of the process listening on the unix
 // socket name (abstract when it begins with '@'), as the kernel recorded them
