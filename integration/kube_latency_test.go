@@ -91,7 +91,8 @@ func latencySlice(be *backend) *discoveryv1.EndpointSlice {
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-// metricValue returns the value of an unlabelled sample in Prometheus text.
+// metricValue returns the value of a sample in Prometheus text: a name, or a
+// name with its labels as the exposition writes them; 0 when absent.
 func metricValue(text, name string) float64 {
 	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + ` (\S+)$`).FindStringSubmatch(text)
 	if m == nil {

@@ -33,6 +33,18 @@ import (
 //     where the socket, bound to the client's address and connected to the
 //     endpoint, takes them.
 //
+// The dial mark is uproxy's own signal, read on the output hook only (these
+// chains, the portals' own-dial returns). So a packet of a dial leaves the node
+// without it: a chain on the postrouting hook, before any NAT there, clears
+// the bit on every packet that carries it and does not loop back over lo.
+// Other programs match packet marks on postrouting with bits of their own:
+// the CNI portmap plugin, on every node where a pod has a hostPort,
+// masquerades packets with mark 0x2000 (its default bit, 13, which was also
+// uproxy's default dial mark), and would give every dial from a client's
+// address the node's address, on some nodes and not others. With the bit
+// cleared first, nothing after uproxy's output chains can tell a dial from a
+// DNATed connection, as behind kube-proxy.
+//
 // Only the first packet of a connection pays the conntrack marking; a reply
 // pays one conntrack mark test in the chains and, when marked, one policy
 // rule. Nothing else on the node is touched: a packet without the dial mark
@@ -49,8 +61,9 @@ const ClientAddressTable = 21840
 
 // The nftables chains that mark the replies.
 const (
-	nftClientOutput     = "client-address-output"
-	nftClientPrerouting = "client-address-prerouting"
+	nftClientOutput      = "client-address-output"
+	nftClientPrerouting  = "client-address-prerouting"
+	nftClientPostrouting = "client-address-postrouting"
 )
 
 // markHex is mark as nft and iptables take it.
@@ -75,6 +88,11 @@ func clientAddressChains(tx *knftables.Transaction, mark, dialMark uint32) {
 		Rule: knftables.Concat("ct state new meta mark &", d, "==", d, "fib saddr type != local ct mark set ct mark |", m)})
 	tx.Add(&knftables.Rule{Chain: nftClientOutput, Comment: knftables.PtrTo("its replies from the node itself"), Rule: reply})
 	tx.Add(&knftables.Rule{Chain: nftClientPrerouting, Comment: knftables.PtrTo("its replies"), Rule: reply})
+	post := knftables.PostroutingHook
+	tx.Add(&knftables.Chain{Name: nftClientPostrouting, Type: &filter, Hook: &post, Priority: &prio,
+		Comment: knftables.PtrTo("uproxy's dial mark ends with uproxy's rules")})
+	tx.Add(&knftables.Rule{Chain: nftClientPostrouting, Comment: knftables.PtrTo("no later rule sees uproxy's dial mark"),
+		Rule: knftables.Concat("meta mark &", d, "==", d, `oifname != "lo" meta mark set meta mark &`, markHex(^dialMark))})
 }
 
 // replyRoute is the policy routing rule and the table of the replies to

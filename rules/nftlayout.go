@@ -51,7 +51,7 @@ const (
 func (l *nftLayout) chains() []string {
 	c := []string{nftPrerouting, nftOutput, nftFilterInput, nftFilterForward, nftFilterOutput, nftNoEndpoints, nftRefuse}
 	if l.clientMark != 0 && l.dialMark != 0 {
-		c = append(c, nftClientOutput, nftClientPrerouting)
+		c = append(c, nftClientOutput, nftClientPrerouting, nftClientPostrouting)
 	}
 	return c
 }

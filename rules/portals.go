@@ -306,6 +306,10 @@ type chains struct {
 	// the mangle table too, only while withClientAddress is set.
 	clientAddress     string
 	withClientAddress bool
+	// dialMark is the mangle chain, jumped to from POSTROUTING, that clears
+	// the dial mark of the packets leaving the node (clientaddress.go); it
+	// exists with clientAddress.
+	dialMark string
 	canary            iptables.Canary
 }
 
@@ -318,6 +322,7 @@ func chainNames(prefix string) chains {
 		nodePortNonLocal:  prefix + "-NODEPORT-NON-LOCAL",
 		noEndpoints:       prefix + "-NO-ENDPOINTS",
 		clientAddress:     prefix + "-CLIENT-ADDRESS",
+		dialMark:          prefix + "-DIAL-MARK",
 		// In both tables: `iptables -F` flushes the filter table alone.
 		canary: iptables.Canary{Chain: prefix + "-CANARY", Tables: []string{"nat", "filter"}},
 	}
@@ -332,7 +337,7 @@ func (c chains) nat() []string {
 func (c chains) filter() []string { return []string{c.nodePortNonLocal, c.noEndpoints, c.canary.Chain} }
 
 // mangle are the chains in the mangle table, in the order they are declared.
-func (c chains) mangle() []string { return []string{c.clientAddress, c.canary.Chain} }
+func (c chains) mangle() []string { return []string{c.clientAddress, c.dialMark, c.canary.Chain} }
 
 // ours is every chain of the portals' names, the client-address chain
 // whether or not c writes it.
@@ -370,6 +375,8 @@ func (c chains) jumps() []iptables.Jump {
 			clientAddress = append(clientAddress, iptables.Jump{Table: "mangle", Chain: hook,
 				Spec: iptables.JumpSpec(nil, "dials from client addresses and their replies", c.clientAddress)})
 		}
+		clientAddress = append(clientAddress, iptables.Jump{Table: "mangle", Chain: "POSTROUTING",
+			Spec: iptables.JumpSpec(nil, "no later rule sees uproxy's dial mark", c.dialMark)})
 	}
 	return append([]iptables.Jump{
 		{Table: "nat", Chain: "PREROUTING", Spec: iptables.JumpSpec(nil, "service portals", c.portalsContainer)},

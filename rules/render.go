@@ -172,6 +172,8 @@ func (r *renderer) clientAddress(out []byte) []byte {
 		` -m comment --comment "a dial from a client's address" -j CONNMARK --or-mark `+m+"\n"...)
 	out = append(out, "-A "+c+" -m connmark --mark "+m+"/"+m+" -m conntrack --ctdir REPLY"+
 		` -m comment --comment "its replies" -j MARK --or-mark `+m+"\n"...)
+	out = append(out, "-A "+r.chains.dialMark+" -m mark --mark "+d+"/"+d+" ! -o lo"+
+		` -m comment --comment "no later rule sees uproxy's dial mark" -j MARK --and-mark `+markHex(^r.dialMark)+"\n"...)
 	return append(out, "COMMIT\n"...)
 }
 
