@@ -310,7 +310,7 @@ type chains struct {
 	// the dial mark of the packets leaving the node (clientaddress.go); it
 	// exists with clientAddress.
 	dialMark string
-	canary            iptables.Canary
+	canary   iptables.Canary
 }
 
 func chainNames(prefix string) chains {
