@@ -223,6 +223,11 @@ func Run(w io.Writer, destination string, o Options) error {
 					served = refusedByPortal(st, m, *r)
 				}
 			}
+			if external(m) && st.NextForClientExternal != nil {
+				// The destination's own proxy port, balancers and
+				// client-address rule answer for it.
+				st.NextForClient = st.NextForClientExternal
+			}
 			x.Services = append(x.Services, serviceMatch{MatchedAs: m, ServedBy: served, Service: st})
 		}
 	}
@@ -549,6 +554,16 @@ func matchService(st observe.ServiceState, dst netip.AddrPort, proto string, loc
 		return "externalProxyPort"
 	}
 	return ""
+}
+
+// external reports whether a destination matched as m (matchService) is one
+// of the addresses a Service port's external proxy port serves.
+func external(m string) bool {
+	switch m {
+	case "externalIP", "loadBalancerIP", "nodePort", "externalProxyPort":
+		return true
+	}
+	return false
 }
 
 // matchConflict reports whether dst is the address that c is about.

@@ -208,16 +208,22 @@ func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
 		}
 	}
 	// explain says whose address a client's dial would carry, and why.
+	// Through a NodePort it is the external route's answer, as for the
+	// connection itself.
 	for _, c := range []struct {
+		dst    string
 		client netip.Addr
 		want   string
 	}{
-		{podIP, "Its dial goes from the client's address, " + podIP.String() + ": a pod's connection to a ClusterIP keeps its address"},
-		{extIP, "Its dial goes from the node's address: the client is outside --cluster-cidr"},
+		{hostPort(vip(30), 80), podIP, "Its dial goes from the client's address, " + podIP.String() + ": a pod's connection to a ClusterIP keeps its address"},
+		{hostPort(vip(30), 80), extIP, "Its dial goes from the node's address: the client is outside --cluster-cidr"},
+		{hostPort(nodeIP.String(), 30032), extIP, "Its dial goes from the client's address, " + extIP.String() + ": externalTrafficPolicy Local keeps the client's address"},
+		{hostPort(vip(32), 80), extIP, "Its dial goes from the node's address: the client is outside --cluster-cidr"},
+		{hostPort(nodeIP.String(), 30033), extIP, "Its dial goes from the node's address: externalTrafficPolicy Cluster"},
 	} {
-		out, err := tp.Exec(testbed.Node, uproxyBin, "explain", hostPort(vip(30), 80), "--client", c.client.String(), "--metrics-address", px.metrics)
+		out, err := tp.Exec(testbed.Node, uproxyBin, "explain", c.dst, "--client", c.client.String(), "--metrics-address", px.metrics)
 		if err != nil || !strings.Contains(string(out), c.want) {
-			t.Errorf("uproxy explain %s --client %s: %v\n%s\nwant a line with %q", hostPort(vip(30), 80), c.client, err, out, c.want)
+			t.Errorf("uproxy explain %s --client %s: %v\n%s\nwant a line with %q", c.dst, c.client, err, out, c.want)
 		}
 	}
 	if m, err := px.get("/metrics"); err != nil || !strings.Contains(m, `uproxy_dial_sources_total{source="client"}`) {

@@ -66,6 +66,11 @@ type ServiceState struct {
 	// NextForClient is the choice the client of ?client=IP would get next (modes
 	// that choose endpoints in userspace only).
 	NextForClient *Choice `json:"nextForClient,omitempty"`
+	// NextForClientExternal is the same client's choice through the
+	// NodePort, ExternalIPs and LoadBalancer IPs, where those have a proxy
+	// port of their own (ExternalProxyPort): their endpoints, and whose
+	// address the dial carries, may differ from the ClusterIPs'.
+	NextForClientExternal *Choice `json:"nextForClientExternal,omitempty"`
 	// NotServed, when set, says why the mode does not serve the port at all
 	// (its protocol, service.UnservedError): it has no proxy port, endpoints or
 	// rules, and is listed so that it is not silently missing.
@@ -228,10 +233,12 @@ type ServicesView interface {
 	DebugServices() []ServiceState
 }
 
-// A ChoiceView says which endpoint client would get next from a Service port; the
-// userspace mode implements it. ok is false for an unknown Service port.
+// A ChoiceView says which endpoint client would get next from a Service port,
+// through its ClusterIPs or (external) its NodePort, ExternalIPs and
+// LoadBalancer IPs; the userspace mode implements it. ok is false for an
+// unknown Service port.
 type ChoiceView interface {
-	NextChoice(service string, client netip.Addr) (c Choice, ok bool)
+	NextChoice(service string, client netip.Addr, external bool) (c Choice, ok bool)
 }
 
 // Server serves the metrics address (/metrics, /debug/services, /debug/events,
@@ -344,8 +351,14 @@ func (s *Server) serveServices(w http.ResponseWriter, r *http.Request) {
 	}
 	if cv, ok := s.Services.(ChoiceView); ok && client.IsValid() {
 		for i := range states {
-			if c, ok := cv.NextChoice(states[i].Name, client); ok {
+			if c, ok := cv.NextChoice(states[i].Name, client, false); ok {
 				states[i].NextForClient = &c
+			}
+			if states[i].ExternalProxyPort == 0 {
+				continue
+			}
+			if c, ok := cv.NextChoice(states[i].Name, client, true); ok {
+				states[i].NextForClientExternal = &c
 			}
 		}
 	}

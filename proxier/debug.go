@@ -161,8 +161,12 @@ func refusedAddresses(port *service.Port, r rules.Refusal) []observe.Refused {
 }
 
 // NextChoice says which endpoint client would get next from the Service port
-// named service (ns/name:port), and why, without changing any state.
-func (p *Proxier) NextChoice(service string, client netip.Addr) (observe.Choice, bool) {
+// named service (ns/name:port), through its ClusterIPs or, when external,
+// through its NodePort, ExternalIPs and LoadBalancer IPs, and from which
+// address the dial would go, and why, without changing any state. It asks
+// what a connection of the data path asks (keepsClient): the route that
+// serves those addresses, its short circuit for the node's own connections.
+func (p *Proxier) NextChoice(service string, client netip.Addr, external bool) (observe.Choice, bool) {
 	p.mu.RLock()
 	var sp *servicePort
 	for name, s := range p.ports {
@@ -175,16 +179,23 @@ func (p *Proxier) NextChoice(service string, client netip.Addr) (observe.Choice,
 	if sp == nil {
 		return observe.Choice{}, false
 	}
+	r := sp.cluster
+	if ext := sp.external.Load(); external && ext != nil {
+		r = ext
+	}
+	short := p.shortCircuits(r, client)
+	picked := r
+	if short {
+		picked = sp.cluster
+	}
 	out := observe.Choice{Client: client.String()}
-	c, err := sp.explain(client)
+	c, err := picked.explain(client)
 	if err != nil {
 		out.Reason = err.Error()
 		return out, true
 	}
 	out.Endpoint, out.Sticky, out.Reason = c.Endpoint.String(), c.Sticky, c.Reason
-	// The choice is the cluster route's, so is the source: what a dial of
-	// the data path would carry (clientaddress.go, socket.sourceOf).
-	keep, why := p.clientAddr.decide(false, false, client)
+	keep, why := p.clientAddr.decide(r.external && !short, r.localPolicy.Load(), client)
 	switch {
 	case !keep:
 		out.Source = record.SourceNode.String()

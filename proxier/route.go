@@ -234,7 +234,7 @@ func (sp *servicePort) state() affinity.State {
 	return out
 }
 
-// explain says which endpoint client would get next through the cluster route.
-func (sp *servicePort) explain(client netip.Addr) (affinity.Choice, error) {
-	return sp.cluster.picker.fam[familyIndex(client)].Explain(client)
+// explain says which endpoint client would get next through route r.
+func (r *route) explain(client netip.Addr) (affinity.Choice, error) {
+	return r.picker.fam[familyIndex(client)].Explain(client)
 }
