@@ -7,7 +7,7 @@ STATICCHECK := $(BIN)/staticcheck
 # uncommitted changes), or dev outside a git checkout. The binary is stripped
 # (-s -w) and holds no local paths (-trimpath), as the image's.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-LDFLAGS  := -s -w -X main.version=$(VERSION)
+LDFLAGS  := -s -w -X github.com/uproxy/uproxy/app.version=$(VERSION)
 PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
 TESTFLAGS ?= -race -count=1 -timeout 10m

@@ -251,7 +251,7 @@ func clusterLogs() string {
 func goBuild(t *testing.T, root, work, name, pkg string) string {
 	t.Helper()
 	out := filepath.Join(work, name)
-	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w -X main.version=conformance", "-o", out, pkg)
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w -X github.com/uproxy/uproxy/app.version=conformance", "-o", out, pkg)
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {

@@ -1,4 +1,4 @@
-package main
+package app
 
 import (
 	"os"
@@ -50,7 +50,7 @@ func writeConfigFile(t *testing.T, data string) string {
 // kubeadm's KubeProxyConfiguration holds nearly every field at its zero value;
 // uproxy takes each as kube-proxy does, as the default, and starts.
 func TestConfigFileFromKubeadm(t *testing.T) {
-	o, _, err := loadArgs(t, "--config", filepath.Join("proxyconfig", "testdata", "kubeadm.conf"), "--hostname-override", "node-a")
+	o, _, err := loadArgs(t, "--config", filepath.Join(moduleRoot, "proxyconfig", "testdata", "kubeadm.conf"), "--hostname-override", "node-a")
 	if err != nil {
 		t.Fatalf("got error %v, want kubeadm's file accepted", err)
 	}

@@ -1,4 +1,4 @@
-package main
+package app
 
 import (
 	"bufio"
@@ -21,7 +21,7 @@ import (
 // runCommand runs the root command with args, as the binary would, and
 // returns its stdout, stderr and error.
 func runCommand(ctx context.Context, args ...string) (string, string, error) {
-	root := newRootCommand()
+	root := NewRootCommand()
 	var stdout, stderr bytes.Buffer
 	root.SetOut(&stdout)
 	root.SetErr(&stderr)
@@ -35,7 +35,7 @@ func runCommand(ctx context.Context, args ...string) (string, string, error) {
 func startEchoCommand(t *testing.T, args ...string) string {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	root := newRootCommand()
+	root := NewRootCommand()
 	pr, pw := io.Pipe()
 	root.SetErr(pw)
 	root.SetArgs(append([]string{"echo", "127.0.0.1:0"}, args...))

@@ -1,4 +1,4 @@
-package main
+package app
 
 import (
 	"errors"
@@ -55,7 +55,7 @@ func TestConntrackSettings(t *testing.T) {
 		want:   conntrack.Sysctls{Min: 131072, TCPCloseWaitTimeout: time.Hour},
 	}, {
 		name: "kubeadm's file: kube-proxy's defaults",
-		args: []string{"--config", filepath.Join("proxyconfig", "testdata", "kubeadm.conf")},
+		args: []string{"--config", filepath.Join(moduleRoot, "proxyconfig", "testdata", "kubeadm.conf")},
 		want: kubeProxyDefaults,
 	}} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -1,4 +1,4 @@
-package main
+package app
 
 import (
 	"cmp"
@@ -25,9 +25,13 @@ var iptablesCommands = map[string]bool{
 	"ip6tables": true, "ip6tables-save": true, "ip6tables-restore": true,
 }
 
-// runIPTablesWrapper replaces the process with the wrapper script, telling it
+// IsIPTablesCommand reports whether name, the name uproxy was called by, is
+// one of the iptables commands whose alternative it is.
+func IsIPTablesCommand(name string) bool { return iptablesCommands[name] }
+
+// RunIPTablesWrapper replaces the process with the wrapper script, telling it
 // the command's name and the file it came through. It returns only on error.
-func runIPTablesWrapper(name string, args []string) error {
+func RunIPTablesWrapper(name string, args []string) error {
 	script := filepath.Join(cmp.Or(os.Getenv("IPTABLES_WRAPPER_SBIN"), "/usr/sbin"), "iptables-wrapper")
 	self, err := os.Executable()
 	if err != nil {

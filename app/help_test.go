@@ -1,4 +1,4 @@
-package main
+package app
 
 import (
 	"context"
@@ -34,7 +34,7 @@ func helpFlags(t *testing.T, args ...string) []string {
 // column (`-v` as "v").
 func readmeFlagTable(t *testing.T) []string {
 	t.Helper()
-	b, err := os.ReadFile("README.md")
+	b, err := os.ReadFile(readme)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,10 +1,8 @@
-package main
+package app
 
 import (
 	"cmp"
 	"context"
-	"errors"
-	"fmt"
 	"net/netip"
 	"runtime"
 	"slices"
@@ -140,41 +138,4 @@ func reserveEventLoopProcs(loops int) int {
 	}
 	klog.V(1).InfoS("Event loops", "loops", loops, "gomaxprocs", runtime.GOMAXPROCS(0))
 	return loops
-}
-
-// runCleanup removes every mode's rules, links and virtual servers of
-// --chain-prefix. Before it touches anything it checks the prefix as the run
-// command does (kube-proxy's KUBE is refused) and takes the lock a running
-// uproxy of that prefix holds: while one runs, cleanup is refused, naming it,
-// unless force (its rules are then removed all the same, and it writes them
-// back at its next sync or flush check).
-func runCleanup(o *options, force bool) error {
-	if err := checkChainPrefix(o.chainPrefix); err != nil {
-		return err
-	}
-	// Without the capability every step fails alike (iptables-save, nft, netlink),
-	// each with its own words: say it once.
-	if !hasNetAdmin() {
-		return errors.New("cleanup needs root (CAP_NET_ADMIN) to remove rules, tables and links; nothing was removed")
-	}
-	lock, err := lockRules(o.chainPrefix)
-	var held *rulesHeldError
-	switch {
-	case errors.As(err, &held) && held.notUproxy:
-		// No uproxy runs under the prefix: its rules are anyone's to remove.
-		klog.InfoS("The lock of this --chain-prefix is held by a process that is not root, so no uproxy: cleaning up all the same", "holder", held.holder, "lock", held.name)
-	case errors.As(err, &held) && force:
-		klog.InfoS("Removing the rules of a running uproxy (--force): it writes them back at its next sync", "holder", held.holder, "prefix", o.chainPrefix)
-	case errors.As(err, &held):
-		held.remedy = "stop it first, or run `uproxy cleanup --force` to remove its rules all the same (it writes them back at its next sync)"
-		return held
-	case err != nil:
-		return err
-	}
-	defer lock.Close()
-	if err := registry.CleanupAll(o.chainPrefix); err != nil {
-		return fmt.Errorf("cleanup: %w", err)
-	}
-	klog.InfoS("Removed uproxy's rules of every mode", "prefix", o.chainPrefix)
-	return nil
 }

@@ -1,4 +1,4 @@
-package main
+package app
 
 import (
 	"bytes"
@@ -50,7 +50,7 @@ func TestExplainCommandFlags(t *testing.T) {
 
 // explain without a destination says what it takes and prints its usage.
 func TestExplainWithoutDestinationPrintsUsage(t *testing.T) {
-	root := newRootCommand()
+	root := NewRootCommand()
 	var out bytes.Buffer
 	root.SetOut(&out)
 	root.SetErr(&out)

@@ -1,4 +1,4 @@
-package main
+package app
 
 import (
 	"bytes"
@@ -240,7 +240,7 @@ func TestTakenHTTPPortNamesItsFlagFirst(t *testing.T) {
 
 func TestVersionFlag(t *testing.T) {
 	for _, args := range [][]string{{"--version"}, {"version"}} {
-		root := newRootCommand()
+		root := NewRootCommand()
 		var out bytes.Buffer
 		root.SetOut(&out)
 		root.SetArgs(args)
