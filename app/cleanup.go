@@ -7,7 +7,7 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 
-	"github.com/uproxy/uproxy/proxymode/registry"
+	"github.com/uproxy/uproxy/app/registry"
 )
 
 // newCleanupCommand is `uproxy cleanup`: all it needs to know is whose rules to

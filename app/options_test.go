@@ -15,8 +15,8 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/app/registry"
 	"github.com/uproxy/uproxy/proxymode"
-	"github.com/uproxy/uproxy/proxymode/registry"
 	"github.com/uproxy/uproxy/rules"
 )
 

@@ -9,9 +9,9 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/app/registry"
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/proxymode"
-	"github.com/uproxy/uproxy/proxymode/registry"
 	"github.com/uproxy/uproxy/socket/poll"
 )
 

@@ -11,12 +11,12 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/affinity"
+	"github.com/uproxy/uproxy/app/registry"
 	"github.com/uproxy/uproxy/kernelmodes/ipvs"
 	"github.com/uproxy/uproxy/netfilter/conntrack"
 	"github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxymode"
-	"github.com/uproxy/uproxy/proxymode/registry"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/source/kube"
