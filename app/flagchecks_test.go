@@ -12,8 +12,8 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/proxyconfig"
-	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // A flag the chosen mode does not use is refused naming it, unless kube-proxy

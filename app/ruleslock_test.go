@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // Any process may bind an abstract name: a lock's name held by a process that

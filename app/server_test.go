@@ -14,7 +14,7 @@ import (
 
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/syncloop"
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // syncingMode is a Mode whose Sync blocks until released, and whose Cleanup

@@ -4,7 +4,7 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // A localhost NodePort the relay cannot serve is logged when the problem

@@ -50,7 +50,7 @@ var toolPackages = []string{
 // directory for the Debian root filesystems (they take a minute or two to make).
 type ImageSet struct {
 	BinDir     string // agnhost, coredns, regression-issue-74839
-	Pause      string // the sandbox's pause binary (conformance/pause)
+	Pause      string // the sandbox's pause binary (test/conformance/pause)
 	UProxy     string // a static uproxy binary
 	UProxyTag  string // the name deploy/uproxy.yaml's image is replaced with
 	Dockerfile string // deploy/Dockerfile

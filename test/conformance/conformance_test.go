@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 var (
@@ -99,7 +99,7 @@ func TestConformance(t *testing.T) {
 		focus = Suites
 	}
 
-	root, err := filepath.Abs("..")
+	root, err := filepath.Abs(filepath.Join("..", ".."))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,7 +110,7 @@ func TestConformance(t *testing.T) {
 	start := time.Now()
 	images := ImageSet{
 		BinDir: binDir, UProxyTag: DefaultUProxyTag,
-		Pause:      goBuild(t, root, work, "pause", "./conformance/pause"),
+		Pause:      goBuild(t, root, work, "pause", "./test/conformance/pause"),
 		UProxy:     goBuild(t, root, work, "uproxy", "."),
 		Dockerfile: filepath.Join(root, "deploy", "Dockerfile"), RepoRoot: root,
 		CacheDir: cacheDir(t), WorkDir: work, Logf: logf,
@@ -224,7 +224,7 @@ func judge(ctx context.Context, t *testing.T, name, binDir, archive string, focu
 		return Result{}, fmt.Errorf("cluster: %w\n%s", err, clusterLogs())
 	}
 	if p.kubeProxy == "" {
-		if err := c.DeployUProxy(ctx, filepath.Join("..", "deploy", "uproxy.yaml"), DefaultUProxyTag, p.uproxy); err != nil {
+		if err := c.DeployUProxy(ctx, filepath.Join("..", "..", "deploy", "uproxy.yaml"), DefaultUProxyTag, p.uproxy); err != nil {
 			return Result{}, fmt.Errorf("deploy uproxy: %w", err)
 		}
 	}

@@ -105,7 +105,7 @@ func TestVerdict(t *testing.T) {
 // The image the cluster runs is made by reading deploy/Dockerfile's last stage:
 // every instruction there must be one the reading knows.
 func TestLastStageOfTheDockerfile(t *testing.T) {
-	steps, err := lastStage(filepath.Join("..", "deploy", "Dockerfile"))
+	steps, err := lastStage(filepath.Join("..", "..", "deploy", "Dockerfile"))
 	if err != nil {
 		t.Fatal(err)
 	}
