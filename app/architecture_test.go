@@ -21,24 +21,29 @@ const architectureDoc = moduleRoot + "/docs/architecture.md"
 
 // importRule is one row of the table: the packages From matches may depend
 // (directly or not) on nothing of this module but what Packages match (Only),
-// or on nothing Packages match (not Only).
+// or on nothing Packages match (neither Only nor OnlyBy); or (OnlyBy) no
+// package of this module but those Packages match may depend on them.
 type importRule struct {
 	From     string
 	Only     bool
+	OnlyBy   bool
 	Packages []string
 	line     int // in the document, for messages
 }
 
 func (r importRule) String() string {
 	kind := "not"
-	if r.Only {
+	switch {
+	case r.Only:
 		kind = "only"
+	case r.OnlyBy:
+		kind = "only by"
 	}
 	return fmt.Sprintf("%s:%d: %s %s [%s]", architectureDoc, r.line, r.From, kind, strings.Join(r.Packages, ", "))
 }
 
 // parseImportRules reads the rules' table: the first table after the heading
-// "## Import rules", whose columns are package, rule (only or not), packages
+// "## Import rules", whose columns are package, rule (only, only by or not), packages
 // and why; a cell's packages are in backquotes.
 func parseImportRules(doc io.Reader) ([]importRule, error) {
 	var rules []importRule
@@ -89,12 +94,14 @@ func parseImportRules(doc io.Reader) ([]importRule, error) {
 		switch cells[1] {
 		case "only":
 			r.Only = true
+		case "only by":
+			r.OnlyBy = true
 		case "not":
 			if len(r.Packages) == 0 {
 				return nil, fmt.Errorf("%s:%d: a rule \"not\" without packages forbids nothing", architectureDoc, n)
 			}
 		default:
-			return nil, fmt.Errorf("%s:%d: rule %q: want only or not", architectureDoc, n, cells[1])
+			return nil, fmt.Errorf("%s:%d: rule %q: want only, only by or not", architectureDoc, n, cells[1])
 		}
 		rules = append(rules, r)
 	}
@@ -174,6 +181,10 @@ func importViolations(module string, deps map[string][]string, rules []importRul
 				out = append(out, fmt.Sprintf("%v: no package is %s", r, p))
 			}
 		}
+		if r.OnlyBy {
+			out = append(out, dependents(module, deps, r)...)
+			continue
+		}
 		for _, pkg := range sortedKeys(deps) {
 			if !matches(module, r.From, pkg) {
 				continue
@@ -189,6 +200,23 @@ func importViolations(module string, deps map[string][]string, rules []importRul
 				if forbidden {
 					out = append(out, fmt.Sprintf("%v: %s depends on %s", r, pkg, d))
 				}
+			}
+		}
+	}
+	return out
+}
+
+// dependents checks a rule "only by": a package of the module that depends on
+// what r.From matches must be one of r.Packages, or what r.From matches.
+func dependents(module string, deps map[string][]string, r importRule) []string {
+	var out []string
+	for _, pkg := range sortedKeys(deps) {
+		if !inModule(module, pkg) || matches(module, r.From, pkg) || slices.ContainsFunc(r.Packages, func(p string) bool { return matches(module, p, pkg) }) {
+			continue
+		}
+		for _, d := range deps[pkg] {
+			if matches(module, r.From, d) {
+				out = append(out, fmt.Sprintf("%v: %s depends on %s", r, pkg, d))
 			}
 		}
 	}
@@ -268,13 +296,16 @@ func TestImportViolations(t *testing.T) {
 	table := "# x\n\n## Import rules\n\n| package | rule | packages | why |\n|---|---|---|---|\n" +
 		"| `observe` | only | `service` | records |\n" +
 		"| `kernelmodes/...` | not | `socket/...` | no data path |\n" +
+		"| `app/...` | only by | `.` | the program |\n" +
 		"| `.` | not | `testing` | no test helper |\n\n## Next\n"
 	rules, err := parseImportRules(strings.NewReader(table))
-	if err != nil || len(rules) != 3 {
-		t.Fatalf("parse: got %d rules, %v; want 3", len(rules), err)
+	if err != nil || len(rules) != 4 {
+		t.Fatalf("parse: got %d rules, %v; want 4", len(rules), err)
 	}
 	clean := map[string][]string{
-		m:                           {m + "/observe", m + "/service", m + "/kernelmodes/iptables"},
+		m:                           {m + "/app", m + "/app/registry", m + "/observe", m + "/service", m + "/kernelmodes/iptables"},
+		m + "/app":                  {m + "/app/registry", m + "/observe", m + "/service"},
+		m + "/app/registry":         {m + "/service"},
 		m + "/observe":              {m + "/service", "net/http"},
 		m + "/service":              nil,
 		m + "/socket":               {m + "/socket/poll"},
@@ -294,6 +325,7 @@ func TestImportViolations(t *testing.T) {
 		{"only: another package of the module", m + "/observe", []string{m + "/service", m + "/socket"}, "observe depends on " + m + "/socket"},
 		{"not: a subpackage of the pattern", m + "/kernelmodes/iptables", []string{m + "/service", m + "/socket/poll"}, "kernelmodes/iptables depends on " + m + "/socket/poll"},
 		{"not: the standard library", m, []string{m + "/observe", "testing"}, "depends on testing"},
+		{"only by: a package it does not list", m + "/socket", []string{m + "/socket/poll", m + "/app/registry"}, "socket depends on " + m + "/app/registry"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
