@@ -5,9 +5,9 @@
 //
 // Where each command lives:
 //
-//	uproxy, uproxy run   root.go (the commands), server.go (runProxy: the run from
-//	                     flags to a stopped mode), startmode.go (startMode: the
-//	                     mode from the registry)
+//	uproxy, uproxy run   root.go (the commands), server.go (runProxy: newServer
+//	                     builds the server from the flags, server.Run runs it),
+//	                     startmode.go (startMode: the mode from the registry)
 //	uproxy version       root.go (the version set by the linker: -X .../app.version)
 //	uproxy cleanup       cleanup.go (and uproxy --cleanup)
 //	uproxy demo          demo.go

@@ -33,23 +33,58 @@ type running struct {
 	mode  proxymode.Mode // the mode
 }
 
-// runProxy runs the proxy in the mode of o until SIGINT/SIGTERM: flags ->
-// config -> HTTP listeners -> source -> mode (from the registry) -> sync loop.
-// synced, if not nil, is called after every sync (the demo uses it to print
-// its Services).
+// runProxy runs the proxy in the mode of o until SIGINT/SIGTERM: it builds
+// the server (newServer), then runs it (server.Run). synced, if not nil, is
+// called after every sync (the demo uses it to print its Services).
 func runProxy(ctx context.Context, o *options, synced func(running, *service.Snapshot)) error {
-	if err := o.applyConfigFile(); err != nil {
+	s, err := newServer(ctx, o)
+	if err != nil {
 		return err
+	}
+	return s.Run(synced)
+}
+
+// server is the proxy built from the flags and not yet running, as kube-proxy
+// builds a ProxyServer before it runs it: its HTTP addresses are bound, its
+// source and its mode made (the node's rules lock held, the conntrack sysctls
+// set, other modes' leftovers removed), but nothing is served and no sync has
+// run. Run runs it; Close releases a server that is never run.
+type server struct {
+	o   *options
+	cfg *config
+	// ctx is the run's context: the caller's, ended by SIGINT or SIGTERM,
+	// which are caught from before the build touches the node (the source,
+	// the mode) so that a signal never cuts a start in half; stop releases
+	// the signals.
+	ctx  context.Context
+	stop context.CancelFunc
+
+	http        *observe.Server
+	healthConns *observe.ConnLimit
+	health      *observe.Health
+	src         syncloop.Source
+	srcName     string
+	events      *observe.Events
+	modeName    string
+	mode        proxymode.Mode
+	lock        *rulesLock
+}
+
+// newServer builds the server of o: flags -> config -> HTTP listeners ->
+// source -> mode (from the registry). On error, nothing it took is held.
+func newServer(ctx context.Context, o *options) (_ *server, err error) {
+	if err := o.applyConfigFile(); err != nil {
+		return nil, err
 	}
 	cfg, err := o.validate()
 	if err != nil {
-		return o.configFieldError(err)
+		return nil, o.configFieldError(err)
 	}
 	// The HTTP addresses are bound before anything else happens (or is logged),
 	// so a port in use is reported as its flag's error at once.
 	metricsLn, healthzLn, err := bindHTTP(cfg)
 	if err != nil {
-		return o.configFieldError(err)
+		return nil, o.configFieldError(err)
 	}
 	// The HTTP servers hold at most a quarter of the descriptors the data path
 	// leaves to the rest of the process: an eighth for the metrics address,
@@ -58,13 +93,17 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	metricsConns, healthConns := observe.NewConnLimit(share), observe.NewConnLimit(share)
 	srv := &observe.Server{MetricsListener: metricsLn, HealthzListener: healthzLn, MetricsAddress: cfg.metricsAddr, HealthzAddress: cfg.healthzAddr,
 		MetricsConns: metricsConns, HealthzConns: healthConns}
-	defer srv.Stop(context.Background())
+	defer func() {
+		if err != nil {
+			srv.Stop(context.Background())
+		}
+	}()
 	// So are the proxy ports' address and the manifests.
 	if err := checkBindAddress(cfg.specific.Userspace.BindAddress); err != nil {
-		return o.configFieldError(err)
+		return nil, o.configFieldError(err)
 	}
 	if err := o.checkServicesPath(); err != nil {
-		return err
+		return nil, err
 	}
 	o.logConfigNotes()
 	raiseFileLimit()
@@ -72,7 +111,11 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 		ctx = context.Background()
 	}
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	defer func() {
+		if err != nil {
+			stop()
+		}
+	}()
 
 	health := &observe.Health{Timeout: 2 * o.syncPeriod}
 	// Manifests on disk when --services is given, else the API server.
@@ -86,7 +129,7 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	srcName := o.services
 	if o.services == "" {
 		if kubeSrc, err = newKubeSource(ctx, o, cfg, health); err != nil {
-			return err
+			return nil, err
 		}
 		src, srcName = kubeSrc, "kubernetes"
 	}
@@ -98,9 +141,8 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	cfg.specific.Userspace.Events = events
 	modeName, mode, lock, err := startMode(o, cfg)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer lock.Close()
 	// The Service ports of a protocol the mode cannot serve are reported by
 	// the source, as problems of its Snapshots.
 	if m, ok := mode.(interface{ Unserved() []service.Unserved }); ok {
@@ -109,6 +151,37 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 			kubeSrc.Unserved = m.Unserved()
 		}
 	}
+	return &server{o: o, cfg: cfg, ctx: ctx, stop: stop, http: srv, healthConns: healthConns, health: health,
+		src: src, srcName: srcName, events: events, modeName: modeName, mode: mode, lock: lock}, nil
+}
+
+// Close releases a server that is never run: the mode's event loops, if it
+// has any (it serves nothing yet), and what building s took (release).
+func (s *server) Close() {
+	if m, ok := s.mode.(interface{ Shutdown(context.Context) error }); ok {
+		m.Shutdown(context.Background())
+	}
+	s.release()
+}
+
+// release lets go of what building s took: the rules lock, the signals, the
+// HTTP listeners. Run releases s when it returns (its mode shut down by then).
+func (s *server) release() {
+	s.lock.Close()
+	s.stop()
+	s.http.Stop(context.Background())
+}
+
+// Run serves until the context newServer was given ends (or SIGINT/SIGTERM),
+// or the source fails: the servers of observe, the sync loop, the source; at
+// exit the mode's Shutdown within --shutdown-grace, then its Cleanup with
+// --cleanup-on-exit. synced is runProxy's.
+func (s *server) Run(synced func(running, *service.Snapshot)) error {
+	defer s.release()
+	o, cfg, ctx, stop := s.o, s.cfg, s.ctx, s.stop
+	srv, healthConns, health, events := s.http, s.healthConns, s.health, s.events
+	src, srcName, modeName, mode := s.src, s.srcName, s.modeName, s.mode
+	var err error
 
 	changes := &observe.Changes{}
 	conflicts := &observe.Conflicts{}
@@ -126,18 +199,18 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 		SyncPeriod:    o.syncPeriod,
 		Hooks: syncloop.Hooks{
 			Queued: health.Queued,
-			Synced: func(start time.Time, took time.Duration, s *service.Snapshot, err error) {
+			Synced: func(start time.Time, took time.Duration, snap *service.Snapshot, err error) {
 				observe.SyncObserved(start, took, err)
 				if err == nil {
 					health.Synced(start)
-					changes.Synced(s)
-					if herr := hc.Sync(s); herr != nil {
+					changes.Synced(snap)
+					if herr := hc.Sync(snap); herr != nil {
 						klog.ErrorS(herr, "Health check node ports")
 					}
 
 				}
 				if synced != nil {
-					synced(running{name: modeName, rules: cfg.specific.Userspace.Rules, mode: mode}, s)
+					synced(running{name: modeName, rules: cfg.specific.Userspace.Rules, mode: mode}, snap)
 				}
 			},
 		},
@@ -179,12 +252,12 @@ func runProxy(ctx context.Context, o *options, synced func(running, *service.Sna
 	health.Queued(time.Now())
 	go func() {
 		// Sources log their problems themselves, once each, when they appear.
-		srcErr <- src.Run(ctx, func(s *service.Snapshot) {
-			changes.Queued(s)
-			conflicts.Update(s)
-			unserved.Update(s)
-			problems.Update(s)
-			runner.Update(s)
+		srcErr <- src.Run(ctx, func(snap *service.Snapshot) {
+			changes.Queued(snap)
+			conflicts.Update(snap)
+			unserved.Update(snap)
+			problems.Update(snap)
+			runner.Update(snap)
 		})
 	}()
 	syncDone := make(chan struct{})

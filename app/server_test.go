@@ -154,3 +154,30 @@ func TestAPISourceFirstSnapshotIsQueued(t *testing.T) {
 		t.Errorf("/livez failed %v after the start, before 2 × --sync-period (%v)", took, 2*syncPeriod)
 	}
 }
+
+// A server is built without running: its mode is made and its HTTP addresses
+// are bound, and Close releases them for a server that never runs.
+func TestServerBuiltThenClosed(t *testing.T) {
+	logs.Capture(t)
+	o := defaultOptions()
+	cmd := &cobra.Command{Use: "uproxy"}
+	o.addFlags(cmd)
+	if err := cmd.Flags().Parse([]string{"--services", t.TempDir(), "--proxy-mode", "userspace", "--rules", "none",
+		"--hostname-override", "node-a", "--metrics-bind-address", "127.0.0.1:0", "--healthz-bind-address", ""}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := newServer(context.Background(), o)
+	if err != nil {
+		t.Fatalf("newServer: %v", err)
+	}
+	if s.modeName != "userspace" || s.mode == nil {
+		t.Errorf("built mode: got %q (%v), want userspace", s.modeName, s.mode)
+	}
+	metrics := s.http.MetricsListener.Addr().String()
+	s.Close()
+	ln, err := net.Listen("tcp", metrics)
+	if err != nil {
+		t.Fatalf("the metrics address %s after Close: %v, want it released", metrics, err)
+	}
+	ln.Close()
+}
