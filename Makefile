@@ -7,7 +7,7 @@ STATICCHECK := $(BIN)/staticcheck
 # uncommitted changes), or dev outside a git checkout. The binary is stripped
 # (-s -w) and holds no local paths (-trimpath), as the image's.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-LDFLAGS  := -s -w -X main.version=$(VERSION)
+LDFLAGS  := -s -w -X github.com/uproxy/uproxy/app.version=$(VERSION)
 PKGS     := ./...
 # Integration tests need root, network namespaces, iptables and a kube-apiserver.
 TESTFLAGS ?= -race -count=1 -timeout 10m
@@ -31,7 +31,7 @@ demo: run
 test: deps cluster-bins lint
 	$(GO) test $(TESTFLAGS) -skip '^TestConformance$$' $(PKGS)
 	@echo "conformance (short form): log in conformance-ci.log"; rc=0; \
-	$(GO) test -count=1 -timeout 45m -v ./conformance -run '^TestConformance$$' > conformance-ci.log 2>&1 || rc=$$?; \
+	$(GO) test -count=1 -timeout 45m -v ./test/conformance -run '^TestConformance$$' > conformance-ci.log 2>&1 || rc=$$?; \
 	grep -E '(^(---|ok|FAIL|PASS)|passed, .* failed|up in|images built|^\| )' conformance-ci.log; \
 	if [ $$rc != 0 ]; then tail -n 150 conformance-ci.log; fi; exit $$rc
 
@@ -42,14 +42,14 @@ CONFORMANCE_PROXIES ?= kube-proxy-iptables,kube-proxy-nftables,uproxy-userspace-
 CONFORMANCE_SUITES  ?= all
 CONFORMANCE_PROCS   ?= 6
 conformance: deps cluster-bins
-	$(GO) test -count=1 -timeout 0 -v ./conformance -run '^TestConformance$$' \
+	$(GO) test -count=1 -timeout 0 -v ./test/conformance -run '^TestConformance$$' \
 		-conformance.nodes=$(CONFORMANCE_NODES) -conformance.proxies=$(CONFORMANCE_PROXIES) \
 		-conformance.suites='$(CONFORMANCE_SUITES)' -conformance.procs=$(CONFORMANCE_PROCS) \
 		-conformance.report=$(CURDIR)/docs/conformance-table.md
 
 # Removes a cluster left by -conformance.keep or an interrupted run.
 conformance-down:
-	$(GO) test -count=1 -v ./conformance -run '^TestConformance$$' -conformance.down
+	$(GO) test -count=1 -v ./test/conformance -run '^TestConformance$$' -conformance.down
 
 unit:
 	$(GO) test -count=1 -short $(PKGS)
@@ -120,7 +120,7 @@ perf-doc: build deps bench-deps
 # Mixed TCP/UDP load with checksums while endpoints churn, backends die and the rules are flushed (root).
 SOAK ?= 60s
 soak: deps
-	$(GO) test -count=1 -timeout 20m -run '^TestSoak$$' -v ./measure/soak -soak.duration=$(SOAK)
+	$(GO) test -count=1 -timeout 20m -run '^TestSoak$$' -v ./test/soak -soak.duration=$(SOAK)
 
 # Go microbenchmarks of the packages.
 microbench: build

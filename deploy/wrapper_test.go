@@ -9,7 +9,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // wrapperWorld is the image's iptables commands rebuilt in a directory: the

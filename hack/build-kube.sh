@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the kube-apiserver and etcd binaries that testbed/kubeapi starts for tests, and
+# Builds the kube-apiserver and etcd binaries that test/testbed/kubeapi starts for tests, and
 # the kube-proxy that integration tests run beside uproxy.
 #
 # Usage: hack/build-kube.sh [BINDIR [cluster]]   (BINDIR defaults to bin/ at the repository root;
@@ -65,7 +65,7 @@ build kube-apiserver tools/kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "
 build kube-proxy tools/kube-apiserver k8s.io/kubernetes/cmd/kube-proxy "$kube_ldflags"
 if [[ "${2:-}" == cluster ]]; then
 	# The conformance cluster's nodes and control plane, its DNS, the image its test pods
-	# run, and the suite that judges it (conformance/ and `make conformance`).
+	# run, and the suite that judges it (test/conformance/ and `make conformance`).
 	for cmd in kubelet kube-controller-manager kube-scheduler kubectl; do
 		build "$cmd" tools/kube-apiserver "k8s.io/kubernetes/cmd/$cmd" "$kube_ldflags"
 	done

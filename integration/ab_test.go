@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/measure/ab"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // startEcho runs `uproxy echo` with flags in role's namespace on that

@@ -17,8 +17,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/uproxy/uproxy/source/kube"
-	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/testbed/kubeproxy"
+	"github.com/uproxy/uproxy/test/testbed"
+	"github.com/uproxy/uproxy/test/testbed/kubeproxy"
 )
 
 // TestBesideKubeProxy runs uproxy beside the real kube-proxy of the pinned

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/kernelmodes"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // kubeProxyState gives the node kube-proxy-like state: the chains its iptables

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/measure/topology"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // whoSaw is an identity endpoint: the namespace it runs in and its TCP and UDP

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestAddressConflict: a second Service with a working Service's ClusterIP and

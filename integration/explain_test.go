@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // explained is the part of `uproxy explain -o json` these tests read.

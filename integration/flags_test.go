@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestFlagsRefusedAtStart: a flag that would be accepted and then ignored, or

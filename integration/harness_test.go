@@ -18,7 +18,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // uproxyBin is the binary under test, built once by TestMain. Under -short

@@ -22,7 +22,7 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 
 	"github.com/uproxy/uproxy/proxyconfig"
-	"github.com/uproxy/uproxy/testbed/kubeapi"
+	"github.com/uproxy/uproxy/test/testbed/kubeapi"
 )
 
 // deployObjects decodes deploy/uproxy.yaml.

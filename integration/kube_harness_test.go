@@ -19,8 +19,8 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/utils/ptr"
 
-	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/testbed/kubeapi"
+	"github.com/uproxy/uproxy/test/testbed"
+	"github.com/uproxy/uproxy/test/testbed/kubeapi"
 )
 
 // kubeNode is the node name uproxy runs as in these tests.

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // localhostServices starts a TCP and a UDP backend of each family in the pod

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestCleanupWithoutRootSaysSoOnce: uproxy cleanup (and --cleanup) without

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/kernelmodes"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // webService starts three named backends in the pod namespace and returns the

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // proxyPortOf returns the proxy port /debug/services gives the Service port name.

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // ep is one endpoint of a hand-written EndpointSlice: its address and port,

@@ -21,7 +21,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/socket"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // Reliability end to end: the uproxy binary under a tiny descriptor limit, SIGTERM

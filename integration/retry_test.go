@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestRetryStrategies runs the three retry strategies side by side in one uproxy,

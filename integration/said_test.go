@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestSCTPServiceSaidInTheUserspaceMode: the userspace mode has no SCTP proxy.

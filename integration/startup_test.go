@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // A second uproxy that cannot start leaves the running one's rules as they are:

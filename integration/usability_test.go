@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestServingLogsTheAddressAsked: the log names the HTTP addresses as their

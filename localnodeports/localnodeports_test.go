@@ -12,7 +12,7 @@ import (
 
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/service/servicetest"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // serveName answers every TCP connection with name and the client's address.

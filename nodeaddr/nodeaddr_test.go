@@ -5,7 +5,7 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 func addrs(s ...string) []netip.Addr {

@@ -14,7 +14,7 @@ import (
 	"github.com/uproxy/uproxy/affinity"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/record"
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // DialResult names what the data path and the balancer return, as wrapped on

@@ -17,7 +17,7 @@ import (
 
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // runChromium runs headless Chromium on url with extra flags (the action: dump

@@ -16,7 +16,7 @@ import (
 
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // listeningSocket returns the descriptor of the process's listening TCP socket

@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // Every proxy port opened is logged once at the default verbosity, with its

@@ -5,7 +5,7 @@ import (
 	"testing"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 func TestParsePortRange(t *testing.T) {

@@ -17,7 +17,7 @@ import (
 
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/service/servicetest"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // world is a test's little universe: named TCP and UDP backends on loopback

@@ -18,7 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // shiftObjects returns n single-port Services, alternately TCP and UDP, every

@@ -2,7 +2,7 @@
 // --proxy-mode spells them, the configuration every mode takes (Common, which
 // each mode's Config embeds), and the interface the program drives (Mode).
 // The modes themselves are proxier (userspace) and kernelmodes/iptables,
-// nftables and ipvs; proxymode/registry builds the one a name asks for.
+// nftables and ipvs; app/registry builds the one a name asks for.
 package proxymode
 
 import (

@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // --rules takes each backend by name, and "" as auto.

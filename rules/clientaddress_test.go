@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 const testClientMark = 0x1000

@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // BenchmarkNFTablesPortalSync measures NFTables.Sync with real nft in a

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // countingProxy stands in for a proxy port: an echo server on the node that

@@ -7,7 +7,7 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // A reply route's user is a root process's socket: any process may bind an

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/affinity"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // ejectingBalancer returns a real Balancer over eps, in that order (rr), that

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // Leak tests: after many connections ended every way a connection can end, the

@@ -13,7 +13,7 @@ import (
 
 	"github.com/uproxy/uproxy/record"
 	"github.com/uproxy/uproxy/socket/poll/polltest"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // sockopts is what a socket says of its options: TCP_NODELAY, and keepalive off

@@ -15,7 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/uproxy/uproxy/socket/poll/polltest"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // Backend sockets carry the dial mark, which needs CAP_NET_ADMIN: without it

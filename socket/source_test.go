@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/record"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // startTCPWhoAmI runs a TCP backend on ip that answers each connection with the

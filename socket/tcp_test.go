@@ -27,7 +27,7 @@ import (
 
 	"github.com/uproxy/uproxy/record"
 	"github.com/uproxy/uproxy/socket/poll"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 func TestMain(m *testing.M) {

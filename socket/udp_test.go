@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/record"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // listenUDP opens an unconnected UDP socket on ip:0, closed at the end of the test.

@@ -18,7 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/record"
 	"github.com/uproxy/uproxy/socket/poll"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // awaitTimeout bounds every wait for a condition; conditions normally hold within

@@ -12,7 +12,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // recorder is a Mode that records every snapshot it is given, and when (on the

@@ -9,7 +9,7 @@ import (
 	"github.com/uproxy/uproxy/netfilter/conntrack/conntracktest"
 	"github.com/uproxy/uproxy/netfilter/iptables/iptablestest"
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // benchSnapshot returns n Service ports: alternating TCP and UDP, each with a

@@ -10,7 +10,7 @@ import (
 
 	ipt "github.com/uproxy/uproxy/netfilter/iptables"
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // failingKernel fails its restore number failAt (counted from 1, both families).

@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/proxymode"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestRealLocalhostNodePorts serves NodePorts on 127.0.0.0/8 in a node of its

@@ -12,7 +12,7 @@ import (
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/service/servicetest"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // Constructors shared with the other kernel modes' tests.

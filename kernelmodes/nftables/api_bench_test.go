@@ -16,8 +16,8 @@ import (
 
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/source/kube"
-	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/testbed/kubeapi"
+	"github.com/uproxy/uproxy/test/testbed"
+	"github.com/uproxy/uproxy/test/testbed/kubeapi"
 )
 
 // BenchmarkSyncFromAPI measures Sync of the mode fed by the Kubernetes source,

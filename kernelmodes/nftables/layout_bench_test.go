@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // This file measures a layout for the nftables kernel mode before the mode is

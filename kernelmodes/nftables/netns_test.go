@@ -17,7 +17,7 @@ import (
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/service/servicetest"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // udpAsk sends payload on c and returns the reply.

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // httpServer is a net/http server on a loopback port that counts what it was

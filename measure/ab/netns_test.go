@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // echoIn serves Echo with delay in role's namespace and returns its address on

@@ -19,7 +19,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/measure/topology"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestTinyRun runs every path and workload for a few milliseconds each and

@@ -10,7 +10,7 @@ import (
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // message builds an answer to a GET as the kernel writes it.

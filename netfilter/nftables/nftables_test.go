@@ -12,7 +12,7 @@ import (
 
 	"github.com/uproxy/uproxy/netfilter/nftables"
 	"github.com/uproxy/uproxy/netfilter/nftables/nftablestest"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 func TestTableName(t *testing.T) {

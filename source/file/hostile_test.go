@@ -13,7 +13,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // Files a manifest directory should not hold, and what the source does with

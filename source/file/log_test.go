@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // TestRunLogs: what the source logs at the default verbosity, step by step: a

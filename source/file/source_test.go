@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // svcYAML is a Service manifest with one port per entry of ports.

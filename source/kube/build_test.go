@@ -1,7 +1,7 @@
 package kube
 
 import (
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 	"slices"
 	"strings"
 	"testing"

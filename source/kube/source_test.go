@@ -16,8 +16,8 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/uproxy/uproxy/service"
-	"github.com/uproxy/uproxy/testbed"
-	"github.com/uproxy/uproxy/testbed/kubeapi"
+	"github.com/uproxy/uproxy/test/testbed"
+	"github.com/uproxy/uproxy/test/testbed/kubeapi"
 )
 
 // watcher runs a Source and keeps what it reported.

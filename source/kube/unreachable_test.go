@@ -14,7 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/uproxy/uproxy/testbed/logs"
+	"github.com/uproxy/uproxy/test/testbed/logs"
 )
 
 // roundTripFunc is an http.RoundTripper of one function.

@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/uproxy/uproxy/netfilter/iptables"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // step is one restore input and whether iptables-restore --noflush takes it.
