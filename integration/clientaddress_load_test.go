@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/uproxy/uproxy/measure/topology"
-	"github.com/uproxy/uproxy/testbed"
+	"github.com/uproxy/uproxy/test/testbed"
 )
 
 // TestKeptClientAddressUnderLoad: every connection and flow whose dial keeps
