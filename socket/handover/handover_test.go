@@ -52,6 +52,8 @@ func runRole(role, addr string) error {
 		}
 		_, err = c.Receive()
 		return err
+	case "bench-old", "bench-new", "bench-echo":
+		return benchRole(role, addr)
 	case "listen":
 		ln, err := handover.Listen(addr)
 		if err != nil {
