@@ -54,6 +54,8 @@ func runRole(role, addr string) error {
 		return err
 	case "bench-old", "bench-new", "bench-echo":
 		return benchRole(role, addr)
+	case "serve":
+		return serve()
 	case "listen":
 		ln, err := handover.Listen(addr)
 		if err != nil {
