@@ -171,7 +171,9 @@ func (p *NFTables) Sync(portals []Portal) error {
 
 // write makes the table hold want: the whole table when its state is unknown
 // (first sync, failed write, external flush), else only the elements that
-// changed; nothing at all when none did.
+// changed; nothing at all when none did. Changes of the steering maps alone
+// (a Service port added or removed, a proxy port moved) go over netlink
+// (nftables.Kernel.WriteElements); the others, and a whole write, through nft.
 func (p *NFTables) write(ctx context.Context, want nftElements) error {
 	k := p.cfg.NFTables
 	tx := k.NewTransaction()
@@ -184,10 +186,19 @@ func (p *NFTables) write(ctx context.Context, want nftElements) error {
 		p.layout.write(tx)
 		want.addAll(tx)
 	} else {
-		p.written.changes(tx, want)
-		if tx.NumOperations() == 0 {
+		changes := p.written.diff(want)
+		if len(changes) == 0 {
 			return nil
 		}
+		if elems, ok := p.layout.netlinkChanges(changes); ok {
+			p.written = nil
+			if err := k.WriteElements(ctx, elems); err != nil {
+				return fmt.Errorf("write nftables table %s: %w", p.table, err)
+			}
+			p.written = want
+			return nil
+		}
+		addChanges(tx, changes)
 	}
 	p.written = nil
 	if err := k.Run(ctx, tx); err != nil {
