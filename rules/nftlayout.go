@@ -322,48 +322,26 @@ func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
 	var errs []error
 	for i := range entries {
 		e := &entries[i]
-		for _, fam := range l.fams {
-			if !e.families[fam.f] {
-				continue
+		// A key either map of a pair already holds is the earlier entry's.
+		l.elementsOf(e, func(fam nftFamily, name string, port int, k nftKey, proxyPort int, refused bool) {
+			steer, refuse := els[name], els[fam.refuseMap(name)]
+			old, ok := steer[k]
+			if !ok {
+				old, ok = refuse[k]
 			}
-			// add puts k in the steering map name, or in its no-endpoint
-			// counterpart when refused; a key either map already holds is
-			// the earlier entry's.
-			add := func(name string, port int, k nftKey, proxyPort int, refused bool) {
-				steer, refuse := els[name], els[fam.refuseMap(name)]
-				old, ok := steer[k]
-				if !ok {
-					old, ok = refuse[k]
+			if ok {
+				if old.owner != e.name {
+					errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
+						Err: fmt.Errorf("%s in map %s already used by %s", k, name, old.owner)})
 				}
-				if ok {
-					if old.owner != e.name {
-						errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
-							Err: fmt.Errorf("%s in map %s already used by %s", k, name, old.owner)})
-					}
-					return
-				}
-				if refused {
-					refuse[k] = nftElement{owner: e.name}
-					return
-				}
-				steer[k] = nftElement{proxyPort: proxyPort, owner: e.name}
+				return
 			}
-			for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
-				name := fam.serviceIPs
-				if kind == 2 {
-					name = fam.externalIPs
-				}
-				refused := e.refused(fam.f, kind != 0)
-				for _, ip := range ips {
-					if familyOf(ip) == fam.f {
-						add(name, e.port, nftKey{ip, e.proto, e.port}, e.proxyPortOf(kind != 0), refused)
-					}
-				}
+			if refused {
+				refuse[k] = nftElement{owner: e.name}
+				return
 			}
-			if e.nodePort != 0 && e.nodePortHeld[fam.f] && fam.nodePorts {
-				add(fam.nodePortMap, e.nodePort, nftKey{proto: e.proto, port: e.nodePort}, e.extProxyPort, e.refused(fam.f, true))
-			}
-		}
+			steer[k] = nftElement{proxyPort: proxyPort, owner: e.name}
+		})
 	}
 	return els, errs
 }
