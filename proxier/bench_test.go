@@ -82,5 +82,21 @@ func BenchmarkSync(b *testing.B) {
 				}
 			}
 		})
+		// One Service port added and removed again: the long way, with every
+		// other Port the same pointer.
+		b.Run(fmt.Sprintf("one-new-service/%d", n), func(b *testing.B) {
+			p := newProxier(b, Config{})
+			mustSync(b, p, full)
+			extra := port("svc-new", service.TCP, netip.AddrPortFrom(netip.MustParseAddr("127.0.0.2"), 9999))
+			i, _ := slices.BinarySearchFunc(ports, extra, func(a, b *service.Port) int { return a.Name.Compare(b.Name) })
+			plus := snapshot(slices.Insert(slices.Clone(ports), i, extra)...)
+			for i := 0; b.Loop(); i++ {
+				if i%2 == 0 {
+					mustSync(b, p, plus)
+				} else {
+					mustSync(b, p, full)
+				}
+			}
+		})
 	}
 }

@@ -201,9 +201,12 @@ func (p *Proxier) Sync(s *service.Snapshot) error {
 	// The node's addresses may have changed: they spell the proxy sockets too.
 	p.own.refresh()
 	var errs, portErrs *multierror.Error
-	portals, ok := p.syncSameListeners(s)
+	// A proxy socket failed for good since the last sync: the whole long way
+	// reopens it.
+	failed := p.socketFailed.Swap(false)
+	portals, ok := p.syncSameListeners(s, failed)
 	if !ok {
-		portals, portErrs = p.syncListeners(s)
+		portals, portErrs = p.syncListeners(s, failed)
 	}
 	p.steerOwn(portals)
 	if err := p.cfg.Portals.Sync(portals); err != nil {
@@ -268,11 +271,11 @@ func (p *Proxier) steerOwn(portals []rules.Portal) {
 // order), every one of which has its listener: it hands the Ports that changed to
 // their balancers without any lookup by name. It reports false, having changed
 // nothing, when the long way is needed.
-func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) {
+func (p *Proxier) syncSameListeners(s *service.Snapshot, socketFailed bool) ([]rules.Portal, bool) {
 	p.mu.RLock()
 	synced := p.synced
 	p.mu.RUnlock()
-	if synced == nil || len(synced) != len(s.Ports) || p.socketFailed.Swap(false) {
+	if synced == nil || len(synced) != len(s.Ports) || socketFailed {
 		return nil, false
 	}
 	p.mu.RLock()
@@ -316,8 +319,10 @@ func (p *Proxier) syncSameListeners(s *service.Snapshot) ([]rules.Portal, bool) 
 
 // syncListeners is Sync's long way: it closes the listeners of Service ports that
 // are gone or changed identity, opens the missing ones and updates the rest.
-func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierror.Error) {
-	var portErrs *multierror.Error
+func (p *Proxier) syncListeners(s *service.Snapshot, socketFailed bool) ([]rules.Portal, *multierror.Error) {
+	if portals, errs, ok := p.syncChangedListeners(s, socketFailed); ok {
+		return portals, errs
+	}
 	synced := make([]syncedPort, len(s.Ports))
 	desired := make(map[service.PortName]*service.Port, len(s.Ports))
 	for _, port := range s.Ports {
@@ -363,85 +368,208 @@ func (p *Proxier) syncListeners(s *service.Snapshot) ([]rules.Portal, *multierro
 	p.zone = s.Zone
 	p.mu.Unlock()
 	portals := make([]rules.Portal, 0, len(s.Ports))
-	complete := true
+	st := portSync{zoneChanged: zoneChanged, complete: true}
+	for i, port := range s.Ports {
+		synced[i].port = port
+		if sp := p.syncPort(port, &st); sp != nil {
+			synced[i].sp = sp
+			portals = append(portals, sp.portal(port))
+		}
+	}
+	return portals, p.endSync(s, synced, &st)
+}
+
+// maxChangedPorts bounds the Service ports a sync may add, remove or change
+// and still take syncChangedListeners; more take the whole long way.
+const maxChangedPorts = 256
+
+// syncChangedListeners is the long way for a few Service ports added, removed
+// or changed, after a sync that left every port with its listener: it walks
+// s beside the last Snapshot (both in name order), keeps the listener and
+// portal of every Port that is the same pointer, and opens, closes or updates
+// the others as syncListeners would, so one new Service costs about one
+// Service port. It reports false, having changed nothing, when the whole long
+// way is needed: a NodePort among the changes (which may move other ports'
+// proxy sockets), another zone, a proxy socket that failed, more than
+// maxChangedPorts changes.
+func (p *Proxier) syncChangedListeners(s *service.Snapshot, socketFailed bool) ([]rules.Portal, *multierror.Error, bool) {
+	p.mu.RLock()
+	last, zone := p.synced, p.zone
+	p.mu.RUnlock()
+	if last == nil || zone != s.Zone || socketFailed {
+		return nil, nil, false
+	}
+	// prev is the index in last of each Port's name, -1 for a new name.
+	prev := make([]int, len(s.Ports))
+	var gone []*service.Port
+	changed, j := 0, 0
+	for i, port := range s.Ports {
+		if i > 0 && !s.Ports[i-1].Name.Less(port.Name) {
+			return nil, nil, false
+		}
+		for ; j < len(last) && last[j].port.Name.Less(port.Name); j++ {
+			gone = append(gone, last[j].port)
+		}
+		prev[i] = -1
+		if j < len(last) && last[j].port.Name == port.Name {
+			prev[i] = j
+			j++
+			if last[prev[i]].port == port {
+				continue
+			}
+			if last[prev[i]].port.NodePort != 0 {
+				return nil, nil, false
+			}
+		}
+		if changed++; port.NodePort != 0 || changed > maxChangedPorts {
+			return nil, nil, false
+		}
+	}
+	for ; j < len(last); j++ {
+		gone = append(gone, last[j].port)
+	}
+	for _, port := range gone {
+		if changed++; port.NodePort != 0 || changed > maxChangedPorts {
+			return nil, nil, false
+		}
+	}
+
+	// Close what is gone or changed identity first, as syncListeners does.
+	var closing []*servicePort
+	p.mu.Lock()
+	for _, port := range gone {
+		if sp := p.ports[port.Name]; sp != nil {
+			closing = append(closing, sp)
+			delete(p.ports, port.Name)
+		}
+	}
+	for i, port := range s.Ports {
+		if k := prev[i]; k >= 0 && last[k].port != port {
+			if sp := p.ports[port.Name]; sp != nil && !service.IdentityEqual(sp.port.Load(), port) {
+				closing = append(closing, sp)
+				delete(p.ports, port.Name)
+			}
+		}
+	}
+	p.mu.Unlock()
+	for _, sp := range closing {
+		p.closePort(sp)
+	}
+
+	synced := make([]syncedPort, len(s.Ports))
+	portals := make([]rules.Portal, 0, len(s.Ports))
+	st := portSync{complete: true}
+	for i, port := range s.Ports {
+		synced[i].port = port
+		if k := prev[i]; k >= 0 && last[k].port == port {
+			sp := last[k].sp
+			if sp == nil {
+				klog.V(2).InfoS("Skipping Service port: protocol not proxied in userspace", "service", port.Name, "protocol", port.Protocol)
+				continue
+			}
+			synced[i].sp = sp
+			portals = append(portals, sp.portal(port))
+			continue
+		}
+		if sp := p.syncPort(port, &st); sp != nil {
+			synced[i].sp = sp
+			portals = append(portals, sp.portal(port))
+		}
+	}
+	return portals, p.endSync(s, synced, &st), true
+}
+
+// portSync is the state of one pass of the long way over the Service ports.
+type portSync struct {
+	zoneChanged bool
+	errs        *multierror.Error
+	// complete is whether every Service port proxied has its listener.
+	complete bool
 	// starved counts the Service ports left without a working proxy socket
 	// because the process is out of file descriptors, starvedReopens the
 	// reopens of sockets that failed that way.
-	starved, starvedReopens := 0, 0
-	for i, port := range s.Ports {
-		synced[i].port = port
-		if port.Protocol != service.TCP && port.Protocol != service.UDP {
-			klog.V(2).InfoS("Skipping Service port: protocol not proxied in userspace", "service", port.Name, "protocol", port.Protocol)
-			continue
-		}
-		p.mu.RLock()
-		sp := p.ports[port.Name]
-		p.mu.RUnlock()
-		if sp == nil {
-			if starved > 0 {
-				// Out of descriptors: this open would fail the same way.
-				starved++
-				complete = false
-				continue
-			}
-			var err error
-			if sp, err = p.openPort(port); err != nil {
-				if fdStarved(err) {
-					starved++
-				} else {
-					portErrs = multierror.Append(portErrs, err)
-				}
-				complete = false
-				continue
-			}
-			p.mu.Lock()
-			p.ports[port.Name] = sp
-			p.mu.Unlock()
-		} else {
-			if err := p.routeExternal(sp, port); err != nil {
-				portErrs = multierror.Append(portErrs, err)
-				complete = false
-				continue
-			}
-			if zoneChanged || sp.port.Load() != port { // see syncSameListeners
-				p.updatePort(sp, port)
-			}
-			if sp.starvedSocket() {
-				// A socket that failed for want of descriptors: at most
-				// MaxStarvedReopens such reopens a sync, none once an open
-				// failed the same way, so a node that cannot hold every
-				// proxy socket does not spend its syncs retrying them all.
-				if starved > 0 || starvedReopens >= MaxStarvedReopens {
-					starved++
-					complete = false
-					continue
-				}
-				starvedReopens++
-			}
-			if err := p.reopenFailed(sp); err != nil {
-				if fdStarved(err) {
-					starved++
-				} else {
-					portErrs = multierror.Append(portErrs, err)
-				}
-				complete = false
-				continue
-			}
-		}
-		synced[i].sp = sp
-		portals = append(portals, sp.portal(port))
+	starved, starvedReopens int
+}
+
+// syncPort opens the listener of port, or updates (and reopens, when it
+// failed) the one it has; nil when port has none, for a protocol not proxied
+// or a problem recorded in st.
+func (p *Proxier) syncPort(port *service.Port, st *portSync) *servicePort {
+	if port.Protocol != service.TCP && port.Protocol != service.UDP {
+		klog.V(2).InfoS("Skipping Service port: protocol not proxied in userspace", "service", port.Name, "protocol", port.Protocol)
+		return nil
 	}
-	if starved > 0 {
-		portErrs = multierror.Append(portErrs, starvedError(starved))
+	p.mu.RLock()
+	sp := p.ports[port.Name]
+	p.mu.RUnlock()
+	if sp == nil {
+		if st.starved > 0 {
+			// Out of descriptors: this open would fail the same way.
+			st.starved++
+			st.complete = false
+			return nil
+		}
+		var err error
+		if sp, err = p.openPort(port); err != nil {
+			if fdStarved(err) {
+				st.starved++
+			} else {
+				st.errs = multierror.Append(st.errs, err)
+			}
+			st.complete = false
+			return nil
+		}
+		p.mu.Lock()
+		p.ports[port.Name] = sp
+		p.mu.Unlock()
+		return sp
+	}
+	if err := p.routeExternal(sp, port); err != nil {
+		st.errs = multierror.Append(st.errs, err)
+		st.complete = false
+		return nil
+	}
+	if st.zoneChanged || sp.port.Load() != port { // see syncSameListeners
+		p.updatePort(sp, port)
+	}
+	if sp.starvedSocket() {
+		// A socket that failed for want of descriptors: at most
+		// MaxStarvedReopens such reopens a sync, none once an open
+		// failed the same way, so a node that cannot hold every
+		// proxy socket does not spend its syncs retrying them all.
+		if st.starved > 0 || st.starvedReopens >= MaxStarvedReopens {
+			st.starved++
+			st.complete = false
+			return nil
+		}
+		st.starvedReopens++
+	}
+	if err := p.reopenFailed(sp); err != nil {
+		if fdStarved(err) {
+			st.starved++
+		} else {
+			st.errs = multierror.Append(st.errs, err)
+		}
+		st.complete = false
+		return nil
+	}
+	return sp
+}
+
+// endSync records synced for the next sync's short ways when the long way
+// left every Service port of s with its listener, and returns its errors.
+func (p *Proxier) endSync(s *service.Snapshot, synced []syncedPort, st *portSync) *multierror.Error {
+	if st.starved > 0 {
+		st.errs = multierror.Append(st.errs, starvedError(st.starved))
 	}
 	p.mu.Lock()
-	if complete && sortedByName(s.Ports) {
+	if st.complete && sortedByName(s.Ports) {
 		p.synced = synced
 	} else {
 		p.synced = nil
 	}
 	p.mu.Unlock()
-	return portals, portErrs
+	return st.errs
 }
 
 // holdsNodePort reports whether one of sp's proxy sockets is on a port a

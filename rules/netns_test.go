@@ -733,6 +733,8 @@ func benchPortals(n, proxyBase int) []Portal {
 		// some share one, which the portals do not mind.
 		out[i] = Portal{Port: sp, ProxyPort: 1024 + (proxyBase+i-1024)%(65536-1024)}
 	}
+	// In name order, as the proxier hands them over (a Snapshot's order).
+	slices.SortFunc(out, func(a, b Portal) int { return a.Port.Name.Compare(b.Port.Name) })
 	return out
 }
 

@@ -79,7 +79,11 @@ type NFTables struct {
 	// elements, so a sync that brings them compares nothing else.
 	entries []entry
 	dups    []error
-	udp     [2]staleFlows
+	// last is what the last sync was given, when it wrote and cleared
+	// everything without an error of a single Service port: the next sync
+	// then may write the changed portals alone (syncChanged). nil otherwise.
+	last *nftSynced
+	udp  [2]staleFlows
 	// reply is the policy route of the replies to transparent dials, and
 	// repliesOK whether the last Sync left it and the table in place.
 	reply     replyRoute
@@ -135,19 +139,27 @@ func NewNFTables(cfg Config) (*NFTables, error) {
 func (p *NFTables) Sync(portals []Portal) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	entries, errs := entriesOf(portals, p.enabled)
-	errs = append(errs, p.holder.sync(entries, p.enabled)...)
 	ctx := context.Background()
 	if p.written != nil && !p.intact(ctx) {
 		klog.InfoS("Portal table was flushed or deleted by someone else; rewriting it", "table", p.table)
-		p.written, p.entries = nil, nil
+		p.written, p.entries, p.last = nil, nil, nil
 	}
 	replyErr := p.reply.ensure()
+	defer func() { p.repliesOK.Store(p.reply.mark != 0 && p.written != nil && replyErr == nil) }()
+	if done, err := p.syncChanged(ctx, portals); done {
+		return multierror.Append(nil, replyErr, err).ErrorOrNil()
+	}
+	p.last = nil
+	entries, errs := entriesOf(portals, p.enabled)
+	errs = append(errs, p.holder.sync(entries, p.enabled)...)
+	clean := len(errs) == 0
 	if replyErr != nil {
 		errs = append(errs, replyErr)
 	}
-	defer func() { p.repliesOK.Store(p.reply.mark != 0 && p.written != nil && replyErr == nil) }()
 	if p.written != nil && p.entries != nil && equalEntries(p.entries, entries) {
+		if clean && len(p.dups) == 0 {
+			p.last = syncedOf(portals, p.entries)
+		}
 		return multierror.Append(nil, append(errs, p.dups...)...).ErrorOrNil()
 	}
 	p.entries = nil
@@ -165,13 +177,18 @@ func (p *NFTables) Sync(portals []Portal) error {
 	}
 	if cleared {
 		p.entries, p.dups = entries, dups
+		if clean && len(dups) == 0 {
+			p.last = syncedOf(portals, entries)
+		}
 	}
 	return multierror.Append(nil, errs...).ErrorOrNil()
 }
 
 // write makes the table hold want: the whole table when its state is unknown
 // (first sync, failed write, external flush), else only the elements that
-// changed; nothing at all when none did.
+// changed; nothing at all when none did. Changes of the steering maps alone
+// (a Service port added or removed, a proxy port moved) go over netlink
+// (nftables.Kernel.WriteElements); the others, and a whole write, through nft.
 func (p *NFTables) write(ctx context.Context, want nftElements) error {
 	k := p.cfg.NFTables
 	tx := k.NewTransaction()
@@ -184,10 +201,11 @@ func (p *NFTables) write(ctx context.Context, want nftElements) error {
 		p.layout.write(tx)
 		want.addAll(tx)
 	} else {
-		p.written.changes(tx, want)
-		if tx.NumOperations() == 0 {
-			return nil
+		if err := p.writeChanges(ctx, p.written.diff(want)); err != nil {
+			return err
 		}
+		p.written = want
+		return nil
 	}
 	p.written = nil
 	if err := k.Run(ctx, tx); err != nil {
@@ -248,7 +266,7 @@ func (p *NFTables) Cleanup() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.holder.close()
-	p.written, p.handles, p.entries = nil, nil, nil
+	p.written, p.handles, p.entries, p.last = nil, nil, nil, nil
 	p.repliesOK.Store(false)
 	for f := range p.udp {
 		p.udp[f].forget()

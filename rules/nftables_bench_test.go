@@ -17,6 +17,8 @@ import (
 //	whole       the whole table written again (first sync, or after a flush)
 //	add-one     one Service port added: its ClusterIP, ExternalIP and NodePort elements
 //	remove-one  the same Service port removed
+//	add-one-clusterip  one ClusterIP Service port added (a change without a
+//	            NodePort writes the changed Service ports' elements alone)
 //	unchanged   the same state again: the flush check and the element diff
 //
 // Run as root, e.g. go test -run '^$' -bench NFTablesPortalSync -benchtime 5x ./rules
@@ -25,9 +27,17 @@ func BenchmarkNFTablesPortalSync(b *testing.B) {
 	extra.ClusterIPs = ips("10.200.0.1")
 	extra.ExternalIPs = ips("10.201.0.1")
 	extra.NodePort = 39999 // above benchPortals' NodePorts, below its proxy ports
+	plain := port("bench", "new-clusterip", "p", service.TCP, 80)
+	plain.ClusterIPs = ips("10.200.0.2")
+	// insert adds pt to portals in name order.
+	insert := func(portals []Portal, pt Portal) []Portal {
+		i, _ := slices.BinarySearchFunc(portals, pt, func(a, b Portal) int { return a.Port.Name.Compare(b.Port.Name) })
+		return slices.Insert(slices.Clone(portals), i, pt)
+	}
 	for _, n := range []int{1000, 10000, 50000} {
 		base := benchPortals(n, 20000)
-		plus := append(slices.Clip(base), Portal{Port: extra, ProxyPort: 61000})
+		plus := insert(base, Portal{Port: extra, ProxyPort: 61000})
+		plusPlain := insert(base, Portal{Port: plain, ProxyPort: 61001})
 		ops := []struct {
 			name string
 			// untimed runs before each timed sync, which syncs to
@@ -37,6 +47,7 @@ func BenchmarkNFTablesPortalSync(b *testing.B) {
 			{"whole", func(p *NFTables) error { p.written = nil; return nil }, base},
 			{"add-one", func(p *NFTables) error { return p.Sync(base) }, plus},
 			{"remove-one", func(p *NFTables) error { return p.Sync(plus) }, base},
+			{"add-one-clusterip", func(p *NFTables) error { return p.Sync(base) }, plusPlain},
 			{"unchanged", func(p *NFTables) error { return nil }, base},
 		}
 		for _, op := range ops {

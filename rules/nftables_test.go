@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -278,10 +279,10 @@ func TestNFTablesDuplicateKey(t *testing.T) {
 		t.Errorf("an unchanged sync: got %v and %d transactions, want the same error and no write", again, len(k.Transactions)-1)
 	}
 	m := k.Table.Maps["service-ips4"]
-	if e := m.FindElement("10.96.0.1", "tcp", "80"); e == nil || e.Value[0] != "40001" {
+	if e := m.FindElement("10.96.0.1 . tcp . 80"); e == nil || e.Value[0] != "40001" {
 		t.Errorf("10.96.0.1 . tcp . 80: got %v, want ns/a's proxy port 40001", e)
 	}
-	if e := m.FindElement("10.251.0.2", "tcp", "80"); e == nil || e.Value[0] != "40002" {
+	if e := m.FindElement("10.251.0.2 . tcp . 80"); e == nil || e.Value[0] != "40002" {
 		t.Errorf("ns/b's LoadBalancer IP: got %v, want proxy port 40002", e)
 	}
 }
@@ -310,7 +311,7 @@ func TestNFTablesCleanupDeletesTable(t *testing.T) {
 	if err := p.Sync([]Portal{{Port: a, ProxyPort: 40001}}); err != nil {
 		t.Fatal(err)
 	}
-	if k.Table == nil || k.Table.Maps["service-ips4"].FindElement("10.96.0.1", "tcp", "80") == nil {
+	if k.Table == nil || k.Table.Maps["service-ips4"].FindElement("10.96.0.1 . tcp . 80") == nil {
 		t.Errorf("Sync after Cleanup:\n%s", k.Dump())
 	}
 }
@@ -384,5 +385,59 @@ func TestNFTablesCommentOfAnyName(t *testing.T) {
 				t.Errorf("transaction:\n%s\nwant an element with %s", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestNFTablesWritesSteeringChangesOverNetlink: a change of the steering maps
+// alone (a Service port added, removed, or moved to another proxy port) goes
+// over netlink; one that touches a no-endpoint map, whose values are verdicts,
+// goes through nft. The table is the same either way.
+func TestNFTablesWritesSteeringChangesOverNetlink(t *testing.T) {
+	t.Parallel()
+	a := port("ns", "a", "", service.TCP, 80)
+	a.ClusterIPs = ips("10.96.0.1")
+	b := port("ns", "b", "", service.UDP, 53)
+	b.ClusterIPs = ips("10.96.0.2")
+	b.ExternalIPs = ips("10.250.0.2")
+	refused := Refusal{Cluster: [2]bool{true, true}, External: [2]bool{true, true}}
+	steps := []struct {
+		name    string
+		portals []Portal
+		netlink bool
+	}{
+		{"first: the whole table", []Portal{{Port: a, ProxyPort: 40001}}, false},
+		{"a Service port added", []Portal{{Port: a, ProxyPort: 40001}, {Port: b, ProxyPort: 40002}}, true},
+		{"a proxy port moved", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002}}, true},
+		{"refused: into a no-endpoint map", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002, Refuse: refused}}, false},
+		{"steered again", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002}}, false},
+		{"a Service port removed", []Portal{{Port: b, ProxyPort: 40002}}, true},
+	}
+	p, k := newTestNFTables(t, Config{})
+	for _, st := range steps {
+		runs, writes := len(k.Transactions), k.ElementWrites
+		if err := p.Sync(st.portals); err != nil {
+			t.Fatalf("%s: Sync: %v", st.name, err)
+		}
+		if len(k.Transactions) != runs+1 {
+			t.Errorf("%s: got %d writes, want 1", st.name, len(k.Transactions)-runs)
+		}
+		if netlink := k.ElementWrites > writes; netlink != st.netlink {
+			t.Errorf("%s: written over netlink: got %v, want %v", st.name, netlink, st.netlink)
+		}
+		// The fake's table, written partly over netlink, is what one whole
+		// write of the same portals gives (in another order: the fake lists
+		// a map's elements as they came).
+		whole, wk := newTestNFTables(t, Config{})
+		if err := whole.Sync(st.portals); err != nil {
+			t.Fatal(err)
+		}
+		sorted := func(dump string) string {
+			lines := strings.Split(dump, "\n")
+			slices.Sort(lines)
+			return strings.Join(lines, "\n")
+		}
+		if got, want := sorted(k.Dump()), sorted(wk.Dump()); got != want {
+			t.Errorf("%s: table\n%s\nwant, as written whole,\n%s", st.name, got, want)
+		}
 	}
 }

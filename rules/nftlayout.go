@@ -322,48 +322,26 @@ func (l *nftLayout) elements(entries []entry) (nftElements, []error) {
 	var errs []error
 	for i := range entries {
 		e := &entries[i]
-		for _, fam := range l.fams {
-			if !e.families[fam.f] {
-				continue
+		// A key either map of a pair already holds is the earlier entry's.
+		l.elementsOf(e, func(fam nftFamily, name string, port int, k nftKey, proxyPort int, refused bool) {
+			steer, refuse := els[name], els[fam.refuseMap(name)]
+			old, ok := steer[k]
+			if !ok {
+				old, ok = refuse[k]
 			}
-			// add puts k in the steering map name, or in its no-endpoint
-			// counterpart when refused; a key either map already holds is
-			// the earlier entry's.
-			add := func(name string, port int, k nftKey, proxyPort int, refused bool) {
-				steer, refuse := els[name], els[fam.refuseMap(name)]
-				old, ok := steer[k]
-				if !ok {
-					old, ok = refuse[k]
+			if ok {
+				if old.owner != e.name {
+					errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
+						Err: fmt.Errorf("%s in map %s already used by %s", k, name, old.owner)})
 				}
-				if ok {
-					if old.owner != e.name {
-						errs = append(errs, &PortalError{Service: e.name, Protocol: e.protocol, Port: port,
-							Err: fmt.Errorf("%s in map %s already used by %s", k, name, old.owner)})
-					}
-					return
-				}
-				if refused {
-					refuse[k] = nftElement{owner: e.name}
-					return
-				}
-				steer[k] = nftElement{proxyPort: proxyPort, owner: e.name}
+				return
 			}
-			for kind, ips := range [...][]netip.Addr{e.clusterIPs, e.lbIPs, e.externalIPs} {
-				name := fam.serviceIPs
-				if kind == 2 {
-					name = fam.externalIPs
-				}
-				refused := e.refused(fam.f, kind != 0)
-				for _, ip := range ips {
-					if familyOf(ip) == fam.f {
-						add(name, e.port, nftKey{ip, e.proto, e.port}, e.proxyPortOf(kind != 0), refused)
-					}
-				}
+			if refused {
+				refuse[k] = nftElement{owner: e.name}
+				return
 			}
-			if e.nodePort != 0 && e.nodePortHeld[fam.f] && fam.nodePorts {
-				add(fam.nodePortMap, e.nodePort, nftKey{proto: e.proto, port: e.nodePort}, e.extProxyPort, e.refused(fam.f, true))
-			}
-		}
+			steer[k] = nftElement{proxyPort: proxyPort, owner: e.name}
+		})
 	}
 	return els, errs
 }
@@ -382,11 +360,32 @@ func (els nftElements) addAll(tx *knftables.Transaction) {
 	}
 }
 
-// changes adds to tx what turns els into now. A changed element is deleted and
-// added again: the kernel refuses to add a key that exists with another value.
-// Deletions come first, so a transaction never holds a key twice.
-func (els nftElements) changes(tx *knftables.Transaction, now nftElements) {
-	var adds []*knftables.Element
+// addChanges adds changes (of diff) to tx.
+func addChanges(tx *knftables.Transaction, changes []elementChange) {
+	for _, c := range changes {
+		if c.delete {
+			tx.Delete(&knftables.Element{Map: c.m, Key: []string{c.k.String()}})
+		} else {
+			tx.Add(c.e.object(c.m, c.k))
+		}
+	}
+}
+
+// elementChange is one element of a map deleted, or added (with e).
+type elementChange struct {
+	delete bool
+	m      string
+	k      nftKey
+	e      nftElement
+}
+
+// diff returns what turns els into now, in the order of one transaction. A
+// changed element is deleted and added again: the kernel refuses to add a key
+// that exists with another value. Deletions come first, so a transaction never
+// holds a key twice; maps and keys are sorted, so the same change is written
+// the same way.
+func (els nftElements) diff(now nftElements) []elementChange {
+	var dels, adds []elementChange
 	for _, m := range sortedKeys(now) {
 		was, cur := els[m], now[m]
 		var gone, added []nftKey
@@ -403,15 +402,56 @@ func (els nftElements) changes(tx *knftables.Transaction, now nftElements) {
 		slices.SortFunc(gone, compareKeys)
 		slices.SortFunc(added, compareKeys)
 		for _, k := range gone {
-			tx.Delete(&knftables.Element{Map: m, Key: k.strings()})
+			dels = append(dels, elementChange{delete: true, m: m, k: k})
 		}
 		for _, k := range added {
-			adds = append(adds, cur[k].object(m, k))
+			adds = append(adds, elementChange{m: m, k: k, e: cur[k]})
 		}
 	}
-	for _, e := range adds {
-		tx.Add(e)
+	return append(dels, adds...)
+}
+
+// netlinkChanges returns changes for nftables.Kernel.WriteElements, which
+// writes them over a netlink connection kept open instead of starting nft
+// (whose exit waits for the kernel to free the elements a transaction
+// deleted): false when one is in a no-endpoint map, whose verdict values
+// WriteElements does not write, or when there are more than it takes.
+func (l *nftLayout) netlinkChanges(changes []elementChange) (nftables.ElementChanges, bool) {
+	if len(changes) > nftables.MaxElementChanges {
+		return nil, false
 	}
+	out := make(nftables.ElementChanges, 0, len(changes))
+	for _, c := range changes {
+		typ, ok := l.steeringType(c.m)
+		if !ok {
+			return nil, false
+		}
+		ec := nftables.ElementChange{Delete: c.delete, Set: c.m, Type: typ, Key: c.k.String()}
+		if !c.delete {
+			ec.Value, ec.Comment = strconv.Itoa(c.e.proxyPort), nftables.Comment(c.e.owner.String())
+		}
+		out = append(out, ec)
+	}
+	return out, true
+}
+
+// steeringType returns the element type of steering map m (address or
+// NodePort to proxy port); false for any other map.
+func (l *nftLayout) steeringType(m string) (nftables.ElementType, bool) {
+	port := []nftables.Field{nftables.InetService}
+	for _, fam := range l.fams {
+		addr := nftables.IPv4Addr
+		if fam.f == v6 {
+			addr = nftables.IPv6Addr
+		}
+		switch m {
+		case fam.serviceIPs, fam.externalIPs:
+			return nftables.ElementType{Key: []nftables.Field{addr, nftables.InetProto, nftables.InetService}, Value: port}, true
+		case fam.nodePortMap:
+			return nftables.ElementType{Key: []nftables.Field{nftables.InetProto, nftables.InetService}, Value: port}, true
+		}
+	}
+	return nftables.ElementType{}, false
 }
 
 func (e nftElement) object(m string, k nftKey) *knftables.Element {
@@ -420,7 +460,7 @@ func (e nftElement) object(m string, k nftKey) *knftables.Element {
 	if e.proxyPort != 0 {
 		value = strconv.Itoa(e.proxyPort)
 	}
-	return &knftables.Element{Map: m, Key: k.strings(), Value: []string{value}, Comment: &comment}
+	return &knftables.Element{Map: m, Key: []string{k.String()}, Value: []string{value}, Comment: &comment}
 }
 
 func sortedKeys[V any](m map[string]V) []string {

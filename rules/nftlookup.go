@@ -104,13 +104,7 @@ func FindNFTPortals(ctx context.Context, nft knftables.Interface, dst netip.Addr
 var ErrNoNFTPortals = errors.New("no nftables portals")
 
 func equalKey(got, want []string) bool {
-	if len(got) != len(want) {
-		return false
-	}
-	for i := range got {
-		if !strings.EqualFold(got[i], want[i]) {
-			return false
-		}
-	}
-	return true
+	// A concatenated key may be listed as its fields or as one string of them
+	// joined by " . ", the form the portals write it in.
+	return strings.EqualFold(strings.Join(got, " . "), strings.Join(want, " . "))
 }

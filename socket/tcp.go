@@ -433,6 +433,13 @@ type listenHandle struct {
 
 const listenEvents = unix.EPOLLIN | unix.EPOLLEXCLUSIVE
 
+// register has every loop watch the socket. It posts the watches and does not
+// wait for them: a loop runs what is posted in order, so a close that follows
+// finds each watch made (or failed) before it stops it, and the socket, listening
+// already, queues connections until then. Waiting for each loop had cost a
+// proxier opening many Service ports a wake-up of every loop, and a turn of the
+// scheduler, per port (decision record 2026-12-07). A watch that fails ends the
+// serving with its error, as accept failing for good does.
 func (tl *tcpListener) register(all []*poll.Loop) {
 	tl.mu.Lock()
 	defer tl.mu.Unlock()
@@ -443,16 +450,27 @@ func (tl *tcpListener) register(all []*poll.Loop) {
 		h := &listenHandle{ln: tl, l: loopOf(pl)}
 		h.backoffWatch = newBackoffWatch(tl.fd, listenEvents, h)
 		tl.handles = append(tl.handles, h)
-		var err error
-		if perr := pl.PostWait(func() { err = h.watch(h.l, h) }); perr != nil {
-			err = perr
-		}
-		if err != nil {
-			tl.err = err
+		if !pl.Post(func() {
+			if err := h.watch(h.l, h); err != nil {
+				tl.fail(err)
+			}
+		}) {
+			tl.err = poll.ErrClosed
 			go tl.close()
 			return
 		}
 	}
+}
+
+// fail ends the serving of the socket with err, the first failure's, on a
+// goroutine of its own (close waits for the loops, and fail runs on one).
+func (tl *tcpListener) fail(err error) {
+	tl.mu.Lock()
+	if tl.err == nil {
+		tl.err = err
+	}
+	tl.mu.Unlock()
+	go tl.close()
 }
 
 // close takes the socket out of every loop, closes it and ends Serve. It must not

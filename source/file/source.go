@@ -320,7 +320,7 @@ type loader struct {
 	// the virtual IPs of the slice's Service (see withoutLoops).
 	loops map[*discoveryv1.EndpointSlice]loopCheck
 	// where is where the previous load took each object from.
-	where map[objectKey]DocumentError
+	where objectPlaces
 	// logged holds the errors of the previous load, each with what it is about
 	// (problemSubject), so that a broken file is logged when it breaks, when
 	// it is fixed and when another problem of the same object replaces it, not
@@ -462,7 +462,7 @@ func (l *loader) load() *service.Snapshot {
 		default:
 			continue
 		}
-		if at, ok := where[k]; ok {
+		if at, ok := where.at(k); ok {
 			at.Err = err
 			snap.Errors[i] = &at
 		}
@@ -556,18 +556,18 @@ func isManifest(name string) bool {
 // An object defined in several files is the one of the file the previous load
 // took it from, while that file still defines it, wherever the others sort: a
 // new file does not take an object in force away from the file that has it.
-func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Service, []*discoveryv1.EndpointSlice, map[objectKey]DocumentError, []error) {
+func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Service, []*discoveryv1.EndpointSlice, objectPlaces, []error) {
 	var svcs []*v1.Service
 	var epSlices []*discoveryv1.EndpointSlice
 	var errs []error
-	first := make(map[objectKey]DocumentError)
+	first := objectPlaces{files: names, places: make(map[objectKey]objectPlace)}
 	// The last valid versions, looked up only when an object is invalid.
 	var goodSvcs map[objectKey]*v1.Service
 	var goodSlices map[objectKey]*discoveryv1.EndpointSlice
 	// The definitions of the files of the previous load's objects, by file,
 	// looked up only when one of their objects is defined elsewhere too.
 	var defs map[string]map[objectKey]DocumentError
-	for _, name := range names {
+	for fi, name := range names {
 		st := l.files[name]
 		if st == nil || !present[name] {
 			continue
@@ -575,9 +575,9 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 		for i := range st.objs {
 			o := &st.objs[i]
 			k := o.key()
-			prev, dup := first[k]
+			prev, dup := first.at(k)
 			if !dup && k.name != "" {
-				if was, ok := l.where[k]; ok && was.File != name && present[was.File] {
+				if was, ok := l.where.at(k); ok && was.File != name && present[was.File] {
 					if defs == nil {
 						defs = make(map[string]map[objectKey]DocumentError)
 					}
@@ -595,7 +595,7 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 				errs = append(errs, &at)
 				continue
 			}
-			first[k] = o.at(name)
+			first.places[k] = objectPlace{file: int32(fi), doc: o.doc, line: o.line, item: o.item}
 
 			// An object is never modified: its errors hold for as long as
 			// it is kept (decodeFile keeps those of unchanged documents).
@@ -656,7 +656,7 @@ func (l *loader) validObjects(names []string, present map[string]bool) ([]*v1.Se
 // endpoints is what made the slice wrong, not the slice. The check depends on
 // the Service as well as the slice, so it is made on every load, from the
 // cache of the one before when both objects are the same.
-func (l *loader) withoutLoops(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, where map[objectKey]DocumentError, errs []error) ([]*discoveryv1.EndpointSlice, []error) {
+func (l *loader) withoutLoops(svcs []*v1.Service, epSlices []*discoveryv1.EndpointSlice, where objectPlaces, errs []error) ([]*discoveryv1.EndpointSlice, []error) {
 	if len(epSlices) == 0 {
 		l.loops = nil
 		return epSlices, errs
@@ -695,7 +695,7 @@ func (l *loader) withoutLoops(svcs []*v1.Service, epSlices []*discoveryv1.Endpoi
 		}
 		k := objectKey{"EndpointSlice", s.Namespace, s.Name}
 		for _, err := range lerrs {
-			at := where[k]
+			at, _ := where.at(k)
 			at.Err = err
 			errs = append(errs, &at)
 		}
@@ -732,6 +732,29 @@ func (l *loader) definitions(file string) map[objectKey]DocumentError {
 		}
 	}
 	return defs
+}
+
+// objectPlaces is where each object of a load is first defined. A file of
+// 10k Service ports holds 30k objects, so a place is four small numbers,
+// the file an index into the load's file names, and the DocumentError that
+// names it is built only when an error needs it.
+type objectPlaces struct {
+	files  []string
+	places map[objectKey]objectPlace
+}
+
+// objectPlace is a file (index into objectPlaces.files), the object's
+// document and the line it starts on, and its index in a List (-1: none).
+type objectPlace struct{ file, doc, line, item int32 }
+
+// at is where k is defined, as a DocumentError without Err.
+func (p objectPlaces) at(k objectKey) (DocumentError, bool) {
+	pl, ok := p.places[k]
+	if !ok {
+		return DocumentError{}, false
+	}
+	o := object{doc: pl.doc, line: pl.line, item: pl.item}
+	return o.at(p.files[pl.file]), true
 }
 
 // keyed maps each of objs by its key.

@@ -88,13 +88,24 @@ func validateSliceManifest(s *discoveryv1.EndpointSlice, loopbackOK bool) []erro
 			// formatted for errors.
 			if ip, err := netip.ParseAddr(a); err == nil {
 				if kind := service.SpecialAddressKind(ip); kind != "" && !(loopbackOK && ip.Unmap().IsLoopback()) {
-					c.addf(fmt.Sprintf("endpoints[%d].addresses[%d]", i, j), "%s is %s", a, kind)
+					hint := ""
+					if ip.Unmap().IsLoopback() {
+						hint = loopbackEndpointHint
+					}
+					c.addf(fmt.Sprintf("endpoints[%d].addresses[%d]", i, j), "%s is %s%s", a, kind, hint)
 				}
 			}
 		}
 	}
 	return c.errs
 }
+
+// loopbackEndpointHint follows the refusal of a loopback endpoint: it says how
+// such endpoints are taken (run.go sets Source.LoopbackEndpoints from
+// --bind-address).
+const loopbackEndpointHint = " (as the API server refuses it); endpoints at loopback addresses are taken only " +
+	"when --bind-address is a loopback address, such as --bind-address 127.0.0.1 (the demo's), " +
+	"so that only the node's own processes reach the proxy ports"
 
 // The API server's limits on an EndpointSlice's lists (its discovery
 // validation; the type's documentation says 100 ports, the API server takes

@@ -124,7 +124,7 @@ func TestLoadRefusesSpecialEndpointAddresses(t *testing.T) {
 			svc:   web,
 			addrs: []string{"10.0.0.1", "127.0.0.1", "0.0.0.0", "255.255.255.255", "224.0.0.5", "169.254.1.1"},
 			want: []string{
-				"document 2 (line 11): EndpointSlice default/web-1: endpoints[1].addresses[0]: 127.0.0.1 is a loopback address",
+				"document 2 (line 11): EndpointSlice default/web-1: endpoints[1].addresses[0]: 127.0.0.1 is a loopback address" + loopbackEndpointHint,
 				"document 2 (line 11): EndpointSlice default/web-1: endpoints[2].addresses[0]: 0.0.0.0 is an unspecified address",
 				"document 2 (line 11): EndpointSlice default/web-1: endpoints[3].addresses[0]: 255.255.255.255 is the broadcast address",
 				"document 2 (line 11): EndpointSlice default/web-1: endpoints[4].addresses[0]: 224.0.0.5 is a multicast address",
@@ -467,6 +467,35 @@ func TestLoopbackEndpointsWhereOnlyTheNodeConnects(t *testing.T) {
 	}
 	if errs := errorStrings(snap); len(errs) != 1 || !strings.Contains(errs[0], "0.0.0.0 is an unspecified address") {
 		t.Errorf("an unspecified endpoint with LoopbackEndpoints: got errors %q, want it refused", errs)
+	}
+}
+
+// TestLoopbackEndpointRefusalSaysHowToTakeIt: a loopback endpoint refused
+// (the proxy ports on every address) is refused as the API server refuses
+// it, and the message names the setting under which uproxy takes it: the one
+// that sets LoopbackEndpoints, --bind-address on a loopback address.
+func TestLoopbackEndpointRefusalSaysHowToTakeIt(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "m.yaml")
+	writeFile(t, path, svcYAML("web", "10.96.0.12", 80)+"---\n"+webSliceYAML("127.0.1.1"))
+	snap, err := (&Source{Path: path}).Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "document 2 (line 11): EndpointSlice default/web-1: endpoints[0].addresses[0]: 127.0.1.1 is a loopback address " +
+		"(as the API server refuses it); endpoints at loopback addresses are taken only when --bind-address is a loopback address, " +
+		"such as --bind-address 127.0.0.1 (the demo's), so that only the node's own processes reach the proxy ports"
+	if errs := errorStrings(snap); len(errs) != 1 || !strings.HasSuffix(errs[0], want) {
+		t.Errorf("got errors %q, want one ending %q", errs, want)
+	}
+	// The other special addresses are no matter of --bind-address: their
+	// messages say nothing of it.
+	writeFile(t, path, svcYAML("web", "10.96.0.12", 80)+"---\n"+webSliceYAML("0.0.0.0"))
+	if snap, err = (&Source{Path: path}).Load(); err != nil {
+		t.Fatal(err)
+	}
+	if errs := errorStrings(snap); len(errs) != 1 || strings.Contains(errs[0], "--bind-address") {
+		t.Errorf("an unspecified endpoint: got errors %q, want one that does not name --bind-address", errs)
 	}
 }
 
