@@ -243,7 +243,8 @@ func (p *predecessor) takeOver(id identity, nodePorts *nodePortSockets) error {
 	case msgRefused:
 		closeItems(items)
 		observe.HandoverTotal.WithLabelValues("to", "refused").Inc()
-		return fmt.Errorf("uproxy process %d %s", p.pid, items[0].Meta[1:])
+		return fmt.Errorf("another uproxy (process %d) programs this node's rules with --chain-prefix %s, and refused to hand over to this one: %s",
+			p.pid, id.prefix, items[0].Meta[1:])
 	case msgAccepted:
 	default:
 		closeItems(items)
@@ -543,7 +544,7 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 	if err != nil || len(items) == 0 || kindOf(items[0]) != msgTakeOver {
 		closeItems(items)
 		if err == nil {
-			c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, "refused: the first message was no take-over request"...)}})
+			c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, "the first message was no take-over request"...)}})
 			klog.InfoS("Refused a connection to the rules lock: its first message was no take-over request", "peer", pid)
 			observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
 		}
@@ -558,8 +559,7 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		return nil
 	}
 	if diff := own.refuses(succ); diff != "" {
-		line := fmt.Sprintf("refused to hand over to process %d, which is another uproxy: %s", pid, diff)
-		c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, line...)}})
+		c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, diff...)}})
 		c.Close()
 		klog.InfoS("Refused a successor: it is another uproxy; serving on", "successor", pid, "differs", diff)
 		observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
@@ -572,8 +572,7 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		}
 	}()
 	if err != nil {
-		line := fmt.Sprintf("refused to hand over to process %d: %v", pid, err)
-		c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, line...)}})
+		c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, err.Error()...)}})
 		c.Close()
 		klog.ErrorS(err, "Could not hand over; serving on", "successor", pid)
 		observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
