@@ -18,6 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
@@ -289,8 +290,9 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 		runner.Check = m.Intact
 	}
 	// A successor writes no rule before its predecessor has stopped: the
-	// userspace mode's gate is in its portals, a kernel mode's here.
-	if s.gate != nil && modeName != "userspace" {
+	// userspace mode's gate is in its portals (it adopts proxy sockets, and
+	// must open them in that first sync), a kernel mode's here.
+	if _, adopts := mode.(interface{ Adopt([]proxier.HandedSocket) }); s.gate != nil && !adopts {
 		runner.Mode = gatedMode{mode, s.gate}
 	}
 	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug, srv.Profiling = modeName, mode, conflicts, events, health, o.debug, o.profiling

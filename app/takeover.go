@@ -18,6 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
 	"github.com/uproxy/uproxy/socket/handover"
@@ -82,7 +83,7 @@ func identityOf(o *options, cfg *config, mode string) identity {
 	if o != nil {
 		id.prefix = o.chainPrefix
 	}
-	if mode == "userspace" {
+	if mode == proxymode.Userspace {
 		id.backend = string(cfg.specific.Userspace.Rules)
 	}
 	if b := cfg.specific.Userspace.BindAddress; b.IsValid() {
@@ -371,7 +372,7 @@ func bindHTTPBeside(cfg *config, pred *predecessor) (metrics, healthz net.Listen
 // node's rules, and so holds the rules lock a predecessor is found by: all but
 // the userspace mode with --rules none, which runs beside any uproxy.
 func mayTouchRules(o *options, cfg *config) bool {
-	return o.proxyMode != "userspace" || cfg.specific.Userspace.Rules != rules.BackendNone
+	return o.proxyMode != proxymode.Userspace || cfg.specific.Userspace.Rules != rules.BackendNone
 }
 
 // takeListeners gives srv the HTTP listeners this process found in use and

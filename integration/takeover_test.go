@@ -239,3 +239,25 @@ func TestTakeOverFalseRefusesAsBefore(t *testing.T) {
 		t.Errorf("the Service after the refusal: %v", err)
 	}
 }
+
+// A kernel mode takes over too: the HTTP listeners and the rules lock move,
+// and the first uproxy exits 0 leaving the rules to the second.
+func TestTakeOverKernelMode(t *testing.T) {
+	tp := testbed.New(t)
+	manifests := takeOverServices(t, tp)
+	flags := []string{"--proxy-mode", "iptables", "--debug-handlers"}
+	a := runUproxy(t, tp, manifests, launch{want: -1, flags: flags})
+	b := runUproxy(t, tp, manifests, launch{want: -1, dir: a.dir, flags: flags})
+	if code := a.awaitExit(10 * time.Second); code != 0 {
+		t.Errorf("the first uproxy exited %d after the takeover, want 0", code)
+	}
+	testbed.Await(t, 10*time.Second, "the second uproxy's line of the takeover", func() bool {
+		return b.logContains("Took over from the uproxy that ran")
+	})
+	if a.logContains("Removed the mode's rules") {
+		t.Errorf("the first uproxy removed its rules on its way out")
+	}
+	if err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 512); err != nil {
+		t.Errorf("the Service after the takeover: %v", err)
+	}
+}
