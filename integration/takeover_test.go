@@ -254,6 +254,14 @@ func TestTakeOverKernelMode(t *testing.T) {
 	testbed.Await(t, 10*time.Second, "the second uproxy's line of the takeover", func() bool {
 		return b.logContains("Took over from the uproxy that ran")
 	})
+	// The lock is the second uproxy's now, and says so.
+	out, _ := exec.Command("ip", "netns", "exec", tp.NS(testbed.Node).Name, uproxyBin, "cleanup").CombinedOutput()
+	if want := fmt.Sprintf("another uproxy (process %d)", b.cmd.Process.Pid); !strings.Contains(string(out), want) {
+		t.Errorf("uproxy cleanup after the takeover: want a refusal naming %q, got:\n%s", want, out)
+	}
+	if !b.running() {
+		t.Fatalf("the second uproxy exited after a cleanup was refused")
+	}
 	if a.logContains("Removed the mode's rules") {
 		t.Errorf("the first uproxy removed its rules on its way out")
 	}

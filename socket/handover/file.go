@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"net"
 	"os"
+
+	"golang.org/x/sys/unix"
 )
 
 // File returns a duplicate of the listening socket, to be handed to another
@@ -33,5 +35,19 @@ func FileListener(f *os.File) (*Listener, error) {
 	// The name belongs to the socket, not to this process's copy: a close
 	// here never unlinks it (and an abstract name has nothing to unlink).
 	ul.SetUnlinkOnClose(false)
+	// A peer's SO_PEERCRED names the process that called listen on the
+	// socket: listening again (the kernel allows it on a listening socket)
+	// makes this process the one named, rather than the one that handed it.
+	rc, err := ul.SyscallConn()
+	if err == nil {
+		var lerr error
+		if err = rc.Control(func(fd uintptr) { lerr = unix.Listen(int(fd), unix.SOMAXCONN) }); err == nil {
+			err = lerr
+		}
+	}
+	if err != nil {
+		ul.Close()
+		return nil, fmt.Errorf("handover: listen on a handed listener: %w", err)
+	}
 	return &Listener{ln: ul}, nil
 }
