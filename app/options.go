@@ -43,6 +43,7 @@ type options struct {
 	shutdownGrace      time.Duration
 	cleanup            bool
 	cleanupOnExit      bool
+	takeOver           bool
 	debug              bool
 	profiling          bool
 	events             int
@@ -90,6 +91,7 @@ func defaultOptions() *options {
 		minSyncPeriod:      time.Second,
 		chainPrefix:        "UPROXY",
 		shutdownGrace:      5 * time.Second,
+		takeOver:           true,
 		debug:              true,
 		events:             256,
 		kubeAPIQPS:         kube.DefaultQPS,
@@ -131,6 +133,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.hostnameOverride, "hostname-override", o.hostnameOverride, "this node's name (default: the hostname)")
 	f.StringToStringVar(&o.nodeLabels, "node-labels", o.nodeLabels, "this node's labels, KEY=VALUE,... (with --services only; the API server's Node has its own): topology.kubernetes.io/zone sets the zone for topology hints")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
+	f.BoolVar(&o.takeOver, "take-over", o.takeOver, "take over from a uproxy of the same --chain-prefix already running on the node: its listening sockets (proxy ports, NodePorts, metrics and healthz) and its rules lock move here with no connection refused, and it drains its connections and exits; false: refuse to start beside it, as before")
 	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit (as uproxy cleanup, which has --force for the rules of a running uproxy)")
 	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")
 	f.BoolVar(&o.debug, "debug-handlers", o.debug, "serve the /debug/ page, /debug/services and /debug/events on the metrics address")

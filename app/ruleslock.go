@@ -3,23 +3,28 @@ package app
 import (
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"syscall"
 
 	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/socket/handover"
 )
 
 // rulesLock says that this process programs the node's rules under one chain
 // prefix. It is an abstract unix socket: abstract names belong to a network
 // namespace, as the rules do, and the kernel frees the name when the process
 // dies, however it dies, so a crash never leaves a stale lock behind.
-type rulesLock struct{ ln net.Listener }
+//
+// It is also where a successor finds the uproxy it takes over from: the
+// socket is a handover.Listener, on which the running uproxy accepts
+// (takeover.go), and which it hands to its successor last of all, so the
+// lock itself never is free in between.
+type rulesLock struct{ ln *handover.Listener }
 
 // lockRules takes the lock of prefix, or says which process holds it.
 func lockRules(prefix string) (*rulesLock, error) {
-	name := "@uproxy-rules-" + prefix
-	ln, err := net.Listen("unix", name)
+	name := lockName(prefix)
+	ln, err := handover.Listen(name)
 	if err == nil {
 		return &rulesLock{ln: ln}, nil
 	}
@@ -39,6 +44,9 @@ func lockRules(prefix string) (*rulesLock, error) {
 	}
 	return nil, held
 }
+
+// lockName is the abstract name of the rules lock of prefix.
+func lockName(prefix string) string { return "@uproxy-rules-" + prefix }
 
 // rulesHeldError is lockRules' refusal: another process holds the lock. Its
 // remedy is the run command's; another command says its own.

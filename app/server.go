@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"sync"
 	"syscall"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 
 	"github.com/uproxy/uproxy/nodeaddr"
 	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
@@ -67,7 +69,18 @@ type server struct {
 	events      *observe.Events
 	modeName    string
 	mode        proxymode.Mode
-	lock        *rulesLock
+	// lockMu guards lock, which a takeover sets while Run runs (takeover.go).
+	lockMu sync.Mutex
+	lock   *rulesLock
+
+	// pred is the uproxy this one takes over from (nil: none); gate holds
+	// back the rules' writes until it has handed the lock over; takenHTTP
+	// counts the HTTP listeners it handed. nodePorts are the NodePort
+	// sockets, which a successor takes in turn.
+	pred      *predecessor
+	gate      *syncGate
+	takenHTTP int
+	nodePorts *nodePortSockets
 }
 
 // newServer builds the server of o: flags -> config -> HTTP listeners ->
@@ -80,9 +93,20 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 	if err != nil {
 		return nil, o.configFieldError(err)
 	}
+	// A uproxy of this --chain-prefix already running is taken over from
+	// (takeover.go): its HTTP addresses are in use, and taken from it.
+	var pred *predecessor
+	if o.takeOver && mayTouchRules(o, cfg) {
+		pred = dialPredecessor(o.chainPrefix)
+	}
+	defer func() {
+		if err != nil {
+			pred.close()
+		}
+	}()
 	// The HTTP addresses are bound before anything else happens (or is logged),
 	// so a port in use is reported as its flag's error at once.
-	metricsLn, healthzLn, err := bindHTTP(cfg)
+	metricsLn, healthzLn, err := bindHTTPBeside(cfg, pred)
 	if err != nil {
 		return nil, o.configFieldError(err)
 	}
@@ -139,9 +163,29 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 		events = observe.NewEvents(o.events)
 	}
 	cfg.specific.Userspace.Events = events
-	modeName, mode, lock, err := startMode(o, cfg)
+	nodePorts := &nodePortSockets{}
+	cfg.specific.Userspace.NodePortListen = nodePorts.listen
+	var gate *syncGate
+	if pred != nil {
+		gate = heldGate()
+		cfg.specific.Userspace.WrapPortals = func(p rules.Portals) rules.Portals { return gatedPortals{p, gate} }
+	}
+	modeName, mode, lock, pred, err := startMode(o, cfg, pred, nodePorts)
 	if err != nil {
 		return nil, err
+	}
+	if pred == nil {
+		// No predecessor, or none any more: this process writes at once.
+		gate.release()
+		gate = nil
+	}
+	takenHTTP, err := takeListeners(pred, srv, cfg, mode)
+	if err != nil {
+		if m, ok := mode.(interface{ Shutdown(context.Context) error }); ok {
+			m.Shutdown(context.Background())
+		}
+		lock.Close()
+		return nil, o.configFieldError(err)
 	}
 	// The Service ports of a protocol the mode cannot serve are reported by
 	// the source, as problems of its Snapshots.
@@ -152,7 +196,8 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 		}
 	}
 	return &server{o: o, cfg: cfg, ctx: ctx, stop: stop, http: srv, healthConns: healthConns, health: health,
-		src: src, srcName: srcName, events: events, modeName: modeName, mode: mode, lock: lock}, nil
+		src: src, srcName: srcName, events: events, modeName: modeName, mode: mode, lock: lock,
+		pred: pred, gate: gate, takenHTTP: takenHTTP, nodePorts: nodePorts}, nil
 }
 
 // Close releases a server that is never run: the mode's event loops, if it
@@ -167,7 +212,8 @@ func (s *server) Close() {
 // release lets go of what building s took: the rules lock, the signals, the
 // HTTP listeners. Run releases s when it returns (its mode shut down by then).
 func (s *server) release() {
-	s.lock.Close()
+	s.takeLock().Close()
+	s.pred.close()
 	s.stop()
 	s.http.Stop(context.Background())
 }
@@ -182,6 +228,17 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 	srv, healthConns, health, events := s.http, s.healthConns, s.health, s.events
 	src, srcName, modeName, mode := s.src, s.srcName, s.modeName, s.mode
 	var err error
+
+	// runCtx ends the sync loop and the source: at SIGINT or SIGTERM, or
+	// once a successor serves.
+	runCtx, cancelRun := context.WithCancel(ctx)
+	defer cancelRun()
+	// syncedOK has a value after a sync that succeeded (a takeover waits
+	// for one); successors gets the successor that serves, takeErr a
+	// takeover that failed.
+	syncedOK := make(chan struct{}, 1)
+	successors := make(chan *successor)
+	takeErr := make(chan error, 1)
 
 	changes := &observe.Changes{}
 	conflicts := &observe.Conflicts{}
@@ -202,6 +259,10 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 			Synced: func(start time.Time, took time.Duration, snap *service.Snapshot, err error) {
 				observe.SyncObserved(start, took, err)
 				if err == nil {
+					select {
+					case syncedOK <- struct{}{}:
+					default:
+					}
 					health.Synced(start)
 					changes.Synced(snap)
 					if herr := hc.Sync(snap); herr != nil {
@@ -228,6 +289,12 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 	if m, ok := mode.(interface{ Intact() bool }); ok {
 		runner.Check = m.Intact
 	}
+	// A successor writes no rule before its predecessor has stopped: the
+	// userspace mode's gate is in its portals (it adopts proxy sockets, and
+	// must open them in that first sync), a kernel mode's here.
+	if _, adopts := mode.(interface{ Adopt([]proxier.HandedSocket) }); s.gate != nil && !adopts {
+		runner.Mode = gatedMode{mode, s.gate}
+	}
 	srv.Mode, srv.Services, srv.Conflicts, srv.Events, srv.Health, srv.Debug, srv.Profiling = modeName, mode, conflicts, events, health, o.debug, o.profiling
 	srv.Unserved = unserved
 	srv.Problems = problems
@@ -252,7 +319,7 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 	health.Queued(time.Now())
 	go func() {
 		// Sources log their problems themselves, once each, when they appear.
-		srcErr <- src.Run(ctx, func(snap *service.Snapshot) {
+		srcErr <- src.Run(runCtx, func(snap *service.Snapshot) {
 			changes.Queued(snap)
 			conflicts.Update(snap)
 			unserved.Update(snap)
@@ -264,12 +331,27 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 	health.Started(time.Now())
 	go func() {
 		defer close(syncDone)
-		runner.Run(ctx)
+		runner.Run(runCtx)
 	}()
+	if lock := s.currentLock(); lock != nil {
+		go s.serveSuccessors(ctx, lock, successors)
+	}
+	if s.pred != nil {
+		pred := s.pred
+		s.pred = nil // completeTakeOver's from now on
+		go func() {
+			if err := s.completeTakeOver(runCtx, pred, syncedOK, runner, successors); err != nil {
+				takeErr <- err
+			}
+		}()
+	}
 
 	srcDone := false
+	var succ *successor
 	select {
 	case <-ctx.Done():
+	case succ = <-successors:
+	case err = <-takeErr:
 	case err = <-srcErr:
 		srcDone = true
 		switch {
@@ -279,10 +361,28 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 			err = fmt.Errorf("source %s: %w", srcName, err)
 		}
 	}
+	cancelRun()
 	stop()
 	var shutdown func(context.Context) error
 	if m, ok := mode.(interface{ Shutdown(context.Context) error }); ok {
 		shutdown = m.Shutdown
+	}
+	if succ != nil {
+		// The successor serves: it gets the lock once no sync of this
+		// process can write any more, and the rules stay as they are.
+		<-syncDone
+		s.handOff(succ)
+		srv.Stop(context.Background())
+		reset := finish(syncDone, shutdown, o.shutdownGrace, mode, false)
+		klog.InfoS("Handed over to the successor and exited: its copies of the listening sockets serve on, no connection was refused",
+			"successor", succ.pid, "sockets", succ.sockets+1, "connectionsReset", reset, "took", time.Since(succ.start).Round(time.Millisecond))
+		if !srcDone {
+			select {
+			case <-srcErr:
+			case <-time.After(sourceStopWait):
+			}
+		}
+		return nil
 	}
 	finish(syncDone, shutdown, o.shutdownGrace, mode, o.cleanupOnExit)
 	if !srcDone {
@@ -305,7 +405,8 @@ const sourceStopWait = 5 * time.Second
 // cleanup below removes; then it shuts the mode down (shutdown: the userspace
 // mode's connections, the nftables mode's loopback relay; nil for a mode
 // with nothing to drain) within grace, and removes the mode's rules if cleanupOnExit.
-func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grace time.Duration, mode interface{ Cleanup() error }, cleanupOnExit bool) {
+// It returns how many connections were reset at the grace period's end.
+func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grace time.Duration, mode interface{ Cleanup() error }, cleanupOnExit bool) (reset int) {
 	<-syncDone
 	if shutdown != nil {
 		klog.InfoS("Shutting down", "grace", grace)
@@ -315,6 +416,7 @@ func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grac
 		if se, ok := err.(*socket.ShutdownExpiredError); ok {
 			// The grace period's end, as --shutdown-grace asks: not a failure.
 			klog.InfoS("Shutdown grace period over: the connections still open were reset", "grace", grace, "connections", se.Reset)
+			reset = se.Reset
 		} else if err != nil {
 			klog.ErrorS(err, "Shutdown")
 		}
@@ -327,6 +429,7 @@ func finish(syncDone <-chan struct{}, shutdown func(context.Context) error, grac
 			klog.InfoS("Removed the mode's rules on exit")
 		}
 	}
+	return reset
 }
 
 // bindHTTP binds --metrics-bind-address and --healthz-bind-address (nil for an

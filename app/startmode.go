@@ -3,6 +3,7 @@ package app
 import (
 	"cmp"
 	"context"
+	"errors"
 	"net/netip"
 	"runtime"
 	"slices"
@@ -20,11 +21,19 @@ import (
 // modes left behind. Everything that can fail is checked before any rule is
 // touched: a start that fails leaves the node's rules as they were. lock, when
 // not nil, holds this node's rules for the process (see lockRules); the caller
-// closes it at exit.
-func startMode(o *options, cfg *config) (name string, mode proxymode.Mode, lock *rulesLock, err error) {
+// closes it at exit. A uproxy holding the lock is taken over from when pred is
+// not nil (takeover.go): its sockets are received (NodePort ones into
+// nodePorts), the lock comes later, and pred is returned; pred is nil when
+// the lock was free after all.
+func startMode(o *options, cfg *config, pred *predecessor, nodePorts *nodePortSockets) (name string, mode proxymode.Mode, lock *rulesLock, _ *predecessor, err error) {
+	defer func() {
+		if err != nil {
+			pred.close()
+		}
+	}()
 	name, reason, err := registry.Choose(o.proxyMode, o.scheduler)
 	if err != nil {
-		return "", nil, nil, err
+		return "", nil, nil, nil, err
 	}
 	klog.InfoS("Proxy mode", "mode", name, "reason", reason)
 	// A mode asked for had the flags it does not use refused with the other
@@ -35,15 +44,28 @@ func startMode(o *options, cfg *config) (name string, mode proxymode.Mode, lock 
 	cfg.common.IPv6 = proxymode.HasIPv6(cfg.common.NodeIPs)
 	cfg.nodePorts.PrimaryIPs = primaryIPs(bind, cfg.common.NodeIPs)
 	if err := registry.Resolve(name, &cfg.common, &cfg.specific, &cfg.nodePorts); err != nil {
-		return "", nil, nil, err
+		return "", nil, nil, nil, err
 	}
 	// Every mode but the userspace one without portals programs the node's
 	// rules, which one uproxy at a time may do.
 	touchesRules := registry.TouchesRules(name, &cfg.specific)
 	if touchesRules {
-		if lock, err = lockRules(o.chainPrefix); err != nil {
-			return "", nil, nil, err
+		lock, err = lockRules(o.chainPrefix)
+		var held *rulesHeldError
+		switch {
+		case err == nil:
+			pred.close() // it went away meanwhile
+			pred = nil
+		case pred != nil && errors.As(err, &held) && !held.notUproxy:
+			if err = pred.takeOver(identityOf(o, cfg, name), nodePorts); err != nil {
+				return "", nil, nil, nil, err
+			}
+		default:
+			return "", nil, nil, nil, err
 		}
+	} else {
+		pred.close()
+		pred = nil
 	}
 	defer func() {
 		if err != nil {
@@ -55,11 +77,11 @@ func startMode(o *options, cfg *config) (name string, mode proxymode.Mode, lock 
 	// the mode's first write, or removed with the other modes' leftovers.
 	if touchesRules {
 		if err = registry.ClaimChains(o.chainPrefix); err != nil {
-			return "", nil, nil, err
+			return "", nil, nil, nil, err
 		}
 	}
 	if mode, err = registry.New(name, cfg.common, cfg.specific); err != nil {
-		return "", nil, nil, err
+		return "", nil, nil, nil, err
 	}
 	if m, ok := mode.(interface{ EventLoops() int }); ok {
 		reserveEventLoopProcs(m.EventLoops())
@@ -71,7 +93,7 @@ func startMode(o *options, cfg *config) (name string, mode proxymode.Mode, lock 
 			if m, ok := mode.(interface{ Shutdown(context.Context) error }); ok {
 				m.Shutdown(context.Background()) // its event loops; it serves nothing yet
 			}
-			return "", nil, nil, err
+			return "", nil, nil, nil, err
 		}
 		// Switching modes, or the userspace mode's portal backend, must not
 		// leave the previous rules steering traffic.
@@ -79,7 +101,7 @@ func startMode(o *options, cfg *config) (name string, mode proxymode.Mode, lock 
 			klog.ErrorS(err, "Removing other modes' leftovers", "mode", name)
 		}
 	}
-	return name, mode, lock, nil
+	return name, mode, lock, pred, nil
 }
 
 // primaryIPs are the node's primary IPs, as kube-proxy's "primary" means its

@@ -121,8 +121,11 @@ func spareDescriptor(c syscall.Conn) error {
 }
 
 // listenAnywhere opens the proxy socket of sp's route r on a free port of the
-// range.
+// range, or serves the socket a predecessor handed for it (adopt.go).
 func (p *Proxier) listenAnywhere(sp *servicePort, r *route) (*listenerState, error) {
+	if ls, ok := p.adopted(sp, r); ok {
+		return ls, nil
+	}
 	var ls *listenerState
 	var lastErr error
 	ok := p.alloc.each(sp.protocol, func(pp int) (bool, bool) {

@@ -133,6 +133,8 @@ type Proxier struct {
 	own ownSockets
 	// clientAddr decides whose address each dial carries.
 	clientAddr clientAddress
+	// adopt holds the proxy sockets handed by a predecessor (adopt.go).
+	adopt adoption
 }
 
 type syncedPort struct {

@@ -13,6 +13,7 @@ package registry
 
 import (
 	"fmt"
+	"io"
 
 	"github.com/uproxy/uproxy/kernelmodes"
 	"github.com/uproxy/uproxy/kernelmodes/iptables"
@@ -47,6 +48,12 @@ type Userspace struct {
 	// address (--client-address-mark-bit, with --preserve-client-address); 0:
 	// endpoints see the node's address.
 	ClientAddressMark uint32
+	// NodePortListen holds a NodePort open (rules.Config.Listen); nil: the
+	// portals' own. A uproxy taking over from another adopts its sockets here.
+	NodePortListen func(network, address string) (io.Closer, error)
+	// WrapPortals, when set, wraps the portals the mode writes through: a
+	// uproxy taking over from another holds its first writes back.
+	WrapPortals func(rules.Portals) rules.Portals
 }
 
 // NFTables is the nftables mode's section: its Config, and which loopback

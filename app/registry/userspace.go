@@ -43,6 +43,7 @@ func newUserspace(c proxymode.Common, s *Specific) (proxymode.Mode, error) {
 		ClientAddressMark:  clientAddressMark(u.ClientAddressMark, cfg.DialMark),
 		ProxyPortsOnNodeIP: bind.IsValid() && !bind.IsUnspecified(),
 		Chosen:             u.RulesChosen,
+		Listen:             u.NodePortListen,
 	}
 	if rc.ProxyPortsOnNodeIP {
 		other := "IPv6"
@@ -57,6 +58,9 @@ func newUserspace(c proxymode.Common, s *Specific) (proxymode.Mode, error) {
 		return nil, err
 	}
 	cfg.Portals = portals
+	if u.WrapPortals != nil {
+		cfg.Portals = u.WrapPortals(portals)
+	}
 	cfg.KeepClientAddress = rc.ClientAddressMark != 0
 	return proxier.New(cfg)
 }

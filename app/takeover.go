@@ -1,0 +1,914 @@
+package app
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/observe"
+	"github.com/uproxy/uproxy/proxier"
+	"github.com/uproxy/uproxy/proxymode"
+	"github.com/uproxy/uproxy/rules"
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/socket/handover"
+	"github.com/uproxy/uproxy/syncloop"
+)
+
+// A uproxy that starts while another of the same --chain-prefix runs takes
+// over from it (--take-over). The running one accepts on its rules lock
+// (ruleslock.go); the successor dials it:
+//
+//	successor                          running uproxy
+//	take over: what it is       ->
+//	                            <-     refused: what differs (the successor exits 1)
+//	                            <-     accepted: what it is
+//	                            <-     its HTTP listeners, proxy sockets, NodePort sockets; end
+//	(first sync: proxy sockets adopted and served, no rule written)
+//	serving                     ->
+//	                                   (stops syncing)
+//	                            <-     the rules lock itself
+//	(writes the rules: what they already are)
+//	                                   (closes its copies of the sockets, drains its
+//	                                    connections within --shutdown-grace, exits 0)
+//
+// Nothing is closed before "serving": a successor that dies before it leaves
+// the running uproxy serving as if nothing had happened. Both processes accept
+// on the shared sockets in between; whichever accepts a connection serves it.
+
+// Message kinds: the first byte of an item's metadata.
+const (
+	msgTakeOver byte = 1 + iota // successor: its identity
+	msgRefused                  // the reason, one line
+	msgAccepted                 // the running uproxy's identity
+	msgHTTP                     // descriptor: an HTTP listener; its kind (metrics, healthz) and flag value
+	msgProxy                    // descriptor: a proxy socket; its Service port, protocol, route, proxy port
+	msgNodePort                 // descriptor: a NodePort held; network, address
+	msgEnd                      // the sockets are all sent
+	msgServing                  // successor: it serves on them
+	msgLock                     // descriptor: the rules lock
+)
+
+// helloTimeout bounds each exchange before the successor's first sync.
+const helloTimeout = 10 * time.Second
+
+// lockTimeout bounds the successor's wait for the lock once it serves: the
+// running uproxy finishes a sync in flight first.
+const lockTimeout = 2 * time.Minute
+
+// identity is what a uproxy is, as far as a takeover goes.
+type identity struct {
+	version, mode, prefix, backend string
+	// portRange and bindAddress decide the proxy ports: a successor whose
+	// differ adopts no proxy socket (it opens its own).
+	portRange, bindAddress string
+}
+
+func (s *server) identity() identity {
+	return identityOf(s.o, s.cfg, s.modeName)
+}
+
+func identityOf(o *options, cfg *config, mode string) identity {
+	id := identity{version: version, mode: mode, portRange: cfg.specific.Userspace.PortRange.String()}
+	if o != nil {
+		id.prefix = o.chainPrefix
+	}
+	if mode == proxymode.Userspace {
+		id.backend = string(cfg.specific.Userspace.Rules)
+	}
+	if b := cfg.specific.Userspace.BindAddress; b.IsValid() {
+		id.bindAddress = b.String()
+	}
+	return id
+}
+
+// refuses names what of successor differs from id so that id cannot hand
+// over to it, or "".
+func (id identity) refuses(successor identity) string {
+	var diffs []string
+	if id.mode != successor.mode {
+		diffs = append(diffs, fmt.Sprintf("its --proxy-mode is %s, the running uproxy's %s", successor.mode, id.mode))
+	}
+	if id.prefix != successor.prefix {
+		diffs = append(diffs, fmt.Sprintf("its --chain-prefix is %s, the running uproxy's %s", successor.prefix, id.prefix))
+	}
+	if id.backend != successor.backend {
+		diffs = append(diffs, fmt.Sprintf("its --rules is %s, the running uproxy's %s", successor.backend, id.backend))
+	}
+	return strings.Join(diffs, "; ")
+}
+
+func (id identity) encode(kind byte) []byte {
+	b := []byte{kind}
+	for _, s := range []string{id.version, id.mode, id.prefix, id.backend, id.portRange, id.bindAddress} {
+		b = appendString(b, s)
+	}
+	return b
+}
+
+func decodeIdentity(meta []byte) (identity, error) {
+	d := decoder{b: meta[1:]}
+	id := identity{version: d.str(), mode: d.str(), prefix: d.str(), backend: d.str(), portRange: d.str(), bindAddress: d.str()}
+	return id, d.err
+}
+
+func appendString(b []byte, s string) []byte {
+	b = binary.AppendUvarint(b, uint64(len(s)))
+	return append(b, s...)
+}
+
+// decoder reads what appendString and binary.AppendUvarint wrote; its first
+// error sticks.
+type decoder struct {
+	b   []byte
+	err error
+}
+
+func (d *decoder) uint() uint64 {
+	if d.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(d.b)
+	if n <= 0 {
+		d.err = errors.New("takeover: a message ends early")
+		return 0
+	}
+	d.b = d.b[n:]
+	return v
+}
+
+func (d *decoder) str() string {
+	n := d.uint()
+	if d.err != nil {
+		return ""
+	}
+	if uint64(len(d.b)) < n {
+		d.err = errors.New("takeover: a message ends early")
+		return ""
+	}
+	s := string(d.b[:n])
+	d.b = d.b[n:]
+	return s
+}
+
+// kindOf is an item's message kind (0 for none).
+func kindOf(it handover.Item) byte {
+	if len(it.Meta) == 0 {
+		return 0
+	}
+	return it.Meta[0]
+}
+
+func closeItems(items []handover.Item) {
+	for _, it := range items {
+		if it.FD >= 0 {
+			syscall.Close(it.FD)
+		}
+	}
+}
+
+// --- the successor's side ---
+
+// predecessor is the running uproxy a starting one takes over from.
+type predecessor struct {
+	c     *handover.Conn
+	pid   int32
+	start time.Time
+	id    identity // its identity, once it accepted
+	// inUse are the errors of the HTTP addresses this process found in use
+	// (by kind), to be taken from the predecessor instead.
+	inUse map[string]error
+	// http are the HTTP listeners handed, by kind, with their flag values.
+	http     map[string]net.Listener
+	httpAddr map[string]string
+	proxy    []proxier.HandedSocket
+	// nodePorts counts the NodePort sockets handed (to s.nodePorts).
+	nodePorts int
+}
+
+// dialPredecessor connects to the uproxy holding the rules lock of prefix, if
+// one does and is root; nil otherwise (lockRules then says why the lock is not
+// to be had, as before).
+func dialPredecessor(prefix string) *predecessor {
+	uc, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: lockName(prefix), Net: "unix"})
+	if err != nil {
+		return nil // nobody holds the lock
+	}
+	uc.SetDeadline(time.Now().Add(helloTimeout))
+	c, err := handover.NewConn(uc)
+	if err != nil {
+		klog.V(1).InfoS("The rules lock's holder is no uproxy to take over from", "err", err)
+		return nil
+	}
+	return &predecessor{c: c, pid: c.Peer().Pid, start: time.Now(), inUse: map[string]error{}}
+}
+
+// close lets go of the predecessor and of whatever it handed that was not
+// taken; the predecessor carries on serving.
+func (p *predecessor) close() {
+	if p == nil {
+		return
+	}
+	p.c.Close()
+	for _, ln := range p.http {
+		ln.Close()
+	}
+	p.http = nil
+	proxier.CloseHanded(p.proxy)
+	p.proxy = nil
+}
+
+// takeOver asks the predecessor to hand over to id and receives its sockets:
+// the NodePort ones go to nodePorts. A refusal comes back as an error of one
+// line, naming what differs.
+func (p *predecessor) takeOver(id identity, nodePorts *nodePortSockets) error {
+	p.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
+	if err := p.c.Send([]handover.Item{{FD: -1, Meta: id.encode(msgTakeOver)}}); err != nil {
+		return fmt.Errorf("take over from uproxy process %d: %w", p.pid, err)
+	}
+	items, err := p.c.Receive()
+	if err != nil {
+		return fmt.Errorf("take over from uproxy process %d: %w", p.pid, err)
+	}
+	switch kindOf(items[0]) {
+	case msgRefused:
+		closeItems(items)
+		observe.HandoverTotal.WithLabelValues("to", "refused").Inc()
+		return fmt.Errorf("another uproxy (process %d) programs this node's rules with --chain-prefix %s, and refused to hand over to this one: %s",
+			p.pid, id.prefix, items[0].Meta[1:])
+	case msgAccepted:
+	default:
+		closeItems(items)
+		return fmt.Errorf("take over from uproxy process %d: an unexpected answer (kind %d)", p.pid, kindOf(items[0]))
+	}
+	if p.id, err = decodeIdentity(items[0].Meta); err != nil {
+		closeItems(items)
+		return err
+	}
+	p.http, p.httpAddr = map[string]net.Listener{}, map[string]string{}
+	for done := false; !done; {
+		for i, it := range items[1:] {
+			if err := p.receive(it, nodePorts); err != nil {
+				closeItems(items[i+2:])
+				return fmt.Errorf("take over from uproxy process %d: %w", p.pid, err)
+			}
+			done = done || kindOf(it) == msgEnd
+		}
+		if done {
+			break
+		}
+		if items, err = p.c.Receive(); err != nil {
+			return fmt.Errorf("take over from uproxy process %d: %w", p.pid, err)
+		}
+		items = append([]handover.Item{{FD: -1}}, items...) // items[1:] are the batch's
+	}
+	p.c.UnixConn().SetDeadline(time.Time{})
+	return nil
+}
+
+// receive takes one handed item.
+func (p *predecessor) receive(it handover.Item, nodePorts *nodePortSockets) error {
+	kind := kindOf(it)
+	if (kind == msgHTTP || kind == msgProxy || kind == msgNodePort) != (it.FD >= 0) {
+		if it.FD >= 0 {
+			syscall.Close(it.FD)
+		}
+		return fmt.Errorf("a message of kind %d with a descriptor: %v", kind, it.FD >= 0)
+	}
+	d := decoder{b: it.Meta[min(1, len(it.Meta)):]}
+	switch kind {
+	case msgEnd:
+	case msgHTTP:
+		what, addr := d.str(), d.str()
+		f := os.NewFile(uintptr(it.FD), what)
+		ln, err := net.FileListener(f)
+		f.Close()
+		if err == nil && d.err == nil {
+			p.http[what], p.httpAddr[what] = ln, addr
+		}
+	case msgProxy:
+		h := proxier.HandedSocket{
+			Service:  service.PortName{Namespace: d.str(), Name: d.str(), Port: d.str()},
+			Protocol: service.Protocol(d.str()), External: d.uint() == 1, ProxyPort: int(d.uint()), FD: it.FD}
+		if d.err != nil {
+			syscall.Close(it.FD)
+			break
+		}
+		p.proxy = append(p.proxy, h)
+	case msgNodePort:
+		network, address := d.str(), d.str()
+		if d.err != nil {
+			syscall.Close(it.FD)
+			break
+		}
+		nodePorts.hand(network, address, it.FD)
+		p.nodePorts++
+	default:
+		return fmt.Errorf("an unexpected message (kind %d)", kind)
+	}
+	return d.err
+}
+
+// listener returns the HTTP listener of kind (metrics, healthz) for flag
+// value addr: the predecessor's, when this process found addr in use and the
+// predecessor served the same; the bind error otherwise.
+func (p *predecessor) listener(kind, addr string) (net.Listener, error) {
+	err := p.inUse[kind]
+	if err == nil {
+		return nil, nil
+	}
+	ln := p.http[kind]
+	if ln == nil || p.httpAddr[kind] != addr {
+		return nil, err
+	}
+	delete(p.http, kind)
+	return ln, nil
+}
+
+// bindHTTPBeside binds the HTTP addresses as bindHTTP does; an address in use
+// while a predecessor runs is left to be taken from it (pred.listener).
+func bindHTTPBeside(cfg *config, pred *predecessor) (metrics, healthz net.Listener, err error) {
+	if pred == nil {
+		return bindHTTP(cfg)
+	}
+	bind := func(kind, flag, addr string) (net.Listener, error) {
+		if addr == "" {
+			return nil, nil
+		}
+		ln, err := net.Listen("tcp", addr)
+		if err == nil {
+			return ln, nil
+		}
+		err = fmt.Errorf("%s %s: %w", flag, addr, err)
+		if errors.Is(err, syscall.EADDRINUSE) {
+			pred.inUse[kind] = err
+			return nil, nil
+		}
+		return nil, err
+	}
+	if metrics, err = bind("metrics", "--metrics-bind-address", cfg.metricsAddr); err != nil {
+		return nil, nil, err
+	}
+	if healthz, err = bind("healthz", "--healthz-bind-address", cfg.healthzAddr); err != nil {
+		if metrics != nil {
+			metrics.Close()
+		}
+		return nil, nil, err
+	}
+	return metrics, healthz, nil
+}
+
+// mayTouchRules reports whether the flags may ask for a mode that writes the
+// node's rules, and so holds the rules lock a predecessor is found by: all but
+// the userspace mode with --rules none, which runs beside any uproxy.
+func mayTouchRules(o *options, cfg *config) bool {
+	return o.proxyMode != proxymode.Userspace || cfg.specific.Userspace.Rules != rules.BackendNone
+}
+
+// takeListeners gives srv the HTTP listeners this process found in use and
+// pred handed (binding them anew when pred is nil: a predecessor that went
+// away before it was asked), and the mode the proxy sockets pred handed.
+func takeListeners(pred *predecessor, srv *observe.Server, cfg *config, mode any) (taken int, err error) {
+	for _, h := range []struct {
+		kind, flag, addr string
+		ln               *net.Listener
+	}{{"metrics", "--metrics-bind-address", cfg.metricsAddr, &srv.MetricsListener}, {"healthz", "--healthz-bind-address", cfg.healthzAddr, &srv.HealthzListener}} {
+		if *h.ln != nil || h.addr == "" {
+			continue
+		}
+		if pred == nil {
+			if *h.ln, err = net.Listen("tcp", h.addr); err != nil {
+				return taken, fmt.Errorf("%s %s: %w", h.flag, h.addr, err)
+			}
+			continue
+		}
+		if *h.ln, err = pred.listener(h.kind, h.addr); err != nil {
+			return taken, err
+		}
+		taken++
+	}
+	if pred == nil {
+		return taken, nil
+	}
+	observe.HandoverSockets.WithLabelValues("to", "http").Add(float64(taken))
+	a, ok := mode.(interface{ Adopt([]proxier.HandedSocket) })
+	switch own := identityOf(nil, cfg, ""); {
+	case !ok:
+	case pred.id.portRange != own.portRange || pred.id.bindAddress != own.bindAddress:
+		klog.InfoS("Opening proxy ports of its own: the uproxy taken over from has another --proxy-port-range or --bind-address",
+			"predecessor", pred.pid, "proxyPortRange", pred.id.portRange, "bindAddress", pred.id.bindAddress)
+	default:
+		a.Adopt(pred.proxy)
+		pred.proxy = nil
+	}
+	return taken, nil
+}
+
+// completeTakeOver finishes a takeover once the first sync has run (proxy
+// sockets adopted, no rule written): it says "serving", takes the rules lock,
+// lets the mode write its rules, and from then on accepts successors itself.
+func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-chan struct{}, runner *syncloop.Runner, successors chan<- *successor) error {
+	defer p.close()
+	select {
+	case <-synced:
+	case <-ctx.Done():
+		return nil
+	}
+	adopted, unadopted := 0, 0
+	if m, ok := s.mode.(interface{ EndAdoption() (int, int) }); ok {
+		adopted, unadopted = m.EndAdoption()
+	}
+	p.c.UnixConn().SetDeadline(time.Now().Add(lockTimeout))
+	err := p.c.Send([]handover.Item{{FD: -1, Meta: []byte{msgServing}}})
+	var lock *rulesLock
+	if err == nil {
+		lock, err = p.receiveLock()
+	}
+	if err != nil {
+		// The predecessor died after it was told: its lock is free.
+		klog.ErrorS(err, "The rules lock did not come from the uproxy taken over; taking it", "predecessor", p.pid)
+		if lock, err = lockRules(s.o.chainPrefix); err != nil {
+			observe.HandoverTotal.WithLabelValues("to", "abandoned").Inc()
+			return fmt.Errorf("take over from uproxy process %d: %w", p.pid, err)
+		}
+	} else {
+		observe.HandoverSockets.WithLabelValues("to", "lock").Inc()
+	}
+	s.setLock(lock)
+	s.gate.release()
+	runner.Resync()
+	go s.serveSuccessors(ctx, lock, successors)
+	// The NodePorts are held by the portals' writes, which began now.
+	select {
+	case <-synced:
+	case <-ctx.Done():
+	}
+	heldNodePorts := p.nodePorts - s.nodePorts.endAdoption()
+	observe.HandoverTotal.WithLabelValues("to", "done").Inc()
+	observe.HandoverSockets.WithLabelValues("to", "proxy").Add(float64(adopted))
+	observe.HandoverSockets.WithLabelValues("to", "nodeport").Add(float64(heldNodePorts))
+	klog.InfoS("Took over from the uproxy that ran: its listeners serve here, no port changed",
+		"predecessor", p.pid, "predecessorVersion", p.id.version, "httpListeners", s.takenHTTP,
+		"proxySockets", adopted, "proxySocketsClosed", unadopted, "nodePorts", heldNodePorts, "took", time.Since(p.start).Round(time.Millisecond))
+	return nil
+}
+
+func (p *predecessor) receiveLock() (*rulesLock, error) {
+	items, err := p.c.Receive()
+	if err != nil {
+		return nil, err
+	}
+	if len(items) != 1 || kindOf(items[0]) != msgLock || items[0].FD < 0 {
+		closeItems(items)
+		return nil, errors.New("an unexpected message instead of the rules lock")
+	}
+	f := os.NewFile(uintptr(items[0].FD), "rules lock")
+	defer f.Close()
+	ln, err := handover.FileListener(f)
+	if err != nil {
+		return nil, err
+	}
+	return &rulesLock{ln: ln}, nil
+}
+
+// --- the running uproxy's side ---
+
+// successor is a uproxy that took over and serves: Run hands it the lock
+// once this process has stopped syncing.
+type successor struct {
+	c       *handover.Conn
+	pid     int32
+	start   time.Time
+	sockets int // handed before the lock
+}
+
+// serveSuccessors accepts successors on the rules lock until it is closed or
+// handed, handing over to the first that asks and serves; successors gets it.
+func (s *server) serveSuccessors(ctx context.Context, lock *rulesLock, successors chan<- *successor) {
+	for {
+		c, err := lock.ln.Accept()
+		switch {
+		case errors.Is(err, net.ErrClosed):
+			return
+		case errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE):
+			// A look at the lock's holder (rules.SocketHolder), not a successor.
+			continue
+		case errors.Is(err, handover.ErrPeerNotRoot):
+			klog.InfoS("Refused to hand over to a process that is not root", "err", err)
+			observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+			continue
+		case err != nil:
+			var ve *handover.VersionError
+			if errors.As(err, &ve) {
+				klog.InfoS("Refused to hand over to a uproxy of another handover protocol version", "err", err)
+				observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+				continue
+			}
+			klog.ErrorS(err, "Accepting on the rules lock")
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			continue
+		}
+		if succ := s.handOver(ctx, c); succ != nil {
+			select {
+			case successors <- succ:
+			case <-ctx.Done():
+				succ.c.Close()
+			}
+			return
+		}
+	}
+}
+
+// handOver serves one connection to the lock: a successor of the same mode,
+// prefix and backend gets the listening sockets; once it says it serves, the
+// successor is returned, and the rest is Run's. nil: nothing was taken and
+// this process carries on.
+func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
+	pid := c.Peer().Pid
+	start := time.Now()
+	c.UnixConn().SetDeadline(start.Add(helloTimeout))
+	items, err := c.Receive()
+	if err != nil || len(items) == 0 || kindOf(items[0]) != msgTakeOver {
+		closeItems(items)
+		if err == nil {
+			c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, "the first message was no take-over request"...)}})
+			klog.InfoS("Refused a connection to the rules lock: its first message was no take-over request", "peer", pid)
+			observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+		}
+		c.Close()
+		return nil
+	}
+	succ, err := decodeIdentity(items[0].Meta)
+	closeItems(items)
+	own := s.identity()
+	if err != nil {
+		c.Close()
+		return nil
+	}
+	if diff := own.refuses(succ); diff != "" {
+		c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, diff...)}})
+		c.Close()
+		klog.InfoS("Refused a successor: it is another uproxy; serving on", "successor", pid, "differs", diff)
+		observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+		return nil
+	}
+	items, closers, err := s.handedItems()
+	defer func() {
+		for _, f := range closers {
+			f()
+		}
+	}()
+	if err != nil {
+		c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, err.Error()...)}})
+		c.Close()
+		klog.ErrorS(err, "Could not hand over; serving on", "successor", pid)
+		observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+		return nil
+	}
+	items = append([]handover.Item{{FD: -1, Meta: own.encode(msgAccepted)}}, items...)
+	items = append(items, handover.Item{FD: -1, Meta: []byte{msgEnd}})
+	if err := sendBatches(c, items); err != nil {
+		c.Close()
+		klog.ErrorS(err, "Handing sockets to a successor failed; serving on", "successor", pid)
+		observe.HandoverTotal.WithLabelValues("from", "abandoned").Inc()
+		return nil
+	}
+	klog.InfoS("Handed the listening sockets to a successor; serving on until it serves", "successor", pid, "version", succ.version, "sockets", len(items)-2)
+	// No deadline: the successor's first sync takes what it takes. This
+	// process goes on serving meanwhile, and a SIGTERM still ends it.
+	c.UnixConn().SetDeadline(time.Time{})
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	got, err := c.Receive()
+	if err != nil || len(got) != 1 || kindOf(got[0]) != msgServing {
+		closeItems(got)
+		c.Close()
+		if ctx.Err() == nil {
+			klog.InfoS("The successor went away before it served; serving on as before", "successor", pid, "err", err)
+			observe.HandoverTotal.WithLabelValues("from", "abandoned").Inc()
+		}
+		return nil
+	}
+	return &successor{c: c, pid: pid, start: start, sockets: len(items) - 2}
+}
+
+// handedItems are the sockets a successor takes: the HTTP listeners, the
+// proxy sockets and the NodePort sockets, each a duplicate that closers
+// close once sent.
+func (s *server) handedItems() (items []handover.Item, closers []func(), err error) {
+	fail := func(e error) ([]handover.Item, []func(), error) {
+		for _, f := range closers {
+			f()
+		}
+		return nil, nil, e
+	}
+	for _, h := range []struct {
+		kind, addr string
+		ln         net.Listener
+	}{{"metrics", s.cfg.metricsAddr, s.http.MetricsListener}, {"healthz", s.cfg.healthzAddr, s.http.HealthzListener}} {
+		tl, ok := h.ln.(*net.TCPListener)
+		if !ok {
+			continue
+		}
+		f, err := tl.File()
+		if err != nil {
+			return fail(fmt.Errorf("duplicate the %s listener: %w", h.kind, err))
+		}
+		closers = append(closers, func() { f.Close() })
+		items = append(items, handover.Item{FD: int(f.Fd()), Meta: appendString(appendString([]byte{msgHTTP}, h.kind), h.addr)})
+	}
+	if m, ok := s.mode.(interface {
+		HandOver() ([]proxier.HandedSocket, error)
+	}); ok {
+		socks, err := m.HandOver()
+		if err != nil {
+			return fail(err)
+		}
+		closers = append(closers, func() { proxier.CloseHanded(socks) })
+		for _, h := range socks {
+			meta := []byte{msgProxy}
+			for _, str := range []string{h.Service.Namespace, h.Service.Name, h.Service.Port, string(h.Protocol)} {
+				meta = appendString(meta, str)
+			}
+			ext := uint64(0)
+			if h.External {
+				ext = 1
+			}
+			meta = binary.AppendUvarint(meta, ext)
+			meta = binary.AppendUvarint(meta, uint64(h.ProxyPort))
+			items = append(items, handover.Item{FD: h.FD, Meta: meta})
+		}
+	}
+	held, err := s.nodePorts.dup()
+	if err != nil {
+		return fail(err)
+	}
+	for _, h := range held {
+		closers = append(closers, func() { syscall.Close(h.fd) })
+		items = append(items, handover.Item{FD: h.fd, Meta: appendString(appendString([]byte{msgNodePort}, h.network), h.address)})
+	}
+	return items, closers, nil
+}
+
+// sendBatches sends items in batches of at most handover.MaxFDs descriptors.
+func sendBatches(c *handover.Conn, items []handover.Item) error {
+	for len(items) > 0 {
+		n, fds := 0, 0
+		for n < len(items) && (items[n].FD < 0 || fds < handover.MaxFDs) {
+			if items[n].FD >= 0 {
+				fds++
+			}
+			n++
+		}
+		if err := c.Send(items[:n]); err != nil {
+			return err
+		}
+		items = items[n:]
+	}
+	return nil
+}
+
+// handOff ends this process's part once succ serves: the sync loop has
+// stopped (syncDone), so the successor alone writes the rules from the
+// moment it has the lock, sent here last.
+func (s *server) handOff(succ *successor) {
+	lock := s.takeLock()
+	var err error
+	if lock != nil {
+		var f *os.File
+		if f, err = lock.ln.File(); err == nil {
+			err = succ.c.Send([]handover.Item{{FD: int(f.Fd()), Meta: []byte{msgLock}}})
+			f.Close()
+		}
+		lock.Close()
+	}
+	succ.c.Close()
+	if err != nil {
+		// The successor has gone after it served: the lock, closed here, is
+		// free for it to take.
+		klog.ErrorS(err, "Handing the rules lock to the successor failed; it is released", "successor", succ.pid)
+	}
+	observe.HandoverTotal.WithLabelValues("from", "done").Inc()
+	observe.HandoverSockets.WithLabelValues("from", "lock").Inc()
+}
+
+// setLock and takeLock guard s.lock, which a takeover sets while Run runs.
+func (s *server) setLock(l *rulesLock) {
+	s.lockMu.Lock()
+	defer s.lockMu.Unlock()
+	s.lock = l
+}
+
+func (s *server) currentLock() *rulesLock {
+	s.lockMu.Lock()
+	defer s.lockMu.Unlock()
+	return s.lock
+}
+
+func (s *server) takeLock() *rulesLock {
+	s.lockMu.Lock()
+	defer s.lockMu.Unlock()
+	l := s.lock
+	s.lock = nil
+	return l
+}
+
+// --- holding writes back ---
+
+// syncGate holds the rules' writes back while a successor waits for its
+// predecessor's lock: the syncs it gates succeed without writing.
+type syncGate struct{ held atomic.Bool }
+
+func heldGate() *syncGate {
+	g := &syncGate{}
+	g.held.Store(true)
+	return g
+}
+
+func (g *syncGate) release() {
+	if g != nil {
+		g.held.Store(false)
+	}
+}
+
+func (g *syncGate) holds() bool { return g != nil && g.held.Load() }
+
+// gatedPortals are the userspace mode's portals behind a gate: its proxy
+// sockets open and serve while no rule is written.
+type gatedPortals struct {
+	rules.Portals
+	g *syncGate
+}
+
+func (p gatedPortals) Sync(portals []rules.Portal) error {
+	if p.g.holds() {
+		return nil
+	}
+	return p.Portals.Sync(portals)
+}
+
+// Intact is true while the gate holds: nothing written is nothing missing.
+func (p gatedPortals) Intact() bool { return p.g.holds() || p.Portals.Intact() }
+
+// gatedMode is a kernel mode behind a gate.
+type gatedMode struct {
+	syncloop.Mode
+	g *syncGate
+}
+
+func (m gatedMode) Sync(snap *service.Snapshot) error {
+	if m.g.holds() {
+		return nil
+	}
+	return m.Mode.Sync(snap)
+}
+
+// --- NodePort sockets ---
+
+// nodePortSockets opens the sockets that hold NodePorts (rules.Config.Listen),
+// keeping track of the open ones to hand them to a successor, and adopts
+// those a predecessor handed.
+type nodePortSockets struct {
+	mu     sync.Mutex
+	open   map[nodePortKey]*heldNodePort
+	handed map[nodePortKey]int // descriptors handed, not yet adopted
+}
+
+type nodePortKey struct{ network, address string }
+
+type heldNodePort struct {
+	io.Closer
+	fd      func() (int, error) // a duplicate
+	network string
+	address string
+	owner   *nodePortSockets
+}
+
+func (h *heldNodePort) Close() error {
+	h.owner.mu.Lock()
+	if h.owner.open[nodePortKey{h.network, h.address}] == h {
+		delete(h.owner.open, nodePortKey{h.network, h.address})
+	}
+	h.owner.mu.Unlock()
+	return h.Closer.Close()
+}
+
+func (n *nodePortSockets) hand(network, address string, fd int) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.handed == nil {
+		n.handed = map[nodePortKey]int{}
+	}
+	if old, ok := n.handed[nodePortKey{network, address}]; ok {
+		syscall.Close(old)
+	}
+	n.handed[nodePortKey{network, address}] = fd
+}
+
+// endAdoption closes the handed sockets not adopted and returns how many.
+func (n *nodePortSockets) endAdoption() int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	closed := len(n.handed)
+	for _, fd := range n.handed {
+		syscall.Close(fd)
+	}
+	n.handed = nil
+	return closed
+}
+
+func (n *nodePortSockets) listen(network, address string) (io.Closer, error) {
+	k := nodePortKey{network, address}
+	n.mu.Lock()
+	fd, handed := n.handed[k]
+	delete(n.handed, k)
+	n.mu.Unlock()
+	var c io.Closer
+	var err error
+	if handed {
+		f := os.NewFile(uintptr(fd), address)
+		if strings.HasPrefix(network, "udp") {
+			c, err = net.FilePacketConn(f)
+		} else {
+			c, err = net.FileListener(f)
+		}
+		f.Close()
+		if err != nil {
+			klog.ErrorS(err, "Could not adopt a handed NodePort socket; binding it anew", "network", network, "address", address)
+			handed = false
+		}
+	}
+	if !handed {
+		if strings.HasPrefix(network, "udp") {
+			c, err = net.ListenPacket(network, address)
+		} else {
+			c, err = net.Listen(network, address)
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	h := &heldNodePort{Closer: c, network: network, address: address, owner: n}
+	if fc, ok := c.(interface{ File() (*os.File, error) }); ok {
+		h.fd = func() (int, error) {
+			f, err := fc.File()
+			if err != nil {
+				return -1, err
+			}
+			// The duplicate outlives f: f's close would close it.
+			fd, err := syscall.Dup(int(f.Fd()))
+			f.Close()
+			if err == nil {
+				syscall.CloseOnExec(fd)
+			}
+			return fd, err
+		}
+	}
+	n.mu.Lock()
+	if n.open == nil {
+		n.open = map[nodePortKey]*heldNodePort{}
+	}
+	n.open[k] = h
+	n.mu.Unlock()
+	return h, nil
+}
+
+type handedNodePort struct {
+	network, address string
+	fd               int
+}
+
+// dup returns a duplicate of every NodePort socket held.
+func (n *nodePortSockets) dup() ([]handedNodePort, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []handedNodePort
+	for k, h := range n.open {
+		if h.fd == nil {
+			continue
+		}
+		fd, err := h.fd()
+		if err != nil {
+			for _, o := range out {
+				syscall.Close(o.fd)
+			}
+			return nil, fmt.Errorf("duplicate the NodePort socket %s %s: %w", k.network, k.address, err)
+		}
+		out = append(out, handedNodePort{k.network, k.address, fd})
+	}
+	return out, nil
+}

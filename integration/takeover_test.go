@@ -1,0 +1,271 @@
+package integration
+
+import (
+	"fmt"
+	"net"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/test/testbed"
+)
+
+// takeOverServices are a TCP and a UDP Service of one ClusterIP, a NodePort
+// for the TCP one, with backends in the pod.
+func takeOverServices(t *testing.T, tp *testbed.Topology) string {
+	pod := tp.NS(testbed.Pod)
+	ln := echoTCP(t, tp, testbed.Pod, pod.IPv4.String()+":0")
+	pc := namedUDP(t, tp, testbed.Pod, pod.IPv4.String()+":0", "dns")
+	return svc{name: "web", proto: "TCP", clusterIPs: []string{"10.96.0.10"}, port: 80, nodePort: 30080,
+		endpoints: []string{pod.IPv4.String()}, endpointPorts: []int{ln.Addr().(*net.TCPAddr).Port}}.yaml() +
+		"---\n" + svc{name: "dns", proto: "UDP", clusterIPs: []string{"10.96.0.11"}, port: 53,
+		endpoints: []string{pod.IPv4.String()}, endpointPorts: []int{pc.LocalAddr().(*net.UDPAddr).Port}}.yaml()
+}
+
+// clientLoad is a loop of short TCP connections through a ClusterIP, one
+// every few milliseconds, and a loop of UDP exchanges: what a restart must not
+// interrupt.
+type clientLoad struct {
+	stop chan struct{}
+	wg   sync.WaitGroup
+
+	mu                   sync.Mutex
+	tcpOK, udpOK, udpBad int
+	tcpFailures          []string
+}
+
+func startClientLoad(t *testing.T, tp *testbed.Topology) *clientLoad {
+	l := &clientLoad{stop: make(chan struct{})}
+	l.wg.Go(func() {
+		for {
+			select {
+			case <-l.stop:
+				return
+			default:
+			}
+			start := time.Now()
+			err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 512)
+			l.mu.Lock()
+			if err != nil {
+				l.tcpFailures = append(l.tcpFailures, fmt.Sprintf("%s: %v", start.Format("15:04:05.000"), err))
+			} else {
+				l.tcpOK++
+			}
+			l.mu.Unlock()
+			time.Sleep(3 * time.Millisecond)
+		}
+	})
+	l.wg.Go(func() {
+		c, err := tp.Dial(testbed.Pod, "udp", "10.96.0.11:53")
+		if err != nil {
+			t.Errorf("UDP client: %v", err)
+			return
+		}
+		defer c.Close()
+		buf := make([]byte, 512)
+		for i := 0; ; i++ {
+			select {
+			case <-l.stop:
+				return
+			default:
+			}
+			msg := fmt.Sprintf("q%d", i)
+			c.SetDeadline(time.Now().Add(500 * time.Millisecond))
+			_, err := c.Write([]byte(msg))
+			n := 0
+			if err == nil {
+				n, err = c.Read(buf)
+			}
+			l.mu.Lock()
+			if err == nil && string(buf[:n]) == "dns:"+msg {
+				l.udpOK++
+			} else {
+				l.udpBad++
+			}
+			l.mu.Unlock()
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	return l
+}
+
+func (l *clientLoad) counts() (tcpOK, udpOK int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.tcpOK, l.udpOK
+}
+
+// end stops the load and returns the failed TCP connections.
+func (l *clientLoad) end() []string {
+	close(l.stop)
+	l.wg.Wait()
+	return l.tcpFailures
+}
+
+// proxyPorts maps each Service port of /debug/services to its proxy port.
+func proxyPorts(states []serviceState) map[string]int {
+	m := map[string]int{}
+	for _, s := range states {
+		m[s.Name] = s.ProxyPort
+	}
+	return m
+}
+
+// A uproxy started beside a running one of the same flags takes over from it
+// (both portal backends): the second starts, the first exits 0 within its
+// grace, no short TCP connection through the Service fails or is refused
+// during the whole sequence, UDP goes on being answered, the proxy ports stay
+// and the second answers on the same metrics and healthz addresses.
+func TestTakeOverUnderLoad(t *testing.T) {
+	for _, backend := range []string{"nftables", "iptables"} {
+		t.Run(backend, func(t *testing.T) {
+			tp := testbed.New(t)
+			manifests := takeOverServices(t, tp)
+			flags := []string{"--rules", backend, "--shutdown-grace", "2s", "--debug-handlers"}
+			a := runUproxy(t, tp, manifests, launch{want: 2, flags: flags})
+			before := proxyPorts(a.waitFor(func([]serviceState) bool { return true }, "A's state"))
+
+			load := startClientLoad(t, tp)
+			testbed.Await(t, 10*time.Second, "traffic through the first uproxy", func() bool {
+				tcp, udp := load.counts()
+				return tcp >= 20 && udp >= 5
+			})
+
+			b := runUproxy(t, tp, manifests, launch{want: 2, dir: a.dir, flags: flags})
+			if code := a.awaitExit(10 * time.Second); code != 0 {
+				t.Errorf("the first uproxy exited %d after the takeover, want 0", code)
+			}
+			if !a.logContains("Handed over to the successor and exited") {
+				t.Errorf("the first uproxy's log has no line of the handover:\n%s", tail(a.logText(), 20))
+			}
+			tcp0, udp0 := load.counts()
+			testbed.Await(t, 10*time.Second, "traffic through the second uproxy alone", func() bool {
+				tcp, udp := load.counts()
+				return tcp >= tcp0+50 && udp >= udp0+10
+			})
+			testbed.Await(t, 10*time.Second, "the second uproxy's line of the takeover", func() bool {
+				return b.logContains("Took over from the uproxy that ran")
+			})
+			for _, p := range []*proxy{a, b} {
+				for _, line := range strings.Split(p.logText(), "\n") {
+					if strings.Contains(line, "Took over from") || strings.Contains(line, "Handed over to") {
+						t.Log(line)
+					}
+				}
+			}
+			failures := load.end()
+			if len(failures) > 0 {
+				t.Errorf("%d short TCP connections failed during the takeover, want none; the first: %s", len(failures), strings.Join(failures[:min(5, len(failures))], "; "))
+			}
+
+			after := proxyPorts(b.waitFor(func([]serviceState) bool { return true }, "B's state"))
+			for name, pp := range before {
+				if after[name] != pp {
+					t.Errorf("proxy port of %s: %d before the takeover, %d after, want the same", name, pp, after[name])
+				}
+			}
+			if out, err := b.get("/metrics"); err != nil || !strings.Contains(out, `uproxy_handover_total{result="done",role="to"} 1`) {
+				t.Errorf("the second uproxy's metrics (%v) lack uproxy_handover_total{role=\"to\",result=\"done\"} 1", err)
+			}
+			c := *b.client
+			resp, err := c.Get("http://127.0.0.1:10256/healthz")
+			if err != nil {
+				t.Fatalf("healthz of the second uproxy: %v", err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				t.Errorf("healthz of the second uproxy: %d, want 200", resp.StatusCode)
+			}
+			// The NodePort's hold moved with the rest: the second uproxy
+			// never found it taken.
+			if err := dialRoundTrip(tp, testbed.Pod, tp.NS(testbed.Node).IPv4.String()+":30080", 512); err != nil {
+				t.Errorf("the NodePort through the second uproxy: %v", err)
+			}
+			if b.logContains("NodePort not served") {
+				t.Errorf("the second uproxy found the NodePort taken:\n%s", tail(b.logText(), 20))
+			}
+		})
+	}
+}
+
+// A successor of another mode is refused by the running uproxy in one line
+// naming what differs; it exits 1 and the running one serves on.
+func TestTakeOverRefusedForAnotherMode(t *testing.T) {
+	tp := testbed.New(t)
+	manifests := takeOverServices(t, tp)
+	a := runUproxy(t, tp, manifests, launch{want: 2, flags: []string{"--rules", "nftables"}})
+	cmd := exec.Command("ip", "netns", "exec", tp.NS(testbed.Node).Name, uproxyBin,
+		"--proxy-mode", "iptables", "--services", a.dir, "--conntrack-max-per-core", "0",
+		"--metrics-bind-address", "127.0.0.1:10249", "--healthz-bind-address", "127.0.0.1:10256")
+	out, err := cmd.CombinedOutput()
+	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 1 {
+		t.Fatalf("a successor of another mode: %v, want exit 1; output:\n%s", err, out)
+	}
+	if want := "its --proxy-mode is iptables, the running uproxy's userspace"; !strings.Contains(string(out), want) {
+		t.Errorf("the refused successor's output lacks %q:\n%s", want, out)
+	}
+	if !a.running() {
+		t.Fatalf("the running uproxy exited after refusing a successor")
+	}
+	if !a.logContains("Refused a successor") {
+		t.Errorf("the running uproxy's log has no line of the refusal")
+	}
+	if err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 512); err != nil {
+		t.Errorf("the Service after the refusal: %v", err)
+	}
+}
+
+// --take-over=false keeps the refusal of a second uproxy.
+func TestTakeOverFalseRefusesAsBefore(t *testing.T) {
+	tp := testbed.New(t)
+	manifests := takeOverServices(t, tp)
+	a := runUproxy(t, tp, manifests, launch{want: 2, flags: []string{"--rules", "iptables"}})
+	cmd := exec.Command("ip", "netns", "exec", tp.NS(testbed.Node).Name, uproxyBin,
+		"--rules", "iptables", "--services", a.dir, "--conntrack-max-per-core", "0", "--take-over=false",
+		"--metrics-bind-address", "127.0.0.1:10249", "--healthz-bind-address", "127.0.0.1:10256")
+	out, err := cmd.CombinedOutput()
+	if err == nil {
+		t.Fatalf("a second uproxy with --take-over=false: exit 0, want a refusal; output:\n%s", out)
+	}
+	if want := "127.0.0.1:10249: bind: address already in use"; !strings.Contains(string(out), want) {
+		t.Errorf("the second uproxy's output lacks %q:\n%s", want, out)
+	}
+	if !a.running() || a.logContains("Handed") {
+		t.Errorf("the first uproxy handed over or exited")
+	}
+	if err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 512); err != nil {
+		t.Errorf("the Service after the refusal: %v", err)
+	}
+}
+
+// A kernel mode takes over too: the HTTP listeners and the rules lock move,
+// and the first uproxy exits 0 leaving the rules to the second.
+func TestTakeOverKernelMode(t *testing.T) {
+	tp := testbed.New(t)
+	manifests := takeOverServices(t, tp)
+	flags := []string{"--proxy-mode", "iptables", "--debug-handlers"}
+	a := runUproxy(t, tp, manifests, launch{want: -1, flags: flags})
+	b := runUproxy(t, tp, manifests, launch{want: -1, dir: a.dir, flags: flags})
+	if code := a.awaitExit(10 * time.Second); code != 0 {
+		t.Errorf("the first uproxy exited %d after the takeover, want 0", code)
+	}
+	testbed.Await(t, 10*time.Second, "the second uproxy's line of the takeover", func() bool {
+		return b.logContains("Took over from the uproxy that ran")
+	})
+	// The lock is the second uproxy's now, and says so.
+	out, _ := exec.Command("ip", "netns", "exec", tp.NS(testbed.Node).Name, uproxyBin, "cleanup").CombinedOutput()
+	if want := fmt.Sprintf("another uproxy (process %d)", b.cmd.Process.Pid); !strings.Contains(string(out), want) {
+		t.Errorf("uproxy cleanup after the takeover: want a refusal naming %q, got:\n%s", want, out)
+	}
+	if !b.running() {
+		t.Fatalf("the second uproxy exited after a cleanup was refused")
+	}
+	if a.logContains("Removed the mode's rules") {
+		t.Errorf("the first uproxy removed its rules on its way out")
+	}
+	if err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 512); err != nil {
+		t.Errorf("the Service after the takeover: %v", err)
+	}
+}

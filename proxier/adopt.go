@@ -1,0 +1,197 @@
+package proxier
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"sync"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/uproxy/uproxy/service"
+)
+
+// A uproxy that takes over from a running one is handed its proxy sockets
+// (HandOver in the old process) and adopts each when its Sync opens the same
+// route of the same Service port (Adopt): the socket keeps its proxy port, so
+// the portals steer to the same ports, and it never closes in between, so no
+// connection is refused. Both processes accept on such a socket until the old
+// one closes its copy; whichever accepts a connection serves it.
+
+// A HandedSocket is a proxy socket passed between processes: the route of a
+// Service port it serves and its proxy port. FD is a descriptor of its own,
+// which whoever holds the HandedSocket closes (or hands to Adopt).
+type HandedSocket struct {
+	Service   service.PortName
+	Protocol  service.Protocol
+	External  bool // the route of the NodePort, ExternalIPs and LoadBalancer IPs
+	ProxyPort int
+	FD        int
+}
+
+func (h HandedSocket) key() handedKey {
+	return handedKey{h.Service, h.Protocol, h.External}
+}
+
+type handedKey struct {
+	name     service.PortName
+	protocol service.Protocol
+	external bool
+}
+
+// adoption holds the sockets handed by a predecessor, until Sync adopts them
+// or EndAdoption closes the rest. mu guards both fields.
+type adoption struct {
+	mu      sync.Mutex
+	waiting map[handedKey]HandedSocket
+	adopted int
+}
+
+// HandOver returns a duplicate of every proxy socket, for a successor to
+// adopt; the proxier goes on serving its own copies until Shutdown. The
+// caller closes the duplicates' FDs.
+func (p *Proxier) HandOver() ([]HandedSocket, error) {
+	p.mu.RLock()
+	ports := make([]*servicePort, 0, len(p.ports))
+	for _, sp := range p.ports {
+		ports = append(ports, sp)
+	}
+	p.mu.RUnlock()
+	var out []HandedSocket
+	for _, sp := range ports {
+		for _, r := range sp.routes() {
+			ls := r.listener.Load()
+			if ls == nil || ls.serving.failed() != nil {
+				continue
+			}
+			var fds []int
+			var err error
+			if r.tcp != nil {
+				fds, err = r.tcp.DupListeners()
+			} else {
+				fds, err = r.udp.DupSockets()
+			}
+			if err != nil {
+				closeHanded(out)
+				return nil, err
+			}
+			for _, fd := range fds {
+				out = append(out, HandedSocket{Service: sp.name, Protocol: sp.protocol, External: r.external, ProxyPort: ls.proxyPort, FD: fd})
+			}
+		}
+	}
+	return out, nil
+}
+
+// Adopt gives the proxier the sockets of a predecessor: each is served,
+// instead of a new proxy port being opened, by the first Sync that opens
+// its route. Call it before the first Sync; EndAdoption closes what was not
+// adopted.
+func (p *Proxier) Adopt(socks []HandedSocket) {
+	p.adopt.mu.Lock()
+	defer p.adopt.mu.Unlock()
+	if p.adopt.waiting == nil {
+		p.adopt.waiting = make(map[handedKey]HandedSocket, len(socks))
+	}
+	for _, h := range socks {
+		if old, ok := p.adopt.waiting[h.key()]; ok {
+			unix.Close(old.FD) // one socket per route; a second is a stale copy
+		}
+		p.adopt.waiting[h.key()] = h
+	}
+}
+
+// EndAdoption closes the handed sockets no Sync adopted (their Service ports
+// are gone, or changed protocol or route) and returns how many were adopted
+// and how many closed.
+func (p *Proxier) EndAdoption() (adopted, closed int) {
+	p.adopt.mu.Lock()
+	defer p.adopt.mu.Unlock()
+	for k, h := range p.adopt.waiting {
+		unix.Close(h.FD)
+		delete(p.adopt.waiting, k)
+		closed++
+	}
+	return p.adopt.adopted, closed
+}
+
+// adopted serves the handed socket of sp's route r, if there is one; ok is
+// false when there is none, or it could not be served (it is closed then, and
+// the caller opens a port as usual).
+func (p *Proxier) adopted(sp *servicePort, r *route) (*listenerState, bool) {
+	p.adopt.mu.Lock()
+	h, ok := p.adopt.waiting[handedKey{sp.name, sp.protocol, r.external}]
+	if ok {
+		delete(p.adopt.waiting, h.key())
+	}
+	p.adopt.mu.Unlock()
+	if !ok {
+		return nil, false
+	}
+	sv, err := p.serveHanded(sp, r, h)
+	if err != nil {
+		klog.ErrorS(err, "Could not adopt a handed proxy socket; opening another port", "service", sp.name, "proxyPort", h.ProxyPort)
+		return nil, false
+	}
+	p.adopt.mu.Lock()
+	p.adopt.adopted++
+	p.adopt.mu.Unlock()
+	klog.V(1).InfoS("Adopted a handed proxy socket", "service", sp.name, "protocol", sp.protocol, "external", r.external, "proxyPort", h.ProxyPort)
+	return &listenerState{proxyPort: h.ProxyPort, serving: sv}, true
+}
+
+// serveHanded serves handed socket h as sp's route r, holding its proxy port.
+// h.FD is consumed either way.
+func (p *Proxier) serveHanded(sp *servicePort, r *route, h HandedSocket) (*serving, error) {
+	f := os.NewFile(uintptr(h.FD), fmt.Sprintf("proxy port %d", h.ProxyPort))
+	defer f.Close()
+	sv := &serving{done: make(chan struct{})}
+	if r.tcp != nil {
+		ln, err := net.FileListener(f)
+		if err != nil {
+			return nil, err
+		}
+		tl, ok := ln.(*net.TCPListener)
+		if !ok {
+			ln.Close()
+			return nil, fmt.Errorf("handed socket of proxy port %d is no TCP listener", h.ProxyPort)
+		}
+		if err := r.tcp.Start(tl, func(err error) { p.served(sp, sv, err) }); err != nil {
+			p.served(sp, sv, err)
+		}
+	} else {
+		pc, err := net.FilePacketConn(f)
+		if err != nil {
+			return nil, err
+		}
+		uc, ok := pc.(*net.UDPConn)
+		if !ok {
+			pc.Close()
+			return nil, fmt.Errorf("handed socket of proxy port %d is no UDP socket", h.ProxyPort)
+		}
+		if err := r.udp.Start(uc, func(err error) { p.served(sp, sv, err) }); err != nil {
+			p.served(sp, sv, err)
+		}
+	}
+	p.alloc.hold(sp.protocol, h.ProxyPort)
+	p.own.add(sp.protocol, h.ProxyPort)
+	return sv, nil
+}
+
+// hold marks port as in use for proto.
+func (a *allocator) hold(proto service.Protocol, port int) {
+	if a.used[proto] == nil {
+		a.used[proto] = make(map[int]bool)
+	}
+	a.used[proto][port] = true
+}
+
+func closeHanded(socks []HandedSocket) {
+	for _, h := range socks {
+		unix.Close(h.FD)
+	}
+}
+
+// CloseHanded closes the descriptors of socks.
+func CloseHanded(socks []HandedSocket) { closeHanded(socks) }
