@@ -445,6 +445,19 @@ func (b *Balancer) Release(ep netip.AddrPort) {
 	}
 }
 
+// Acquire counts one more activity on ep without a Pick: a connection that
+// came already connected to ep (one resumed from another process), which
+// Release ends as it does a Pick's. An endpoint not in the set is not counted,
+// as Release of it does nothing.
+func (b *Balancer) Acquire(ep netip.AddrPort) {
+	k := keyOfEndpoint(ep)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if i, ok := position(b.eps, b.index, k); ok {
+		b.eps[i].active++
+	}
+}
+
 // ResetAffinity forgets client's sticky endpoint; the proxy calls it after a failed
 // dial so that the client's next connection is scheduled afresh.
 func (b *Balancer) ResetAffinity(client netip.Addr) {

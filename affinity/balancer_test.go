@@ -511,3 +511,36 @@ func TestSetScheduler(t *testing.T) {
 		t.Errorf("Scheduler after a refused switch: got %q, want sh", got)
 	}
 }
+
+// TestAcquire: a connection resumed already connected (Acquire) counts as
+// active as a Pick's does, so least-connections passes its endpoint over,
+// and Release ends it; an endpoint outside the set is not counted.
+func TestAcquire(t *testing.T) {
+	t.Parallel()
+	b, err := NewBalancer("lc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	eps := addrs("10.0.0.1:80", "10.0.0.2:80")
+	b.Update(eps, netip.Addr{}, false, 0)
+	b.Acquire(eps[0])
+	b.Acquire(netip.MustParseAddrPort("10.0.0.9:80"))
+	active := func() []int {
+		_, states := b.Stats()
+		var out []int
+		for _, s := range states {
+			out = append(out, s.Active)
+		}
+		return out
+	}
+	if got := active(); !slices.Equal(got, []int{1, 0}) {
+		t.Fatalf("active counts after Acquire: got %v, want [1 0]", got)
+	}
+	if got, _ := b.Pick(netip.MustParseAddr("192.0.2.1"), nil); got != eps[1] {
+		t.Errorf("lc Pick: got %v, want %v (the other holds the resumed connection)", got, eps[1])
+	}
+	b.Release(eps[0])
+	if got := active(); !slices.Equal(got, []int{0, 1}) {
+		t.Errorf("active counts after Release: got %v, want [0 1]", got)
+	}
+}

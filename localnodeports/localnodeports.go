@@ -261,6 +261,7 @@ func (t *target) Pick(netip.Addr, []netip.AddrPort) (netip.AddrPort, error) {
 	return *t.dst.Load(), nil
 }
 func (t *target) Release(netip.AddrPort)                {}
+func (t *target) Acquire(netip.AddrPort)                {}
 func (t *target) ResetAffinity(netip.Addr)              {}
 func (t *target) DialSucceeded(netip.AddrPort)          {}
 func (t *target) DialFailed(ep netip.AddrPort, _ error) {}

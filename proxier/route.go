@@ -90,6 +90,8 @@ func (fp *familyPicker) Pick(client netip.Addr, tried []netip.AddrPort) (netip.A
 
 func (fp *familyPicker) Release(ep netip.AddrPort) { fp.fam[familyIndex(ep.Addr())].Release(ep) }
 
+func (fp *familyPicker) Acquire(ep netip.AddrPort) { fp.fam[familyIndex(ep.Addr())].Acquire(ep) }
+
 func (fp *familyPicker) ResetAffinity(client netip.Addr) {
 	fp.fam[familyIndex(client)].ResetAffinity(client)
 }

@@ -19,8 +19,14 @@ type Picker interface {
 	// avoiding those in tried while any other remains. The endpoint counts as active
 	// until Release is called for it.
 	Pick(client netip.Addr, tried []netip.AddrPort) (netip.AddrPort, error)
-	// Release ends one activity begun by Pick.
+	// Release ends one activity begun by Pick or Acquire.
 	Release(ep netip.AddrPort)
+	// Acquire counts ep active, as Pick does the endpoint it returns, for a
+	// connection that came to the proxy already connected to ep: one resumed
+	// from another process (TCPProxy.Resume). It is part of Picker, as the
+	// dial reports are, so that a Picker whose active counts would miss the
+	// resumed connections fails to compile rather than balancing on them.
+	Acquire(ep netip.AddrPort)
 	// ResetAffinity forgets client's sticky endpoint (after a failed dial).
 	ResetAffinity(client netip.Addr)
 	// DialSucceeded says a dial of ep, returned by Pick, connected; for a UDP

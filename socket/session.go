@@ -74,6 +74,9 @@ const (
 	dialing sessionState = iota
 	open
 	ended
+	// detached: taken out of the proxy, its sockets and bytes in flight
+	// handed to a SessionState (resume.go); it has ended here, unreported.
+	detached
 )
 
 // sessionEvents are the events of both sockets: edge-triggered, so a socket is
@@ -537,7 +540,7 @@ func (s *tcpSession) finish() {
 // abort ends the session with err, resetting both sockets (a dial in flight is
 // abandoned and recorded as a failed attempt). Later calls do nothing.
 func (s *tcpSession) abort(err error) {
-	if s.state == ended || s.err != nil {
+	if s.state == ended || s.state == detached || s.err != nil {
 		return
 	}
 	s.err = err

@@ -63,12 +63,17 @@ func getPipe(l *loop) (*splicePipe, error) {
 }
 
 // putPipe returns an empty pipe to the pool and closes one that still holds bytes
-// (a copy that failed half way): those bytes belong to no one.
+// (a copy that failed half way): those bytes belong to no one. A pipe with no
+// write end (w -1: one resumed from another process, which kept it) is closed
+// once empty.
 func putPipe(p *splicePipe) {
-	if p.n == 0 {
+	if p.n == 0 && p.w >= 0 {
 		splicePipes.Put(p)
 		return
 	}
 	p.cleanup.Stop()
-	closePipeFDs([2]int{p.r, p.w})
+	unix.Close(p.r)
+	if p.w >= 0 {
+		unix.Close(p.w)
+	}
 }

@@ -88,6 +88,12 @@ func (p *cyclePicker) Release(ep netip.AddrPort) {
 	p.active[ep]--
 }
 
+func (p *cyclePicker) Acquire(ep netip.AddrPort) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.active[ep]++
+}
+
 func (p *cyclePicker) ResetAffinity(client netip.Addr) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
