@@ -775,3 +775,49 @@ func BenchmarkHandover(b *testing.B) {
 		})
 	}
 }
+
+// TestResumeFailureResets: a state that cannot be resumed - here its pipe
+// holds other than its state says - is reset, both sockets, and counted in
+// a *ResumeError; nothing of it stays open, and the new proxy neither
+// counts it nor reports it. (In this process alone: no handover, no root.)
+// A Resume that skipped the check would relay a stream with bytes missing;
+// one that closed rather than reset would end the client's stream as if
+// complete.
+func TestResumeFailureResets(t *testing.T) {
+	backend := startTCPServer(t, "127.0.0.2", func(c *net.TCPConn) {
+		writeStream(c, 3, 0, 8<<20)
+		io.Copy(io.Discard, c)
+	})
+	old := &TCPProxy{Service: "ns/svc:tcp", Picker: newCyclePicker(backend.addr), Loops: newLoops(t, 1, nil)}
+	addr := startTCPProxy(t, old)
+	newPicker, newRec := newCyclePicker(backend.addr), &recorder{}
+	newP := &TCPProxy{Service: "ns/svc:tcp", Picker: newPicker, Observer: newRec, Loops: newLoops(t, 1, nil)}
+	startTCPProxy(t, newP)
+	c := dialProxy(t, addr)
+	awaitPipeBytes(t, old)
+	states, err := old.Detach(handoverBatch)
+	if err != nil || len(states) != 1 || states[0].down.pipeN == 0 {
+		t.Fatalf("Detach: got %d states, %v, want 1 with bytes in its down pipe", len(states), err)
+	}
+	states[0].down.pipeN++
+	var rerr *ResumeError
+	if err := newP.Resume(states); !errors.As(err, &rerr) || rerr.Reset != 1 {
+		t.Fatalf("Resume: got %v, want a *ResumeError with 1 reset", err)
+	}
+	if st := &states[0]; st.client != -1 || st.backend != -1 || st.down.pipeR != -1 || st.down.pipeW != -1 {
+		t.Errorf("the state after the failure: got descriptors %d %d %d %d, want all -1 (closed)",
+			st.client, st.backend, st.down.pipeR, st.down.pipeW)
+	}
+	if _, err := io.Copy(io.Discard, c); !isReset(err) {
+		t.Errorf("client after the failed resume: got %v, want ECONNRESET", err)
+	}
+	if n := newP.Active(); n != 0 {
+		t.Errorf("new proxy: got %d active connections, want 0", n)
+	}
+	if opened, _, closed := newRec.counts(); opened != 0 || closed != 0 {
+		t.Errorf("new proxy's observer: got %d opened, %d closed, want none", opened, closed)
+	}
+	if u := newPicker.unreleased(); len(u) != 0 {
+		t.Errorf("new picker: got active counts %v, want none", u)
+	}
+}
