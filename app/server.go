@@ -371,11 +371,16 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 		// The successor serves: it gets the lock once no sync of this
 		// process can write any more, and the rules stay as they are.
 		<-syncDone
-		s.handOff(succ)
+		handed := 0
+		if s.handOff(succ) {
+			// Its established TCP connections go too; the rest (still
+			// dialing, UDP clients) drain here.
+			handed, _, _ = s.handSessions(succ)
+		}
 		srv.Stop(context.Background())
 		reset := finish(syncDone, shutdown, o.shutdownGrace, mode, false)
 		klog.InfoS("Handed over to the successor and exited: its copies of the listening sockets serve on, no connection was refused",
-			"successor", succ.pid, "sockets", succ.sockets+1, "connectionsReset", reset, "took", time.Since(succ.start).Round(time.Millisecond))
+			"successor", succ.pid, "sockets", succ.sockets+1, "connectionsHanded", handed, "connectionsReset", reset, "took", time.Since(succ.start).Round(time.Millisecond))
 		if !srcDone {
 			select {
 			case <-srcErr:

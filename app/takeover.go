@@ -21,6 +21,7 @@ import (
 	"github.com/uproxy/uproxy/proxymode"
 	"github.com/uproxy/uproxy/rules"
 	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/socket"
 	"github.com/uproxy/uproxy/socket/handover"
 	"github.com/uproxy/uproxy/syncloop"
 )
@@ -39,8 +40,14 @@ import (
 //	                                   (stops syncing)
 //	                            <-     the rules lock itself
 //	(writes the rules: what they already are)
-//	                                   (closes its copies of the sockets, drains its
-//	                                    connections within --shutdown-grace, exits 0)
+//	                                   (closes its copies of the proxy sockets)
+//	                            <-     sessions: up to 64 established TCP connections
+//	(resumes them)
+//	ack: resumed, reset         ->
+//	                                   (closes its copies of them; the next batch...)
+//	                            <-     sessions end
+//	                                   (drains the rest - connections still dialing,
+//	                                    UDP clients - within --shutdown-grace, exits 0)
 //
 // Nothing is closed before "serving": a successor that dies before it leaves
 // the running uproxy serving as if nothing had happened. Both processes accept
@@ -48,16 +55,23 @@ import (
 
 // Message kinds: the first byte of an item's metadata.
 const (
-	msgTakeOver byte = 1 + iota // successor: its identity
-	msgRefused                  // the reason, one line
-	msgAccepted                 // the running uproxy's identity
-	msgHTTP                     // descriptor: an HTTP listener; its kind (metrics, healthz) and flag value
-	msgProxy                    // descriptor: a proxy socket; its Service port, protocol, route, proxy port
-	msgNodePort                 // descriptor: a NodePort held; network, address
-	msgEnd                      // the sockets are all sent
-	msgServing                  // successor: it serves on them
-	msgLock                     // descriptor: the rules lock
+	msgTakeOver    byte = 1 + iota // successor: its identity
+	msgRefused                     // the reason, one line
+	msgAccepted                    // the running uproxy's identity
+	msgHTTP                        // descriptor: an HTTP listener; its kind (metrics, healthz) and flag value
+	msgProxy                       // descriptor: a proxy socket; its Service port, protocol, route, proxy port
+	msgNodePort                    // descriptor: a NodePort held; network, address
+	msgEnd                         // the sockets are all sent
+	msgServing                     // successor: it serves on them
+	msgLock                        // descriptor: the rules lock
+	msgSessions                    // a route (Service port, class), then its connections' items (socket.SessionItems)
+	msgSessionsAck                 // successor: connections resumed, reset
+	msgSessionsEnd                 // no connection left to hand
 )
+
+// sessionBatch is the most connections detached and sent at once: one batch
+// is in flight at a time.
+const sessionBatch = 64
 
 // helloTimeout bounds each exchange before the successor's first sync.
 const helloTimeout = 10 * time.Second
@@ -448,6 +462,9 @@ func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-
 	s.gate.release()
 	runner.Resync()
 	go s.serveSuccessors(ctx, lock, successors)
+	if err == nil {
+		p.receiveSessions(s.mode)
+	}
 	// The NodePorts are held by the portals' writes, which began now.
 	select {
 	case <-synced:
@@ -461,6 +478,99 @@ func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-
 		"predecessor", p.pid, "predecessorVersion", p.id.version, "httpListeners", s.takenHTTP,
 		"proxySockets", adopted, "proxySocketsClosed", unadopted, "nodePorts", heldNodePorts, "took", time.Since(p.start).Round(time.Millisecond))
 	return nil
+}
+
+// sessionResumer is the mode that resumes handed connections (the userspace
+// mode).
+type sessionResumer interface {
+	ResumeSessions(proxier.RouteKey, []socket.SessionState) (int, error)
+}
+
+// receiveSessions resumes the established connections the predecessor hands
+// after the lock, batch by batch, acknowledging each once its connections
+// are registered here (or reset: their route is gone, or they could not be
+// resumed), until the predecessor says there are no more. Should the
+// predecessor go away first, what it did not hand it still holds and serves.
+func (p *predecessor) receiveSessions(mode any) {
+	start := time.Now()
+	rs, _ := mode.(sessionResumer)
+	resumed, reset := 0, 0
+	var err error
+	defer func() {
+		if err != nil {
+			klog.ErrorS(err, "Receiving the established connections of the uproxy taken over failed; it serves the rest itself",
+				"predecessor", p.pid, "resumed", resumed, "reset", reset)
+			return
+		}
+		klog.InfoS("Resumed the established connections of the uproxy taken over", "predecessor", p.pid,
+			"resumed", resumed, "reset", reset, "took", time.Since(start).Round(time.Millisecond))
+	}()
+	for {
+		p.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
+		var items []handover.Item
+		if items, err = p.c.Receive(); err != nil {
+			return
+		}
+		switch kindOf(items[0]) {
+		case msgSessionsEnd:
+			closeItems(items)
+			return
+		case msgSessions:
+		default:
+			closeItems(items)
+			err = fmt.Errorf("an unexpected message (kind %d) instead of connections", kindOf(items[0]))
+			return
+		}
+		key, derr := decodeRouteKey(items[0].Meta)
+		var states []socket.SessionState
+		if derr == nil && items[0].FD < 0 {
+			states, derr = socket.SessionStates(items[1:]) // closes them on error
+		} else if derr == nil {
+			closeItems(items)
+			derr = errors.New("a route with a descriptor")
+		}
+		if derr != nil {
+			// The predecessor keeps these: no ack, and it resumes them.
+			err = fmt.Errorf("decode handed connections: %w", derr)
+			return
+		}
+		n := len(states)
+		r := n
+		if rs != nil {
+			r, derr = rs.ResumeSessions(key, states)
+		} else {
+			for i := range states {
+				states[i].Reset()
+			}
+		}
+		if derr != nil {
+			klog.ErrorS(derr, "Connections handed over were reset", "service", key.Service, "external", key.External, "connections", r)
+		}
+		resumed, reset = resumed+n-r, reset+r
+		ack := binary.AppendUvarint(binary.AppendUvarint([]byte{msgSessionsAck}, uint64(n-r)), uint64(r))
+		if err = p.c.Send([]handover.Item{{FD: -1, Meta: ack}}); err != nil {
+			return
+		}
+	}
+}
+
+func encodeRouteKey(k proxier.RouteKey) []byte {
+	meta := []byte{msgSessions}
+	for _, str := range []string{k.Service.Namespace, k.Service.Name, k.Service.Port} {
+		meta = appendString(meta, str)
+	}
+	ext := uint64(0)
+	if k.External {
+		ext = 1
+	}
+	return binary.AppendUvarint(meta, ext)
+}
+
+func decodeRouteKey(meta []byte) (proxier.RouteKey, error) {
+	d := decoder{b: meta[1:]}
+	k := proxier.RouteKey{Service: service.PortName{Namespace: d.str(), Name: d.str(), Port: d.str()}}
+	k.External = d.uint() == 1
+	return k, d.err
 }
 
 func (p *predecessor) receiveLock() (*rulesLock, error) {
@@ -684,8 +794,9 @@ func sendBatches(c *handover.Conn, items []handover.Item) error {
 
 // handOff ends this process's part once succ serves: the sync loop has
 // stopped (syncDone), so the successor alone writes the rules from the
-// moment it has the lock, sent here last.
-func (s *server) handOff(succ *successor) {
+// moment it has the lock. It reports whether the successor got the lock
+// (and the connection to it stays open for handSessions).
+func (s *server) handOff(succ *successor) bool {
 	lock := s.takeLock()
 	var err error
 	if lock != nil {
@@ -696,14 +807,137 @@ func (s *server) handOff(succ *successor) {
 		}
 		lock.Close()
 	}
-	succ.c.Close()
 	if err != nil {
+		succ.c.Close()
 		// The successor has gone after it served: the lock, closed here, is
 		// free for it to take.
 		klog.ErrorS(err, "Handing the rules lock to the successor failed; it is released", "successor", succ.pid)
 	}
 	observe.HandoverTotal.WithLabelValues("from", "done").Inc()
 	observe.HandoverSockets.WithLabelValues("from", "lock").Inc()
+	return err == nil
+}
+
+// sessionHander is the mode whose established connections go to a successor
+// (the userspace mode).
+type sessionHander interface {
+	sessionResumer
+	StopAccepting() error
+	DetachSessions(max int) ([]proxier.RouteSessions, error)
+}
+
+// handSessions hands succ this process's established TCP connections, once
+// the lock is the successor's (handOff). It comes after the lock, not right
+// after "serving", so that no sync of this process changes its routes while
+// they are detached, and the successor's first sync has opened the routes
+// they go to. Exactly one process serves each connection at any time: this
+// one stops accepting first (the successor accepts on its own copies of the
+// proxy sockets), then takes each batch off its event loops (Detach: from
+// then on no one reads or writes the connection, its bytes wait in the
+// kernel and in the state), the successor registers it on its own loops
+// (Resume) and acknowledges, and only then does this process close its copies
+// of the batch's descriptors, which sends nothing to either peer. A batch not
+// acknowledged (the successor went away) is resumed here, as is every one
+// after it, and drained with the rest. Connections still dialing, and UDP
+// clients, stay and are drained. The connection to succ is closed on return.
+func (s *server) handSessions(succ *successor) (handed, reset, kept int) {
+	defer succ.c.Close()
+	start := time.Now()
+	m, ok := s.mode.(sessionHander)
+	var err error
+	defer func() {
+		if err != nil {
+			klog.ErrorS(err, "Handing established connections to the successor failed; the rest are served and drained here",
+				"successor", succ.pid, "handed", handed, "reset", reset, "keptHere", kept)
+			return
+		}
+		klog.InfoS("Handed the established connections to the successor", "successor", succ.pid,
+			"handed", handed, "resumedThere", handed-reset, "resetThere", reset, "took", time.Since(start).Round(time.Millisecond))
+	}()
+	if ok {
+		if serr := m.StopAccepting(); serr != nil {
+			klog.ErrorS(serr, "Closing this process's copies of the proxy sockets")
+		}
+		for err == nil {
+			var batch []proxier.RouteSessions
+			batch, err = m.DetachSessions(sessionBatch)
+			if len(batch) == 0 {
+				break
+			}
+			for i := range batch {
+				rs := batch[i]
+				if err != nil {
+					kept += s.keepSessions(m, rs)
+					continue
+				}
+				var acked, r int
+				acked, r, err = sendSessions(succ.c, rs)
+				for j := range rs.States[:acked] {
+					rs.States[j].Close()
+				}
+				handed += acked
+				reset += r
+				if err != nil {
+					rs.States = rs.States[acked:]
+					kept += s.keepSessions(m, rs)
+				}
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+	succ.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
+	err = succ.c.Send([]handover.Item{{FD: -1, Meta: []byte{msgSessionsEnd}}})
+	return
+}
+
+// keepSessions resumes rs here, the successor not having taken them.
+func (s *server) keepSessions(m sessionHander, rs proxier.RouteSessions) int {
+	r, err := m.ResumeSessions(rs.Route, rs.States)
+	if err != nil {
+		klog.ErrorS(err, "Connections kept could not be resumed here, and were reset", "service", rs.Route.Service, "connections", r)
+	}
+	return len(rs.States) - r
+}
+
+// sendSessions sends one route's connections, in as many messages as their
+// descriptors need, each acknowledged before the next. It returns how many
+// were acknowledged, a prefix of rs.States (their copies here are to be
+// closed), and how many of those the successor reset; the rest are still
+// this process's.
+func sendSessions(c *handover.Conn, rs proxier.RouteSessions) (acked, reset int, err error) {
+	batches, err := socket.SessionItems(rs.States)
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, items := range batches {
+		c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
+		if err := c.Send(append([]handover.Item{{FD: -1, Meta: encodeRouteKey(rs.Route)}}, items...)); err != nil {
+			return acked, reset, err
+		}
+		got, err := c.Receive()
+		if err != nil {
+			return acked, reset, err
+		}
+		if len(got) != 1 || kindOf(got[0]) != msgSessionsAck {
+			closeItems(got)
+			return acked, reset, fmt.Errorf("an unexpected answer (kind %d) instead of an acknowledgement", kindOf(got[0]))
+		}
+		// A connection's first item carries its state, the others none.
+		for _, it := range items {
+			if len(it.Meta) > 0 {
+				acked++
+			}
+		}
+		d := decoder{b: got[0].Meta[1:]}
+		d.uint()
+		reset += int(d.uint())
+		if d.err != nil {
+			return acked, reset, d.err
+		}
+	}
+	return acked, reset, nil
 }
 
 // setLock and takeLock guard s.lock, which a takeover sets while Run runs.

@@ -1,9 +1,12 @@
 package integration
 
 import (
+	"bufio"
 	"fmt"
+	"io"
 	"net"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -267,5 +270,183 @@ func TestTakeOverKernelMode(t *testing.T) {
 	}
 	if err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 512); err != nil {
 		t.Errorf("the Service after the takeover: %v", err)
+	}
+}
+
+// lineEndpoint serves a TCP endpoint in the pod that echoes each line; a
+// connection whose client asks "ticks" and then half-closes is sent ticks
+// lines ("t0", "t1", ...) one every 50 ms after the client's FIN, then the
+// endpoint's own.
+func lineEndpoint(t *testing.T, tp *testbed.Topology, ticks int) int {
+	ln := tp.Listen(testbed.Pod, "tcp", tp.NS(testbed.Pod).IPv4.String()+":0")
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				ticking := false
+				for {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						break
+					}
+					if line == "ticks\n" {
+						ticking = true
+						continue
+					}
+					if _, err := io.WriteString(c, line); err != nil {
+						return
+					}
+				}
+				if !ticking {
+					return
+				}
+				for i := range ticks {
+					if _, err := fmt.Fprintf(c, "t%d\n", i); err != nil {
+						return
+					}
+					time.Sleep(50 * time.Millisecond)
+				}
+			}()
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// A takeover hands the established TCP connections over: 20 long-lived
+// connections exchanging a line every 50 ms go on through the successor with
+// every line echoed, in order, and 2 connections their clients half-closed
+// go on receiving what the endpoint sends, then its end. With
+// --shutdown-grace 1s, a first uproxy that drained them instead would reset
+// every one a second after the successor got the lock.
+func TestTakeOverHandsConnections(t *testing.T) {
+	for _, backend := range []string{"nftables", "iptables"} {
+		t.Run(backend, func(t *testing.T) {
+			tp := testbed.New(t)
+			const ticks = 120 // 6 s
+			port := lineEndpoint(t, tp, ticks)
+			manifests := svc{name: "stream", proto: "TCP", clusterIPs: []string{"10.96.0.12"}, port: 80,
+				endpoints: []string{tp.NS(testbed.Pod).IPv4.String()}, endpointPorts: []int{port}}.yaml()
+			flags := []string{"--rules", backend, "--shutdown-grace", "1s"}
+			a := runUproxy(t, tp, manifests, launch{want: 1, flags: flags})
+
+			const long = 20
+			var mu sync.Mutex
+			echoed := make([]int, long)
+			var failures []string
+			fail := func(f string, args ...any) {
+				mu.Lock()
+				failures = append(failures, fmt.Sprintf(f, args...))
+				mu.Unlock()
+			}
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			for k := range long {
+				c, err := tp.Dial(testbed.Pod, "tcp", "10.96.0.12:80")
+				if err != nil {
+					t.Fatalf("long-lived connection %d: %v", k, err)
+				}
+				wg.Go(func() {
+					defer c.Close()
+					r := bufio.NewReader(c)
+					for i := 0; ; i++ {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						msg := fmt.Sprintf("c%d line %d\n", k, i)
+						c.SetDeadline(time.Now().Add(5 * time.Second))
+						if _, err := io.WriteString(c, msg); err != nil {
+							fail("long-lived connection %d, line %d: write: %v", k, i, err)
+							return
+						}
+						got, err := r.ReadString('\n')
+						if err != nil || got != msg {
+							fail("long-lived connection %d, line %d: read %q, %v; want %q", k, i, got, err, msg)
+							return
+						}
+						mu.Lock()
+						echoed[k]++
+						mu.Unlock()
+						time.Sleep(50 * time.Millisecond)
+					}
+				})
+			}
+			const halfClosed = 2
+			for k := range halfClosed {
+				c, err := tp.Dial(testbed.Pod, "tcp", "10.96.0.12:80")
+				if err != nil {
+					t.Fatalf("half-closed connection %d: %v", k, err)
+				}
+				wg.Go(func() {
+					defer c.Close()
+					c.SetDeadline(time.Now().Add(30 * time.Second))
+					if _, err := io.WriteString(c, "ticks\n"); err != nil {
+						fail("half-closed connection %d: write: %v", k, err)
+						return
+					}
+					if err := c.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
+						fail("half-closed connection %d: CloseWrite: %v", k, err)
+						return
+					}
+					r := bufio.NewReader(c)
+					for i := range ticks {
+						got, err := r.ReadString('\n')
+						if want := fmt.Sprintf("t%d\n", i); err != nil || got != want {
+							fail("half-closed connection %d, tick %d: read %q, %v; want %q", k, i, got, err, want)
+							return
+						}
+					}
+					if rest, err := r.ReadString('\n'); err != io.EOF || rest != "" {
+						fail("half-closed connection %d after its ticks: read %q, %v; want the endpoint's end", k, rest, err)
+					}
+				})
+			}
+			progress := func() []int {
+				mu.Lock()
+				defer mu.Unlock()
+				return append([]int(nil), echoed...)
+			}
+			testbed.Await(t, 10*time.Second, "lines through the first uproxy", func() bool {
+				return slices.Min(progress()) >= 5
+			})
+
+			b := runUproxy(t, tp, manifests, launch{want: 1, dir: a.dir, flags: flags})
+			if code := a.awaitExit(10 * time.Second); code != 0 {
+				t.Errorf("the first uproxy exited %d after the takeover, want 0", code)
+			}
+			// Well past the first uproxy's grace: each connection goes on.
+			at := progress()
+			testbed.Await(t, 10*time.Second, "lines through the second uproxy", func() bool {
+				now := progress()
+				for k := range now {
+					if now[k] < at[k]+30 {
+						return false
+					}
+				}
+				return true
+			})
+			close(stop)
+			wg.Wait()
+			for _, p := range []*proxy{a, b} {
+				for _, line := range strings.Split(p.logText(), "\n") {
+					if strings.Contains(line, "established connections") || strings.Contains(line, "Handed over to") {
+						t.Log(line)
+					}
+				}
+			}
+			for _, f := range failures {
+				t.Error(f)
+			}
+			if !b.logContains(`"resumed"=22`) && !b.logContains(`resumed=22`) {
+				t.Errorf("the second uproxy did not say it resumed 22 connections:\n%s", tail(b.logText(), 20))
+			}
+		})
 	}
 }

@@ -86,6 +86,10 @@ func (st *SessionState) Close() {
 	}
 }
 
+// Reset resets the connection (see reset): a detached connection that has
+// nowhere to be resumed, its Service port gone.
+func (st *SessionState) Reset() { st.reset() }
+
 // reset resets both sockets (SO_LINGER 0: an RST once the last copy of each
 // closes, at once when this process holds the only one) and closes the
 // pipes, whose bytes then belong to no one.

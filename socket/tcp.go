@@ -145,7 +145,8 @@ type TCPProxy struct {
 	// budget is the retry budget's bucket, kept across policy changes.
 	budget retryBudget
 	// drained is closed once the proxy is closed, no Serve loop runs and no
-	// connection is open.
+	// connection is open; a connection resumed after that makes a new one
+	// (track). Read under mu.
 	drained chan struct{}
 
 	// mu guards the fields below. Once closed (or forced), stays so.
@@ -309,6 +310,13 @@ func (p *TCPProxy) track(s *tcpSession) bool {
 	if p.forced {
 		return false
 	}
+	if p.isDrained {
+		// A closed proxy that drained, and resumes connections (its own,
+		// given back by a successor that did not take them): it is not
+		// drained any more.
+		p.drained = make(chan struct{})
+		p.isDrained = false
+	}
 	p.conns[s] = struct{}{}
 	return true
 }
@@ -357,8 +365,11 @@ func (p *TCPProxy) Close() error {
 // error (joined to Close's, if any).
 func (p *TCPProxy) Shutdown(ctx context.Context) error {
 	err := p.Close()
+	p.mu.Lock()
+	drained := p.drained
+	p.mu.Unlock()
 	select {
-	case <-p.drained:
+	case <-drained:
 		return err
 	case <-ctx.Done():
 	}
@@ -368,8 +379,9 @@ func (p *TCPProxy) Shutdown(ctx context.Context) error {
 	for s := range p.conns {
 		s.l.Post(func() { s.abort(ErrShutdown) })
 	}
+	drained = p.drained
 	p.mu.Unlock()
-	<-p.drained
+	<-drained
 	if err != nil {
 		return errors.Join(err, expired)
 	}

@@ -1,0 +1,123 @@
+package proxier
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/uproxy/uproxy/service"
+	"github.com/uproxy/uproxy/socket"
+)
+
+// A uproxy that hands over to its successor also hands it its established
+// TCP connections: it stops accepting (StopAccepting: the successor accepts
+// on its own copies of the proxy sockets), detaches them in batches
+// (DetachSessions), each with the route it was on, and the successor resumes
+// each on the route of the same Service port and class (ResumeSessions). A
+// connection whose route the successor does not have (its Service is gone)
+// is reset there. UDP client entries are not handed: they end in the old
+// process.
+
+// RouteKey names a TCP route of a Service port in any process: its Service
+// port and its class (External: the route of the NodePort, ExternalIPs and
+// LoadBalancer IPs).
+type RouteKey struct {
+	Service  service.PortName
+	External bool
+}
+
+// RouteSessions are connections detached from one route.
+type RouteSessions struct {
+	Route  RouteKey
+	States []socket.SessionState
+}
+
+// tcpRoutes returns every TCP route with its key.
+func (p *Proxier) tcpRoutes() ([]RouteKey, []*route) {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	var keys []RouteKey
+	var routes []*route
+	for _, sp := range p.ports {
+		if sp.protocol != service.TCP {
+			continue
+		}
+		for _, r := range sp.routes() {
+			if r.tcp != nil {
+				keys = append(keys, RouteKey{Service: sp.name, External: r.external})
+				routes = append(routes, r)
+			}
+		}
+	}
+	return keys, routes
+}
+
+// StopAccepting closes this process's copies of the TCP proxy sockets; their
+// connections go on. A successor holding copies of its own accepts from then
+// on. UDP sockets are left to Shutdown.
+func (p *Proxier) StopAccepting() error {
+	_, routes := p.tcpRoutes()
+	var errs []error
+	for _, r := range routes {
+		errs = append(errs, r.tcp.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// DetachSessions detaches up to max established TCP connections (those still
+// dialing stay), grouped by route; none left gives none. The caller closes
+// each state once its successor resumed it, or gives it back to
+// ResumeSessions.
+func (p *Proxier) DetachSessions(max int) ([]RouteSessions, error) {
+	keys, routes := p.tcpRoutes()
+	var out []RouteSessions
+	n := 0
+	for i, r := range routes {
+		if n >= max {
+			break
+		}
+		states, err := r.tcp.Detach(max - n)
+		if len(states) > 0 {
+			out = append(out, RouteSessions{Route: keys[i], States: states})
+			n += len(states)
+		}
+		if err != nil {
+			return out, err
+		}
+	}
+	return out, nil
+}
+
+// ResumeSessions resumes states on the TCP route key names; when there is no
+// such route (the Service port is gone, or is no longer TCP, or has no
+// external route), each is reset. It returns how many were reset (those that
+// could not be resumed too) and why.
+func (p *Proxier) ResumeSessions(key RouteKey, states []socket.SessionState) (reset int, err error) {
+	if len(states) == 0 {
+		return 0, nil
+	}
+	p.mu.RLock()
+	sp := p.ports[key.Service]
+	p.mu.RUnlock()
+	var r *route
+	if sp != nil && sp.protocol == service.TCP {
+		if !key.External {
+			r = sp.cluster
+		} else {
+			r = sp.external.Load()
+		}
+	}
+	if r == nil || r.tcp == nil {
+		for i := range states {
+			states[i].Reset()
+		}
+		return len(states), fmt.Errorf("resume %d connections of %s (external %v): no such TCP route here", len(states), key.Service, key.External)
+	}
+	if err := r.tcp.Resume(states); err != nil {
+		var re *socket.ResumeError
+		if errors.As(err, &re) {
+			return re.Reset, err
+		}
+		return len(states), err
+	}
+	return 0, nil
+}
