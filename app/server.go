@@ -375,7 +375,7 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 		if s.handOff(succ) {
 			// Its established TCP connections go too; the rest (still
 			// dialing, UDP clients) drain here.
-			handed, _, _ = s.handSessions(succ)
+			handed, _ = s.handSessions(succ)
 		}
 		srv.Stop(context.Background())
 		reset := finish(syncDone, shutdown, o.shutdownGrace, mode, false)

@@ -534,7 +534,19 @@ func (p *predecessor) receiveSessions(mode any) {
 			err = fmt.Errorf("decode handed connections: %w", derr)
 			return
 		}
+		// The acknowledgement comes first: from it on these connections
+		// are this process's, and until it the predecessor's. One that
+		// cannot be sent leaves them there (the predecessor resumes them
+		// when the connection fails): this process closes its copies and
+		// serves none of them, so no connection is ever served twice.
 		n := len(states)
+		ack := binary.AppendUvarint([]byte{msgSessionsAck}, uint64(n))
+		if err = p.c.Send([]handover.Item{{FD: -1, Meta: ack}}); err != nil {
+			for i := range states {
+				states[i].Close()
+			}
+			return
+		}
 		r := n
 		if rs != nil {
 			r, derr = rs.ResumeSessions(key, states)
@@ -547,10 +559,6 @@ func (p *predecessor) receiveSessions(mode any) {
 			klog.ErrorS(derr, "Connections handed over were reset", "service", key.Service, "external", key.External, "connections", r)
 		}
 		resumed, reset = resumed+n-r, reset+r
-		ack := binary.AppendUvarint(binary.AppendUvarint([]byte{msgSessionsAck}, uint64(n-r)), uint64(r))
-		if err = p.c.Send([]handover.Item{{FD: -1, Meta: ack}}); err != nil {
-			return
-		}
 	}
 }
 
@@ -834,13 +842,14 @@ type sessionHander interface {
 // one stops accepting first (the successor accepts on its own copies of the
 // proxy sockets), then takes each batch off its event loops (Detach: from
 // then on no one reads or writes the connection, its bytes wait in the
-// kernel and in the state), the successor registers it on its own loops
-// (Resume) and acknowledges, and only then does this process close its copies
-// of the batch's descriptors, which sends nothing to either peer. A batch not
-// acknowledged (the successor went away) is resumed here, as is every one
-// after it, and drained with the rest. Connections still dialing, and UDP
+// kernel and in the state), the successor acknowledges the batch and only
+// then registers it on its own loops (Resume), and this process closes its
+// copies of the batch's descriptors on the acknowledgement, which sends
+// nothing to either peer. A batch not acknowledged (the successor went away
+// or refused it) is resumed here, as is every one after it, and drained with
+// the rest (sendSessions says why that never serves one twice). Connections still dialing, and UDP
 // clients, stay and are drained. The connection to succ is closed on return.
-func (s *server) handSessions(succ *successor) (handed, reset, kept int) {
+func (s *server) handSessions(succ *successor) (handed, kept int) {
 	defer succ.c.Close()
 	start := time.Now()
 	m, ok := s.mode.(sessionHander)
@@ -848,11 +857,11 @@ func (s *server) handSessions(succ *successor) (handed, reset, kept int) {
 	defer func() {
 		if err != nil {
 			klog.ErrorS(err, "Handing established connections to the successor failed; the rest are served and drained here",
-				"successor", succ.pid, "handed", handed, "reset", reset, "keptHere", kept)
+				"successor", succ.pid, "handed", handed, "keptHere", kept)
 			return
 		}
 		klog.InfoS("Handed the established connections to the successor", "successor", succ.pid,
-			"handed", handed, "resumedThere", handed-reset, "resetThere", reset, "took", time.Since(start).Round(time.Millisecond))
+			"handed", handed, "took", time.Since(start).Round(time.Millisecond))
 	}()
 	if ok {
 		if serr := m.StopAccepting(); serr != nil {
@@ -870,13 +879,12 @@ func (s *server) handSessions(succ *successor) (handed, reset, kept int) {
 					kept += s.keepSessions(m, rs)
 					continue
 				}
-				var acked, r int
-				acked, r, err = sendSessions(succ.c, rs)
+				var acked int
+				acked, err = sendSessions(succ.c, rs)
 				for j := range rs.States[:acked] {
 					rs.States[j].Close()
 				}
 				handed += acked
-				reset += r
 				if err != nil {
 					rs.States = rs.States[acked:]
 					kept += s.keepSessions(m, rs)
@@ -903,41 +911,53 @@ func (s *server) keepSessions(m sessionHander, rs proxier.RouteSessions) int {
 
 // sendSessions sends one route's connections, in as many messages as their
 // descriptors need, each acknowledged before the next. It returns how many
-// were acknowledged, a prefix of rs.States (their copies here are to be
-// closed), and how many of those the successor reset; the rest are still
-// this process's.
-func sendSessions(c *handover.Conn, rs proxier.RouteSessions) (acked, reset int, err error) {
+// were acknowledged, a prefix of rs.States (the successor's now: their
+// copies here are to be closed); the rest are still this process's.
+//
+// The successor acknowledges a message before it resumes anything of it, and
+// resumes nothing whose acknowledgement it could not send. So a connection
+// that fails (the successor died, or refused the message) before the
+// acknowledgement leaves the message's connections to this process. A
+// successor that does not answer in time, or answers for another number of
+// connections, is another matter: it may yet acknowledge and serve them, so
+// they are counted as its (returned as acknowledged, their copies here to be
+// closed), never served here as well. If it never does, they close with its
+// copies: lost, but no connection is ever served by two processes.
+func sendSessions(c *handover.Conn, rs proxier.RouteSessions) (acked int, err error) {
 	batches, err := socket.SessionItems(rs.States)
 	if err != nil {
-		return 0, 0, err
+		return 0, err
 	}
 	for _, items := range batches {
+		// A connection's first item carries its state, the others none.
+		n := 0
+		for _, it := range items {
+			if len(it.Meta) > 0 {
+				n++
+			}
+		}
 		c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
 		if err := c.Send(append([]handover.Item{{FD: -1, Meta: encodeRouteKey(rs.Route)}}, items...)); err != nil {
-			return acked, reset, err
+			return acked, err
 		}
 		got, err := c.Receive()
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return acked + n, fmt.Errorf("no acknowledgement within %v: %d connections left to the successor", helloTimeout, n)
+		}
 		if err != nil {
-			return acked, reset, err
+			return acked, err
 		}
 		if len(got) != 1 || kindOf(got[0]) != msgSessionsAck {
 			closeItems(got)
-			return acked, reset, fmt.Errorf("an unexpected answer (kind %d) instead of an acknowledgement", kindOf(got[0]))
-		}
-		// A connection's first item carries its state, the others none.
-		for _, it := range items {
-			if len(it.Meta) > 0 {
-				acked++
-			}
+			return acked + n, fmt.Errorf("an unexpected answer (kind %d) instead of an acknowledgement: %d connections left to the successor", kindOf(got[0]), n)
 		}
 		d := decoder{b: got[0].Meta[1:]}
-		d.uint()
-		reset += int(d.uint())
-		if d.err != nil {
-			return acked, reset, d.err
+		if m := int(d.uint()); d.err != nil || m != n {
+			return acked + n, fmt.Errorf("an acknowledgement of %d connections for %d sent (%v): they are left to the successor", m, n, d.err)
 		}
+		acked += n
 	}
-	return acked, reset, nil
+	return acked, nil
 }
 
 // setLock and takeLock guard s.lock, which a takeover sets while Run runs.
