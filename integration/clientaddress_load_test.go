@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/uproxy/uproxy/measure/topology"
 	"github.com/uproxy/uproxy/test/testbed"
 )
 
@@ -57,21 +56,8 @@ func TestKeptClientAddressUnderLoad(t *testing.T) {
 const loadDuration = 6 * time.Second
 
 func testKeptUnderLoad(t *testing.T, rules string, v6 bool) {
-	opts := []topology.Option{testbed.WithSecondNode()}
-	if v6 {
-		opts = append(opts, testbed.WithIPv6())
-	}
-	tp := testbed.New(t, opts...)
-	ip := func(role string) netip.Addr {
-		if v6 {
-			return tp.NS(role).IPv6
-		}
-		return tp.NS(role).IPv4
-	}
-	family, vip, cidr := "IPv4", func(n int) string { return fmt.Sprintf("10.96.0.%d", n) }, "10.244.0.0/16"
-	if v6 {
-		family, vip, cidr = "IPv6", func(n int) string { return fmt.Sprintf("fd00:96::%d", n) }, "fd00:244::/32"
-	}
+	w := newTwoNodes(t, v6)
+	tp, ip, vip, family, cidr := w.tp, w.ip, w.vip, w.family, w.cidr
 	otherRules(t, tp, v6, ip(testbed.Pod2), cidr)
 
 	local := startWhoSaw(t, tp, testbed.Pod2, ip(testbed.Pod2))

@@ -103,22 +103,46 @@ func TestUserspaceKeepsClientAddress(t *testing.T) {
 	}
 }
 
-func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
+// twoNodes is the world of the client-address tests: a node with two pods
+// and a second node with one (testbed.WithSecondNode), in one address
+// family, with that family's Service and cluster addresses.
+type twoNodes struct {
+	tp     *testbed.Topology
+	v6     bool
+	family string // as an EndpointSlice's addressType and a Service's ipFamilies say it
+	cidr   string // --cluster-cidr
+}
+
+func newTwoNodes(t *testing.T, v6 bool) twoNodes {
 	opts := []topology.Option{testbed.WithSecondNode()}
+	w := twoNodes{v6: v6, family: "IPv4", cidr: "10.244.0.0/16"}
 	if v6 {
 		opts = append(opts, testbed.WithIPv6())
+		w.family, w.cidr = "IPv6", "fd00:244::/32"
 	}
-	tp := testbed.New(t, opts...)
-	ip := func(role string) netip.Addr {
-		if v6 {
-			return tp.NS(role).IPv6
-		}
-		return tp.NS(role).IPv4
+	w.tp = testbed.New(t, opts...)
+	return w
+}
+
+// ip is role's address in the family.
+func (w twoNodes) ip(role string) netip.Addr {
+	if w.v6 {
+		return w.tp.NS(role).IPv6
 	}
-	family, vip, cidr := "IPv4", func(n int) string { return fmt.Sprintf("10.96.0.%d", n) }, "10.244.0.0/16"
-	if v6 {
-		family, vip, cidr = "IPv6", func(n int) string { return fmt.Sprintf("fd00:96::%d", n) }, "fd00:244::/32"
+	return w.tp.NS(role).IPv4
+}
+
+// vip is the n-th Service address of the family.
+func (w twoNodes) vip(n int) string {
+	if w.v6 {
+		return fmt.Sprintf("fd00:96::%d", n)
 	}
+	return fmt.Sprintf("10.96.0.%d", n)
+}
+
+func testKeepsClientAddress(t *testing.T, rules string, v6 bool) {
+	w := newTwoNodes(t, v6)
+	tp, ip, vip, family, cidr := w.tp, w.ip, w.vip, w.family, w.cidr
 	hostPort := func(a string, port int) string { return net.JoinHostPort(a, fmt.Sprint(port)) }
 	podIP, extIP, nodeIP := ip(testbed.Pod), ip(testbed.External), ip(testbed.Node)
 	local := startWhoSaw(t, tp, testbed.Pod2, ip(testbed.Pod2))

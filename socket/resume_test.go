@@ -254,19 +254,7 @@ func startTCPProxyBuffered(t testing.TB, p *TCPProxy, sndBuf int) netip.AddrPort
 	if serr != nil {
 		t.Fatal(serr)
 	}
-	served := make(chan error, 1)
-	go func() { served <- p.Serve(ln) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := p.Shutdown(ctx); err != nil {
-			t.Errorf("Shutdown: got %v, want nil", err)
-		}
-		if err := <-served; err != nil {
-			t.Errorf("Serve: got %v, want nil", err)
-		}
-	})
-	return ln.Addr().(*net.TCPAddr).AddrPort()
+	return serveTCPProxy(t, p, ln)
 }
 
 // dialSmallWindow connects to addr with a receive buffer of rcvBuf, set

@@ -341,6 +341,13 @@ func startTCPProxy(t testing.TB, p *TCPProxy) netip.AddrPort {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return serveTCPProxy(t, p, ln)
+}
+
+// serveTCPProxy serves p on ln and returns its address; at the end of the test
+// the proxy is shut down and Serve must have returned nil.
+func serveTCPProxy(t testing.TB, p *TCPProxy, ln *net.TCPListener) netip.AddrPort {
+	t.Helper()
 	served := make(chan error, 1)
 	go func() { served <- p.Serve(ln) }()
 	t.Cleanup(func() {
