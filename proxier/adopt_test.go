@@ -2,8 +2,6 @@ package proxier
 
 import (
 	"context"
-	"fmt"
-	"net"
 	"testing"
 	"time"
 
@@ -52,16 +50,7 @@ func TestAdoptHandedProxySockets(t *testing.T) {
 			t.Fatalf("connection %d after the predecessor shut down: got %q, %v; want a", i, got, err)
 		}
 	}
-	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", wantUDP))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	c.Write([]byte("ping"))
-	buf := make([]byte, 100)
-	n, err := c.Read(buf)
-	if err != nil || string(buf[:n]) != "u:ping" {
-		t.Errorf("UDP reply through the successor: got %q, %v; want %q", buf[:n], err, "u:ping")
+	if got, err := pingUDP(t, wantUDP); err != nil || got != "u:ping" {
+		t.Errorf("UDP reply through the successor: got %q, %v; want %q", got, err, "u:ping")
 	}
 }

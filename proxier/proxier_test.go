@@ -143,17 +143,8 @@ func TestSyncServesTCPAndUDP(t *testing.T) {
 	}
 
 	udpPort := p.ProxyPort(service.PortName{Namespace: "default", Name: "udp", Port: "p"})
-	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", udpPort))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	c.Write([]byte("ping"))
-	buf := make([]byte, 100)
-	n, err := c.Read(buf)
-	if err != nil || string(buf[:n]) != "u:ping" {
-		t.Errorf("UDP reply: got %q, %v; want %q", buf[:n], err, "u:ping")
+	if got, err := pingUDP(t, udpPort); err != nil || got != "u:ping" {
+		t.Errorf("UDP reply: got %q, %v; want %q", got, err, "u:ping")
 	}
 }
 
@@ -633,4 +624,19 @@ func TestPolicyFollowsAnnotations(t *testing.T) {
 	changed := port("web", service.TCP, a)
 	mustSync(t, p, snapshot(changed))
 	check("annotations removed", "rr", "50ms", service.FromFlag)
+}
+
+// pingUDP sends "ping" to 127.0.0.1:port and returns the reply (within 5 s).
+func pingUDP(t *testing.T, port int) (string, error) {
+	t.Helper()
+	c, err := net.Dial("udp", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	c.Write([]byte("ping"))
+	buf := make([]byte, 100)
+	n, err := c.Read(buf)
+	return string(buf[:n]), err
 }
