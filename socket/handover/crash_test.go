@@ -329,12 +329,17 @@ func acceptQueue(t *testing.T, ln net.Listener) int {
 // three times, restarted after 300 ms, under a connection every millisecond.
 // The other serves throughout, so nothing is refused; what the kernel does
 // with the dead listener's queue is net.ipv4.tcp_migrate_req: 1 moves those
-// connections to the survivor, 0 resets them.
+// connections to the survivor, 0 resets them. Migration does not save a
+// connection the dying process had already taken (a kill between its accept
+// and its answer), so with it a reset or two remain in some runs: the test
+// asks that migration remove nearly all of them (at most a tenth of those
+// of the same run without it, which must have some), not every one.
 func TestCrashReuseportMigrate(t *testing.T) {
 	if !testbed.InOwnNetns(t) {
 		return
 	}
 	loUp(t)
+	var withoutMigration int64
 	for _, migrate := range []string{"0", "1"} {
 		t.Run("tcp_migrate_req="+migrate, func(t *testing.T) {
 			setSysctl(t, "net/ipv4/tcp_migrate_req", migrate)
@@ -347,8 +352,14 @@ func TestCrashReuseportMigrate(t *testing.T) {
 			if counts.refused.Load() > 0 {
 				t.Errorf("got %v; want none refused while a member of the group listened", counts)
 			}
-			if migrate == "1" && counts.reset.Load() > 0 {
-				t.Errorf("got %v; want none reset with migration", counts)
+			reset := counts.reset.Load()
+			switch {
+			case migrate == "0" && reset < 20:
+				t.Errorf("got %v; want the dead listener's queue reset (20 or more) without migration: the test did not fill it", counts)
+			case migrate == "0":
+				withoutMigration = reset
+			case withoutMigration > 0 && reset*10 > withoutMigration:
+				t.Errorf("got %v; want at most a tenth of the %d reset without migration", counts, withoutMigration)
 			}
 		})
 	}
