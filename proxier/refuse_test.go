@@ -1,6 +1,7 @@
 package proxier
 
 import (
+	"fmt"
 	"net/netip"
 	"reflect"
 	"sync"
@@ -157,5 +158,46 @@ func TestNoPortalsNoRefusal(t *testing.T) {
 	mustSync(t, p, snapshot(port("web", service.TCP)))
 	if got := p.DebugServices()[0].Refused; got != nil {
 		t.Errorf("refused with --rules none: got %+v, want none", got)
+	}
+}
+
+// TestRemovedNodePortLeavesThePortals: a UDP Service port with a NodePort
+// removed from among many others (a sync of a few changes, which may walk
+// beside the last one) leaves the portals and closes its proxy sockets,
+// whichever way the sync takes: upstream's "should update nodePort: udp"
+// asks the NodePort to go quiet once its Service is deleted.
+func TestRemovedNodePortLeavesThePortals(t *testing.T) {
+	w := newWorld(t)
+	u := w.udpBackend("u", "127.0.0.2")
+	rec := &portalRecorder{}
+	p := newProxier(t, Config{Portals: rec, KeepClientAddress: true})
+	var ports []*service.Port
+	for i := range 20 {
+		sp := port(fmt.Sprintf("svc-%02d", i), service.UDP, u)
+		sp.NodePort = 30100 + i
+		ports = append(ports, sp)
+	}
+	mustSync(t, p, snapshot(ports...))
+	gone := ports[7].Name
+	pp := p.ProxyPort(gone)
+	if pp == 0 {
+		t.Fatalf("%s has no proxy port", gone)
+	}
+	mustSync(t, p, snapshot(append(append([]*service.Port(nil), ports[:7]...), ports[8:]...)...))
+	if got := p.ProxyPort(gone); got != 0 {
+		t.Errorf("removed port still has proxy port %d", got)
+	}
+	rec.mu.Lock()
+	for _, pt := range rec.last {
+		if pt.Port.Name == gone {
+			t.Errorf("the portals still have the removed port: %+v", pt)
+		}
+	}
+	if len(rec.last) != 19 {
+		t.Errorf("the portals have %d ports; want 19", len(rec.last))
+	}
+	rec.mu.Unlock()
+	if got, err := pingUDP(t, pp); err == nil {
+		t.Errorf("the removed port's proxy port %d answered %q; want nothing", pp, got)
 	}
 }
