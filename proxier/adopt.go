@@ -73,7 +73,7 @@ func (p *Proxier) HandOver() ([]HandedSocket, error) {
 				fds, err = r.udp.DupSockets()
 			}
 			if err != nil {
-				closeHanded(out)
+				CloseHanded(out)
 				return nil, err
 			}
 			for _, fd := range fds {
@@ -179,19 +179,9 @@ func (p *Proxier) serveHanded(sp *servicePort, r *route, h HandedSocket) (*servi
 	return sv, nil
 }
 
-// hold marks port as in use for proto.
-func (a *allocator) hold(proto service.Protocol, port int) {
-	if a.used[proto] == nil {
-		a.used[proto] = make(map[int]bool)
-	}
-	a.used[proto][port] = true
-}
-
-func closeHanded(socks []HandedSocket) {
+// CloseHanded closes the descriptors of socks.
+func CloseHanded(socks []HandedSocket) {
 	for _, h := range socks {
 		unix.Close(h.FD)
 	}
 }
-
-// CloseHanded closes the descriptors of socks.
-func CloseHanded(socks []HandedSocket) { closeHanded(socks) }

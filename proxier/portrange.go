@@ -205,7 +205,7 @@ func (a *allocator) each(proto service.Protocol, try func(port int) (taken, stop
 		}
 		taken, stop := try(p)
 		if taken {
-			used[p] = true
+			a.hold(proto, p)
 			return true
 		}
 		if stop {
@@ -213,6 +213,15 @@ func (a *allocator) each(proto service.Protocol, try func(port int) (taken, stop
 		}
 	}
 	return false
+}
+
+// hold marks port as in use for proto: a port each took, or a proxy socket
+// handed by a predecessor (adopt.go).
+func (a *allocator) hold(proto service.Protocol, port int) {
+	if a.used[proto] == nil {
+		a.used[proto] = make(map[int]bool)
+	}
+	a.used[proto][port] = true
 }
 
 func (a *allocator) release(proto service.Protocol, port int) { delete(a.used[proto], port) }
