@@ -90,12 +90,21 @@ func (p *Proxier) splits(port *service.Port) bool {
 	return p.clientAddr.keep && (port.NodePort != 0 || len(port.ExternalIPs) > 0 || len(port.LoadBalancerIPs) > 0)
 }
 
-// keepsClient is route r's KeepClientAddress. A connection short-circuited
-// to the cluster's endpoints (shortCircuits) is decided as a ClusterIP's.
+// keepsClient is route r's KeepClientAddress.
 func (p *Proxier) keepsClient(r *route, client netip.Addr) bool {
-	external := r.external && !p.shortCircuits(r, client)
-	keep, _ := p.clientAddr.decide(external, r.localPolicy.Load(), client)
+	_, keep, _ := p.clientDecision(r, client)
 	return keep
+}
+
+// clientDecision says of a connection from client through route r whether it
+// is short-circuited to the cluster's endpoints (shortCircuits), and whether
+// its dials keep the client's address, and why: a short-circuited connection
+// is decided as a ClusterIP's. The data path and explain (NextChoice) both
+// ask it.
+func (p *Proxier) clientDecision(r *route, client netip.Addr) (short, keep bool, why string) {
+	short = p.shortCircuits(r, client)
+	keep, why = p.clientAddr.decide(r.external && !short, r.localPolicy.Load(), client)
+	return short, keep, why
 }
 
 // shortCircuits reports whether a connection from client through route r goes

@@ -164,8 +164,8 @@ func refusedAddresses(port *service.Port, r rules.Refusal) []observe.Refused {
 // named service (ns/name:port), through its ClusterIPs or, when external,
 // through its NodePort, ExternalIPs and LoadBalancer IPs, and from which
 // address the dial would go, and why, without changing any state. It asks
-// what a connection of the data path asks (keepsClient): the route that
-// serves those addresses, its short circuit for the node's own connections.
+// what a connection of the data path asks (clientDecision), of the route that
+// serves those addresses.
 func (p *Proxier) NextChoice(service string, client netip.Addr, external bool) (observe.Choice, bool) {
 	p.mu.RLock()
 	var sp *servicePort
@@ -183,7 +183,7 @@ func (p *Proxier) NextChoice(service string, client netip.Addr, external bool) (
 	if ext := sp.external.Load(); external && ext != nil {
 		r = ext
 	}
-	short := p.shortCircuits(r, client)
+	short, keep, why := p.clientDecision(r, client)
 	picked := r
 	if short {
 		picked = sp.cluster
@@ -195,7 +195,6 @@ func (p *Proxier) NextChoice(service string, client netip.Addr, external bool) (
 		return out, true
 	}
 	out.Endpoint, out.Sticky, out.Reason = c.Endpoint.String(), c.Sticky, c.Reason
-	keep, why := p.clientAddr.decide(r.external && !short, r.localPolicy.Load(), client)
 	switch {
 	case !keep:
 		out.Source = record.SourceNode.String()
