@@ -472,6 +472,10 @@ func awaitPipeBytes(t *testing.T, p *TCPProxy) {
 // holding returns how many open connections of p hold satisfy held, looked
 // at on their loops.
 func holding(p *TCPProxy, held func(*tcpSession) bool) int {
+	// The maps init makes are read on the loops below: init (a sync.Once)
+	// orders their making before this goroutine's posts, which Serve's
+	// goroutine alone did not.
+	p.init()
 	n := 0
 	for _, pl := range p.Loops.Loops() {
 		pl.PostWait(func() {
