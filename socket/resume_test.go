@@ -207,6 +207,21 @@ func writeStream(c io.Writer, k int, from, to int64) error {
 	return nil
 }
 
+// stallDeadline is a connection whose every read and write has awaitTimeout
+// from its call, rather than from the dial: it fails a stream that stops
+// moving, however long the stream runs.
+type stallDeadline struct{ *net.TCPConn }
+
+func (c stallDeadline) Read(b []byte) (int, error) {
+	c.SetReadDeadline(time.Now().Add(awaitTimeout))
+	return c.TCPConn.Read(b)
+}
+
+func (c stallDeadline) Write(b []byte) (int, error) {
+	c.SetWriteDeadline(time.Now().Add(awaitTimeout))
+	return c.TCPConn.Write(b)
+}
+
 // handoverWorld is an echo backend and two proxies of the same Service port,
 // each on loops of its own: the old one, which clients connect to, and the new
 // one, which resumes what the old one detaches.
@@ -549,7 +564,10 @@ func TestDetachBusyLoop(t *testing.T) {
 	var done sync.WaitGroup
 	started := make(chan struct{}, conns)
 	for k := range conns {
-		c := dialProxy(t, w.addr)
+		// The streams run for as long as the handover takes, which a loaded
+		// machine (CI's race detector) stretches past any fixed deadline: a
+		// stream fails when it stalls, not when it is slow.
+		c := stallDeadline{dialProxy(t, w.addr)}
 		done.Add(2)
 		go func() {
 			defer done.Done()
@@ -589,7 +607,9 @@ func TestDetachBusyLoop(t *testing.T) {
 	for range conns {
 		<-started
 	}
+	began := time.Now()
 	moved, _ := handOver(t, w.old, w.new, w.link, handoverBatch)
+	t.Logf("handed over %d busy connections in %v", moved, time.Since(began))
 	close(stop)
 	done.Wait()
 	close(errs)
