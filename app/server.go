@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"sync"
 	"syscall"
 	"time"
@@ -81,6 +82,13 @@ type server struct {
 	gate      *syncGate
 	takenHTTP int
 	nodePorts *nodePortSockets
+	portals   rules.Portals
+
+	// handing is the handover in progress, from the moment a successor has
+	// this process's sockets until it serves or goes away (nil: none); its
+	// channel is closed then. A SIGTERM meanwhile waits for it (awaitHandover).
+	handingMu sync.Mutex
+	handing   chan struct{}
 }
 
 // newServer builds the server of o: flags -> config -> HTTP listeners ->
@@ -168,7 +176,16 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 	var gate *syncGate
 	if pred != nil {
 		gate = heldGate()
-		cfg.specific.Userspace.WrapPortals = func(p rules.Portals) rules.Portals { return gatedPortals{p, gate} }
+	}
+	// portals are the userspace mode's (nil in the kernel modes); a
+	// successor's are behind the gate until it has the lock.
+	var portals rules.Portals
+	cfg.specific.Userspace.WrapPortals = func(p rules.Portals) rules.Portals {
+		portals = p
+		if gate == nil {
+			return p
+		}
+		return gatedPortals{p, gate}
 	}
 	modeName, mode, lock, pred, err := startMode(o, cfg, pred, nodePorts)
 	if err != nil {
@@ -197,7 +214,7 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 	}
 	return &server{o: o, cfg: cfg, ctx: ctx, stop: stop, http: srv, healthConns: healthConns, health: health,
 		src: src, srcName: srcName, events: events, modeName: modeName, mode: mode, lock: lock,
-		pred: pred, gate: gate, takenHTTP: takenHTTP, nodePorts: nodePorts}, nil
+		pred: pred, gate: gate, takenHTTP: takenHTTP, nodePorts: nodePorts, portals: portals}, nil
 }
 
 // Close releases a server that is never run: the mode's event loops, if it
@@ -237,7 +254,9 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 	// for one); successors gets the successor that serves, takeErr a
 	// takeover that failed.
 	syncedOK := make(chan struct{}, 1)
-	successors := make(chan *successor)
+	// A successor is sent without waiting: Run takes it even after a
+	// SIGTERM (awaitHandover).
+	successors := make(chan *successor, 1)
 	takeErr := make(chan error, 1)
 
 	changes := &observe.Changes{}
@@ -350,6 +369,7 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 	var succ *successor
 	select {
 	case <-ctx.Done():
+		succ = s.awaitHandover(successors)
 	case succ = <-successors:
 	case err = <-takeErr:
 	case err = <-srcErr:
@@ -362,7 +382,13 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 		}
 	}
 	cancelRun()
-	stop()
+	if succ == nil {
+		// From here a second SIGINT or SIGTERM ends the process at once.
+		stop()
+	} else {
+		// Handed over, it may wait for its SIGTERM (--after-handover).
+		defer stop()
+	}
 	var shutdown func(context.Context) error
 	if m, ok := mode.(interface{ Shutdown(context.Context) error }); ok {
 		shutdown = m.Shutdown
@@ -386,6 +412,14 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 			case <-srcErr:
 			case <-time.After(sourceStopWait):
 			}
+		}
+		if cfg.waitAfterHandover {
+			// A pod's container that exits is restarted, and the restarted
+			// process would take over back from the successor; so this one
+			// waits, holding nothing, for the pod's deletion to end it.
+			klog.InfoS("Handed over; holding no listening or connected socket and waiting for SIGTERM (--after-handover)", "successor", succ.pid)
+			debug.FreeOSMemory()
+			<-ctx.Done()
 		}
 		return nil
 	}

@@ -608,6 +608,9 @@ type successor struct {
 	pid     int32
 	start   time.Time
 	sockets int // handed before the lock
+	// handed ends the handover in progress (beginHanding), once Run can
+	// take the successor.
+	handed func()
 }
 
 // serveSuccessors accepts successors on the rules lock until it is closed or
@@ -641,11 +644,8 @@ func (s *server) serveSuccessors(ctx context.Context, lock *rulesLock, successor
 			continue
 		}
 		if succ := s.handOver(ctx, c); succ != nil {
-			select {
-			case successors <- succ:
-			case <-ctx.Done():
-				succ.c.Close()
-			}
+			successors <- succ
+			succ.handed()
 			return
 		}
 	}
@@ -706,10 +706,22 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		return nil
 	}
 	klog.InfoS("Handed the listening sockets to a successor; serving on until it serves", "successor", pid, "version", succ.version, "sockets", len(items)-2)
+	// The handover ends once the successor is Run's (serveSuccessors), or
+	// here when it went away.
+	done := s.beginHanding()
+	served := false
+	defer func() {
+		if !served {
+			done()
+		}
+	}()
 	// No deadline: the successor's first sync takes what it takes. This
-	// process goes on serving meanwhile, and a SIGTERM still ends it.
+	// process goes on serving meanwhile. A SIGTERM (a DaemonSet deletes the
+	// old pod once the new one runs, maybe before it serves) gives the
+	// successor sigtermHandoverWait more to serve, and Run waits for it, so
+	// that its connections go to the successor rather than to the grace.
 	c.UnixConn().SetDeadline(time.Time{})
-	stop := context.AfterFunc(ctx, func() { c.Close() })
+	stop := context.AfterFunc(ctx, func() { c.UnixConn().SetDeadline(time.Now().Add(sigtermHandoverWait)) })
 	defer stop()
 	got, err := c.Receive()
 	if err != nil || len(got) != 1 || kindOf(got[0]) != msgServing {
@@ -717,11 +729,63 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		c.Close()
 		if ctx.Err() == nil {
 			klog.InfoS("The successor went away before it served; serving on as before", "successor", pid, "err", err)
-			observe.HandoverTotal.WithLabelValues("from", "abandoned").Inc()
+		} else {
+			klog.InfoS("The successor did not serve before the end of this process; draining as without one", "successor", pid, "err", err)
 		}
+		observe.HandoverTotal.WithLabelValues("from", "abandoned").Inc()
 		return nil
 	}
-	return &successor{c: c, pid: pid, start: start, sockets: len(items) - 2}
+	served = true
+	return &successor{c: c, pid: pid, start: start, sockets: len(items) - 2, handed: done}
+}
+
+// sigtermHandoverWait is how long a SIGTERM leaves a successor that has the
+// sockets to say it serves (its first sync; about 1.5 s at 10,000 Service
+// ports).
+const sigtermHandoverWait = 30 * time.Second
+
+// beginHanding marks a handover in progress until the returned func is called.
+func (s *server) beginHanding() func() {
+	ch := make(chan struct{})
+	s.handingMu.Lock()
+	s.handing = ch
+	s.handingMu.Unlock()
+	return func() {
+		s.handingMu.Lock()
+		s.handing = nil
+		s.handingMu.Unlock()
+		close(ch)
+	}
+}
+
+// awaitHandover is Run's answer to a SIGTERM: with a handover in progress
+// it waits for its successor to serve and returns it (nil: it went away),
+// so the connections go on in the successor; with none it returns nil at
+// once.
+func (s *server) awaitHandover(successors <-chan *successor) *successor {
+	s.handingMu.Lock()
+	ch := s.handing
+	s.handingMu.Unlock()
+	select {
+	case succ := <-successors:
+		return succ
+	default:
+	}
+	if ch == nil {
+		return nil
+	}
+	klog.InfoS("Terminating during a handover: waiting for the successor to serve first", "wait", sigtermHandoverWait)
+	select {
+	case succ := <-successors:
+		return succ
+	case <-ch:
+		select {
+		case succ := <-successors:
+			return succ
+		default:
+			return nil
+		}
+	}
 }
 
 // handedItems are the sockets a successor takes: the HTTP listeners, the
@@ -807,6 +871,11 @@ func sendBatches(c *handover.Conn, items []handover.Item) error {
 func (s *server) handOff(succ *successor) bool {
 	lock := s.takeLock()
 	var err error
+	if r, ok := s.portals.(interface{ ReleaseReplyRoute() }); ok && lock != nil {
+		// The successor says it uses the reply route at its first write,
+		// which comes once it has the lock.
+		r.ReleaseReplyRoute()
+	}
 	if lock != nil {
 		var f *os.File
 		if f, err = lock.ln.File(); err == nil {

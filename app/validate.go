@@ -40,7 +40,13 @@ type config struct {
 	healthzAddr string
 	// conntrack are the sysctls set at start where rules are programmed.
 	conntrack conntrack.Sysctls
+	// waitAfterHandover: once handed over, wait for a signal rather than exit.
+	waitAfterHandover bool
 }
+
+// inPod reports whether the process runs in a Kubernetes pod: the kubelet
+// gives every container KUBERNETES_SERVICE_HOST, host network or not.
+func inPod() bool { return os.Getenv("KUBERNETES_SERVICE_HOST") != "" }
 
 // maxEventLoops bounds --event-loops: more threads than this only contend.
 const maxEventLoops = 256
@@ -189,6 +195,14 @@ func (o *options) validate() (*config, error) {
 	}
 	if o.keepClientAddress && o.clientMarkBit >= 0 {
 		c.specific.Userspace.ClientAddressMark = 1 << o.clientMarkBit
+	}
+	switch o.afterHandover {
+	case "exit", "wait":
+		c.waitAfterHandover = o.afterHandover == "wait"
+	case "auto":
+		c.waitAfterHandover = inPod()
+	default:
+		return nil, fmt.Errorf("--after-handover %q: want exit, wait or auto", o.afterHandover)
 	}
 	if o.shutdownGrace < 0 {
 		return nil, fmt.Errorf("--shutdown-grace %v: must not be negative", o.shutdownGrace)

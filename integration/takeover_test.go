@@ -318,6 +318,135 @@ func lineEndpoint(t *testing.T, tp *testbed.Topology, ticks int) int {
 	return ln.Addr().(*net.TCPAddr).Port
 }
 
+// lineConns are long-lived connections through a Service to lineEndpoint:
+// each exchanges a line every 50 ms and checks its echo; and half-closed
+// ones, each receiving the endpoint's ticks after its client's FIN, then the
+// endpoint's end.
+type lineConns struct {
+	t    *testing.T
+	stop chan struct{}
+	wg   sync.WaitGroup
+
+	mu       sync.Mutex
+	echoed   []int
+	failures []string
+}
+
+func startLineConns(t *testing.T, tp *testbed.Topology, addr string, long, halfClosed, ticks int) *lineConns {
+	t.Helper()
+	l := &lineConns{t: t, stop: make(chan struct{}), echoed: make([]int, long)}
+	t.Cleanup(l.halt)
+	for k := range long {
+		c, err := tp.Dial(testbed.Pod, "tcp", addr)
+		if err != nil {
+			t.Fatalf("long-lived connection %d: %v", k, err)
+		}
+		l.wg.Go(func() {
+			defer c.Close()
+			r := bufio.NewReader(c)
+			for i := 0; ; i++ {
+				select {
+				case <-l.stop:
+					return
+				default:
+				}
+				msg := fmt.Sprintf("c%d line %d\n", k, i)
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				if _, err := io.WriteString(c, msg); err != nil {
+					l.fail("long-lived connection %d, line %d: write: %v", k, i, err)
+					return
+				}
+				got, err := r.ReadString('\n')
+				if err != nil || got != msg {
+					l.fail("long-lived connection %d, line %d: read %q, %v; want %q", k, i, got, err, msg)
+					return
+				}
+				l.mu.Lock()
+				l.echoed[k]++
+				l.mu.Unlock()
+				time.Sleep(50 * time.Millisecond)
+			}
+		})
+	}
+	for k := range halfClosed {
+		c, err := tp.Dial(testbed.Pod, "tcp", addr)
+		if err != nil {
+			t.Fatalf("half-closed connection %d: %v", k, err)
+		}
+		l.wg.Go(func() {
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(30 * time.Second))
+			if _, err := io.WriteString(c, "ticks\n"); err != nil {
+				l.fail("half-closed connection %d: write: %v", k, err)
+				return
+			}
+			if err := c.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
+				l.fail("half-closed connection %d: CloseWrite: %v", k, err)
+				return
+			}
+			r := bufio.NewReader(c)
+			for i := range ticks {
+				got, err := r.ReadString('\n')
+				if want := fmt.Sprintf("t%d\n", i); err != nil || got != want {
+					l.fail("half-closed connection %d, tick %d: read %q, %v; want %q", k, i, got, err, want)
+					return
+				}
+			}
+			if rest, err := r.ReadString('\n'); err != io.EOF || rest != "" {
+				l.fail("half-closed connection %d after its ticks: read %q, %v; want the endpoint's end", k, rest, err)
+			}
+		})
+	}
+	return l
+}
+
+func (l *lineConns) fail(f string, args ...any) {
+	l.mu.Lock()
+	l.failures = append(l.failures, fmt.Sprintf(f, args...))
+	l.mu.Unlock()
+}
+
+// progress is how many lines each long-lived connection has had echoed.
+func (l *lineConns) progress() []int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.echoed)
+}
+
+// awaitEach waits until every long-lived connection has had n more lines
+// echoed than now.
+func (l *lineConns) awaitEach(n int, what string) {
+	l.t.Helper()
+	at := l.progress()
+	testbed.Await(l.t, 10*time.Second, what, func() bool {
+		now := l.progress()
+		for k := range now {
+			if now[k] < at[k]+n {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+func (l *lineConns) halt() {
+	select {
+	case <-l.stop:
+	default:
+		close(l.stop)
+	}
+	l.wg.Wait()
+}
+
+// end stops the long-lived connections, waits for the half-closed ones to
+// finish, and returns what failed.
+func (l *lineConns) end() []string {
+	l.halt()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.failures
+}
+
 // A takeover hands the established TCP connections over: 20 long-lived
 // connections exchanging a line every 50 ms go on through the successor with
 // every line echoed, in order, and 2 connections their clients half-closed
@@ -335,86 +464,9 @@ func TestTakeOverHandsConnections(t *testing.T) {
 			flags := []string{"--rules", backend, "--shutdown-grace", "1s"}
 			a := runUproxy(t, tp, manifests, launch{want: 1, flags: flags})
 
-			const long = 20
-			var mu sync.Mutex
-			echoed := make([]int, long)
-			var failures []string
-			fail := func(f string, args ...any) {
-				mu.Lock()
-				failures = append(failures, fmt.Sprintf(f, args...))
-				mu.Unlock()
-			}
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			for k := range long {
-				c, err := tp.Dial(testbed.Pod, "tcp", "10.96.0.12:80")
-				if err != nil {
-					t.Fatalf("long-lived connection %d: %v", k, err)
-				}
-				wg.Go(func() {
-					defer c.Close()
-					r := bufio.NewReader(c)
-					for i := 0; ; i++ {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						msg := fmt.Sprintf("c%d line %d\n", k, i)
-						c.SetDeadline(time.Now().Add(5 * time.Second))
-						if _, err := io.WriteString(c, msg); err != nil {
-							fail("long-lived connection %d, line %d: write: %v", k, i, err)
-							return
-						}
-						got, err := r.ReadString('\n')
-						if err != nil || got != msg {
-							fail("long-lived connection %d, line %d: read %q, %v; want %q", k, i, got, err, msg)
-							return
-						}
-						mu.Lock()
-						echoed[k]++
-						mu.Unlock()
-						time.Sleep(50 * time.Millisecond)
-					}
-				})
-			}
-			const halfClosed = 2
-			for k := range halfClosed {
-				c, err := tp.Dial(testbed.Pod, "tcp", "10.96.0.12:80")
-				if err != nil {
-					t.Fatalf("half-closed connection %d: %v", k, err)
-				}
-				wg.Go(func() {
-					defer c.Close()
-					c.SetDeadline(time.Now().Add(30 * time.Second))
-					if _, err := io.WriteString(c, "ticks\n"); err != nil {
-						fail("half-closed connection %d: write: %v", k, err)
-						return
-					}
-					if err := c.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
-						fail("half-closed connection %d: CloseWrite: %v", k, err)
-						return
-					}
-					r := bufio.NewReader(c)
-					for i := range ticks {
-						got, err := r.ReadString('\n')
-						if want := fmt.Sprintf("t%d\n", i); err != nil || got != want {
-							fail("half-closed connection %d, tick %d: read %q, %v; want %q", k, i, got, err, want)
-							return
-						}
-					}
-					if rest, err := r.ReadString('\n'); err != io.EOF || rest != "" {
-						fail("half-closed connection %d after its ticks: read %q, %v; want the endpoint's end", k, rest, err)
-					}
-				})
-			}
-			progress := func() []int {
-				mu.Lock()
-				defer mu.Unlock()
-				return append([]int(nil), echoed...)
-			}
+			lines := startLineConns(t, tp, "10.96.0.12:80", 20, 2, ticks)
 			testbed.Await(t, 10*time.Second, "lines through the first uproxy", func() bool {
-				return slices.Min(progress()) >= 5
+				return slices.Min(lines.progress()) >= 5
 			})
 
 			b := runUproxy(t, tp, manifests, launch{want: 1, dir: a.dir, flags: flags})
@@ -422,18 +474,8 @@ func TestTakeOverHandsConnections(t *testing.T) {
 				t.Errorf("the first uproxy exited %d after the takeover, want 0", code)
 			}
 			// Well past the first uproxy's grace: each connection goes on.
-			at := progress()
-			testbed.Await(t, 10*time.Second, "lines through the second uproxy", func() bool {
-				now := progress()
-				for k := range now {
-					if now[k] < at[k]+30 {
-						return false
-					}
-				}
-				return true
-			})
-			close(stop)
-			wg.Wait()
+			lines.awaitEach(30, "lines through the second uproxy")
+			failures := lines.end()
 			for _, p := range []*proxy{a, b} {
 				for _, line := range strings.Split(p.logText(), "\n") {
 					if strings.Contains(line, "established connections") || strings.Contains(line, "Handed over to") {

@@ -318,3 +318,12 @@ func cleanIPs(ips []netip.Addr) []netip.Addr {
 }
 
 func validPort(p int) bool { return p > 0 && p < 65536 }
+
+// ReleaseReplyRoute stops saying that these portals use the reply route
+// (replyRoute), and leaves the route and the rules in place: for a
+// successor of the same prefix, which says it from its first write.
+func (p *IPTables) ReleaseReplyRoute() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.reply.release()
+}

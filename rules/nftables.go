@@ -303,3 +303,12 @@ func ProbeNFTables(prefix string) error {
 	}}
 	return nftables.Probe(nftables.Table{Family: knftables.InetFamily, Name: name}, l.write)
 }
+
+// ReleaseReplyRoute stops saying that these portals use the reply route
+// (replyRoute), and leaves the route and the rules in place: for a
+// successor of the same prefix, which says it from its first write.
+func (p *NFTables) ReleaseReplyRoute() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.reply.release()
+}

@@ -189,11 +189,6 @@ func (c *Cluster) DeployUProxy(ctx context.Context, manifest, image string, mode
 				cmd = append(cmd, "--rules="+mode.Rules)
 			}
 			ctr.Command = cmd
-			for i := range ctr.Ports {
-				if ctr.Ports[i].Name == "healthz" {
-					ctr.Ports[i].ContainerPort = kubeProxyHealthzPort
-				}
-			}
 			if p := ctr.LivenessProbe; p != nil && p.HTTPGet != nil {
 				p.HTTPGet.Port = intstr.FromInt32(kubeProxyHealthzPort)
 			}

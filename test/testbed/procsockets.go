@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"time"
 )
@@ -75,4 +76,48 @@ func AwaitNoCloseWait(pid int, within time.Duration) ([]string, error) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// SocketKinds names each of process pid's sockets by the table of its
+// network namespace that lists it (tcp, udp6, unix, netlink...), as
+// "table inode" strings, for a test's message; a unix socket with a name is
+// "unix NAME" (abstract names begin with '@'). A socket no table lists is
+// "other inode".
+func SocketKinds(pid int) ([]string, error) {
+	ours, _, err := ProcessSockets(pid)
+	if err != nil {
+		return nil, err
+	}
+	// The column of the inode in each table.
+	column := map[string]int{"tcp": 9, "tcp6": 9, "udp": 9, "udp6": 9, "raw": 9, "raw6": 9, "unix": 6, "netlink": 9, "packet": 8}
+	found := map[string]string{}
+	for table, col := range column {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table))
+		if err != nil {
+			continue // a table this kernel lacks
+		}
+		for line := range strings.Lines(string(data)) {
+			fields := strings.Fields(line)
+			if len(fields) > col && ours[fields[col]] {
+				found[fields[col]] = table
+				if table == "unix" && len(fields) > 7 {
+					found[fields[col]] = "unix " + fields[7]
+				}
+			}
+		}
+	}
+	var out []string
+	for ino := range ours {
+		kind, ok := found[ino]
+		switch {
+		case !ok:
+			out = append(out, "other "+ino)
+		case strings.HasPrefix(kind, "unix "):
+			out = append(out, kind)
+		default:
+			out = append(out, kind+" "+ino)
+		}
+	}
+	slices.Sort(out)
+	return out, nil
 }

@@ -1,0 +1,136 @@
+package integration
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/uproxy/uproxy/test/testbed"
+)
+
+// inAPod is the wrapper that runs uproxy as the kubelet runs a container:
+// with KUBERNETES_SERVICE_HOST in its environment.
+var inAPod = []string{"env", "KUBERNETES_SERVICE_HOST=10.96.0.1"}
+
+// In a pod (--after-handover auto), the uproxy taken over from does not
+// exit: a DaemonSet's container that exits is restarted, and the restarted
+// uproxy would take back over from its successor. It holds no socket, the
+// connections go on through the successor, and a SIGTERM (the old pod's
+// deletion) ends it with 0.
+func TestTakeOverWaitsInAPod(t *testing.T) {
+	tp := testbed.New(t)
+	const ticks = 80 // 4 s
+	port := lineEndpoint(t, tp, ticks)
+	manifests := svc{name: "stream", proto: "TCP", clusterIPs: []string{"10.96.0.12"}, port: 80,
+		endpoints: []string{tp.NS(testbed.Pod).IPv4.String()}, endpointPorts: []int{port}}.yaml()
+	flags := []string{"--rules", "nftables", "--shutdown-grace", "1s"}
+	a := runUproxy(t, tp, manifests, launch{want: 1, flags: flags, wrapper: inAPod})
+	lines := startLineConns(t, tp, "10.96.0.12:80", 10, 1, ticks)
+	testbed.Await(t, 10*time.Second, "lines through the first uproxy", func() bool {
+		return slices.Min(lines.progress()) >= 3
+	})
+
+	b := runUproxy(t, tp, manifests, launch{want: 1, dir: a.dir, flags: flags, wrapper: inAPod})
+	testbed.Await(t, 10*time.Second, "the first uproxy waiting after the handover", func() bool {
+		return a.logContains("waiting for SIGTERM")
+	})
+	// Past the first uproxy's grace: it has drained, and waits.
+	lines.awaitEach(30, "lines through the second uproxy")
+	if !a.running() {
+		t.Fatalf("the first uproxy exited after the handover (code %d), want it waiting for SIGTERM", a.cmd.ProcessState.ExitCode())
+	}
+	// The sock_diag socket that ends TIME_WAITs may stay: it holds no
+	// address.
+	kinds, err := testbed.SocketKinds(a.cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kinds = slices.DeleteFunc(kinds, func(k string) bool { return strings.HasPrefix(k, "netlink ") })
+	if len(kinds) != 0 {
+		t.Errorf("the first uproxy holds sockets after the handover, want none: %v", kinds)
+	}
+	// Among them the name that says the prefix uses the shared reply route,
+	// which the successor says from its first write.
+	testbed.Await(t, 5*time.Second, "the second uproxy saying it uses the reply route", func() bool {
+		kinds, _ := testbed.SocketKinds(b.cmd.Process.Pid)
+		return slices.Contains(kinds, "unix @uproxy-reply-route-UPROXY")
+	})
+	a.signal(syscall.SIGTERM)
+	if code := a.awaitExit(5 * time.Second); code != 0 {
+		t.Errorf("the first uproxy exited %d on SIGTERM after the handover, want 0", code)
+	}
+	lines.awaitEach(5, "lines through the second uproxy after the first exited")
+	for _, f := range lines.end() {
+		t.Error(f)
+	}
+	if !b.logContains("resumed=11") && !b.logContains(`"resumed"=11`) {
+		t.Errorf("the second uproxy did not say it resumed 11 connections:\n%s", tail(b.logText(), 20))
+	}
+}
+
+// A SIGTERM that reaches the uproxy taken over from after its successor has
+// its sockets but before it serves (a DaemonSet deletes the old pod as soon
+// as the new one runs) waits for the successor, and the established
+// connections still go to it, rather than being drained and reset at the
+// end of --shutdown-grace. The successor's first sync, over 3,000 Services,
+// keeps the window open long enough to land in.
+func TestTakeOverSIGTERMDuringHandover(t *testing.T) {
+	tp := testbed.New(t)
+	const ticks = 80
+	port := lineEndpoint(t, tp, ticks)
+	pod := tp.NS(testbed.Pod).IPv4.String()
+	var m strings.Builder
+	m.WriteString(svc{name: "stream", proto: "TCP", clusterIPs: []string{"10.96.0.12"}, port: 80,
+		endpoints: []string{pod}, endpointPorts: []int{port}}.yaml())
+	const fillers = 3000
+	for i := range fillers {
+		m.WriteString("---\n")
+		m.WriteString(svc{name: fmt.Sprintf("filler-%d", i), proto: "TCP", clusterIPs: []string{fmt.Sprintf("10.97.%d.%d", i/250, i%250+1)},
+			port: 80, endpoints: []string{pod}, endpointPorts: []int{port}}.yaml())
+	}
+	flags := []string{"--rules", "nftables", "--shutdown-grace", "1s", "--after-handover", "exit"}
+	a := runUproxy(t, tp, m.String(), launch{want: fillers + 1, flags: flags})
+	lines := startLineConns(t, tp, "10.96.0.12:80", 10, 1, ticks)
+	testbed.Await(t, 10*time.Second, "lines through the first uproxy", func() bool {
+		return slices.Min(lines.progress()) >= 3
+	})
+
+	// The old pod's deletion: SIGTERM as soon as the successor has the sockets.
+	signalled := make(chan time.Time, 1)
+	go func() {
+		deadline := time.Now().Add(time.Minute)
+		for time.Now().Before(deadline) {
+			if a.logContains("Handed the listening sockets to a successor") {
+				a.cmd.Process.Signal(syscall.SIGTERM)
+				signalled <- time.Now()
+				return
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+		close(signalled)
+	}()
+	b := runUproxy(t, tp, m.String(), launch{want: fillers + 1, dir: a.dir, flags: flags})
+	if _, ok := <-signalled; !ok {
+		t.Fatalf("the first uproxy never said it handed its sockets:\n%s", tail(a.logText(), 20))
+	}
+	if code := a.awaitExit(20 * time.Second); code != 0 {
+		t.Errorf("the first uproxy exited %d, want 0", code)
+	}
+	if !a.logContains("Terminating during a handover") {
+		t.Fatalf("the SIGTERM came after the successor served: the test missed its window\n%s", tail(a.logText(), 20))
+	}
+	if !a.logContains("Handed over to the successor and exited") {
+		t.Errorf("the first uproxy did not hand over after its SIGTERM:\n%s", tail(a.logText(), 20))
+	}
+	// Past the first uproxy's grace: a drain would have reset them by now.
+	lines.awaitEach(30, "lines through the second uproxy")
+	for _, f := range lines.end() {
+		t.Error(f)
+	}
+	if !b.logContains("resumed=11") && !b.logContains(`"resumed"=11`) {
+		t.Errorf("the second uproxy did not say it resumed 11 connections:\n%s", tail(b.logText(), 20))
+	}
+}
