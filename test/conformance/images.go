@@ -31,6 +31,9 @@ const (
 	dnsTestingImage  = "registry.k8s.io/e2e-test-images/glibc-dns-testing:2.0.0"
 	CoreDNSImage     = "registry.k8s.io/coredns/coredns:v1.15.0"
 	DefaultUProxyTag = "ghcr.io/uproxy/uproxy:conformance"
+	// NextUProxyTag is the same uproxy under another name and image ID: the
+	// new image of the rolling update (RollOutUnderLoad).
+	NextUProxyTag = "ghcr.io/uproxy/uproxy:conformance-next"
 )
 
 // debianSuite is the release of the Dockerfile's runtime stage (debian:bookworm-slim),
@@ -140,6 +143,7 @@ func (s ImageSet) BuildImages() (string, error) {
 		regressionImage: {[]v1.Layer{toolsLayer, regression}, []string{"/regression-issue-74839"}, nil},
 		CoreDNSImage:    {[]v1.Layer{toolsLayer, coredns}, []string{"/coredns"}, nil},
 		s.UProxyTag:     {[]v1.Layer{runtimeLayer, uproxyLayer}, []string{"/usr/local/bin/uproxy"}, nil},
+		NextUProxyTag:   {[]v1.Layer{runtimeLayer, uproxyLayer}, []string{"/usr/local/bin/uproxy"}, []string{"--v=0"}},
 	}
 	refs := map[name.Reference]v1.Image{}
 	for ref, spec := range images {
