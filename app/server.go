@@ -403,6 +403,7 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 			// dialing, UDP clients) drain here.
 			handed, _ = s.handSessions(succ)
 		}
+		observe.HandoverDone("from", time.Since(succ.start))
 		srv.Stop(context.Background())
 		reset := finish(syncDone, shutdown, o.shutdownGrace, mode, false)
 		klog.InfoS("Handed over to the successor and exited: its copies of the listening sockets serve on, no connection was refused",

@@ -257,7 +257,7 @@ func (p *predecessor) takeOver(id identity, nodePorts *nodePortSockets) error {
 	switch kindOf(items[0]) {
 	case msgRefused:
 		closeItems(items)
-		observe.HandoverTotal.WithLabelValues("to", "refused").Inc()
+		observe.HandoverRefused("to", "another_uproxy")
 		return fmt.Errorf("another uproxy (process %d) programs this node's rules with --chain-prefix %s, and refused to hand over to this one: %s",
 			p.pid, id.prefix, items[0].Meta[1:])
 	case msgAccepted:
@@ -453,6 +453,7 @@ func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-
 		klog.ErrorS(err, "The rules lock did not come from the uproxy taken over; taking it", "predecessor", p.pid)
 		if lock, err = lockRules(s.o.chainPrefix); err != nil {
 			observe.HandoverTotal.WithLabelValues("to", "abandoned").Inc()
+			s.events.AddHandover(observe.HandoverAbandonedOutcome, fmt.Sprintf("from process %d: the rules lock neither came nor was free: %v", p.pid, err), time.Since(p.start))
 			return fmt.Errorf("take over from uproxy process %d: %w", p.pid, err)
 		}
 	} else {
@@ -462,8 +463,9 @@ func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-
 	s.gate.release()
 	runner.Resync()
 	go s.serveSuccessors(ctx, lock, successors)
+	var resumed, reset int
 	if err == nil {
-		p.receiveSessions(s.mode)
+		resumed, reset = p.receiveSessions(s.mode)
 	}
 	// The NodePorts are held by the portals' writes, which began now.
 	select {
@@ -471,12 +473,15 @@ func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-
 	case <-ctx.Done():
 	}
 	heldNodePorts := p.nodePorts - s.nodePorts.endAdoption()
-	observe.HandoverTotal.WithLabelValues("to", "done").Inc()
+	took := time.Since(p.start)
+	observe.HandoverDone("to", took)
+	s.events.AddHandover(observe.HandoverDoneOutcome, fmt.Sprintf("took over from process %d (version %s): %d HTTP listeners, %d proxy sockets (%d closed), %d NodePorts, %d connections resumed, %d reset",
+		p.pid, p.id.version, s.takenHTTP, adopted, unadopted, heldNodePorts, resumed, reset), took)
 	observe.HandoverSockets.WithLabelValues("to", "proxy").Add(float64(adopted))
 	observe.HandoverSockets.WithLabelValues("to", "nodeport").Add(float64(heldNodePorts))
 	klog.InfoS("Took over from the uproxy that ran: its listeners serve here, no port changed",
 		"predecessor", p.pid, "predecessorVersion", p.id.version, "httpListeners", s.takenHTTP,
-		"proxySockets", adopted, "proxySocketsClosed", unadopted, "nodePorts", heldNodePorts, "took", time.Since(p.start).Round(time.Millisecond))
+		"proxySockets", adopted, "proxySocketsClosed", unadopted, "nodePorts", heldNodePorts, "took", took.Round(time.Millisecond))
 	return nil
 }
 
@@ -491,19 +496,22 @@ type sessionResumer interface {
 // are registered here (or reset: their route is gone, or they could not be
 // resumed), until the predecessor says there are no more. Should the
 // predecessor go away first, what it did not hand it still holds and serves.
-func (p *predecessor) receiveSessions(mode any) {
+func (p *predecessor) receiveSessions(mode any) (resumed, reset int) {
 	start := time.Now()
 	rs, _ := mode.(sessionResumer)
-	resumed, reset := 0, 0
+	var inFlight int
 	var err error
 	defer func() {
+		observe.HandoverConnections.WithLabelValues("to", "resumed").Add(float64(resumed))
+		observe.HandoverConnections.WithLabelValues("to", "reset").Add(float64(reset))
+		observe.HandoverBytesInFlight.WithLabelValues("to").Add(float64(inFlight))
 		if err != nil {
 			klog.ErrorS(err, "Receiving the established connections of the uproxy taken over failed; it serves the rest itself",
 				"predecessor", p.pid, "resumed", resumed, "reset", reset)
 			return
 		}
 		klog.InfoS("Resumed the established connections of the uproxy taken over", "predecessor", p.pid,
-			"resumed", resumed, "reset", reset, "took", time.Since(start).Round(time.Millisecond))
+			"resumed", resumed, "reset", reset, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
 	}()
 	for {
 		p.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
@@ -514,7 +522,7 @@ func (p *predecessor) receiveSessions(mode any) {
 		switch kindOf(items[0]) {
 		case msgSessionsEnd:
 			closeItems(items)
-			return
+			return resumed, reset
 		case msgSessions:
 		default:
 			closeItems(items)
@@ -546,6 +554,9 @@ func (p *predecessor) receiveSessions(mode any) {
 				states[i].Close()
 			}
 			return
+		}
+		for i := range states {
+			inFlight += states[i].InFlight()
 		}
 		r := n
 		if rs != nil {
@@ -626,13 +637,13 @@ func (s *server) serveSuccessors(ctx context.Context, lock *rulesLock, successor
 			continue
 		case errors.Is(err, handover.ErrPeerNotRoot):
 			klog.InfoS("Refused to hand over to a process that is not root", "err", err)
-			observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+			s.handoverRefused("not_root", err.Error())
 			continue
 		case err != nil:
 			var ve *handover.VersionError
 			if errors.As(err, &ve) {
 				klog.InfoS("Refused to hand over to a uproxy of another handover protocol version", "err", err)
-				observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+				s.handoverRefused("protocol_version", err.Error())
 				continue
 			}
 			klog.ErrorS(err, "Accepting on the rules lock")
@@ -665,7 +676,7 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		if err == nil {
 			c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, "the first message was no take-over request"...)}})
 			klog.InfoS("Refused a connection to the rules lock: its first message was no take-over request", "peer", pid)
-			observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+			s.handoverRefused("not_a_request", fmt.Sprintf("process %d: its first message was no take-over request", pid))
 		}
 		c.Close()
 		return nil
@@ -675,13 +686,15 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 	own := s.identity()
 	if err != nil {
 		c.Close()
+		klog.InfoS("Refused a connection to the rules lock: a malformed take-over request", "peer", pid, "err", err)
+		s.handoverRefused("not_a_request", fmt.Sprintf("process %d: a malformed take-over request: %v", pid, err))
 		return nil
 	}
 	if diff := own.refuses(succ); diff != "" {
 		c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, diff...)}})
 		c.Close()
 		klog.InfoS("Refused a successor: it is another uproxy; serving on", "successor", pid, "differs", diff)
-		observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+		s.handoverRefused("another_uproxy", fmt.Sprintf("process %d: %s", pid, diff))
 		return nil
 	}
 	items, closers, err := s.handedItems()
@@ -694,7 +707,7 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgRefused}, err.Error()...)}})
 		c.Close()
 		klog.ErrorS(err, "Could not hand over; serving on", "successor", pid)
-		observe.HandoverTotal.WithLabelValues("from", "refused").Inc()
+		s.handoverRefused("cannot_hand", fmt.Sprintf("process %d: %v", pid, err))
 		return nil
 	}
 	items = append([]handover.Item{{FD: -1, Meta: own.encode(msgAccepted)}}, items...)
@@ -702,7 +715,7 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 	if err := sendBatches(c, items); err != nil {
 		c.Close()
 		klog.ErrorS(err, "Handing sockets to a successor failed; serving on", "successor", pid)
-		observe.HandoverTotal.WithLabelValues("from", "abandoned").Inc()
+		s.handoverAbandoned(fmt.Sprintf("handing the sockets to process %d: %v", pid, err), time.Since(start))
 		return nil
 	}
 	klog.InfoS("Handed the listening sockets to a successor; serving on until it serves", "successor", pid, "version", succ.version, "sockets", len(items)-2)
@@ -732,7 +745,7 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		} else {
 			klog.InfoS("The successor did not serve before the end of this process; draining as without one", "successor", pid, "err", err)
 		}
-		observe.HandoverTotal.WithLabelValues("from", "abandoned").Inc()
+		s.handoverAbandoned(fmt.Sprintf("process %d went away before it served: %v", pid, err), time.Since(start))
 		return nil
 	}
 	served = true
@@ -743,6 +756,19 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 // sockets to say it serves (its first sync; about 1.5 s at 10,000 Service
 // ports).
 const sigtermHandoverWait = 30 * time.Second
+
+// handoverRefused counts a successor refused for reason (a label of
+// uproxy_handover_refusals_total) and records it in /debug/events.
+func (s *server) handoverRefused(reason, what string) {
+	observe.HandoverRefused("from", reason)
+	s.events.AddHandover(observe.HandoverRefusedOutcome, reason+": "+what, 0)
+}
+
+// handoverAbandoned counts a handover whose successor went away, after d.
+func (s *server) handoverAbandoned(what string, d time.Duration) {
+	observe.HandoverTotal.WithLabelValues("from", "abandoned").Inc()
+	s.events.AddHandover(observe.HandoverAbandonedOutcome, what, d)
+}
 
 // beginHanding marks a handover in progress until the returned func is called.
 func (s *server) beginHanding() func() {
@@ -890,7 +916,6 @@ func (s *server) handOff(succ *successor) bool {
 		// free for it to take.
 		klog.ErrorS(err, "Handing the rules lock to the successor failed; it is released", "successor", succ.pid)
 	}
-	observe.HandoverTotal.WithLabelValues("from", "done").Inc()
 	observe.HandoverSockets.WithLabelValues("from", "lock").Inc()
 	return err == nil
 }
@@ -922,15 +947,19 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 	defer succ.c.Close()
 	start := time.Now()
 	m, ok := s.mode.(sessionHander)
+	var inFlight int
 	var err error
 	defer func() {
+		observe.HandoverConnections.WithLabelValues("from", "handed").Add(float64(handed))
+		observe.HandoverConnections.WithLabelValues("from", "kept").Add(float64(kept))
+		observe.HandoverBytesInFlight.WithLabelValues("from").Add(float64(inFlight))
 		if err != nil {
 			klog.ErrorS(err, "Handing established connections to the successor failed; the rest are served and drained here",
 				"successor", succ.pid, "handed", handed, "keptHere", kept)
 			return
 		}
 		klog.InfoS("Handed the established connections to the successor", "successor", succ.pid,
-			"handed", handed, "took", time.Since(start).Round(time.Millisecond))
+			"handed", handed, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
 	}()
 	if ok {
 		if serr := m.StopAccepting(); serr != nil {
@@ -951,6 +980,7 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 				var acked int
 				acked, err = sendSessions(succ.c, rs)
 				for j := range rs.States[:acked] {
+					inFlight += rs.States[j].InFlight()
 					rs.States[j].Close()
 				}
 				handed += acked

@@ -215,6 +215,12 @@ func TestTakeOverRefusedForAnotherMode(t *testing.T) {
 	if !a.logContains("Refused a successor") {
 		t.Errorf("the running uproxy's log has no line of the refusal")
 	}
+	if out, err := a.get("/metrics"); err != nil || !strings.Contains(out, `uproxy_handover_refusals_total{reason="another_uproxy",role="from"} 1`) {
+		t.Errorf("the running uproxy's metrics (%v) lack uproxy_handover_refusals_total{role=\"from\",reason=\"another_uproxy\"} 1", err)
+	}
+	if out, err := a.get("/debug/events?kind=handover&outcome=refused"); err != nil || !strings.Contains(out, "another_uproxy: process") {
+		t.Errorf("the running uproxy's /debug/events has no refused handover (%v):\n%s", err, out)
+	}
 	if err := dialRoundTrip(tp, testbed.Pod, "10.96.0.10:80", 512); err != nil {
 		t.Errorf("the Service after the refusal: %v", err)
 	}
@@ -488,6 +494,20 @@ func TestTakeOverHandsConnections(t *testing.T) {
 			}
 			if !b.logContains(`"resumed"=22`) && !b.logContains(`resumed=22`) {
 				t.Errorf("the second uproxy did not say it resumed 22 connections:\n%s", tail(b.logText(), 20))
+			}
+			metrics, err := b.get("/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, want := range []string{`uproxy_handover_connections_total{result="resumed",role="to"} 22`,
+				`uproxy_handover_duration_seconds_count{role="to"} 1`} {
+				if !strings.Contains(metrics, want) {
+					t.Errorf("the second uproxy's metrics lack %s", want)
+				}
+			}
+			events, err := b.get("/debug/events?kind=handover&outcome=done")
+			if err != nil || !strings.Contains(events, "22 connections resumed") {
+				t.Errorf("the second uproxy's /debug/events has no handover with 22 connections resumed (%v):\n%s", err, events)
 			}
 		})
 	}

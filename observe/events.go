@@ -16,6 +16,9 @@ const (
 	KindEjection = "ejection"
 	// KindReadmission says an ejected endpoint answered again.
 	KindReadmission = "readmission"
+	// KindHandover is a handover between this uproxy and another: taken
+	// from a predecessor, or refused or abandoned with a successor.
+	KindHandover = "handover"
 )
 
 // Reasons of connection events.
@@ -33,8 +36,15 @@ const (
 	OutcomeFailed  = "failed"  // no endpoint answered (or there was none)
 )
 
+// Handover outcomes (KindHandover), as uproxy_handover_total's results.
+const (
+	HandoverDoneOutcome      = "done"
+	HandoverRefusedOutcome   = "refused"
+	HandoverAbandonedOutcome = "abandoned"
+)
+
 // Event is one entry of /debug/events: a connection with every attempt it made,
-// or an endpoint's ejection or re-admission.
+// an endpoint's ejection or re-admission, or a handover between uproxies.
 type Event struct {
 	// ID increases by one per event recorded; clients poll with ?since=ID.
 	ID       uint64    `json:"id"`
@@ -89,6 +99,7 @@ type slot struct {
 	duration time.Duration
 	err      error
 	reason   string
+	outcome  string // a handover's (a connection's comes from endpoint and attempts)
 }
 
 // Events is a bounded ring of the most recent events. Every connection is
@@ -143,7 +154,7 @@ func (e *Events) Add(c *record.Conn) {
 	r.client, r.endpoint = c.Client, c.Endpoint
 	r.attempts = append(r.attempts[:0], c.Attempts...)
 	r.bytesIn, r.bytesOut = c.BytesIn, c.BytesOut
-	r.duration, r.err, r.reason = c.Duration, c.Err, reason
+	r.duration, r.err, r.reason, r.outcome = c.Duration, c.Err, reason, ""
 	e.mu.Unlock()
 }
 
@@ -157,7 +168,26 @@ func (e *Events) AddEndpoint(kind, service, protocol string, ep netip.AddrPort, 
 	r.client, r.endpoint = netip.AddrPort{}, ep
 	r.attempts = r.attempts[:0]
 	r.bytesIn, r.bytesOut = 0, 0
-	r.duration, r.err, r.reason = d, nil, reason
+	r.duration, r.err, r.reason, r.outcome = d, nil, reason, ""
+	e.mu.Unlock()
+}
+
+// AddHandover records a handover (KindHandover): outcome is done, refused
+// or abandoned, reason what happened in words, d how long it took. e may be
+// nil (--events 0).
+func (e *Events) AddHandover(outcome, reason string, d time.Duration) {
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	r := e.take()
+	r.kind = KindHandover
+	r.time = time.Now()
+	r.service, r.protocol = "", ""
+	r.client, r.endpoint = netip.AddrPort{}, netip.AddrPort{}
+	r.attempts = r.attempts[:0]
+	r.bytesIn, r.bytesOut = 0, 0
+	r.duration, r.err, r.reason, r.outcome = d, nil, reason, outcome
 	e.mu.Unlock()
 }
 
@@ -184,7 +214,8 @@ type Query struct {
 func (q *Query) match(r *slot) bool {
 	return (q.Service == "" || r.service == q.Service) &&
 		(q.Kind == "" || r.kind == q.Kind) &&
-		(q.Outcome == "" || (r.kind == KindConnection && outcome(r.endpoint, len(r.attempts)) == q.Outcome)) &&
+		(q.Outcome == "" || (r.kind == KindConnection && outcome(r.endpoint, len(r.attempts)) == q.Outcome) ||
+			(r.kind == KindHandover && r.outcome == q.Outcome)) &&
 		r.id > q.Since
 }
 
@@ -239,6 +270,9 @@ func (r *slot) event() Event {
 	}
 	if r.err != nil {
 		ev.Error = r.err.Error()
+	}
+	if r.kind == KindHandover {
+		ev.Outcome = r.outcome
 	}
 	if r.kind == KindConnection {
 		ev.Outcome = outcome(r.endpoint, len(r.attempts))

@@ -405,15 +405,15 @@ func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
 		q.Since = n
 	}
 	switch q.Kind {
-	case "", KindConnection, KindEjection, KindReadmission:
+	case "", KindConnection, KindEjection, KindReadmission, KindHandover:
 	default:
-		http.Error(w, "kind: want connection, ejection or readmission", http.StatusBadRequest)
+		http.Error(w, "kind: want connection, ejection, readmission or handover", http.StatusBadRequest)
 		return
 	}
 	switch q.Outcome {
-	case "", OutcomeSuccess, OutcomeRetried, OutcomeFailed:
+	case "", OutcomeSuccess, OutcomeRetried, OutcomeFailed, HandoverDoneOutcome, HandoverRefusedOutcome, HandoverAbandonedOutcome:
 	default:
-		http.Error(w, "outcome: want success, retried or failed", http.StatusBadRequest)
+		http.Error(w, "outcome: want success, retried or failed (connections), or done, refused or abandoned (handovers)", http.StatusBadRequest)
 		return
 	}
 	events := []Event{}
