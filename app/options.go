@@ -44,6 +44,7 @@ type options struct {
 	cleanup            bool
 	cleanupOnExit      bool
 	takeOver           bool
+	crashHolder        bool
 	afterHandover      string
 	debug              bool
 	profiling          bool
@@ -136,6 +137,7 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringToStringVar(&o.nodeLabels, "node-labels", o.nodeLabels, "this node's labels, KEY=VALUE,... (with --services only; the API server's Node has its own): topology.kubernetes.io/zone sets the zone for topology hints")
 	f.DurationVar(&o.shutdownGrace, "shutdown-grace", o.shutdownGrace, "on SIGTERM, how long open connections may finish before they are closed")
 	f.BoolVar(&o.takeOver, "take-over", o.takeOver, "take over from a uproxy of the same --chain-prefix already running on the node: its listening sockets (proxy ports, NodePorts, metrics and healthz), its rules lock and its established TCP connections move here with no connection refused, and it drains the rest and exits; false: refuse to start beside it, as before")
+	f.BoolVar(&o.crashHolder, "crash-holder", o.crashHolder, "run as two processes: a small holder that keeps a copy of every proxy socket, and the uproxy that serves, which the holder starts again at once when it crashes (a SIGKILL, an OOM kill, a panic): new connections wait in the proxy sockets' backlogs meanwhile instead of being refused; the holder passes SIGTERM and SIGINT on and exits with the server's code")
 	f.StringVar(&o.afterHandover, "after-handover", o.afterHandover, "what a uproxy does once a successor has taken over from it and it has drained what stayed: exit (exit 0), wait (serve nothing, hold no socket, and exit 0 on SIGTERM: in a pod, whose container an exit would restart, and the restarted one take back over), or auto (wait when running in a Kubernetes pod, exit otherwise)")
 	f.BoolVar(&o.cleanup, "cleanup", o.cleanup, "remove every rule and chain uproxy installs, then exit (as uproxy cleanup, which has --force for the rules of a running uproxy)")
 	f.BoolVar(&o.cleanupOnExit, "cleanup-on-exit", o.cleanupOnExit, "remove the portal rules when the proxy exits (by default they stay: while no proxy runs, connections to Service IPs are refused at once instead of leaving the node unproxied, and a restarted proxy takes over at its first sync)")

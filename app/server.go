@@ -40,6 +40,10 @@ type running struct {
 // the server (newServer), then runs it (server.Run). synced, if not nil, is
 // called after every sync (the demo uses it to print its Services).
 func runProxy(ctx context.Context, o *options, synced func(running, *service.Snapshot)) error {
+	if o.crashHolder && os.Getenv(holderFDEnv) == "" && synced == nil {
+		// This process holds; a child of it serves (holder.go).
+		return runHolder()
+	}
 	s, err := newServer(ctx, o)
 	if err != nil {
 		return err
@@ -83,6 +87,10 @@ type server struct {
 	takenHTTP int
 	nodePorts *nodePortSockets
 	portals   rules.Portals
+	// held is the crash holder (nil: none); heldAdopting: the mode adopts
+	// the sockets it kept, until the first sync (EndAdoption).
+	held         *heldBy
+	heldAdopting bool
 
 	// handing is the handover in progress, from the moment a successor has
 	// this process's sockets until it serves or goes away (nil: none); its
@@ -100,6 +108,20 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 	cfg, err := o.validate()
 	if err != nil {
 		return nil, o.configFieldError(err)
+	}
+	// Under a crash holder, the proxy sockets it kept through a crash.
+	held, heldSocks, err := dialHolder()
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			proxier.CloseHanded(heldSocks)
+		}
+	}()
+	if held != nil {
+		cfg.specific.Userspace.Config.Holding = held
+		held.export()
 	}
 	// A uproxy of this --chain-prefix already running is taken over from
 	// (takeover.go): its HTTP addresses are in use, and taken from it.
@@ -191,6 +213,15 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 	if err != nil {
 		return nil, err
 	}
+	// Adopted before a predecessor's, which replace them (takeListeners).
+	heldAdopting := false
+	if a, ok := mode.(interface{ Adopt([]proxier.HandedSocket) }); ok && len(heldSocks) > 0 {
+		a.Adopt(heldSocks)
+		heldAdopting = true
+	} else {
+		proxier.CloseHanded(heldSocks)
+	}
+	heldSocks = nil
 	if pred == nil {
 		// No predecessor, or none any more: this process writes at once.
 		gate.release()
@@ -214,7 +245,7 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 	}
 	return &server{o: o, cfg: cfg, ctx: ctx, stop: stop, http: srv, healthConns: healthConns, health: health,
 		src: src, srcName: srcName, events: events, modeName: modeName, mode: mode, lock: lock,
-		pred: pred, gate: gate, takenHTTP: takenHTTP, nodePorts: nodePorts, portals: portals}, nil
+		pred: pred, gate: gate, takenHTTP: takenHTTP, nodePorts: nodePorts, portals: portals, held: held, heldAdopting: heldAdopting}, nil
 }
 
 // Close releases a server that is never run: the mode's event loops, if it
@@ -355,6 +386,9 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 	if lock := s.currentLock(); lock != nil {
 		go s.serveSuccessors(ctx, lock, successors)
 	}
+	if s.heldAdopting && s.pred == nil {
+		go s.endHeldAdoption(runCtx, syncedOK)
+	}
 	if s.pred != nil {
 		pred := s.pred
 		s.pred = nil // completeTakeOver's from now on
@@ -404,6 +438,7 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 			handed, _ = s.handSessions(succ)
 		}
 		observe.HandoverDone("from", time.Since(succ.start))
+		s.held.releaseAll()
 		srv.Stop(context.Background())
 		reset := finish(syncDone, shutdown, o.shutdownGrace, mode, false)
 		klog.InfoS("Handed over to the successor and exited: its copies of the listening sockets serve on, no connection was refused",

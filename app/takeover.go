@@ -311,9 +311,7 @@ func (p *predecessor) receive(it handover.Item, nodePorts *nodePortSockets) erro
 			p.http[what], p.httpAddr[what] = ln, addr
 		}
 	case msgProxy:
-		h := proxier.HandedSocket{
-			Service:  service.PortName{Namespace: d.str(), Name: d.str(), Port: d.str()},
-			Protocol: service.Protocol(d.str()), External: d.uint() == 1, ProxyPort: int(d.uint()), FD: it.FD}
+		h := decodeProxySocket(&d, it.FD)
 		if d.err != nil {
 			syscall.Close(it.FD)
 			break
@@ -848,17 +846,7 @@ func (s *server) handedItems() (items []handover.Item, closers []func(), err err
 		}
 		closers = append(closers, func() { proxier.CloseHanded(socks) })
 		for _, h := range socks {
-			meta := []byte{msgProxy}
-			for _, str := range []string{h.Service.Namespace, h.Service.Name, h.Service.Port, string(h.Protocol)} {
-				meta = appendString(meta, str)
-			}
-			ext := uint64(0)
-			if h.External {
-				ext = 1
-			}
-			meta = binary.AppendUvarint(meta, ext)
-			meta = binary.AppendUvarint(meta, uint64(h.ProxyPort))
-			items = append(items, handover.Item{FD: h.FD, Meta: meta})
+			items = append(items, handover.Item{FD: h.FD, Meta: encodeProxySocket(msgProxy, h)})
 		}
 	}
 	held, err := s.nodePorts.dup()
@@ -888,6 +876,29 @@ func sendBatches(c *handover.Conn, items []handover.Item) error {
 		items = items[n:]
 	}
 	return nil
+}
+
+// encodeProxySocket is the metadata of a proxy socket's item of kind:
+// its Service port, protocol, route and proxy port.
+func encodeProxySocket(kind byte, h proxier.HandedSocket) []byte {
+	meta := []byte{kind}
+	for _, str := range []string{h.Service.Namespace, h.Service.Name, h.Service.Port, string(h.Protocol)} {
+		meta = appendString(meta, str)
+	}
+	ext := uint64(0)
+	if h.External {
+		ext = 1
+	}
+	meta = binary.AppendUvarint(meta, ext)
+	return binary.AppendUvarint(meta, uint64(h.ProxyPort))
+}
+
+// decodeProxySocket reads encodeProxySocket's metadata (after its kind);
+// d.err says whether it could.
+func decodeProxySocket(d *decoder, fd int) proxier.HandedSocket {
+	return proxier.HandedSocket{
+		Service:  service.PortName{Namespace: d.str(), Name: d.str(), Port: d.str()},
+		Protocol: service.Protocol(d.str()), External: d.uint() == 1, ProxyPort: int(d.uint()), FD: fd}
 }
 
 // handOff ends this process's part once succ serves: the sync loop has

@@ -21,12 +21,26 @@ var inAPod = []string{"env", "KUBERNETES_SERVICE_HOST=10.96.0.1"}
 // connections go on through the successor, and a SIGTERM (the old pod's
 // deletion) ends it with 0.
 func TestTakeOverWaitsInAPod(t *testing.T) {
+	for _, holder := range []bool{false, true} {
+		t.Run(fmt.Sprintf("crash-holder=%v", holder), func(t *testing.T) {
+			takeOverWaitsInAPod(t, holder)
+		})
+	}
+}
+
+// takeOverWaitsInAPod is TestTakeOverWaitsInAPod, with or without
+// --crash-holder: a holder taken over from keeps no copy of a proxy socket
+// either.
+func takeOverWaitsInAPod(t *testing.T, holder bool) {
 	tp := testbed.New(t)
 	const ticks = 80 // 4 s
 	port := lineEndpoint(t, tp, ticks)
 	manifests := svc{name: "stream", proto: "TCP", clusterIPs: []string{"10.96.0.12"}, port: 80,
 		endpoints: []string{tp.NS(testbed.Pod).IPv4.String()}, endpointPorts: []int{port}}.yaml()
 	flags := []string{"--rules", "nftables", "--shutdown-grace", "1s"}
+	if holder {
+		flags = append(flags, "--crash-holder")
+	}
 	a := runUproxy(t, tp, manifests, launch{want: 1, flags: flags, wrapper: inAPod})
 	lines := startLineConns(t, tp, "10.96.0.12:80", 10, 1, ticks)
 	testbed.Await(t, 10*time.Second, "lines through the first uproxy", func() bool {
@@ -42,20 +56,36 @@ func TestTakeOverWaitsInAPod(t *testing.T) {
 	if !a.running() {
 		t.Fatalf("the first uproxy exited after the handover (code %d), want it waiting for SIGTERM", a.cmd.ProcessState.ExitCode())
 	}
-	// The sock_diag socket that ends TIME_WAITs may stay: it holds no
-	// address.
-	kinds, err := testbed.SocketKinds(a.cmd.Process.Pid)
-	if err != nil {
-		t.Fatal(err)
+	pids := []int{a.cmd.Process.Pid}
+	if holder {
+		server := childOf(t, a.cmd.Process.Pid)
+		if server == 0 {
+			t.Fatal("the first holder has no server")
+		}
+		pids = append(pids, server)
 	}
-	kinds = slices.DeleteFunc(kinds, func(k string) bool { return strings.HasPrefix(k, "netlink ") })
-	if len(kinds) != 0 {
-		t.Errorf("the first uproxy holds sockets after the handover, want none: %v", kinds)
+	for _, pid := range pids {
+		// The sock_diag socket that ends TIME_WAITs may stay, and the
+		// holder's socketpair with its server: they hold no address.
+		kinds, err := testbed.SocketKinds(pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kinds = slices.DeleteFunc(kinds, func(k string) bool {
+			return strings.HasPrefix(k, "netlink ") || (holder && strings.HasPrefix(k, "unix ") && !strings.Contains(k, "@"))
+		})
+		if len(kinds) != 0 {
+			t.Errorf("process %d of the first uproxy holds sockets after the handover, want none: %v", pid, kinds)
+		}
 	}
 	// Among them the name that says the prefix uses the shared reply route,
 	// which the successor says from its first write.
 	testbed.Await(t, 5*time.Second, "the second uproxy saying it uses the reply route", func() bool {
-		kinds, _ := testbed.SocketKinds(b.cmd.Process.Pid)
+		pid := b.cmd.Process.Pid
+		if holder {
+			pid = childOf(t, pid)
+		}
+		kinds, _ := testbed.SocketKinds(pid)
 		return slices.Contains(kinds, "unix @uproxy-reply-route-UPROXY")
 	})
 	a.signal(syscall.SIGTERM)

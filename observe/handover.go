@@ -56,6 +56,13 @@ func HandoverDone(role string, d time.Duration) {
 	HandoverDuration.WithLabelValues(role).Observe(d.Seconds())
 }
 
+// ServerStarts is the serving process's start under its crash holder.
+var ServerStarts = prometheus.NewGauge(prometheus.GaugeOpts{
+	Name: "uproxy_server_starts",
+	Help: "Starts of the serving uproxy under its crash holder (--crash-holder): 1, and one more after each crash it was restarted from; 1 without a holder.",
+})
+
 func init() {
-	Registry.MustRegister(HandoverTotal, HandoverSockets, HandoverRefusals, HandoverConnections, HandoverBytesInFlight, HandoverDuration)
+	ServerStarts.Set(1)
+	Registry.MustRegister(ServerStarts, HandoverTotal, HandoverSockets, HandoverRefusals, HandoverConnections, HandoverBytesInFlight, HandoverDuration)
 }

@@ -109,7 +109,7 @@ func (p *Proxier) EndAdoption() (adopted, closed int) {
 	p.adopt.mu.Lock()
 	defer p.adopt.mu.Unlock()
 	for k, h := range p.adopt.waiting {
-		unix.Close(h.FD)
+		p.closeUnadopted(h)
 		delete(p.adopt.waiting, k)
 		closed++
 	}

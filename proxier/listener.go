@@ -196,6 +196,7 @@ func (p *Proxier) reopenRoute(sp *servicePort, r *route) error {
 	}
 	ls.serving = sv
 	r.listener.Store(ls)
+	p.hold(sp, r, ls)
 	sp.observer.Reopened(old.proxyPort, ls.proxyPort, failure)
 	return nil
 }

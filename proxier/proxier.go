@@ -73,6 +73,9 @@ type Config struct {
 	UDPMaxClients int
 	// Portals programs the rules that steer virtual IPs to proxy ports; nil: none.
 	Portals rules.Portals
+	// Holding, when set, is told of every proxy socket opened and closed
+	// (holding.go): a crash holder keeps copies through a crash.
+	Holding Holding
 	// KeepClientAddress dials endpoints from the client's address where
 	// kube-proxy would not masquerade the connection, while the Portals bring
 	// the replies back (clientaddress.go); Common.ClusterCIDRs and
@@ -786,6 +789,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 		return nil, fmt.Errorf("open proxy port for %s/%s: %w", port.Name, port.Protocol, err)
 	}
 	r.listener.Store(ls)
+	p.hold(sp, r, ls)
 	if err := p.routeExternal(sp, port); err != nil {
 		p.closePort(sp)
 		return nil, err
@@ -868,6 +872,7 @@ func (p *Proxier) routeExternal(sp *servicePort, port *service.Port) error {
 			return fmt.Errorf("open external proxy port for %s/%s: %w", port.Name, port.Protocol, err)
 		}
 		r.listener.Store(ls)
+		p.hold(sp, r, ls)
 		sp.external.Store(r)
 		p.updatePort(sp, port)
 		klog.InfoS("Opened external proxy port", "service", port.Name, "protocol", port.Protocol, "proxyPort", ls.proxyPort,
@@ -901,6 +906,7 @@ func (p *Proxier) closeRoute(sp *servicePort, r *route) {
 		return
 	}
 	<-ls.serving.done
+	p.release(sp, r, ls.proxyPort)
 	p.releasePort(sp, ls.proxyPort)
 	klog.V(1).InfoS("Closed proxy port", "service", sp.name, "proxyPort", ls.proxyPort)
 }

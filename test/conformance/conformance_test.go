@@ -22,7 +22,7 @@ var (
 	reportFlag  = flag.String("conformance.report", "", "write the markdown table here too")
 	keepFlag    = flag.Bool("conformance.keep", false, "leave the last cluster running (remove it with `make conformance-down`)")
 	downFlag    = flag.Bool("conformance.down", false, "only remove a cluster left running (`make conformance-down`)")
-	rolloutFlag = flag.Bool("conformance.rollout", true, "before a uproxy mode's suite, update its DaemonSet twice under load (RollOutUnderLoad): the suite then judges the uproxy that took over")
+	rolloutFlag = flag.Bool("conformance.rollout", true, "before a uproxy mode's suite, update its DaemonSet twice under load, then kill each node's serving uproxy (RollOutUnderLoad): the suite then judges the uproxies that took over and were started again")
 )
 
 // proxy is one way of running the nodes' service proxy.
@@ -234,13 +234,13 @@ func judge(ctx context.Context, t *testing.T, name, binDir, archive string, focu
 	}
 	logf("%s: cluster of %d nodes up in %s", name, *nodesFlag, time.Since(start).Round(time.Second))
 	if p.kubeProxy == "" && *rolloutFlag {
-		rep, err := c.RollOutUnderLoad(ctx, NextUProxyTag, logf)
+		rep, err := c.RollOutUnderLoad(ctx, NextUProxyTag, true, logf)
 		if err != nil {
 			return Result{}, fmt.Errorf("rolling update: %w", err)
 		}
 		logf("%s: rolling update under load: %s", name, rep)
 		if !rep.Clean() {
-			t.Errorf("%s: the rolling update under load lost connections: %s", name, rep)
+			t.Errorf("%s: the rolling update or the kills under load lost connections: %s", name, rep)
 		}
 	}
 	return RunSuite(ctx, Run{BinDir: binDir, Kubeconfig: c.Kubeconfig, Nodes: *nodesFlag, Focus: focus, Skip: skip, Procs: *procsFlag,

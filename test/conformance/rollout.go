@@ -3,14 +3,17 @@ package conformance
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -56,7 +59,7 @@ func rolloutObjects(replicas int32) (*v1.Namespace, *appsv1.Deployment, *v1.Serv
 }
 
 // RolloutReport is what a rolling update of the uproxy DaemonSet under load
-// did to the load.
+// did to the load, and then the kills of each node's serving uproxy.
 type RolloutReport struct {
 	// Steps are the updates made, each with how long the DaemonSet took.
 	Steps []string
@@ -70,11 +73,33 @@ type RolloutReport struct {
 	// Resumed is what the new pods' uproxies logged resuming.
 	Resumed []string
 	Errors  []string
+	// Crash is the second phase, when asked for.
+	Crash *CrashReport
 }
 
-// Clean reports whether the update lost nothing.
+// CrashReport is what SIGKILLs of the serving uproxy on every node, one at a
+// time (--crash-holder starts it again), did to a load of short
+// connections.
+type CrashReport struct {
+	Kills int
+	// Short counts the short connections; Refused those that never
+	// connected or timed out (none is allowed), Cut those the killed
+	// process was relaying (a crash loses established connections: at most
+	// one per client per kill, the clients making one at a time).
+	Short, Refused, Cut int64
+	// Restarts are the lines of the servers started again.
+	Restarts []string
+	Errors   []string
+	clients  int
+}
+
+// Clean reports whether the update, and the kills, lost nothing they may not.
 func (r RolloutReport) Clean() bool {
-	return r.LongLost == 0 && r.ShortFailed == 0 && r.Short > 0 && r.Exchanges > 0
+	ok := r.LongLost == 0 && r.ShortFailed == 0 && r.Short > 0 && r.Exchanges > 0
+	if r.Crash != nil {
+		ok = ok && r.Crash.Short > 0 && r.Crash.Refused == 0 && r.Crash.Kills > 0 && r.Crash.Cut <= int64(r.Crash.Kills*r.Crash.clients)
+	}
+	return ok
 }
 
 func (r RolloutReport) String() string {
@@ -82,6 +107,13 @@ func (r RolloutReport) String() string {
 		strings.Join(r.Steps, ", "), r.Long, r.LongLost, r.Exchanges, r.Short, r.ShortFailed, strings.Join(r.Resumed, "; "))
 	if len(r.Errors) > 0 {
 		s += "\nfirst errors:\n  " + strings.Join(r.Errors, "\n  ")
+	}
+	if c := r.Crash; c != nil {
+		s += fmt.Sprintf("\nthen %d kills of the serving uproxy: short connections %d, refused or timed out %d, cut while relayed %d; %s",
+			c.Kills, c.Short, c.Refused, c.Cut, strings.Join(c.Restarts, "; "))
+		if len(c.Errors) > 0 {
+			s += "\nfirst errors:\n  " + strings.Join(c.Errors, "\n  ")
+		}
 	}
 	return s
 }
@@ -92,9 +124,11 @@ func (r RolloutReport) String() string {
 // The load goes through a NodePort Service from every node's host network
 // (to the ClusterIP and to the node's own NodePort) and from outside the
 // nodes (to every node's NodePort): long-lived connections that make a
-// request every 100 ms, and a short connection every 20 ms per client. It
+// request every 100 ms, and a short connection every 20 ms per client.
+// With crash, it then SIGKILLs the serving uproxy of each node in turn
+// under a load of short connections, and waits for it to serve again. It
 // returns what the load saw; an error is a cluster that would not do it.
-func (c *Cluster) RollOutUnderLoad(ctx context.Context, next string, logf func(string, ...any)) (RolloutReport, error) {
+func (c *Cluster) RollOutUnderLoad(ctx context.Context, next string, crash bool, logf func(string, ...any)) (RolloutReport, error) {
 	var rep RolloutReport
 	ns, dep, svc := rolloutObjects(int32(max(2, c.cfg.Nodes)))
 	if _, err := c.Client.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
@@ -111,18 +145,13 @@ func (c *Cluster) RollOutUnderLoad(ctx context.Context, next string, logf func(s
 	clusterIP := net.JoinHostPort(svc.Spec.ClusterIP, "80")
 	nodePort := strconv.Itoa(int(svc.Spec.Ports[0].NodePort))
 
-	// The clients: a network namespace and the addresses it uses.
-	type client struct {
-		ns    string
-		addrs []string
-	}
-	var clients []client
+	var clients []loadClient
 	var outside []string
 	for _, i := range c.nodes() {
-		clients = append(clients, client{NodeName(i), []string{clusterIP, net.JoinHostPort(NodeIP(i), nodePort)}})
+		clients = append(clients, loadClient{NodeName(i), []string{clusterIP, net.JoinHostPort(NodeIP(i), nodePort)}})
 		outside = append(outside, net.JoinHostPort(NodeIP(i), nodePort))
 	}
-	clients = append(clients, client{ExtNS, outside})
+	clients = append(clients, loadClient{ExtNS, outside})
 
 	// Every client reaches every address before the load starts.
 	for _, cl := range clients {
@@ -138,78 +167,11 @@ func (c *Cluster) RollOutUnderLoad(ctx context.Context, next string, logf func(s
 		}
 	}
 
-	loadCtx, stopLoad := context.WithCancel(ctx)
-	defer stopLoad()
-	var (
-		mu        sync.Mutex
-		errs      []string
-		exchanges atomic.Int64
-		short     atomic.Int64
-		shortBad  atomic.Int64
-		wg        sync.WaitGroup
-	)
-	note := func(format string, args ...any) {
-		mu.Lock()
-		defer mu.Unlock()
-		if len(errs) < 10 {
-			errs = append(errs, time.Now().Format("15:04:05.000")+" "+fmt.Sprintf(format, args...))
-		}
+	l, err := startLoad(ctx, clients, 2)
+	if err != nil {
+		return rep, err
 	}
-	var longs []*longConn
-	for _, cl := range clients {
-		for _, a := range cl.addrs {
-			for k := range 2 {
-				lc, err := dialLong(ctx, DialIn(cl.ns), a, fmt.Sprintf("%s-%s-%d", cl.ns, a, k))
-				if err != nil {
-					return rep, fmt.Errorf("%s: a long-lived connection to %s: %w", cl.ns, a, err)
-				}
-				longs = append(longs, lc)
-			}
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			tick := time.NewTicker(20 * time.Millisecond)
-			defer tick.Stop()
-			for n := 0; ; n++ {
-				select {
-				case <-loadCtx.Done():
-					return
-				case <-tick.C:
-				}
-				a := cl.addrs[n%len(cl.addrs)]
-				short.Add(1)
-				if err := shortRequest(loadCtx, DialIn(cl.ns), a); err != nil && loadCtx.Err() == nil {
-					shortBad.Add(1)
-					note("short connection from %s to %s: %v", cl.ns, a, err)
-				}
-			}
-		}()
-	}
-	for _, lc := range longs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer lc.c.Close()
-			tick := time.NewTicker(100 * time.Millisecond)
-			defer tick.Stop()
-			for {
-				select {
-				case <-loadCtx.Done():
-					return
-				case <-tick.C:
-				}
-				if err := lc.exchange(); err != nil {
-					lc.err = err
-					note("long-lived connection %s: %v", lc.name, err)
-					return
-				}
-				exchanges.Add(1)
-				lc.lastOK.Store(time.Now().UnixNano())
-			}
-		}()
-	}
-
+	defer l.stop()
 	pause := func() {
 		select {
 		case <-ctx.Done():
@@ -242,22 +204,189 @@ func (c *Cluster) RollOutUnderLoad(ctx context.Context, next string, logf func(s
 	}
 	// Each long-lived connection has answered since the last update.
 	rolledOut := time.Now().Add(-2 * time.Second)
-	stopLoad()
-	wg.Wait()
-
-	for _, lc := range longs {
+	l.stop()
+	for _, lc := range l.longs {
 		rep.Long++
 		switch {
 		case lc.err != nil:
 			rep.LongLost++
 		case time.Unix(0, lc.lastOK.Load()).Before(rolledOut):
 			rep.LongLost++
-			note("long-lived connection %s: no answer since %s", lc.name, time.Unix(0, lc.lastOK.Load()).Format("15:04:05.000"))
+			l.note("long-lived connection %s: no answer since %s", lc.name, time.Unix(0, lc.lastOK.Load()).Format("15:04:05.000"))
 		}
 	}
-	rep.Exchanges, rep.Short, rep.ShortFailed, rep.Errors = exchanges.Load(), short.Load(), shortBad.Load(), errs
-	rep.Resumed = c.resumedLines(ctx)
+	rep.Exchanges, rep.Short, rep.ShortFailed, rep.Errors = l.exchanges.Load(), l.short.Load(), l.shortRefused.Load()+l.shortCut.Load(), l.errs
+	rep.Resumed = c.podLines(ctx, "Resumed the established connections")
+	if !crash {
+		return rep, nil
+	}
+
+	cr := &CrashReport{clients: len(clients)}
+	rep.Crash = cr
+	l, err = startLoad(ctx, clients, 0)
+	if err != nil {
+		return rep, err
+	}
+	defer l.stop()
+	pause()
+	for _, i := range c.nodes() {
+		before := len(c.podLines(ctx, "Serving again on the proxy sockets"))
+		pid, err := servingUProxy(NodeName(i))
+		if err != nil {
+			return rep, err
+		}
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+			return rep, fmt.Errorf("kill the serving uproxy of %s (process %d): %w", NodeName(i), pid, err)
+		}
+		cr.Kills++
+		err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, false, func(ctx context.Context) (bool, error) {
+			return len(c.podLines(ctx, "Serving again on the proxy sockets")) > before, nil
+		})
+		if err != nil {
+			return rep, fmt.Errorf("the uproxy of %s killed, none serves again: %w\n%s", NodeName(i), err, c.PodProblems(ctx, "kube-system"))
+		}
+		logf("crash: the serving uproxy of %s (process %d) killed, and serving again", NodeName(i), pid)
+		pause()
+	}
+	l.stop()
+	cr.Short, cr.Refused, cr.Cut, cr.Errors = l.short.Load(), l.shortRefused.Load(), l.shortCut.Load(), l.errs
+	cr.Restarts = c.podLines(ctx, "Serving again on the proxy sockets")
 	return rep, nil
+}
+
+// servingUProxy finds the uproxy that serves node's network namespace: the
+// child of the crash holder, both named uproxy.
+func servingUProxy(node string) (int, error) {
+	var want syscall.Stat_t
+	if err := syscall.Stat("/run/netns/"+node, &want); err != nil {
+		return 0, err
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || procComm(pid) != "uproxy" {
+			continue
+		}
+		var st syscall.Stat_t
+		if syscall.Stat(fmt.Sprintf("/proc/%d/ns/net", pid), &st) != nil || st.Ino != want.Ino {
+			continue
+		}
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...
+		_, rest, _ := strings.Cut(string(stat), ") ")
+		if f := strings.Fields(rest); len(f) > 1 {
+			if ppid, _ := strconv.Atoi(f[1]); procComm(ppid) == "uproxy" {
+				return pid, nil
+			}
+		}
+	}
+	return 0, fmt.Errorf("no uproxy under a crash holder serves %s", node)
+}
+
+func procComm(pid int) string {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+	return strings.TrimSpace(string(b))
+}
+
+// loadClient is a network namespace and the addresses it sends to.
+type loadClient struct {
+	ns    string
+	addrs []string
+}
+
+// load is the clients' traffic: per client a short connection every 20 ms,
+// round the client's addresses, and perAddr long-lived connections to each.
+type load struct {
+	cancel                 context.CancelFunc
+	wg                     sync.WaitGroup
+	mu                     sync.Mutex
+	errs                   []string
+	exchanges, short       atomic.Int64
+	shortRefused, shortCut atomic.Int64
+	longs                  []*longConn
+	stopped                bool
+}
+
+func startLoad(ctx context.Context, clients []loadClient, perAddr int) (*load, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	l := &load{cancel: cancel}
+	for _, cl := range clients {
+		for _, a := range cl.addrs {
+			for k := range perAddr {
+				lc, err := dialLong(ctx, DialIn(cl.ns), a, fmt.Sprintf("%s-%s-%d", cl.ns, a, k))
+				if err != nil {
+					l.stop()
+					return nil, fmt.Errorf("%s: a long-lived connection to %s: %w", cl.ns, a, err)
+				}
+				l.longs = append(l.longs, lc)
+			}
+		}
+		l.wg.Go(func() {
+			tick := time.NewTicker(20 * time.Millisecond)
+			defer tick.Stop()
+			for n := 0; ; n++ {
+				select {
+				case <-ctx.Done():
+					return
+				case <-tick.C:
+				}
+				a := cl.addrs[n%len(cl.addrs)]
+				l.short.Add(1)
+				err := shortRequest(ctx, DialIn(cl.ns), a)
+				switch {
+				case err == nil || ctx.Err() != nil:
+					continue
+				case errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+					l.shortCut.Add(1)
+				default:
+					l.shortRefused.Add(1)
+				}
+				l.note("short connection from %s to %s: %v", cl.ns, a, err)
+			}
+		})
+	}
+	for _, lc := range l.longs {
+		l.wg.Go(func() {
+			defer lc.c.Close()
+			tick := time.NewTicker(100 * time.Millisecond)
+			defer tick.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-tick.C:
+				}
+				if err := lc.exchange(); err != nil {
+					lc.err = err
+					l.note("long-lived connection %s: %v", lc.name, err)
+					return
+				}
+				l.exchanges.Add(1)
+				lc.lastOK.Store(time.Now().UnixNano())
+			}
+		})
+	}
+	return l, nil
+}
+
+func (l *load) note(format string, args ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.errs) < 10 {
+		l.errs = append(l.errs, time.Now().Format("15:04:05.000")+" "+fmt.Sprintf(format, args...))
+	}
+}
+
+// stop ends the load and waits for its clients.
+func (l *load) stop() {
+	l.cancel()
+	l.wg.Wait()
 }
 
 // awaitRollout waits until every node runs one pod of the DaemonSet's
@@ -288,8 +417,8 @@ func (c *Cluster) awaitRollout(ctx context.Context, ns, name string, within time
 	return nil
 }
 
-// resumedLines are the uproxy pods' lines that say what they took over.
-func (c *Cluster) resumedLines(ctx context.Context) []string {
+// podLines are the uproxy pods' log lines that contain what.
+func (c *Cluster) podLines(ctx context.Context, what string) []string {
 	pods, err := c.Client.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=uproxy"})
 	if err != nil {
 		return []string{err.Error()}
@@ -302,7 +431,7 @@ func (c *Cluster) resumedLines(ctx context.Context) []string {
 			continue
 		}
 		for line := range strings.Lines(string(b)) {
-			if strings.Contains(line, "Resumed the established connections") {
+			if strings.Contains(line, what) {
 				_, msg, _ := strings.Cut(line, "] ")
 				out = append(out, p.Spec.NodeName+": "+strings.TrimSpace(msg))
 			}
