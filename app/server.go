@@ -433,8 +433,8 @@ func (s *server) Run(synced func(running, *service.Snapshot)) error {
 		<-syncDone
 		handed := 0
 		if s.handOff(succ) {
-			// Its established TCP connections go too; the rest (still
-			// dialing, UDP clients) drain here.
+			// Its established TCP connections and UDP clients go too;
+			// the connections still dialing drain here.
 			handed, _ = s.handSessions(succ)
 		}
 		observe.HandoverDone("from", time.Since(succ.start))

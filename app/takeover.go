@@ -67,6 +67,7 @@ const (
 	msgSessions                    // a route (Service port, class), then its connections' items (socket.SessionItems)
 	msgSessionsAck                 // successor: connections resumed, reset
 	msgSessionsEnd                 // no connection left to hand
+	msgUDPClients                  // a route (as msgSessions), then its UDP clients' items (socket.UDPClientItems)
 )
 
 // sessionBatch is the most connections detached and sent at once: one batch
@@ -206,6 +207,8 @@ type predecessor struct {
 	http     map[string]net.Listener
 	httpAddr map[string]string
 	proxy    []proxier.HandedSocket
+	// udpResumed counts the UDP client entries resumed (receiveSessions).
+	udpResumed int
 	// nodePorts counts the NodePort sockets handed (to s.nodePorts).
 	nodePorts int
 }
@@ -487,6 +490,35 @@ func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-
 // mode).
 type sessionResumer interface {
 	ResumeSessions(proxier.RouteKey, []socket.SessionState) (int, error)
+	ResumeUDPClients(proxier.RouteKey, []socket.UDPClientState) (int, error)
+}
+
+// resumeUDPClients resumes one batch of UDP client entries (msgUDPClients);
+// none is acknowledged: the predecessor reads its UDP sockets no more, and
+// closes its copies once sent.
+func (p *predecessor) resumeUDPClients(rs sessionResumer, items []handover.Item) (resumed, dropped int) {
+	key, err := decodeRouteKey(items[0].Meta)
+	if err != nil || items[0].FD >= 0 {
+		closeItems(items)
+		klog.ErrorS(err, "A batch of UDP clients handed over with a malformed route; dropped", "clients", len(items)-1)
+		return 0, len(items) - 1
+	}
+	states, err := socket.UDPClientStates(items[1:]) // closes them on error
+	if err != nil {
+		klog.ErrorS(err, "UDP clients handed over could not be read; dropped", "service", key.Service, "clients", len(items)-1)
+		return 0, len(items) - 1
+	}
+	if rs == nil {
+		for i := range states {
+			states[i].Close()
+		}
+		return 0, len(states)
+	}
+	dropped, err = rs.ResumeUDPClients(key, states)
+	if err != nil {
+		klog.ErrorS(err, "UDP clients handed over were dropped: their next datagrams make new entries", "service", key.Service, "clients", dropped)
+	}
+	return len(states) - dropped, dropped
 }
 
 // receiveSessions resumes the established connections the predecessor hands
@@ -509,7 +541,7 @@ func (p *predecessor) receiveSessions(mode any) (resumed, reset int) {
 			return
 		}
 		klog.InfoS("Resumed the established connections of the uproxy taken over", "predecessor", p.pid,
-			"resumed", resumed, "reset", reset, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
+			"resumed", resumed, "reset", reset, "udpClients", p.udpResumed, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
 	}()
 	for {
 		p.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
@@ -521,6 +553,12 @@ func (p *predecessor) receiveSessions(mode any) (resumed, reset int) {
 		case msgSessionsEnd:
 			closeItems(items)
 			return resumed, reset
+		case msgUDPClients:
+			udpResumed, udpDropped := p.resumeUDPClients(rs, items)
+			observe.HandoverConnections.WithLabelValues("to", "udp_resumed").Add(float64(udpResumed))
+			observe.HandoverConnections.WithLabelValues("to", "udp_dropped").Add(float64(udpDropped))
+			p.udpResumed += udpResumed
+			continue
 		case msgSessions:
 		default:
 			closeItems(items)
@@ -571,8 +609,11 @@ func (p *predecessor) receiveSessions(mode any) (resumed, reset int) {
 	}
 }
 
-func encodeRouteKey(k proxier.RouteKey) []byte {
-	meta := []byte{msgSessions}
+func encodeRouteKey(k proxier.RouteKey) []byte { return encodeRouteKeyAs(msgSessions, k) }
+
+// encodeRouteKeyAs is a route's metadata in a message of kind.
+func encodeRouteKeyAs(kind byte, k proxier.RouteKey) []byte {
+	meta := []byte{kind}
 	for _, str := range []string{k.Service.Namespace, k.Service.Name, k.Service.Port} {
 		meta = appendString(meta, str)
 	}
@@ -937,6 +978,7 @@ type sessionHander interface {
 	sessionResumer
 	StopAccepting() error
 	DetachSessions(max int) ([]proxier.RouteSessions, error)
+	DetachUDPClients() ([]proxier.RouteUDPClients, error)
 }
 
 // handSessions hands succ this process's established TCP connections, once
@@ -958,7 +1000,7 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 	defer succ.c.Close()
 	start := time.Now()
 	m, ok := s.mode.(sessionHander)
-	var inFlight int
+	var inFlight, udpHanded int
 	var err error
 	defer func() {
 		observe.HandoverConnections.WithLabelValues("from", "handed").Add(float64(handed))
@@ -970,7 +1012,7 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 			return
 		}
 		klog.InfoS("Handed the established connections to the successor", "successor", succ.pid,
-			"handed", handed, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
+			"handed", handed, "udpClients", udpHanded, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
 	}()
 	if ok {
 		if serr := m.StopAccepting(); serr != nil {
@@ -1004,10 +1046,43 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 		if err != nil {
 			return
 		}
+		udp, uerr := s.handUDPClients(m, succ)
+		udpHanded = udp
+		if uerr != nil {
+			err = uerr
+			return
+		}
 	}
 	succ.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
 	err = succ.c.Send([]handover.Item{{FD: -1, Meta: []byte{msgSessionsEnd}}})
 	return
+}
+
+// handUDPClients stops this process's reading of the UDP proxy sockets and
+// sends succ every UDP client entry: each keeps its endpoint and its socket
+// to it, and the replies on their way are read in succ. It returns how many
+// were sent; those that could not be are closed (their clients' next
+// datagrams make new entries in succ).
+func (s *server) handUDPClients(m sessionHander, succ *successor) (handed int, err error) {
+	routes, derr := m.DetachUDPClients()
+	if derr != nil {
+		klog.ErrorS(derr, "Detaching UDP clients for the successor")
+	}
+	for _, rc := range routes {
+		for _, batch := range socket.UDPClientItems(rc.Clients) {
+			if err == nil {
+				succ.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
+				if err = succ.c.Send(append([]handover.Item{{FD: -1, Meta: encodeRouteKeyAs(msgUDPClients, rc.Route)}}, batch...)); err == nil {
+					handed += len(batch)
+				}
+			}
+		}
+		for i := range rc.Clients {
+			rc.Clients[i].Close()
+		}
+	}
+	observe.HandoverConnections.WithLabelValues("from", "udp_handed").Add(float64(handed))
+	return handed, err
 }
 
 // keepSessions resumes rs here, the successor not having taken them.

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 	"syscall"
@@ -162,5 +163,78 @@ func TestTakeOverSIGTERMDuringHandover(t *testing.T) {
 	}
 	if !b.logContains("resumed=11") && !b.logContains(`"resumed"=11`) {
 		t.Errorf("the second uproxy did not say it resumed 11 connections:\n%s", tail(b.logText(), 20))
+	}
+}
+
+// The UDP clients' entries move with the handover: each client keeps its
+// endpoint (the successor's round robin, which starts afresh, would give
+// some of them the other one), and the successor says how many it resumed.
+func TestTakeOverHandsUDPClients(t *testing.T) {
+	for _, backend := range []string{"nftables", "iptables"} {
+		t.Run(backend, func(t *testing.T) {
+			tp := testbed.New(t)
+			pod := tp.NS(testbed.Pod).IPv4.String()
+			e1 := namedUDP(t, tp, testbed.Pod, pod+":0", "e1")
+			e2 := namedUDP(t, tp, testbed.Pod, pod+":0", "e2")
+			manifests := svc{name: "dns", proto: "UDP", clusterIPs: []string{"10.96.0.13"}, port: 53,
+				endpoints: []string{pod, pod}, endpointPorts: []int{e1.LocalAddr().(*net.UDPAddr).Port, e2.LocalAddr().(*net.UDPAddr).Port}}.yaml()
+			flags := []string{"--rules", backend, "--udp-timeout", "1m", "--after-handover", "exit"}
+			a := runUproxy(t, tp, manifests, launch{want: 1, flags: flags})
+
+			ask := func(c net.Conn, msg string) (string, error) {
+				c.SetDeadline(time.Now().Add(3 * time.Second))
+				if _, err := c.Write([]byte(msg)); err != nil {
+					return "", err
+				}
+				buf := make([]byte, 100)
+				n, err := c.Read(buf)
+				if err != nil {
+					return "", err
+				}
+				name, rest, _ := strings.Cut(string(buf[:n]), ":")
+				if rest != msg {
+					return "", fmt.Errorf("answer %q to %q", buf[:n], msg)
+				}
+				return name, nil
+			}
+			// A client first that does not come back: the first uproxy's
+			// round robin is one ahead of a fresh one's from then on.
+			const clients = 10
+			var conns []net.Conn
+			var before []string
+			for i := range clients + 1 {
+				c, err := tp.Dial(testbed.Pod, "udp", "10.96.0.13:53")
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				name, err := ask(c, fmt.Sprintf("q%d", i))
+				if err != nil {
+					t.Fatalf("client %d through the first uproxy: %v", i, err)
+				}
+				if i > 0 {
+					conns, before = append(conns, c), append(before, name)
+				}
+			}
+			b := runUproxy(t, tp, manifests, launch{want: 1, dir: a.dir, flags: flags})
+			if code := a.awaitExit(15 * time.Second); code != 0 {
+				t.Errorf("the first uproxy exited %d, want 0", code)
+			}
+			for i, c := range conns {
+				name, err := ask(c, fmt.Sprintf("again%d", i))
+				if err != nil {
+					t.Fatalf("client %d through the second uproxy: %v", i, err)
+				}
+				if name != before[i] {
+					t.Errorf("client %d: endpoint %s before the handover, %s after, want the same", i, before[i], name)
+				}
+			}
+			if !b.logContains(`"udpClients"=11`) && !b.logContains("udpClients=11") {
+				t.Errorf("the second uproxy did not say it resumed 11 UDP clients:\n%s", tail(b.logText(), 20))
+			}
+			if out, err := b.get("/metrics"); err != nil || !strings.Contains(out, `uproxy_handover_connections_total{result="udp_resumed",role="to"} 11`) {
+				t.Errorf("the second uproxy's metrics (%v) lack uproxy_handover_connections_total{role=\"to\",result=\"udp_resumed\"} 11", err)
+			}
+		})
 	}
 }

@@ -14,8 +14,8 @@ import (
 // (DetachSessions), each with the route it was on, and the successor resumes
 // each on the route of the same Service port and class (ResumeSessions). A
 // connection whose route the successor does not have (its Service is gone)
-// is reset there. UDP client entries are not handed: they end in the old
-// process.
+// is reset there. UDP client entries move too, after the TCP connections
+// (DetachUDPClients, ResumeUDPClients): each keeps its endpoint.
 
 // RouteKey names a TCP route of a Service port in any process: its Service
 // port and its class (External: the route of the NodePort, ExternalIPs and
@@ -32,23 +32,82 @@ type RouteSessions struct {
 }
 
 // tcpRoutes returns every TCP route with its key.
-func (p *Proxier) tcpRoutes() ([]RouteKey, []*route) {
+func (p *Proxier) tcpRoutes() ([]RouteKey, []*route) { return p.routesOf(service.TCP) }
+
+// routesOf returns every route of protocol with its key.
+func (p *Proxier) routesOf(protocol service.Protocol) ([]RouteKey, []*route) {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	var keys []RouteKey
 	var routes []*route
 	for _, sp := range p.ports {
-		if sp.protocol != service.TCP {
+		if sp.protocol != protocol {
 			continue
 		}
 		for _, r := range sp.routes() {
-			if r.tcp != nil {
+			if (protocol == service.TCP && r.tcp != nil) || (protocol == service.UDP && r.udp != nil) {
 				keys = append(keys, RouteKey{Service: sp.name, External: r.external})
 				routes = append(routes, r)
 			}
 		}
 	}
 	return keys, routes
+}
+
+// routeOf returns the route key names for protocol (nil: none here).
+func (p *Proxier) routeOf(key RouteKey, protocol service.Protocol) *route {
+	p.mu.RLock()
+	sp := p.ports[key.Service]
+	p.mu.RUnlock()
+	if sp == nil || sp.protocol != protocol {
+		return nil
+	}
+	if key.External {
+		return sp.external.Load()
+	}
+	return sp.cluster
+}
+
+// RouteUDPClients are UDP client entries detached from one route.
+type RouteUDPClients struct {
+	Route   RouteKey
+	Clients []socket.UDPClientState
+}
+
+// DetachUDPClients stops reading every UDP proxy socket here and detaches
+// every UDP client entry, grouped by route (socket.UDPProxy.DetachClients):
+// from then on the successor, reading its own copies of the sockets, serves
+// the clients. The caller closes each state once the successor resumed it.
+func (p *Proxier) DetachUDPClients() ([]RouteUDPClients, error) {
+	keys, routes := p.routesOf(service.UDP)
+	var out []RouteUDPClients
+	var errs []error
+	for i, r := range routes {
+		states, err := r.udp.DetachClients()
+		if len(states) > 0 {
+			out = append(out, RouteUDPClients{Route: keys[i], Clients: states})
+		}
+		errs = append(errs, err)
+	}
+	return out, errors.Join(errs...)
+}
+
+// ResumeUDPClients resumes the client entries on the UDP route key names;
+// without such a route each is dropped (its socket closed: its client's next
+// datagram makes an entry wherever it is read). It returns how many were
+// dropped, and why.
+func (p *Proxier) ResumeUDPClients(key RouteKey, states []socket.UDPClientState) (dropped int, err error) {
+	if len(states) == 0 {
+		return 0, nil
+	}
+	r := p.routeOf(key, service.UDP)
+	if r == nil || r.udp == nil {
+		for i := range states {
+			states[i].Close()
+		}
+		return len(states), fmt.Errorf("resume %d UDP clients of %s (external %v): no such UDP route here", len(states), key.Service, key.External)
+	}
+	return r.udp.ResumeClients(states)
 }
 
 // StopAccepting closes this process's copies of the TCP proxy sockets; their
@@ -95,17 +154,7 @@ func (p *Proxier) ResumeSessions(key RouteKey, states []socket.SessionState) (re
 	if len(states) == 0 {
 		return 0, nil
 	}
-	p.mu.RLock()
-	sp := p.ports[key.Service]
-	p.mu.RUnlock()
-	var r *route
-	if sp != nil && sp.protocol == service.TCP {
-		if !key.External {
-			r = sp.cluster
-		} else {
-			r = sp.external.Load()
-		}
-	}
+	r := p.routeOf(key, service.TCP)
 	if r == nil || r.tcp == nil {
 		for i := range states {
 			states[i].Reset()

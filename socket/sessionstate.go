@@ -113,23 +113,44 @@ func (st *SessionState) AppendBinary(b []byte) ([]byte, error) {
 	}
 	b = binary.AppendUvarint(b, uint64(len(st.attempts)))
 	for _, a := range st.attempts {
-		b = appendAddrPort(b, a.Endpoint)
-		b = binary.BigEndian.AppendUint64(b, uint64(a.Start.UnixNano()))
-		b = binary.BigEndian.AppendUint64(b, uint64(a.Duration))
-		b = append(b, byte(a.Source))
-		switch {
-		case a.Err == nil:
-			b = append(b, attemptOK)
-		case a.Err == record.ErrHedgeLost:
-			b = append(b, attemptHedgeLost)
-		default:
-			msg := a.Err.Error()
-			b = append(b, attemptFailed)
-			b = binary.AppendUvarint(b, uint64(len(msg)))
-			b = append(b, msg...)
-		}
+		b = appendAttempt(b, a)
 	}
 	return b, nil
+}
+
+// appendAttempt encodes one attempt: endpoint, start, duration, source,
+// error kind and, for another error, its text.
+func appendAttempt(b []byte, a record.Attempt) []byte {
+	b = appendAddrPort(b, a.Endpoint)
+	b = binary.BigEndian.AppendUint64(b, uint64(a.Start.UnixNano()))
+	b = binary.BigEndian.AppendUint64(b, uint64(a.Duration))
+	b = append(b, byte(a.Source))
+	switch {
+	case a.Err == nil:
+		return append(b, attemptOK)
+	case a.Err == record.ErrHedgeLost:
+		return append(b, attemptHedgeLost)
+	}
+	msg := a.Err.Error()
+	b = append(b, attemptFailed)
+	b = binary.AppendUvarint(b, uint64(len(msg)))
+	return append(b, msg...)
+}
+
+// attempt reads what appendAttempt wrote.
+func (r *stateReader) attempt() record.Attempt {
+	a := record.Attempt{Endpoint: r.addrPort(), Start: time.Unix(0, int64(r.uint64())),
+		Duration: time.Duration(r.uint64()), Source: record.Source(r.byte())}
+	switch r.byte() {
+	case attemptOK:
+	case attemptHedgeLost:
+		a.Err = record.ErrHedgeLost
+	case attemptFailed:
+		a.Err = errors.New(string(r.bytes()))
+	default:
+		r.fail()
+	}
+	return a
 }
 
 func appendAddrPort(b []byte, ap netip.AddrPort) []byte {
@@ -247,18 +268,7 @@ func decodeSessionState(items []handover.Item) (SessionState, int, error) {
 		r.fail()
 	}
 	for i := uint64(0); i < count && r.err == nil; i++ {
-		a := record.Attempt{Endpoint: r.addrPort(), Start: time.Unix(0, int64(r.uint64())),
-			Duration: time.Duration(r.uint64()), Source: record.Source(r.byte())}
-		switch r.byte() {
-		case attemptOK:
-		case attemptHedgeLost:
-			a.Err = record.ErrHedgeLost
-		case attemptFailed:
-			a.Err = errors.New(string(r.bytes()))
-		default:
-			r.fail()
-		}
-		st.attempts = append(st.attempts, a)
+		st.attempts = append(st.attempts, r.attempt())
 	}
 	if r.err != nil {
 		return st, 0, r.err

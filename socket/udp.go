@@ -342,7 +342,7 @@ func (p *UDPProxy) open(l *loop, svc *udpSocket, client netip.AddrPort, local ne
 		p.reject(l, client, record.DropClientTableFull, ErrTooManyClients)
 		return nil
 	}
-	c := &udpClient{p: p, svc: svc, addr: client, replyFrom: replySource(local), fd: -1}
+	c := &udpClient{p: p, svc: svc, addr: client, local: local, replyFrom: replySource(local), fd: -1}
 	c.t = poll.NewTimer(c)
 	c.rec = record.Conn{Service: p.Service, Protocol: "UDP", Client: client, Start: time.Now()}
 	c.short = p.ShortCircuit != nil && p.ShortCircuits(client.Addr().Unmap())
@@ -607,6 +607,7 @@ type udpClient struct {
 	// replyFrom is the control message that sends replies from the address the
 	// client wrote to (nil on sockets bound to one address).
 	replyFrom []byte
+	local     netip.Addr // the address the client wrote to, when replyFrom is set
 	addr      netip.AddrPort
 	to        unix.Sockaddr // addr, for sendmsg
 	ep        netip.AddrPort
