@@ -288,7 +288,12 @@ func TestTakeOverKernelMode(t *testing.T) {
 // lines ("t0", "t1", ...) one every 50 ms after the client's FIN, then the
 // endpoint's own.
 func lineEndpoint(t *testing.T, tp *testbed.Topology, ticks int) int {
-	ln := tp.Listen(testbed.Pod, "tcp", tp.NS(testbed.Pod).IPv4.String()+":0")
+	return lineEndpointAt(t, tp, tp.NS(testbed.Pod).IPv4.String(), ticks)
+}
+
+// lineEndpointAt is lineEndpoint on address ip of the pod.
+func lineEndpointAt(t *testing.T, tp *testbed.Topology, ip string, ticks int) int {
+	ln := tp.Listen(testbed.Pod, "tcp", net.JoinHostPort(ip, "0"))
 	t.Cleanup(func() { ln.Close() })
 	go func() {
 		for {
@@ -464,17 +469,22 @@ func (l *lineConns) end() []string {
 // --shutdown-grace 1s, a first uproxy that drained them instead would reset
 // every one a second after the successor got the lock.
 func TestTakeOverHandsConnections(t *testing.T) {
-	for _, backend := range []string{"nftables", "iptables"} {
-		t.Run(backend, func(t *testing.T) {
-			tp := testbed.New(t)
+	for _, c := range []struct{ backend, family string }{{"nftables", "IPv4"}, {"iptables", "IPv4"}, {"nftables", "IPv6"}, {"iptables", "IPv6"}} {
+		backend := c.backend
+		t.Run(c.backend+"/"+c.family, func(t *testing.T) {
+			tp := testbed.New(t, testbed.WithIPv6())
 			const ticks = 120 // 6 s
-			port := lineEndpoint(t, tp, ticks)
-			manifests := svc{name: "stream", proto: "TCP", clusterIPs: []string{"10.96.0.12"}, port: 80,
-				endpoints: []string{tp.NS(testbed.Pod).IPv4.String()}, endpointPorts: []int{port}}.yaml()
+			ep, clusterIP := tp.NS(testbed.Pod).IPv4.String(), "10.96.0.12"
+			if c.family == "IPv6" {
+				ep, clusterIP = tp.NS(testbed.Pod).IPv6.String(), "fd00:96::12"
+			}
+			port := lineEndpointAt(t, tp, ep, ticks)
+			manifests := svc{name: "stream", proto: "TCP", clusterIPs: []string{clusterIP}, port: 80, family: c.family,
+				endpoints: []string{ep}, endpointPorts: []int{port}}.yaml()
 			flags := []string{"--rules", backend, "--shutdown-grace", "1s"}
 			a := runUproxy(t, tp, manifests, launch{want: 1, flags: flags})
 
-			lines := startLineConns(t, tp, "10.96.0.12:80", 20, 2, ticks)
+			lines := startLineConns(t, tp, net.JoinHostPort(clusterIP, "80"), 20, 2, ticks)
 			testbed.Await(t, 10*time.Second, "lines through the first uproxy", func() bool {
 				return slices.Min(lines.progress()) >= 5
 			})
