@@ -27,7 +27,10 @@
 //
 // The node setup a run does before the mode programs anything:
 //
+//	holder.go            --crash-holder: the parent that keeps the proxy sockets
+//	                     through a crash of the server it starts (runHolder)
 //	ruleslock.go         one uproxy per --chain-prefix programs the node's rules
+//	takeover.go          --take-over: the handover to a successor on the rules lock
 //	filelimit.go         the open file limit, raised to the hard limit
 //	conntrack.go         the --conntrack-* flags and the sysctls they set
 //

@@ -65,20 +65,12 @@ func (p *Proxier) HandOver() ([]HandedSocket, error) {
 			if ls == nil || ls.serving.failed() != nil {
 				continue
 			}
-			var fds []int
-			var err error
-			if r.tcp != nil {
-				fds, err = r.tcp.DupListeners()
-			} else {
-				fds, err = r.udp.DupSockets()
-			}
+			socks, err := dupRoute(sp, r, ls)
 			if err != nil {
 				CloseHanded(out)
 				return nil, err
 			}
-			for _, fd := range fds {
-				out = append(out, HandedSocket{Service: sp.name, Protocol: sp.protocol, External: r.external, ProxyPort: ls.proxyPort, FD: fd})
-			}
+			out = append(out, socks...)
 		}
 	}
 	return out, nil

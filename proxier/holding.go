@@ -30,6 +30,18 @@ func (p *Proxier) hold(sp *servicePort, r *route, ls *listenerState) {
 	if p.cfg.Holding == nil || ls == nil {
 		return
 	}
+	socks, err := dupRoute(sp, r, ls)
+	if err != nil {
+		// The holder keeps what it had: an older copy of this route, or none.
+		klog.ErrorS(err, "Could not give the crash holder a copy of a proxy socket", "service", sp.name, "proxyPort", ls.proxyPort)
+		return
+	}
+	p.cfg.Holding.Hold(socks)
+}
+
+// dupRoute returns duplicates of the sockets r of sp serves on ls's proxy
+// port, which the caller closes or hands on.
+func dupRoute(sp *servicePort, r *route, ls *listenerState) ([]HandedSocket, error) {
 	var fds []int
 	var err error
 	if r.tcp != nil {
@@ -38,15 +50,13 @@ func (p *Proxier) hold(sp *servicePort, r *route, ls *listenerState) {
 		fds, err = r.udp.DupSockets()
 	}
 	if err != nil {
-		// The holder keeps what it had: an older copy of this route, or none.
-		klog.ErrorS(err, "Could not give the crash holder a copy of a proxy socket", "service", sp.name, "proxyPort", ls.proxyPort)
-		return
+		return nil, err
 	}
 	socks := make([]HandedSocket, len(fds))
 	for i, fd := range fds {
 		socks[i] = HandedSocket{Service: sp.name, Protocol: sp.protocol, External: r.external, ProxyPort: ls.proxyPort, FD: fd}
 	}
-	p.cfg.Holding.Hold(socks)
+	return socks, nil
 }
 
 // release tells the Holding that r of sp serves no more.
