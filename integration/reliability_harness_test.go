@@ -41,6 +41,8 @@ type launch struct {
 	source []string
 	// ready, when set, replaces want: the state /debug/services must reach.
 	ready func([]serviceState) bool
+	// noWait returns once the process started, before it serves.
+	noWait bool
 }
 
 // start runs `ip` with args (uproxy in the node namespace), its output in a log
@@ -113,6 +115,9 @@ func runUproxy(t testing.TB, tp *testbed.Topology, manifests string, l launch) *
 	}
 	args = append(args, l.flags...)
 	p.start(args)
+	if l.noWait {
+		return p
+	}
 	seen := time.Now()
 	if l.ready != nil {
 		p.waitFor(l.ready, "the expected Service ports")

@@ -112,39 +112,19 @@ func TestTakeOverSIGTERMDuringHandover(t *testing.T) {
 	tp := testbed.New(t)
 	const ticks = 80
 	port := lineEndpoint(t, tp, ticks)
-	pod := tp.NS(testbed.Pod).IPv4.String()
-	var m strings.Builder
-	m.WriteString(svc{name: "stream", proto: "TCP", clusterIPs: []string{"10.96.0.12"}, port: 80,
-		endpoints: []string{pod}, endpointPorts: []int{port}}.yaml())
 	const fillers = 3000
-	for i := range fillers {
-		m.WriteString("---\n")
-		m.WriteString(svc{name: fmt.Sprintf("filler-%d", i), proto: "TCP", clusterIPs: []string{fmt.Sprintf("10.97.%d.%d", i/250, i%250+1)},
-			port: 80, endpoints: []string{pod}, endpointPorts: []int{port}}.yaml())
-	}
+	manifests := withFillers(tp, port, fillers)
 	flags := []string{"--rules", "nftables", "--shutdown-grace", "1s", "--after-handover", "exit"}
-	a := runUproxy(t, tp, m.String(), launch{want: fillers + 1, flags: flags})
+	a := runUproxy(t, tp, manifests, launch{want: fillers + 1, flags: flags})
 	lines := startLineConns(t, tp, "10.96.0.12:80", 10, 1, ticks)
 	testbed.Await(t, 10*time.Second, "lines through the first uproxy", func() bool {
 		return slices.Min(lines.progress()) >= 3
 	})
 
 	// The old pod's deletion: SIGTERM as soon as the successor has the sockets.
-	signalled := make(chan time.Time, 1)
-	go func() {
-		deadline := time.Now().Add(time.Minute)
-		for time.Now().Before(deadline) {
-			if a.logContains("Handed the listening sockets to a successor") {
-				a.cmd.Process.Signal(syscall.SIGTERM)
-				signalled <- time.Now()
-				return
-			}
-			time.Sleep(2 * time.Millisecond)
-		}
-		close(signalled)
-	}()
-	b := runUproxy(t, tp, m.String(), launch{want: fillers + 1, dir: a.dir, flags: flags})
-	if _, ok := <-signalled; !ok {
+	signalled := signalAtLine(a, "Handed the listening sockets to a successor", a, syscall.SIGTERM)
+	b := runUproxy(t, tp, manifests, launch{want: fillers + 1, dir: a.dir, flags: flags})
+	if !<-signalled {
 		t.Fatalf("the first uproxy never said it handed its sockets:\n%s", tail(a.logText(), 20))
 	}
 	if code := a.awaitExit(20 * time.Second); code != 0 {
@@ -237,4 +217,40 @@ func TestTakeOverHandsUDPClients(t *testing.T) {
 			}
 		})
 	}
+}
+
+// withFillers is the manifests of a Service "stream" at 10.96.0.12:80 on the
+// pod's port, and of n more on the same endpoint: a first sync over them
+// takes long enough for a test to act between a successor getting the
+// sockets and serving on them.
+func withFillers(tp *testbed.Topology, port, n int) string {
+	pod := tp.NS(testbed.Pod).IPv4.String()
+	var m strings.Builder
+	m.WriteString(svc{name: "stream", proto: "TCP", clusterIPs: []string{"10.96.0.12"}, port: 80,
+		endpoints: []string{pod}, endpointPorts: []int{port}}.yaml())
+	for i := range n {
+		m.WriteString("---\n")
+		m.WriteString(svc{name: fmt.Sprintf("filler-%d", i), proto: "TCP", clusterIPs: []string{fmt.Sprintf("10.97.%d.%d", i/250, i%250+1)},
+			port: 80, endpoints: []string{pod}, endpointPorts: []int{port}}.yaml())
+	}
+	return m.String()
+}
+
+// signalAtLine sends sig to target as soon as watched logs line (within a
+// minute); the channel says whether it did.
+func signalAtLine(watched *proxy, line string, target *proxy, sig syscall.Signal) <-chan bool {
+	done := make(chan bool, 1)
+	go func() {
+		deadline := time.Now().Add(time.Minute)
+		for time.Now().Before(deadline) {
+			if watched.logContains(line) {
+				target.cmd.Process.Signal(sig)
+				done <- true
+				return
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+		done <- false
+	}()
+	return done
 }
