@@ -750,14 +750,23 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		return nil
 	}
 	items = append([]handover.Item{{FD: -1, Meta: own.encode(msgAccepted)}}, items...)
-	items = append(items, handover.Item{FD: -1, Meta: []byte{msgEnd}})
-	if err := sendBatches(c, items); err != nil {
+	sent := len(items) - 1
+	err = sendBatches(c, items)
+	if err == nil {
+		var n int
+		n, err = s.sendProxySockets(c)
+		sent += n
+	}
+	if err == nil {
+		err = c.Send([]handover.Item{{FD: -1, Meta: []byte{msgEnd}}})
+	}
+	if err != nil {
 		c.Close()
 		klog.ErrorS(err, "Handing sockets to a successor failed; serving on", "successor", pid)
 		s.handoverAbandoned(fmt.Sprintf("handing the sockets to process %d: %v", pid, err), time.Since(start))
 		return nil
 	}
-	klog.InfoS("Handed the listening sockets to a successor; serving on until it serves", "successor", pid, "version", succ.version, "sockets", len(items)-2)
+	klog.InfoS("Handed the listening sockets to a successor; serving on until it serves", "successor", pid, "version", succ.version, "sockets", sent)
 	// The handover ends once the successor is Run's (serveSuccessors), or
 	// here when it went away.
 	done := s.beginHanding()
@@ -788,7 +797,7 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		return nil
 	}
 	served = true
-	return &successor{c: c, pid: pid, start: start, sockets: len(items) - 2, handed: done}
+	return &successor{c: c, pid: pid, start: start, sockets: sent, handed: done}
 }
 
 // sigtermHandoverWait is how long a SIGTERM leaves a successor that has the
@@ -853,9 +862,9 @@ func (s *server) awaitHandover(successors <-chan *successor) *successor {
 	}
 }
 
-// handedItems are the sockets a successor takes: the HTTP listeners, the
-// proxy sockets and the NodePort sockets, each a duplicate that closers
-// close once sent.
+// handedItems are the sockets a successor takes first: the HTTP listeners
+// and the NodePort sockets, each a duplicate that closers close once sent.
+// The proxy sockets follow (sendProxySockets).
 func (s *server) handedItems() (items []handover.Item, closers []func(), err error) {
 	fail := func(e error) ([]handover.Item, []func(), error) {
 		for _, f := range closers {
@@ -878,18 +887,6 @@ func (s *server) handedItems() (items []handover.Item, closers []func(), err err
 		closers = append(closers, func() { f.Close() })
 		items = append(items, handover.Item{FD: int(f.Fd()), Meta: appendString(appendString([]byte{msgHTTP}, h.kind), h.addr)})
 	}
-	if m, ok := s.mode.(interface {
-		HandOver() ([]proxier.HandedSocket, error)
-	}); ok {
-		socks, err := m.HandOver()
-		if err != nil {
-			return fail(err)
-		}
-		closers = append(closers, func() { proxier.CloseHanded(socks) })
-		for _, h := range socks {
-			items = append(items, handover.Item{FD: h.FD, Meta: encodeProxySocket(msgProxy, h)})
-		}
-	}
 	held, err := s.nodePorts.dup()
 	if err != nil {
 		return fail(err)
@@ -899,6 +896,50 @@ func (s *server) handedItems() (items []handover.Item, closers []func(), err err
 		items = append(items, handover.Item{FD: h.fd, Meta: appendString(appendString([]byte{msgNodePort}, h.network), h.address)})
 	}
 	return items, closers, nil
+}
+
+// sendProxySockets sends the mode's proxy sockets, a batch of at most
+// handover.MaxFDs at a time, each batch's duplicates closed once sent: the
+// process never holds a second descriptor for every proxy socket at once.
+func (s *server) sendProxySockets(c *handover.Conn) (sent int, err error) {
+	m, ok := s.mode.(interface {
+		HandOverEach(func([]proxier.HandedSocket) error) error
+	})
+	if !ok {
+		return 0, nil
+	}
+	var pending []proxier.HandedSocket
+	flush := func() error {
+		items := make([]handover.Item, len(pending))
+		for i, h := range pending {
+			items[i] = handover.Item{FD: h.FD, Meta: encodeProxySocket(msgProxy, h)}
+		}
+		err := c.Send(items)
+		proxier.CloseHanded(pending)
+		if err == nil {
+			sent += len(pending)
+		}
+		pending = pending[:0]
+		return err
+	}
+	err = m.HandOverEach(func(socks []proxier.HandedSocket) error {
+		if len(pending)+len(socks) > handover.MaxFDs {
+			if err := flush(); err != nil {
+				proxier.CloseHanded(socks)
+				return err
+			}
+		}
+		pending = append(pending, socks...)
+		return nil
+	})
+	if err == nil && len(pending) > 0 {
+		err = flush()
+	}
+	proxier.CloseHanded(pending)
+	if err != nil {
+		return sent, fmt.Errorf("hand the proxy sockets: %w", err)
+	}
+	return sent, nil
 }
 
 // sendBatches sends items in batches of at most handover.MaxFDs descriptors.
@@ -1001,6 +1042,10 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 	start := time.Now()
 	m, ok := s.mode.(sessionHander)
 	var inFlight, udpHanded int
+	// longest is the longest a batch was away from every loop: from its
+	// detach here to the successor's acknowledgement (its resume there
+	// follows at once).
+	var longest time.Duration
 	var err error
 	defer func() {
 		observe.HandoverConnections.WithLabelValues("from", "handed").Add(float64(handed))
@@ -1012,7 +1057,8 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 			return
 		}
 		klog.InfoS("Handed the established connections to the successor", "successor", succ.pid,
-			"handed", handed, "udpClients", udpHanded, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
+			"handed", handed, "udpClients", udpHanded, "bytesInFlight", inFlight, "longestPause", longest.Round(100*time.Microsecond),
+			"took", time.Since(start).Round(time.Millisecond))
 	}()
 	if ok {
 		if serr := m.StopAccepting(); serr != nil {
@@ -1020,6 +1066,7 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 		}
 		for err == nil {
 			var batch []proxier.RouteSessions
+			detached := time.Now()
 			batch, err = m.DetachSessions(sessionBatch)
 			if len(batch) == 0 {
 				break
@@ -1032,6 +1079,7 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 				}
 				var acked int
 				acked, err = sendSessions(succ.c, rs)
+				longest = max(longest, time.Since(detached))
 				for j := range rs.States[:acked] {
 					inFlight += rs.States[j].InFlight()
 					rs.States[j].Close()

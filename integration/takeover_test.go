@@ -287,12 +287,12 @@ func TestTakeOverKernelMode(t *testing.T) {
 // connection whose client asks "ticks" and then half-closes is sent ticks
 // lines ("t0", "t1", ...) one every 50 ms after the client's FIN, then the
 // endpoint's own.
-func lineEndpoint(t *testing.T, tp *testbed.Topology, ticks int) int {
+func lineEndpoint(t testing.TB, tp *testbed.Topology, ticks int) int {
 	return lineEndpointAt(t, tp, tp.NS(testbed.Pod).IPv4.String(), ticks)
 }
 
 // lineEndpointAt is lineEndpoint on address ip of the pod.
-func lineEndpointAt(t *testing.T, tp *testbed.Topology, ip string, ticks int) int {
+func lineEndpointAt(t testing.TB, tp *testbed.Topology, ip string, ticks int) int {
 	ln := tp.Listen(testbed.Pod, "tcp", net.JoinHostPort(ip, "0"))
 	t.Cleanup(func() { ln.Close() })
 	go func() {

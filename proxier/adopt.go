@@ -52,13 +52,30 @@ type adoption struct {
 // adopt; the proxier goes on serving its own copies until Shutdown. The
 // caller closes the duplicates' FDs.
 func (p *Proxier) HandOver() ([]HandedSocket, error) {
+	var out []HandedSocket
+	err := p.HandOverEach(func(socks []HandedSocket) error {
+		out = append(out, socks...)
+		return nil
+	})
+	if err != nil {
+		CloseHanded(out)
+		return nil, err
+	}
+	return out, nil
+}
+
+// HandOverEach is HandOver a route at a time: emit gets the duplicates of
+// one route's sockets, and owns them, so that the caller may send and close
+// them as it goes, never holding a second descriptor for every proxy socket
+// at once (10,000 Service ports would need 10,000 more). An error of emit
+// ends the walk and is returned.
+func (p *Proxier) HandOverEach(emit func([]HandedSocket) error) error {
 	p.mu.RLock()
 	ports := make([]*servicePort, 0, len(p.ports))
 	for _, sp := range p.ports {
 		ports = append(ports, sp)
 	}
 	p.mu.RUnlock()
-	var out []HandedSocket
 	for _, sp := range ports {
 		for _, r := range sp.routes() {
 			ls := r.listener.Load()
@@ -67,13 +84,14 @@ func (p *Proxier) HandOver() ([]HandedSocket, error) {
 			}
 			socks, err := dupRoute(sp, r, ls)
 			if err != nil {
-				CloseHanded(out)
-				return nil, err
+				return err
 			}
-			out = append(out, socks...)
+			if err := emit(socks); err != nil {
+				return err
+			}
 		}
 	}
-	return out, nil
+	return nil
 }
 
 // Adopt gives the proxier the sockets of a predecessor: each is served,
