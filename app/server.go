@@ -122,6 +122,9 @@ func newServer(ctx context.Context, o *options) (_ *server, err error) {
 	if held != nil {
 		cfg.specific.Userspace.Config.Holding = held
 		held.export()
+		if held.start > 1 {
+			klog.InfoS("Started again by the crash holder after the serving uproxy died", "start", held.start, "heldSockets", len(heldSocks))
+		}
 	}
 	// A uproxy of this --chain-prefix already running is taken over from
 	// (takeover.go): its HTTP addresses are in use, and taken from it.

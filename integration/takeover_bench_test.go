@@ -23,7 +23,8 @@ import (
 // with its first sync over every port), how long the connections' handover
 // took, the longest a batch of connections was away from every event loop
 // (the old process's measure: detach to the successor's acknowledgement),
-// the longest echo a client saw during the takeover, and the peak resident
+// the longest echo a client saw during the takeover (and, to read it by, in
+// 3 s of the same load just before), and the peak resident
 // memory of each process. Run with -benchtime 1x: each iteration builds
 // its own namespaces.
 //
@@ -48,8 +49,10 @@ func benchTakeOver(b *testing.B, ports, conns int) {
 	flags := []string{"--rules", "nftables", "--shutdown-grace", "5s", "--after-handover", "exit", "-v", "0"}
 	old := runUproxy(b, tp, manifests, launch{want: ports, flags: flags})
 
-	var handing atomic.Bool
-	var maxEcho atomic.Int64
+	// The longest echo is kept apart for 3 s of the same load before the
+	// takeover (steady) and for the takeover.
+	var handing, steady atomic.Bool
+	var maxEcho, maxSteady atomic.Int64
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	var failed atomic.Int64
@@ -80,19 +83,20 @@ func benchTakeOver(b *testing.B, ports, conns int) {
 					failed.Add(1)
 					return
 				}
-				if handing.Load() {
-					d := int64(time.Since(sent))
-					for {
-						m := maxEcho.Load()
-						if d <= m || maxEcho.CompareAndSwap(m, d) {
-							break
-						}
-					}
+				d := int64(time.Since(sent))
+				switch {
+				case handing.Load():
+					storeMax(&maxEcho, d)
+				case steady.Load():
+					storeMax(&maxSteady, d)
 				}
 			}
 		})
 	}
 	time.Sleep(500 * time.Millisecond)
+	steady.Store(true)
+	time.Sleep(3 * time.Second)
+	steady.Store(false)
 
 	var peakOld, peakNew atomic.Int64
 	var succ *proxy
@@ -137,8 +141,19 @@ func benchTakeOver(b *testing.B, ports, conns int) {
 	b.ReportMetric(float64(handed)/1e6, "connections-ms")
 	b.ReportMetric(float64(pause)/1e6, "longest-pause-ms")
 	b.ReportMetric(float64(maxEcho.Load())/1e6, "max-echo-ms")
+	b.ReportMetric(float64(maxSteady.Load())/1e6, "steady-max-echo-ms")
 	b.ReportMetric(float64(peakOld.Load())/(1<<20), "old-rss-MiB")
 	b.ReportMetric(float64(peakNew.Load())/(1<<20), "new-rss-MiB")
+}
+
+// storeMax raises m to d.
+func storeMax(m *atomic.Int64, d int64) {
+	for {
+		v := m.Load()
+		if d <= v || m.CompareAndSwap(v, d) {
+			return
+		}
+	}
 }
 
 // rssBytes is process pid's resident memory (0 once it is gone).

@@ -230,7 +230,7 @@ func (c *Cluster) RollOutUnderLoad(ctx context.Context, next string, crash bool,
 	defer l.stop()
 	pause()
 	for _, i := range c.nodes() {
-		before := len(c.podLines(ctx, "Serving again on the proxy sockets"))
+		before := len(c.podLines(ctx, restartedLine))
 		pid, err := servingUProxy(NodeName(i))
 		if err != nil {
 			return rep, err
@@ -240,19 +240,24 @@ func (c *Cluster) RollOutUnderLoad(ctx context.Context, next string, crash bool,
 		}
 		cr.Kills++
 		err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, time.Minute, false, func(ctx context.Context) (bool, error) {
-			return len(c.podLines(ctx, "Serving again on the proxy sockets")) > before, nil
+			return len(c.podLines(ctx, restartedLine)) > before, nil
 		})
 		if err != nil {
 			return rep, fmt.Errorf("the uproxy of %s killed, none serves again: %w\n%s", NodeName(i), err, c.PodProblems(ctx, "kube-system"))
 		}
-		logf("crash: the serving uproxy of %s (process %d) killed, and serving again", NodeName(i), pid)
+		logf("crash: the serving uproxy of %s (process %d) killed, and started again", NodeName(i), pid)
 		pause()
 	}
 	l.stop()
 	cr.Short, cr.Refused, cr.Cut, cr.Errors = l.short.Load(), l.shortRefused.Load(), l.shortCut.Load(), l.errs
-	cr.Restarts = c.podLines(ctx, "Serving again on the proxy sockets")
+	cr.Restarts = c.podLines(ctx, restartedLine)
 	return rep, nil
 }
+
+// restartedLine is what a server started again by its crash holder logs, in
+// every mode (the userspace mode then logs "Serving again" once it adopted
+// the held sockets).
+const restartedLine = "Started again by the crash holder"
 
 // servingUProxy finds the uproxy that serves node's network namespace: the
 // child of the crash holder, both named uproxy.
