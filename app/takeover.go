@@ -3,6 +3,7 @@ package app
 import (
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -68,6 +69,7 @@ const (
 	msgSessionsAck                 // successor: connections resumed, reset
 	msgSessionsEnd                 // no connection left to hand
 	msgUDPClients                  // a route (as msgSessions), then its UDP clients' items (socket.UDPClientItems)
+	msgMemory                      // what balancers learnt: JSON of []proxier.RouteMemory
 )
 
 // sessionBatch is the most connections detached and sent at once: one batch
@@ -207,8 +209,12 @@ type predecessor struct {
 	http     map[string]net.Listener
 	httpAddr map[string]string
 	proxy    []proxier.HandedSocket
-	// udpResumed counts the UDP client entries resumed (receiveSessions).
-	udpResumed int
+	// memory is what the predecessor's balancers had learnt when it handed
+	// its sockets (recalled at the first sync).
+	memory []proxier.RouteMemory
+	// udpResumed counts the UDP client entries resumed (receiveSessions),
+	// recalled the balancer memories taken after them.
+	udpResumed, recalled int
 	// nodePorts counts the NodePort sockets handed (to s.nodePorts).
 	nodePorts int
 }
@@ -320,6 +326,12 @@ func (p *predecessor) receive(it handover.Item, nodePorts *nodePortSockets) erro
 			break
 		}
 		p.proxy = append(p.proxy, h)
+	case msgMemory:
+		var ms []proxier.RouteMemory
+		if err := json.Unmarshal(it.Meta[1:], &ms); err != nil {
+			return fmt.Errorf("what the balancers learnt: %w", err)
+		}
+		p.memory = append(p.memory, ms...)
 	case msgNodePort:
 		network, address := d.str(), d.str()
 		if d.err != nil {
@@ -426,6 +438,9 @@ func takeListeners(pred *predecessor, srv *observe.Server, cfg *config, mode any
 		a.Adopt(pred.proxy)
 		pred.proxy = nil
 	}
+	if r, ok := mode.(interface{ RecallAtSync([]proxier.RouteMemory) }); ok && len(pred.memory) > 0 {
+		r.RecallAtSync(pred.memory)
+	}
 	return taken, nil
 }
 
@@ -442,6 +457,9 @@ func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-
 	adopted, unadopted := 0, 0
 	if m, ok := s.mode.(interface{ EndAdoption() (int, int) }); ok {
 		adopted, unadopted = m.EndAdoption()
+	}
+	if m, ok := s.mode.(interface{ EndRecall() }); ok {
+		m.EndRecall()
 	}
 	p.c.UnixConn().SetDeadline(time.Now().Add(lockTimeout))
 	err := p.c.Send([]handover.Item{{FD: -1, Meta: []byte{msgServing}}})
@@ -482,7 +500,7 @@ func (s *server) completeTakeOver(ctx context.Context, p *predecessor, synced <-
 	observe.HandoverSockets.WithLabelValues("to", "nodeport").Add(float64(heldNodePorts))
 	klog.InfoS("Took over from the uproxy that ran: its listeners serve here, no port changed",
 		"predecessor", p.pid, "predecessorVersion", p.id.version, "httpListeners", s.takenHTTP,
-		"proxySockets", adopted, "proxySocketsClosed", unadopted, "nodePorts", heldNodePorts, "took", took.Round(time.Millisecond))
+		"proxySockets", adopted, "proxySocketsClosed", unadopted, "nodePorts", heldNodePorts, "balancerMemories", len(p.memory), "took", took.Round(time.Millisecond))
 	return nil
 }
 
@@ -541,7 +559,7 @@ func (p *predecessor) receiveSessions(mode any) (resumed, reset int) {
 			return
 		}
 		klog.InfoS("Resumed the established connections of the uproxy taken over", "predecessor", p.pid,
-			"resumed", resumed, "reset", reset, "udpClients", p.udpResumed, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
+			"resumed", resumed, "reset", reset, "udpClients", p.udpResumed, "balancerMemories", p.recalled, "bytesInFlight", inFlight, "took", time.Since(start).Round(time.Millisecond))
 	}()
 	for {
 		p.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
@@ -553,6 +571,17 @@ func (p *predecessor) receiveSessions(mode any) (resumed, reset int) {
 		case msgSessionsEnd:
 			closeItems(items)
 			return resumed, reset
+		case msgMemory:
+			var ms []proxier.RouteMemory
+			if derr := json.Unmarshal(items[0].Meta[1:], &ms); derr != nil {
+				klog.ErrorS(derr, "What the balancers of the uproxy taken over learnt could not be read; left out")
+			} else if r, ok := rs.(interface {
+				Recall([]proxier.RouteMemory) int
+			}); ok {
+				p.recalled += r.Recall(ms)
+			}
+			closeItems(items)
+			continue
 		case msgUDPClients:
 			udpResumed, udpDropped := p.resumeUDPClients(rs, items)
 			observe.HandoverConnections.WithLabelValues("to", "udp_resumed").Add(float64(udpResumed))
@@ -758,6 +787,9 @@ func (s *server) handOver(ctx context.Context, c *handover.Conn) *successor {
 		sent += n
 	}
 	if err == nil {
+		err = s.sendMemory(c)
+	}
+	if err == nil {
 		err = c.Send([]handover.Item{{FD: -1, Meta: []byte{msgEnd}}})
 	}
 	if err != nil {
@@ -942,6 +974,46 @@ func (s *server) sendProxySockets(c *handover.Conn) (sent int, err error) {
 	return sent, nil
 }
 
+// memoryChunk bounds the metadata of one msgMemory item (handover.MaxMeta
+// bounds a batch).
+const memoryChunk = 1 << 20
+
+// sendMemory sends c what the mode's balancers have learnt (affinity
+// entries, outlier state, rotations), in items of at most memoryChunk bytes
+// or one route's memory, each its own batch.
+func (s *server) sendMemory(c *handover.Conn) error {
+	m, ok := s.mode.(interface{ Remember() []proxier.RouteMemory })
+	if !ok {
+		return nil
+	}
+	var chunk []json.RawMessage
+	size := 0
+	flush := func() error {
+		if len(chunk) == 0 {
+			return nil
+		}
+		b, err := json.Marshal(chunk)
+		if err != nil {
+			return err
+		}
+		chunk, size = chunk[:0], 0
+		return c.Send([]handover.Item{{FD: -1, Meta: append([]byte{msgMemory}, b...)}})
+	}
+	for _, rm := range m.Remember() {
+		b, err := json.Marshal(rm)
+		if err != nil {
+			return err
+		}
+		if size+len(b) > memoryChunk {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+		chunk, size = append(chunk, b), size+len(b)
+	}
+	return flush()
+}
+
 // sendBatches sends items in batches of at most handover.MaxFDs descriptors.
 func sendBatches(c *handover.Conn, items []handover.Item) error {
 	for len(items) > 0 {
@@ -1098,6 +1170,12 @@ func (s *server) handSessions(succ *successor) (handed, kept int) {
 		udpHanded = udp
 		if uerr != nil {
 			err = uerr
+			return
+		}
+		// What the balancers learnt since the sockets went, a client's
+		// newer entry in the successor winning.
+		succ.c.UnixConn().SetDeadline(time.Now().Add(helloTimeout))
+		if err = s.sendMemory(succ.c); err != nil {
 			return
 		}
 	}

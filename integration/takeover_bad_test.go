@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"fmt"
 	"io"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -170,4 +171,47 @@ func lineRoundTrip(tp *testbed.Topology, addr string) error {
 		return fmt.Errorf("read %q, %v; want the line back", got, err)
 	}
 	return nil
+}
+
+// ClientIP affinity survives a handover, as kube-proxy's survives a restart
+// of kube-proxy (its entries live in the kernel): a client stuck to an
+// endpoint keeps it through the successor, whose own round robin, starting
+// afresh, would give it the other one.
+func TestTakeOverKeepsAffinity(t *testing.T) {
+	for _, backend := range []string{"nftables", "iptables"} {
+		t.Run(backend, func(t *testing.T) {
+			tp := testbed.New(t)
+			pod := tp.NS(testbed.Pod).IPv4.String()
+			e1 := namedTCP(t, tp, testbed.Pod, pod+":0", "e1")
+			e2 := namedTCP(t, tp, testbed.Pod, pod+":0", "e2")
+			manifests := svc{name: "sticky", proto: "TCP", clusterIPs: []string{"10.96.0.11"}, port: 80, affinity: true,
+				endpoints: []string{pod, pod}, endpointPorts: []int{e1.Addr().(*net.TCPAddr).Port, e2.Addr().(*net.TCPAddr).Port}}.yaml()
+			flags := []string{"--rules", backend, "--after-handover", "exit"}
+			a := runUproxy(t, tp, manifests, launch{want: 1, flags: flags})
+			// The node, another client, takes the rotation's first endpoint.
+			if _, err := whoTCP(tp, testbed.Node, "10.96.0.11:80"); err != nil {
+				t.Fatal(err)
+			}
+			before, err := whoTCP(tp, testbed.Pod, "10.96.0.11:80")
+			if err != nil {
+				t.Fatal(err)
+			}
+			b := runUproxy(t, tp, manifests, launch{want: 1, dir: a.dir, flags: flags})
+			if code := a.awaitExit(15 * time.Second); code != 0 {
+				t.Errorf("the first uproxy exited %d, want 0", code)
+			}
+			for i := range 5 {
+				after, err := whoTCP(tp, testbed.Pod, "10.96.0.11:80")
+				if err != nil {
+					t.Fatal(err)
+				}
+				if after != before {
+					t.Errorf("connection %d after the handover: %s, want %s as before it", i, after, before)
+				}
+			}
+			if !b.logContains("balancerMemories") {
+				t.Errorf("the successor did not say what it recalled:\n%s", tail(b.logText(), 20))
+			}
+		})
+	}
 }

@@ -137,7 +137,8 @@ type Proxier struct {
 	// clientAddr decides whose address each dial carries.
 	clientAddr clientAddress
 	// adopt holds the proxy sockets handed by a predecessor (adopt.go).
-	adopt adoption
+	adopt  adoption
+	recall recalls
 }
 
 type syncedPort struct {
@@ -697,6 +698,7 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 			all[e.Addr] = true
 		}
 		r.picker.update(addrs, port)
+		p.recallPending(sp, r)
 		// A UDP client that keeps sending would stay on a removed endpoint for
 		// as long as it talks: its entry never idles out. End such entries, so
 		// its next datagram picks a usable endpoint (what kube-proxy gets by
