@@ -17,12 +17,15 @@ type RouteMemory struct {
 	Route  RouteKey        `json:"route"`
 	Family int             `json:"family"` // 0: IPv4, 1: IPv6
 	Memory affinity.Memory `json:"memory"`
+	// RetryBudgetSpent is the route's retry budget (both families share
+	// it), on its family 0 memory: socket.TCPProxy.RetryBudgetSpent.
+	RetryBudgetSpent int64 `json:"retryBudgetSpent,omitempty"`
 }
 
 // recalls holds memories until the sync that gives their routes endpoints.
 type recalls struct {
 	mu      sync.Mutex
-	pending map[RouteKey][2]*affinity.Memory
+	pending map[RouteKey][2]*RouteMemory
 }
 
 // Remember returns what every route's balancers have learnt, leaving out
@@ -37,9 +40,17 @@ func (p *Proxier) Remember() []RouteMemory {
 	var out []RouteMemory
 	for _, sp := range ports {
 		for _, r := range sp.routes() {
+			var spent int64
+			if r.tcp != nil {
+				spent = r.tcp.RetryBudgetSpent()
+			}
 			for f, b := range r.picker.fam {
-				if m := b.Remember(); !m.Empty() {
-					out = append(out, RouteMemory{Route: RouteKey{Service: sp.name, External: r.external}, Family: f, Memory: m})
+				rm := RouteMemory{Route: RouteKey{Service: sp.name, External: r.external}, Family: f, Memory: b.Remember()}
+				if f == 0 {
+					rm.RetryBudgetSpent = spent
+				}
+				if !rm.Memory.Empty() || rm.RetryBudgetSpent > 0 {
+					out = append(out, rm)
 				}
 			}
 		}
@@ -54,14 +65,14 @@ func (p *Proxier) RecallAtSync(ms []RouteMemory) {
 	p.recall.mu.Lock()
 	defer p.recall.mu.Unlock()
 	if p.recall.pending == nil {
-		p.recall.pending = make(map[RouteKey][2]*affinity.Memory, len(ms))
+		p.recall.pending = make(map[RouteKey][2]*RouteMemory, len(ms))
 	}
 	for _, rm := range ms {
 		if rm.Family < 0 || rm.Family > 1 {
 			continue
 		}
 		fams := p.recall.pending[rm.Route]
-		fams[rm.Family] = &rm.Memory
+		fams[rm.Family] = &rm
 		p.recall.pending[rm.Route] = fams
 	}
 }
@@ -80,10 +91,19 @@ func (p *Proxier) recallPending(sp *servicePort, r *route) {
 	if !ok {
 		return
 	}
-	for f, m := range fams {
-		if m != nil {
-			r.picker.fam[f].Recall(*m)
+	for _, rm := range fams {
+		if rm != nil {
+			recallRoute(r, *rm)
 		}
+	}
+}
+
+// recallRoute gives r what rm says its family's balancer, and its retry
+// budget, learnt.
+func recallRoute(r *route, rm RouteMemory) {
+	r.picker.fam[rm.Family].Recall(rm.Memory)
+	if rm.RetryBudgetSpent > 0 && r.tcp != nil {
+		r.tcp.SpendRetryBudget(rm.RetryBudgetSpent)
 	}
 }
 
@@ -109,7 +129,7 @@ func (p *Proxier) Recall(ms []RouteMemory) int {
 		if r == nil {
 			continue
 		}
-		r.picker.fam[rm.Family].Recall(rm.Memory)
+		recallRoute(r, rm)
 		taken++
 	}
 	return taken

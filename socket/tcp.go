@@ -187,6 +187,23 @@ func (p *TCPProxy) DialPolicy() DialPolicy {
 // 10); it is meaningful while the policy has a RetryBudget.
 func (p *TCPProxy) RetryTokens() float64 { return p.budget.tokens() }
 
+// RetryBudgetSpent is how far the retry budget's bucket is below full, in
+// millionths of a token: its state, for a successor (SpendRetryBudget).
+func (p *TCPProxy) RetryBudgetSpent() int64 { return p.budget.spent.Load() }
+
+// SpendRetryBudget takes the bucket at least spent below full (as
+// RetryBudgetSpent said of a predecessor's), so that a retry storm does
+// not find a full bucket in the successor.
+func (p *TCPProxy) SpendRetryBudget(spent int64) {
+	spent = min(max(spent, 0), budgetBurst*tokenUnit)
+	for {
+		old := p.budget.spent.Load()
+		if old >= spent || p.budget.spent.CompareAndSwap(old, spent) {
+			return
+		}
+	}
+}
+
 func (p *TCPProxy) observer() Observer {
 	if p.Observer == nil {
 		return NopObserver{}
