@@ -97,6 +97,7 @@ func runHolder() error {
 		if err != nil {
 			return fmt.Errorf("crash holder: %w", err)
 		}
+		reapOrphans()
 		code := state.ExitCode()
 		ws, _ := state.Sys().(syscall.WaitStatus)
 		crashed := !signalled && (ws.Signaled() || code == 2)
@@ -121,6 +122,18 @@ func runHolder() error {
 			klog.InfoS("Signalled while the serving uproxy was down; exiting", "signal", sig)
 			h.closeAll()
 			return nil
+		}
+	}
+}
+
+// reapOrphans waits for the processes a dead server left (an iptables-restore
+// it had started): as a container's first process the holder inherits them,
+// and would keep each as a zombie. No server runs while it is called.
+func reapOrphans() {
+	for {
+		var ws syscall.WaitStatus
+		if pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil); pid <= 0 || err != nil {
+			return
 		}
 	}
 }
