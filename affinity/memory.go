@@ -32,7 +32,9 @@ type EndpointMemory struct {
 }
 
 // Empty reports whether m holds nothing worth handing over.
-func (m Memory) Empty() bool { return !m.Next.IsValid() && len(m.Endpoints) == 0 && len(m.Entries) == 0 }
+func (m Memory) Empty() bool {
+	return !m.Next.IsValid() && len(m.Endpoints) == 0 && len(m.Entries) == 0
+}
 
 // Remember returns what b has learnt.
 func (b *Balancer) Remember() Memory {

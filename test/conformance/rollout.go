@@ -315,7 +315,6 @@ type load struct {
 	exchanges, short       atomic.Int64
 	shortRefused, shortCut atomic.Int64
 	longs                  []*longConn
-	stopped                bool
 }
 
 func startLoad(ctx context.Context, clients []loadClient, perAddr int) (*load, error) {
