@@ -2,7 +2,9 @@ package app
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -193,7 +195,10 @@ func (h *holder) talk(f *os.File) {
 	}
 	c, err := handover.NewConn(fc.(*net.UnixConn))
 	if err != nil {
-		klog.ErrorS(err, "Crash holder: no hello from the serving uproxy")
+		// A server that ended before its hello (a bad flag) said why itself.
+		if !errors.Is(err, io.EOF) && !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, net.ErrClosed) {
+			klog.ErrorS(err, "Crash holder: no hello from the serving uproxy")
+		}
 		return
 	}
 	defer c.Close()
