@@ -17,6 +17,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/uproxy/uproxy/localnodeports"
 	"github.com/uproxy/uproxy/observe"
 	"github.com/uproxy/uproxy/proxier"
 	"github.com/uproxy/uproxy/proxymode"
@@ -70,6 +71,7 @@ const (
 	msgSessionsEnd                 // no connection left to hand
 	msgUDPClients                  // a route (as msgSessions), then its UDP clients' items (socket.UDPClientItems)
 	msgMemory                      // what balancers learnt: JSON of []proxier.RouteMemory
+	msgRelay                       // descriptor: a loopback NodePort of the nftables mode's relay; protocol, IPv6, NodePort
 )
 
 // sessionBatch is the most connections detached and sent at once: one batch
@@ -209,6 +211,8 @@ type predecessor struct {
 	http     map[string]net.Listener
 	httpAddr map[string]string
 	proxy    []proxier.HandedSocket
+	// relay are the loopback NodePort sockets of the nftables mode's relay.
+	relay []localnodeports.HandedSocket
 	// memory is what the predecessor's balancers had learnt when it handed
 	// its sockets (recalled at the first sync).
 	memory []proxier.RouteMemory
@@ -249,6 +253,8 @@ func (p *predecessor) close() {
 	p.http = nil
 	proxier.CloseHanded(p.proxy)
 	p.proxy = nil
+	localnodeports.CloseHanded(p.relay)
+	p.relay = nil
 }
 
 // takeOver asks the predecessor to hand over to id and receives its sockets:
@@ -302,7 +308,7 @@ func (p *predecessor) takeOver(id identity, nodePorts *nodePortSockets) error {
 // receive takes one handed item.
 func (p *predecessor) receive(it handover.Item, nodePorts *nodePortSockets) error {
 	kind := kindOf(it)
-	if (kind == msgHTTP || kind == msgProxy || kind == msgNodePort) != (it.FD >= 0) {
+	if (kind == msgHTTP || kind == msgProxy || kind == msgNodePort || kind == msgRelay) != (it.FD >= 0) {
 		if it.FD >= 0 {
 			syscall.Close(it.FD)
 		}
@@ -326,6 +332,13 @@ func (p *predecessor) receive(it handover.Item, nodePorts *nodePortSockets) erro
 			break
 		}
 		p.proxy = append(p.proxy, h)
+	case msgRelay:
+		h := localnodeports.HandedSocket{Protocol: service.Protocol(d.str()), IPv6: d.uint() == 1, NodePort: int(d.uint()), FD: it.FD}
+		if d.err != nil {
+			syscall.Close(it.FD)
+			break
+		}
+		p.relay = append(p.relay, h)
 	case msgMemory:
 		var ms []proxier.RouteMemory
 		if err := json.Unmarshal(it.Meta[1:], &ms); err != nil {
@@ -440,6 +453,12 @@ func takeListeners(pred *predecessor, srv *observe.Server, cfg *config, mode any
 	}
 	if r, ok := mode.(interface{ RecallAtSync([]proxier.RouteMemory) }); ok && len(pred.memory) > 0 {
 		r.RecallAtSync(pred.memory)
+	}
+	if r, ok := mode.(interface {
+		AdoptRelay([]localnodeports.HandedSocket)
+	}); ok && len(pred.relay) > 0 {
+		r.AdoptRelay(pred.relay)
+		pred.relay = nil
 	}
 	return taken, nil
 }
@@ -918,6 +937,24 @@ func (s *server) handedItems() (items []handover.Item, closers []func(), err err
 		}
 		closers = append(closers, func() { f.Close() })
 		items = append(items, handover.Item{FD: int(f.Fd()), Meta: appendString(appendString([]byte{msgHTTP}, h.kind), h.addr)})
+	}
+	if m, ok := s.mode.(interface {
+		HandOverRelay() ([]localnodeports.HandedSocket, error)
+	}); ok {
+		socks, err := m.HandOverRelay()
+		if err != nil {
+			return fail(err)
+		}
+		closers = append(closers, func() { localnodeports.CloseHanded(socks) })
+		for _, h := range socks {
+			v6 := uint64(0)
+			if h.IPv6 {
+				v6 = 1
+			}
+			meta := appendString([]byte{msgRelay}, string(h.Protocol))
+			meta = binary.AppendUvarint(binary.AppendUvarint(meta, v6), uint64(h.NodePort))
+			items = append(items, handover.Item{FD: h.FD, Meta: meta})
+		}
 	}
 	held, err := s.nodePorts.dup()
 	if err != nil {

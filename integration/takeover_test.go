@@ -526,3 +526,49 @@ func TestTakeOverHandsConnections(t *testing.T) {
 		})
 	}
 }
+
+// In the nftables mode the loopback NodePorts are served by a relay in user
+// space; a takeover hands its sockets over too, so a loop of connections to
+// 127.0.0.1:NODEPORT from the node meets no refusal, and the successor never
+// finds the ports taken.
+func TestTakeOverKernelModeRelay(t *testing.T) {
+	tp := testbed.New(t)
+	manifests := takeOverServices(t, tp)
+	flags := []string{"--proxy-mode", "nftables", "--after-handover", "exit"}
+	a := runUproxy(t, tp, manifests, launch{want: -1, flags: flags})
+	testbed.AwaitNoError(t, 10*time.Second, "the loopback NodePort through the first uproxy", func() error {
+		return dialRoundTrip(tp, testbed.Node, "127.0.0.1:30080", 64)
+	})
+	stop := make(chan struct{})
+	var failures []string
+	var n int
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			n++
+			if err := dialRoundTrip(tp, testbed.Node, "127.0.0.1:30080", 64); err != nil {
+				failures = append(failures, fmt.Sprintf("%s: %v", time.Now().Format("15:04:05.000"), err))
+			}
+			time.Sleep(3 * time.Millisecond)
+		}
+	}()
+	b := runUproxy(t, tp, manifests, launch{want: -1, dir: a.dir, flags: flags})
+	if code := a.awaitExit(15 * time.Second); code != 0 {
+		t.Errorf("the first uproxy exited %d, want 0", code)
+	}
+	time.Sleep(time.Second)
+	close(stop)
+	<-done
+	if len(failures) > 0 {
+		t.Errorf("%d of %d connections to 127.0.0.1:30080 failed during the takeover, want none; the first: %s", len(failures), n, strings.Join(failures[:min(5, len(failures))], "; "))
+	}
+	if b.logContains("Localhost NodePorts: some are not served") {
+		t.Errorf("the successor found a loopback NodePort taken:\n%s", tail(b.logText(), 20))
+	}
+}

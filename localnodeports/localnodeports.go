@@ -65,6 +65,8 @@ type Relay struct {
 	mu        sync.Mutex
 	listeners map[key]*listener
 	closed    bool
+	// adopted are a predecessor's sockets (handover.go), until a Sync.
+	adopted map[key]int
 }
 
 // key is one loopback NodePort.
@@ -163,6 +165,7 @@ func (r *Relay) Sync(s *service.Snapshot) error {
 		r.listeners[k] = l
 		klog.V(2).InfoS("Serving a NodePort on loopback", "address", k.address(), "protocol", sp.Protocol, "service", sp.Name, "clusterIP", dst)
 	}
+	r.endAdoption()
 	return errors.Join(errs...)
 }
 
@@ -186,19 +189,26 @@ func (r *Relay) listen(k key, name service.PortName, dst netip.AddrPort) (*liste
 			timeout = DefaultDialTimeout
 		}
 		l.tcp = &socket.TCPProxy{Service: name.String(), Picker: l.target, Loops: r.loops, DialTimeouts: []time.Duration{timeout}}
-		ln, err := l.tcp.Listen(context.Background(), k.network(), k.address())
-		if err != nil {
-			return nil, err
+		ln, _ := r.adoptedSocket(k)
+		if ln == nil {
+			var err error
+			if ln, err = l.tcp.Listen(context.Background(), k.network(), k.address()); err != nil {
+				return nil, err
+			}
 		}
 		go serveTCP(l.tcp, ln, k)
 		return l, nil
 	}
-	pc, err := new(net.ListenConfig).ListenPacket(context.Background(), k.network(), k.address())
-	if err != nil {
-		return nil, err
+	_, conn := r.adoptedSocket(k)
+	if conn == nil {
+		pc, err := new(net.ListenConfig).ListenPacket(context.Background(), k.network(), k.address())
+		if err != nil {
+			return nil, err
+		}
+		conn = pc.(*net.UDPConn)
 	}
 	l.udp = &socket.UDPProxy{Service: name.String(), Picker: l.target, Loops: r.loops, Timeout: r.cfg.UDPTimeout}
-	go serveUDP(l.udp, pc.(*net.UDPConn), k)
+	go serveUDP(l.udp, conn, k)
 	return l, nil
 }
 
@@ -235,6 +245,7 @@ func (r *Relay) Close(ctx context.Context) error {
 	r.closed = true
 	ls := r.listeners
 	r.listeners = nil
+	r.endAdoption()
 	r.mu.Unlock()
 	for _, l := range ls {
 		if l.tcp != nil {

@@ -68,6 +68,15 @@ func (m *nftablesWithRelay) logRelay(err error) {
 	}
 }
 
+// HandOverRelay returns duplicates of the relay's loopback NodePort
+// sockets, for a successor (localnodeports.Relay.HandOver).
+func (m *nftablesWithRelay) HandOverRelay() ([]localnodeports.HandedSocket, error) {
+	return m.relay.HandOver()
+}
+
+// AdoptRelay gives the relay a predecessor's loopback NodePort sockets.
+func (m *nftablesWithRelay) AdoptRelay(socks []localnodeports.HandedSocket) { m.relay.Adopt(socks) }
+
 // Shutdown closes the relay's sockets, its connections within ctx.
 func (m *nftablesWithRelay) Shutdown(ctx context.Context) error {
 	return m.relay.Close(ctx)
