@@ -506,7 +506,7 @@ func TestTakeOverHandsConnections(t *testing.T) {
 			for _, f := range failures {
 				t.Error(f)
 			}
-			if !b.logContains(`"resumed"=22`) && !b.logContains(`resumed=22`) {
+			if !b.saidCount("resumed", 22) {
 				t.Errorf("the second uproxy did not say it resumed 22 connections:\n%s", tail(b.logText(), 20))
 			}
 			metrics, err := b.get("/metrics")
@@ -571,4 +571,10 @@ func TestTakeOverKernelModeRelay(t *testing.T) {
 	if b.logContains("Localhost NodePorts: some are not served") {
 		t.Errorf("the successor found a loopback NodePort taken:\n%s", tail(b.logText(), 20))
 	}
+}
+
+// saidCount reports whether the log has key=n, as klog writes a number
+// (key=n, or "key"=n in some forms).
+func (p *proxy) saidCount(key string, n int) bool {
+	return p.logContains(fmt.Sprintf("%s=%d", key, n)) || p.logContains(fmt.Sprintf("%q=%d", key, n))
 }
