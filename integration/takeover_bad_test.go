@@ -118,7 +118,11 @@ func TestTakeOverTwoSuccessorsAtOnce(t *testing.T) {
 	var wg sync.WaitGroup
 	succ := make([]*proxy, 2)
 	for i := range succ {
-		wg.Go(func() { succ[i] = runUproxy(t, tp, manifests, launch{dir: a.dir, flags: flags, noWait: true}) })
+		// Both read the first one's manifests: two writing them at once
+		// would race on the file.
+		wg.Go(func() {
+			succ[i] = runUproxy(t, tp, "", launch{source: []string{"--services", a.dir}, dir: a.dir, flags: flags, noWait: true})
+		})
 	}
 	wg.Wait()
 	if code := a.awaitExit(30 * time.Second); code != 0 {
