@@ -23,16 +23,7 @@ import (
 // established connections untouched, new ones accepted), and a later
 // successor takes over from it cleanly.
 func TestTakeOverSuccessorKilledHalfway(t *testing.T) {
-	tp := testbed.New(t)
-	const ticks = 200
-	port := lineEndpoint(t, tp, ticks)
-	const fillers = 3000
-	manifests := withFillers(tp, port, fillers)
-	flags := []string{"--rules", "nftables", "--shutdown-grace", "1s", "--after-handover", "exit"}
-	a := runUproxy(t, tp, manifests, launch{want: fillers + 1, flags: flags})
-	lines := startLineConns(t, tp, "10.96.0.12:80", 10, 1, ticks)
-	lines.awaitEach(3, "lines through the first uproxy")
-
+	tp, manifests, flags, a, lines := behindFillers(t, 200, 10, 1)
 	b := runUproxy(t, tp, manifests, launch{dir: a.dir, flags: flags, noWait: true})
 	if !<-signalAtLine(a, "Handed the listening sockets to a successor", b, syscall.SIGKILL) {
 		t.Fatalf("the first uproxy never handed its sockets:\n%s", tail(a.logText(), 20))
@@ -52,7 +43,7 @@ func TestTakeOverSuccessorKilledHalfway(t *testing.T) {
 		t.Fatal("the first uproxy exited after its successor died halfway")
 	}
 
-	c := runUproxy(t, tp, manifests, launch{want: fillers + 1, dir: a.dir, flags: flags})
+	c := runUproxy(t, tp, manifests, launch{want: fillerPorts + 1, dir: a.dir, flags: flags})
 	if code := a.awaitExit(30 * time.Second); code != 0 {
 		t.Errorf("the first uproxy exited %d after the second successor took over, want 0", code)
 	}
@@ -70,18 +61,9 @@ func TestTakeOverSuccessorKilledHalfway(t *testing.T) {
 // rules lock itself, says so, and serves new connections; the connections
 // the killed one relayed end with it (it served each, and nobody else).
 func TestTakeOverPredecessorKilledHalfway(t *testing.T) {
-	tp := testbed.New(t)
-	const ticks = 200
-	port := lineEndpoint(t, tp, ticks)
-	const fillers = 3000
-	manifests := withFillers(tp, port, fillers)
-	flags := []string{"--rules", "nftables", "--shutdown-grace", "1s", "--after-handover", "exit"}
-	a := runUproxy(t, tp, manifests, launch{want: fillers + 1, flags: flags})
-	lines := startLineConns(t, tp, "10.96.0.12:80", 5, 0, ticks)
-	lines.awaitEach(3, "lines through the first uproxy")
-
+	tp, manifests, flags, a, lines := behindFillers(t, 200, 5, 0)
 	killed := signalAtLine(a, "Handed the listening sockets to a successor", a, syscall.SIGKILL)
-	b := runUproxy(t, tp, manifests, launch{want: fillers + 1, dir: a.dir, flags: flags})
+	b := runUproxy(t, tp, manifests, launch{want: fillerPorts + 1, dir: a.dir, flags: flags})
 	if !<-killed {
 		t.Fatalf("the first uproxy never handed its sockets:\n%s", tail(a.logText(), 20))
 	}

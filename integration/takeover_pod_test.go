@@ -109,21 +109,11 @@ func takeOverWaitsInAPod(t *testing.T, holder bool) {
 // end of --shutdown-grace. The successor's first sync, over 3,000 Services,
 // keeps the window open long enough to land in.
 func TestTakeOverSIGTERMDuringHandover(t *testing.T) {
-	tp := testbed.New(t)
-	const ticks = 80
-	port := lineEndpoint(t, tp, ticks)
-	const fillers = 3000
-	manifests := withFillers(tp, port, fillers)
-	flags := []string{"--rules", "nftables", "--shutdown-grace", "1s", "--after-handover", "exit"}
-	a := runUproxy(t, tp, manifests, launch{want: fillers + 1, flags: flags})
-	lines := startLineConns(t, tp, "10.96.0.12:80", 10, 1, ticks)
-	testbed.Await(t, 10*time.Second, "lines through the first uproxy", func() bool {
-		return slices.Min(lines.progress()) >= 3
-	})
+	tp, manifests, flags, a, lines := behindFillers(t, 80, 10, 1)
 
 	// The old pod's deletion: SIGTERM as soon as the successor has the sockets.
 	signalled := signalAtLine(a, "Handed the listening sockets to a successor", a, syscall.SIGTERM)
-	b := runUproxy(t, tp, manifests, launch{want: fillers + 1, dir: a.dir, flags: flags})
+	b := runUproxy(t, tp, manifests, launch{want: fillerPorts + 1, dir: a.dir, flags: flags})
 	if !<-signalled {
 		t.Fatalf("the first uproxy never said it handed its sockets:\n%s", tail(a.logText(), 20))
 	}
@@ -253,4 +243,23 @@ func signalAtLine(watched *proxy, line string, target *proxy, sig syscall.Signal
 		done <- false
 	}()
 	return done
+}
+
+// fillerPorts is how many Service ports behindFillers adds beside "stream".
+const fillerPorts = 3000
+
+// behindFillers starts the handover tests whose successor must take a while
+// to serve: a lineEndpoint of ticks, "stream" and fillerPorts more Service
+// ports (withFillers), a first uproxy serving them, and long (halfClosed of
+// them half-closed) line connections through "stream" that have each
+// echoed 3 lines.
+func behindFillers(t *testing.T, ticks, long, halfClosed int) (tp *testbed.Topology, manifests string, flags []string, a *proxy, lines *lineConns) {
+	t.Helper()
+	tp = testbed.New(t)
+	manifests = withFillers(tp, lineEndpoint(t, tp, ticks), fillerPorts)
+	flags = []string{"--rules", "nftables", "--shutdown-grace", "1s", "--after-handover", "exit"}
+	a = runUproxy(t, tp, manifests, launch{want: fillerPorts + 1, flags: flags})
+	lines = startLineConns(t, tp, "10.96.0.12:80", long, halfClosed, ticks)
+	lines.awaitEach(3, "lines through the first uproxy")
+	return tp, manifests, flags, a, lines
 }
