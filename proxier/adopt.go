@@ -3,6 +3,7 @@ package proxier
 import (
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"sync"
 
@@ -154,23 +155,27 @@ func (p *Proxier) adopted(sp *servicePort, r *route) (*listenerState, bool) {
 // serveHanded serves handed socket h as sp's route r, holding its proxy port.
 // h.FD is consumed either way.
 func (p *Proxier) serveHanded(sp *servicePort, r *route, h HandedSocket) (*serving, error) {
-	f := os.NewFile(uintptr(h.FD), fmt.Sprintf("proxy port %d", h.ProxyPort))
-	defer f.Close()
 	sv := &serving{done: make(chan struct{})}
 	if r.tcp != nil {
-		ln, err := net.FileListener(f)
+		// Straight to the event loops, as a socket the proxier opens: a
+		// successor of 10k Service ports adopts 10k of these before it serves.
+		addr, err := handedListener(h)
 		if err != nil {
+			unix.Close(h.FD)
 			return nil, err
 		}
-		tl, ok := ln.(*net.TCPListener)
-		if !ok {
-			ln.Close()
-			return nil, fmt.Errorf("handed socket of proxy port %d is no TCP listener", h.ProxyPort)
+		// This process's options (--tcp-keepalive may differ from the
+		// predecessor's); connections already queued keep theirs.
+		if err := r.tcp.ApplyListenerOptions(h.FD); err != nil {
+			unix.Close(h.FD)
+			return nil, err
 		}
-		if err := r.tcp.Start(tl, func(err error) { p.served(sp, sv, err) }); err != nil {
+		if err := r.tcp.StartFD(h.FD, addr, func(err error) { p.served(sp, sv, err) }); err != nil {
 			p.served(sp, sv, err)
 		}
 	} else {
+		f := os.NewFile(uintptr(h.FD), fmt.Sprintf("proxy port %d", h.ProxyPort))
+		defer f.Close()
 		pc, err := net.FilePacketConn(f)
 		if err != nil {
 			return nil, err
@@ -187,6 +192,40 @@ func (p *Proxier) serveHanded(sp *servicePort, r *route, h HandedSocket) (*servi
 	p.alloc.hold(sp.protocol, h.ProxyPort)
 	p.own.add(sp.protocol, h.ProxyPort)
 	return sv, nil
+}
+
+// handedListener checks that handed socket h is a listening TCP socket on its
+// proxy port, non-blocking as the event loops want it, and returns its address.
+func handedListener(h HandedSocket) (string, error) {
+	notListener := func(why string) error {
+		return fmt.Errorf("handed socket of proxy port %d is no TCP listener: %s", h.ProxyPort, why)
+	}
+	if typ, err := unix.GetsockoptInt(h.FD, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || typ != unix.SOCK_STREAM {
+		return "", notListener(fmt.Sprintf("socket type %d, %v", typ, err))
+	}
+	if on, err := unix.GetsockoptInt(h.FD, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || on != 1 {
+		return "", notListener(fmt.Sprintf("not listening (%v)", err))
+	}
+	sa, err := unix.Getsockname(h.FD)
+	if err != nil {
+		return "", notListener(err.Error())
+	}
+	var ap netip.AddrPort
+	switch sa := sa.(type) {
+	case *unix.SockaddrInet4:
+		ap = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port))
+	case *unix.SockaddrInet6:
+		ap = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(sa.Port))
+	default:
+		return "", notListener("not an internet socket")
+	}
+	if int(ap.Port()) != h.ProxyPort {
+		return "", notListener(fmt.Sprintf("it listens on port %d", ap.Port()))
+	}
+	if err := unix.SetNonblock(h.FD, true); err != nil {
+		return "", os.NewSyscallError("fcntl", err)
+	}
+	return ap.String(), nil
 }
 
 // CloseHanded closes the descriptors of socks.

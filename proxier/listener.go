@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"strconv"
 	"syscall"
@@ -50,10 +51,19 @@ func (sv *serving) failed() error {
 }
 
 func (p *Proxier) listenHost() string {
-	if !p.cfg.BindAddress.IsValid() || p.cfg.BindAddress.IsUnspecified() {
+	if !p.listenAddr().IsValid() {
 		return "" // every address, both families
 	}
 	return p.cfg.BindAddress.String()
+}
+
+// listenAddr is the address the proxy sockets listen on; the zero Addr for
+// every address of both families.
+func (p *Proxier) listenAddr() netip.Addr {
+	if !p.cfg.BindAddress.IsValid() || p.cfg.BindAddress.IsUnspecified() {
+		return netip.Addr{}
+	}
+	return p.cfg.BindAddress
 }
 
 // listen opens the proxy socket of sp's route r on proxy port pp and starts
@@ -62,15 +72,13 @@ func (p *Proxier) listen(sp *servicePort, r *route, pp int) (*serving, error) {
 	addr := net.JoinHostPort(p.listenHost(), strconv.Itoa(pp))
 	sv := &serving{done: make(chan struct{})}
 	if r.tcp != nil {
-		ln, err := r.tcp.Listen(context.Background(), "tcp", addr)
+		// Nine system calls, outside Go's poller: the first sync of 10k
+		// Service ports opens 10k of these (socket/listen.go).
+		fd, err := r.tcp.OpenListener(p.listenAddr(), uint16(pp))
 		if err != nil {
 			return nil, err
 		}
-		if err := spareDescriptor(ln); err != nil {
-			ln.Close()
-			return nil, err
-		}
-		if err := r.tcp.Start(ln, func(err error) { p.served(sp, sv, err) }); err != nil {
+		if err := r.tcp.StartFD(fd, addr, func(err error) { p.served(sp, sv, err) }); err != nil {
 			p.served(sp, sv, err)
 		}
 	} else {

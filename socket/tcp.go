@@ -247,53 +247,18 @@ func (p *TCPProxy) Start(ln *net.TCPListener, done func(error)) error {
 		ln.Close()
 		return fmt.Errorf("serve %s: TCPProxy.Loops is nil, want the event loops to run on", p.Service)
 	}
-	tl, err := takeListener(p, ln)
-	if err != nil {
-		return fmt.Errorf("serve %s: %w", p.Service, err)
-	}
-	// Set before anyone can close tl: register, or Close once tl is listed.
-	tl.finished = func() {
-		p.mu.Lock()
-		delete(p.listeners, tl)
-		p.serving--
-		p.checkDrainedLocked()
-		closed := p.closed
-		p.mu.Unlock()
-		if tl.err != nil && !closed {
-			done(fmt.Errorf("accept on %s for %s: %w", tl.addr, p.Service, tl.err))
-			return
-		}
-		done(nil)
-	}
-	p.mu.Lock()
-	if p.closed {
-		p.mu.Unlock()
-		unix.Close(tl.fd)
-		go done(nil)
-		return nil
-	}
-	p.listeners[tl] = struct{}{}
-	p.serving++
-	p.mu.Unlock()
-
-	tl.register(p.Loops.Loops())
-	return nil
-}
-
-// takeListener moves ln's socket out of Go's poller: it keeps a duplicate of the
-// descriptor and closes ln. The socket gets the listener options again, once, in
-// case ln was not made by Listen; connections already queued then lack them.
-func takeListener(p *TCPProxy, ln *net.TCPListener) (*tcpListener, error) {
 	addr := ln.Addr().String()
 	fd, err := takeFD(ln)
 	if err != nil {
-		return nil, err
+		return fmt.Errorf("serve %s: %w", p.Service, err)
 	}
+	// The listener options again, once, in case ln was not made by Listen;
+	// connections already queued then lack them.
 	if err := p.setListenerOptions(fd); err != nil {
 		unix.Close(fd)
-		return nil, err
+		return fmt.Errorf("serve %s: %w", p.Service, err)
 	}
-	return &tcpListener{p: p, fd: fd, addr: addr, done: make(chan struct{})}, nil
+	return p.StartFD(fd, addr, done)
 }
 
 // setKeepAlive sets TCP keepalive on socket fd: probes after secs seconds
