@@ -72,6 +72,15 @@ func (b *Balancer) SetEjection(e Ejection) {
 	}
 }
 
+// Sibling returns a Balancer with no endpoints and b's scheduler, ejection
+// policy and observer: the balancer of another address family of the same
+// Service port, made when that family first has endpoints.
+func (b *Balancer) Sibling() *Balancer {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return &Balancer{sched: b.sched, now: b.now, sweepAt: minSweep, ejection: b.ejection, observer: b.observer}
+}
+
 // An EjectionObserver is told of the ejections and re-admissions a Balancer
 // decides, to record them (metrics, events, logs); ejection itself does not depend
 // on it. Its methods are called after the Balancer's lock is released, on the

@@ -36,7 +36,7 @@ func (p *Proxier) DebugServices() []observe.ServiceState {
 func (p *Proxier) debugState(sp *servicePort) observe.ServiceState {
 	port := sp.port.Load()
 	pol := p.policy(port)
-	st := observe.PortState(port, sp.cluster.picker.fam[0].Scheduler())
+	st := observe.PortState(port, sp.cluster.picker.scheduler())
 	st.Policy = observe.NewPolicyState(pol)
 	if tcp := sp.cluster.tcp; tcp != nil && pol.RetryBudget > 0 {
 		// The external route, when there is one, has a bucket of its own.

@@ -44,9 +44,9 @@ func (p *Proxier) Remember() []RouteMemory {
 			if r.tcp != nil {
 				spent = r.tcp.RetryBudgetSpent()
 			}
-			for f, b := range r.picker.fam {
-				rm := RouteMemory{Route: RouteKey{Service: sp.name, External: r.external}, Family: f, Memory: b.Remember()}
-				if f == 0 {
+			for i, fb := range r.picker.each() {
+				rm := RouteMemory{Route: RouteKey{Service: sp.name, External: r.external}, Family: fb.family, Memory: fb.Remember()}
+				if i == 0 {
 					rm.RetryBudgetSpent = spent
 				}
 				if !rm.Memory.Empty() || rm.RetryBudgetSpent > 0 {
@@ -101,7 +101,7 @@ func (p *Proxier) recallPending(sp *servicePort, r *route) {
 // recallRoute gives r what rm says its family's balancer, and its retry
 // budget, learnt.
 func recallRoute(r *route, rm RouteMemory) {
-	r.picker.fam[rm.Family].Recall(rm.Memory)
+	r.picker.made(rm.Family).Recall(rm.Memory)
 	if rm.RetryBudgetSpent > 0 && r.tcp != nil {
 		r.tcp.SpendRetryBudget(rm.RetryBudgetSpent)
 	}

@@ -39,7 +39,7 @@ func TestRememberRecallRoutes(t *testing.T) {
 	mustSync(t, succ, snapshot(sticky()))
 	succ.EndRecall()
 	r := succ.ports[name].cluster
-	if got, sticky, err := r.picker.fam[0].Peek(client); err != nil || !sticky || got != had {
+	if got, sticky, err := r.picker.family(0).Peek(client); err != nil || !sticky || got != had {
 		t.Errorf("the client in the successor: %v (sticky %v, %v), want %v from its affinity entry", got, sticky, err, had)
 	}
 	if got := r.tcp.RetryBudgetSpent(); got != 3_000_000 {

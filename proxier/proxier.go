@@ -682,7 +682,7 @@ func (p *Proxier) updatePort(sp *servicePort, port *service.Port) {
 		// service.ParsePolicy; the flag by the program: neither can be
 		// unknown here.
 		if err := r.picker.setScheduler(pol.Scheduler); err != nil {
-			klog.ErrorS(err, "Keeping the scheduler", "service", sp.name, "scheduler", r.picker.fam[0].Scheduler())
+			klog.ErrorS(err, "Keeping the scheduler", "service", sp.name, "scheduler", r.picker.scheduler())
 		}
 		if r.tcp != nil {
 			r.tcp.SetDialPolicy(dialPolicy(pol))
@@ -807,7 +807,7 @@ func (p *Proxier) openPort(port *service.Port) (*servicePort, error) {
 // LoadBalancer IPs) when external, else the cluster one.
 func (p *Proxier) newRoute(sp *servicePort, port *service.Port, external bool) (*route, error) {
 	pol := p.policy(port)
-	picker, err := newFamilyPicker(pol.Scheduler, p.ejection(), sp.observer)
+	picker, err := newFamilyPicker(pol.Scheduler, p.ejection(), sp.observer, port)
 	if err != nil {
 		return nil, err
 	}

@@ -15,7 +15,7 @@ import (
 func (p *TCPProxy) DupListeners() ([]int, error) {
 	p.init()
 	p.mu.Lock()
-	lns := slices.Collect(maps.Keys(p.listeners))
+	lns := slices.Clone(p.listeners)
 	p.mu.Unlock()
 	var fds []int
 	for _, tl := range lns {

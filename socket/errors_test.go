@@ -61,7 +61,7 @@ func listenerFDs(p *TCPProxy) []int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var fds []int
-	for tl := range p.listeners {
+	for _, tl := range p.listeners {
 		fds = append(fds, tl.fd)
 	}
 	return fds

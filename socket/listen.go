@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strconv"
 	"sync/atomic"
 
@@ -124,7 +125,7 @@ func (p *TCPProxy) StartFD(fd int, addr string, done func(error)) error {
 	// Set before anyone can close tl: register, or Close once tl is listed.
 	tl.finished = func() {
 		p.mu.Lock()
-		delete(p.listeners, tl)
+		p.listeners = slices.DeleteFunc(p.listeners, func(l *tcpListener) bool { return l == tl })
 		p.serving--
 		p.checkDrainedLocked()
 		closed := p.closed
@@ -142,7 +143,7 @@ func (p *TCPProxy) StartFD(fd int, addr string, done func(error)) error {
 		go done(nil)
 		return nil
 	}
-	p.listeners[tl] = struct{}{}
+	p.listeners = append(p.listeners, tl)
 	p.serving++
 	p.mu.Unlock()
 

@@ -214,7 +214,7 @@ func listenHandleOf(t *testing.T, p *TCPProxy) *listenHandle {
 	testbed.Await(t, awaitTimeout, "the listener's handle", func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		for tl := range p.listeners {
+		for _, tl := range p.listeners {
 			tl.mu.Lock()
 			if len(tl.handles) == 1 {
 				h = tl.handles[0]

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -155,7 +154,10 @@ type TCPProxy struct {
 	forced    bool // Shutdown's grace ended: connections accepted from now on are reset
 	isDrained bool
 	serving   int
-	listeners map[*tcpListener]struct{}
+	// listeners are the sockets served (most proxies have one or two: a
+	// slice costs less than a map, at 10k Service ports); conns is made
+	// with the first connection.
+	listeners []*tcpListener
 	conns     map[*tcpSession]struct{}
 
 	listenersClosed atomic.Bool
@@ -164,8 +166,6 @@ type TCPProxy struct {
 func (p *TCPProxy) init() {
 	p.initOnce.Do(func() {
 		p.drained = make(chan struct{})
-		p.listeners = make(map[*tcpListener]struct{})
-		p.conns = make(map[*tcpSession]struct{})
 		p.policy.CompareAndSwap(nil, &DialPolicy{Timeouts: p.DialTimeouts, Hedge: p.DialHedge, RetryBudget: p.RetryBudget})
 	})
 }
@@ -299,6 +299,9 @@ func (p *TCPProxy) track(s *tcpSession) bool {
 		p.drained = make(chan struct{})
 		p.isDrained = false
 	}
+	if p.conns == nil {
+		p.conns = make(map[*tcpSession]struct{})
+	}
 	p.conns[s] = struct{}{}
 	return true
 }
@@ -327,7 +330,7 @@ func (p *TCPProxy) Close() error {
 		return nil
 	}
 	p.closed = true
-	lns := slices.Collect(maps.Keys(p.listeners))
+	lns := slices.Clone(p.listeners)
 	p.checkDrainedLocked()
 	p.mu.Unlock()
 
