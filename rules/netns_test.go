@@ -97,7 +97,8 @@ func (k *countingKernel) Restore(v6 bool, input []byte) error {
 	return k.Commands.Restore(v6, input)
 }
 
-// countingNFT is the real nftables table, counting the transactions.
+// countingNFT is the real nftables table, counting the transactions: nft
+// runs and the netlink batches of WriteElements.
 type countingNFT struct {
 	nftables.Kernel
 	runs int
@@ -106,6 +107,11 @@ type countingNFT struct {
 func (k *countingNFT) Run(ctx context.Context, tx *knftables.Transaction) error {
 	k.runs++
 	return k.Kernel.Run(ctx, tx)
+}
+
+func (k *countingNFT) WriteElements(ctx context.Context, changes nftables.ElementChanges) error {
+	k.runs++
+	return k.Kernel.WriteElements(ctx, changes)
 }
 
 // testDialMark stands for the proxy's dial mark (socket.TCPProxy.DialMark).

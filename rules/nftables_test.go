@@ -388,10 +388,10 @@ func TestNFTablesCommentOfAnyName(t *testing.T) {
 	}
 }
 
-// TestNFTablesWritesSteeringChangesOverNetlink: a change of the steering maps
-// alone (a Service port added, removed, or moved to another proxy port) goes
-// over netlink; one that touches a no-endpoint map, whose values are verdicts,
-// goes through nft. The table is the same either way.
+// TestNFTablesWritesSteeringChangesOverNetlink: a change of the maps' elements
+// (a Service port added, removed, moved to another proxy port, refused or
+// steered again: the no-endpoint maps' values are verdicts) goes over
+// netlink. The table is the same as a whole write's.
 func TestNFTablesWritesSteeringChangesOverNetlink(t *testing.T) {
 	t.Parallel()
 	a := port("ns", "a", "", service.TCP, 80)
@@ -399,6 +399,8 @@ func TestNFTablesWritesSteeringChangesOverNetlink(t *testing.T) {
 	b := port("ns", "b", "", service.UDP, 53)
 	b.ClusterIPs = ips("10.96.0.2")
 	b.ExternalIPs = ips("10.250.0.2")
+	c := port("ns", "c", "", service.TCP, 8080)
+	c.ClusterIPs = ips("10.96.0.3")
 	refused := Refusal{Cluster: [2]bool{true, true}, External: [2]bool{true, true}}
 	steps := []struct {
 		name    string
@@ -408,8 +410,9 @@ func TestNFTablesWritesSteeringChangesOverNetlink(t *testing.T) {
 		{"first: the whole table", []Portal{{Port: a, ProxyPort: 40001}}, false},
 		{"a Service port added", []Portal{{Port: a, ProxyPort: 40001}, {Port: b, ProxyPort: 40002}}, true},
 		{"a proxy port moved", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002}}, true},
-		{"refused: into a no-endpoint map", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002, Refuse: refused}}, false},
-		{"steered again", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002}}, false},
+		{"refused: into a no-endpoint map (a verdict value)", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002, Refuse: refused}}, true},
+		{"steered again", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002}}, true},
+		{"a new Service port, refused: no endpoints yet", []Portal{{Port: a, ProxyPort: 40003}, {Port: b, ProxyPort: 40002}, {Port: c, ProxyPort: 40004, Refuse: refused}}, true},
 		{"a Service port removed", []Portal{{Port: b, ProxyPort: 40002}}, true},
 	}
 	p, k := newTestNFTables(t, Config{})

@@ -8,6 +8,8 @@ import (
 	"strings"
 
 	gnftables "github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"golang.org/x/sys/unix"
 	"sigs.k8s.io/knftables"
 )
 
@@ -23,6 +25,9 @@ const (
 	// Integer is a 32-bit integer in host byte order, such as the slot a
 	// "numgen random mod N" expression gives.
 	Integer
+	// Verdict is the whole value of a verdict map: accept, drop, return,
+	// "jump CHAIN" or "goto CHAIN".
+	Verdict
 )
 
 // ElementType is the type of the keys of a set and, for a map, of its values.
@@ -104,7 +109,11 @@ func (c ElementChange) encode() (gnftables.SetElement, error) {
 	if c.Delete {
 		return e, nil
 	}
-	if len(c.Type.Value) > 0 {
+	if len(c.Type.Value) == 1 && c.Type.Value[0] == Verdict {
+		if e.VerdictData, err = parseVerdict(c.Value); err != nil {
+			return e, fmt.Errorf("element %q of %s: value %q: %w", c.Key, c.Set, c.Value, err)
+		}
+	} else if len(c.Type.Value) > 0 {
 		if e.Val, err = encodeFields(c.Type.Value, c.Value); err != nil {
 			return e, fmt.Errorf("element %q of %s: value %q: %w", c.Key, c.Set, c.Value, err)
 		}
@@ -156,6 +165,8 @@ func encodeFields(fields []Field, text string) ([]byte, error) {
 				return nil, fmt.Errorf("field %d: %q is not a 32-bit integer", i+1, p)
 			}
 			b = binary.NativeEndian.AppendUint32(b, uint32(v))
+		case Verdict:
+			return nil, fmt.Errorf("field %d: a verdict is a map's whole value", i+1)
 		default:
 			return nil, fmt.Errorf("field %d: unknown type %d", i+1, f)
 		}
@@ -166,6 +177,29 @@ func encodeFields(fields []Field, text string) ([]byte, error) {
 		}
 	}
 	return b, nil
+}
+
+// parseVerdict returns verdict text as nft writes it as the kernel takes it.
+func parseVerdict(text string) (*expr.Verdict, error) {
+	switch text {
+	case "accept":
+		return &expr.Verdict{Kind: expr.VerdictAccept}, nil
+	case "drop":
+		return &expr.Verdict{Kind: expr.VerdictDrop}, nil
+	case "return":
+		return &expr.Verdict{Kind: expr.VerdictReturn}, nil
+	}
+	kind, chain, _ := strings.Cut(text, " ")
+	if chain == "" || strings.ContainsAny(chain, " \t\"") || len(chain) > unix.NFT_CHAIN_MAXNAMELEN-1 {
+		return nil, fmt.Errorf("not a verdict (accept, drop, return, jump CHAIN or goto CHAIN)")
+	}
+	switch kind {
+	case "jump":
+		return &expr.Verdict{Kind: expr.VerdictJump, Chain: chain}, nil
+	case "goto":
+		return &expr.Verdict{Kind: expr.VerdictGoto, Chain: chain}, nil
+	}
+	return nil, fmt.Errorf("not a verdict (accept, drop, return, jump CHAIN or goto CHAIN)")
 }
 
 // protocolNumbers are the protocols nft writes by name.

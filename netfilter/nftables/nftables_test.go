@@ -202,3 +202,60 @@ func TestRealKernel(t *testing.T) {
 		t.Errorf("ruleset after Delete: got %q (%v), want empty", ruleset, err)
 	}
 }
+
+// WriteElements writes a verdict map's elements over netlink as nft would
+// write them: nft lists what it wrote, and the deletion takes it away.
+func TestWriteElementsVerdictMap(t *testing.T) {
+	testbed.Needs(t, testbed.NFTables)
+	tp := testbed.New(t)
+	tab := nftables.Table{Family: knftables.InetFamily, Name: "upx"}
+	vmap := nftables.ElementType{Key: []nftables.Field{nftables.IPv4Addr, nftables.InetProto, nftables.InetService}, Value: []nftables.Field{nftables.Verdict}}
+	ctx := context.Background()
+	err := tp.Run(testbed.Node, func() error {
+		k, err := nftables.New(tab)
+		if err != nil {
+			return err
+		}
+		tx := k.NewTransaction()
+		tx.Add(&knftables.Table{Comment: knftables.PtrTo(nftables.CommentPrefix + "test table")})
+		tx.Add(&knftables.Chain{Name: "refuse"})
+		tx.Add(&knftables.Chain{Name: "other"})
+		tx.Add(&knftables.Map{Name: "noendpoints", Type: "ipv4_addr . inet_proto . inet_service : verdict"})
+		if err := k.Run(ctx, tx); err != nil {
+			return err
+		}
+		adds := nftables.ElementChanges{
+			{Set: "noendpoints", Type: vmap, Key: "10.96.0.10 . tcp . 80", Value: "goto refuse", Comment: "ns/web:http"},
+			{Set: "noendpoints", Type: vmap, Key: "10.96.0.11 . udp . 53", Value: "jump other"},
+			{Set: "noendpoints", Type: vmap, Key: "10.96.0.12 . tcp . 443", Value: "drop"},
+		}
+		if err := k.WriteElements(ctx, adds); err != nil {
+			t.Fatalf("WriteElements of verdicts: %v", err)
+		}
+		listed, err := tp.Exec(testbed.Node, "nft", "list", "map", "inet", "upx", "noendpoints")
+		if err != nil {
+			return fmt.Errorf("nft list map: %v: %s", err, listed)
+		}
+		for _, want := range []string{`10.96.0.10 . tcp . 80 comment "ns/web:http" : goto refuse`, "10.96.0.11 . udp . 53 : jump other", "10.96.0.12 . tcp . 443 : drop"} {
+			if !strings.Contains(string(listed), want) {
+				t.Errorf("the map after WriteElements lacks %q:\n%s", want, listed)
+			}
+		}
+		dels := nftables.ElementChanges{{Delete: true, Set: "noendpoints", Type: vmap, Key: "10.96.0.10 . tcp . 80"}}
+		if err := k.WriteElements(ctx, dels); err != nil {
+			t.Fatalf("WriteElements deleting a verdict element: %v", err)
+		}
+		listed, _ = tp.Exec(testbed.Node, "nft", "list", "map", "inet", "upx", "noendpoints")
+		if strings.Contains(string(listed), "10.96.0.10") || !strings.Contains(string(listed), "10.96.0.11") {
+			t.Errorf("the map after deleting one element:\n%s", listed)
+		}
+		bad := nftables.ElementChanges{{Set: "noendpoints", Type: vmap, Key: "10.96.0.13 . tcp . 80", Value: "goto"}}
+		if err := k.WriteElements(ctx, bad); err == nil || !strings.Contains(err.Error(), "not a verdict") {
+			t.Errorf("WriteElements of verdict %q: got %v, want it refused as not a verdict", "goto", err)
+		}
+		return nftables.Delete(tab)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
