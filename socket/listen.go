@@ -8,7 +8,6 @@ import (
 	"net/netip"
 	"os"
 	"slices"
-	"strconv"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -76,13 +75,14 @@ func (p *TCPProxy) OpenListener(host netip.Addr, port uint16) (int, error) {
 		unix.Close(fd)
 		return -1, &net.OpError{Op: "listen", Net: "tcp", Addr: net.TCPAddrFromAddrPort(addr), Err: err}
 	}
-	var sa unix.Sockaddr
-	if family == unix.AF_INET {
-		sa = &unix.SockaddrInet4{Port: int(port), Addr: host.As4()}
-	} else {
-		sa = &unix.SockaddrInet6{Port: int(port), Addr: host.As16(), ZoneId: zoneID(host.Zone())}
+	bind := host
+	if dual {
+		bind = netip.IPv6Unspecified()
+		if family == unix.AF_INET {
+			bind = netip.IPv4Unspecified()
+		}
 	}
-	if err := unix.Bind(fd, sa); err != nil {
+	if err := unix.Bind(fd, sockaddrOf(netip.AddrPortFrom(bind, port))); err != nil {
 		return fail("bind", err)
 	}
 	// The kernel takes at most net.core.somaxconn of the socket's namespace,
@@ -91,19 +91,6 @@ func (p *TCPProxy) OpenListener(host netip.Addr, port uint16) (int, error) {
 		return fail("listen", err)
 	}
 	return fd, nil
-}
-
-// zoneID returns the index of the interface an IPv6 zone names (a name or a
-// number), or 0.
-func zoneID(zone string) uint32 {
-	if zone == "" {
-		return 0
-	}
-	if ifi, err := net.InterfaceByName(zone); err == nil {
-		return uint32(ifi.Index)
-	}
-	n, _ := strconv.ParseUint(zone, 10, 32)
-	return uint32(n)
 }
 
 // ApplyListenerOptions gives listening socket fd, which another process

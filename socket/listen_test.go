@@ -127,3 +127,22 @@ func TestOpenListenerServes(t *testing.T) {
 		})
 	}
 }
+
+// On a kernel without IPv6 (ipv6.disable=1, told here by noIPv6, which the
+// first refused IPv6 socket sets) a socket of every address is IPv4 alone,
+// bound to 0.0.0.0.
+func TestOpenListenerWithoutIPv6(t *testing.T) {
+	defer noIPv6.Store(noIPv6.Load())
+	noIPv6.Store(true)
+	p := &TCPProxy{Service: "ns/svc:tcp"}
+	fd, port := openFreePort(t, p, netip.Addr{})
+	defer unix.Close(fd)
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in4, ok := sa.(*unix.SockaddrInet4)
+	if !ok || in4.Addr != [4]byte{} || in4.Port != int(port) {
+		t.Errorf("socket of every address without IPv6: bound to %#v, want 0.0.0.0:%d", sa, port)
+	}
+}

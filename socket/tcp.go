@@ -242,11 +242,6 @@ func (p *TCPProxy) Serve(ln *net.TCPListener) error {
 // Service ports would hold 10k, each with its stack); done runs on a goroutine
 // of its own.
 func (p *TCPProxy) Start(ln *net.TCPListener, done func(error)) error {
-	p.init()
-	if p.Loops == nil {
-		ln.Close()
-		return fmt.Errorf("serve %s: TCPProxy.Loops is nil, want the event loops to run on", p.Service)
-	}
 	addr := ln.Addr().String()
 	fd, err := takeFD(ln)
 	if err != nil {
